@@ -1,0 +1,20 @@
+"""dsa: DeepSeek Sparse Attention kernels.
+
+    from dsa import sparse_attention, indexer_scores, topk_indices, indexer_topk, explain
+
+Backends: ``reference`` (plain PyTorch, any device), ``triton`` (every CUDA
+GPU), ``cute`` (CuTe DSL kernels for Hopper/Blackwell where measured faster).
+``backend="auto"`` chooses; ``explain(op, *args, **kwargs)`` says why.
+"""
+
+from dsa.api import explain, indexer_scores, indexer_topk, sparse_attention, topk_indices
+
+__all__ = [
+    "sparse_attention",
+    "indexer_scores",
+    "topk_indices",
+    "indexer_topk",
+    "explain",
+]
+
+__version__ = "0.1.0"

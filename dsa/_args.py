@@ -1,0 +1,118 @@
+"""Canonical arguments handed to every backend.
+
+The public API (``dsa/api.py``) checks user input once (``dsa/_checks.py``) and
+reduces every layout to one canonical form, so a backend implements each op
+exactly once:
+
+* sparse attention: the packed layout with an explicit kv-head axis and
+  global kv rows;
+* indexer: the packed (varlen) layout with ``cu_seqlens``; the batched layout
+  is the special case of equal-length sequences;
+* top-k: a 2-D ``[R, S]`` score matrix.
+
+Backends receive these dataclasses and may assume every tensor is contiguous
+and on one device, and every size is non-zero (empty problems never reach a
+backend).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class SparseAttnArgs:
+    """Sparse attention (MLA in MQA/GQA form) in the canonical packed layout.
+
+    q:           [T, H, D]   bf16 / fp16 / fp32
+    kv:          [N, G, D]   same dtype as q; G = H_kv, H % G == 0
+    indices:     [T, G, K]   int32, global rows of kv; any value allowed
+                 (slot j is valid iff j < clamp(topk_length[t], 0, K) and
+                 0 <= indices[t, g, j] < N)
+    topk_length: [T] int32 or None (all K slots may be valid)
+    sink:        [H] fp32 or None (None means no sink term)
+    sm_scale:    softmax scale on q.k
+    d_v:         V is kv[..., :d_v]; d_v <= D
+    deterministic: backward must be bitwise reproducible
+    """
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    indices: torch.Tensor
+    topk_length: Optional[torch.Tensor]
+    sink: Optional[torch.Tensor]
+    sm_scale: float
+    d_v: int
+    deterministic: bool = False
+
+    @property
+    def T(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def H(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def D(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def N(self) -> int:
+        return self.kv.shape[0]
+
+    @property
+    def G(self) -> int:
+        return self.kv.shape[1]
+
+    @property
+    def K(self) -> int:
+        return self.indices.shape[2]
+
+
+@dataclass(frozen=True)
+class IndexerArgs:
+    """Lightning indexer in the canonical packed layout.
+
+    q:             [Tq, H_i, D_i]  bf16 / fp16 / fp32
+    k:             [Tk, D_i]       same dtype as q (one key shared by all heads)
+    weights:       [Tq, H_i]       bf16 / fp16 / fp32
+    cu_seqlens_q:  [B+1] int32, cu_seqlens_q[-1] == Tq
+    cu_seqlens_k:  [B+1] int32, cu_seqlens_k[-1] == Tk
+    q_offsets:     [B] int32, absolute position of each sequence's first query
+    max_seqlen_k:  columns of the score matrix (>= every sequence's S_k)
+    ratio, causal, sm_scale: as in DESIGN.md
+
+    Query i (local to sequence b) sees key j (local) iff j < S_k[b] and, when
+    causal, j < clamp((q_offsets[b] + i + 1) // ratio, 0, S_k[b]).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    weights: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    q_offsets: torch.Tensor
+    max_seqlen_k: int
+    ratio: int
+    causal: bool
+    sm_scale: float
+
+    @property
+    def batch(self) -> int:
+        return self.cu_seqlens_q.shape[0] - 1
+
+
+@dataclass(frozen=True)
+class TopkArgs:
+    """Top-k over the last dim of a 2-D score matrix.
+
+    scores: [R, S] fp32 / bf16 / fp16, contiguous
+    k:      number of slots per row (may exceed S; the row is padded with -1)
+    """
+
+    scores: torch.Tensor
+    k: int

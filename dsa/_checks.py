@@ -1,0 +1,341 @@
+"""Input checking for every op and every backend, in one place.
+
+Each ``*_args`` function validates the user's arguments (raising ``TypeError``
+for a wrong type and ``ValueError`` for a wrong value, always naming the
+argument, the expectation and what was given) and reduces the call to the
+canonical form of :mod:`dsa._args`. Checks on shapes, dtypes and devices are
+free of host synchronisation so that ``torch.compile`` traces them; only the
+packed indexer's ``cu_seqlens`` checks read values back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from dsa._args import IndexerArgs, SparseAttnArgs, TopkArgs
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+INT_DTYPES = (torch.int32, torch.int64)
+
+
+def _tensor(name: str, x, *, dtypes: Sequence[torch.dtype] = None) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if dtypes is not None and x.dtype not in dtypes:
+        want = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name}: expected dtype in ({want}), got {str(x.dtype).replace('torch.', '')}")
+    return x
+
+
+def _rank(name: str, x: torch.Tensor, ranks: Sequence[int], what: str) -> None:
+    if x.dim() not in ranks:
+        raise ValueError(f"{name}: expected {what}, got shape {tuple(x.shape)}")
+
+
+def _shape(name: str, x: torch.Tensor, shape: Tuple[int, ...], what: str) -> None:
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)} ({what}), got {tuple(x.shape)}")
+
+
+def _same_device(ref_name: str, ref: torch.Tensor, **others: Optional[torch.Tensor]) -> None:
+    for name, t in others.items():
+        if t is not None and t.device != ref.device:
+            raise ValueError(f"{name}: expected device {ref.device} (that of {ref_name}), got {t.device}")
+
+
+def _int(name: str, v, *, low: int = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+    if low is not None and v < low:
+        raise ValueError(f"{name}: expected an int >= {low}, got {v}")
+    return v
+
+
+def _float(name: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name}: expected a float, got {type(v).__name__}")
+    return float(v)
+
+
+def _int32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.int32 else x.to(torch.int32)
+
+
+def _safe_indices(idx: torch.Tensor, n: int, base: Optional[torch.Tensor]) -> torch.Tensor:
+    """int32 global rows; anything outside [0, n) becomes -1 (still invalid).
+
+    Needed when a conversion could turn an invalid index into a valid one:
+    int64 values past 2**31 wrap on a cast, and a batch-local index >= n
+    would land in the next batch once offset.
+    """
+    ok = (idx >= 0) & (idx < n)
+    if base is not None:
+        idx = idx + base
+    return torch.where(ok, idx, -1).to(torch.int32)
+
+
+# --------------------------------------------------------------------------
+# sparse attention
+
+
+@dataclass(frozen=True)
+class SparseAttnLayout:
+    """How to give canonical outputs back the user's layout."""
+
+    batch: Optional[int]  # B for the batched layout, None for packed
+    seqlen: int  # S (batched) or T (packed)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, ...] -> the user's leading dims."""
+        if self.batch is None:
+            return x
+        return x.view(self.batch, self.seqlen, *x.shape[1:])
+
+
+def sparse_attention_args(
+    q,
+    kv,
+    indices,
+    *,
+    sm_scale,
+    d_v,
+    sink,
+    topk_length,
+    deterministic,
+) -> Tuple[SparseAttnArgs, SparseAttnLayout]:
+    q = _tensor("q", q, dtypes=FLOAT_DTYPES)
+    kv = _tensor("kv", kv, dtypes=FLOAT_DTYPES)
+    indices = _tensor("indices", indices, dtypes=INT_DTYPES)
+    _rank("q", q, (3, 4), "[T, H, D] (packed) or [B, S, H, D] (batched)")
+    batched = q.dim() == 4
+    lead = 1 if batched else 0  # leading batch axis
+    if kv.dtype != q.dtype:
+        raise ValueError(f"kv: expected dtype {q.dtype} (that of q), got {kv.dtype}")
+    _same_device("q", q, kv=kv, indices=indices, sink=sink, topk_length=topk_length)
+
+    if batched:
+        B, S, H, D = q.shape
+        _rank("kv", kv, (3, 4), "[B, N, D] or [B, N, H_kv, D] for batched q")
+        if kv.shape[0] != B:
+            raise ValueError(f"kv: expected batch size {B} (that of q), got {kv.shape[0]}")
+    else:
+        S, H, D = q.shape
+        B = None
+        _rank("kv", kv, (2, 3), "[N, D] or [N, H_kv, D] for packed q")
+    gqa = kv.dim() == 3 + lead
+    N = kv.shape[lead]
+    G = kv.shape[lead + 1] if gqa else 1
+    if kv.shape[-1] != D:
+        raise ValueError(f"kv: expected head dim {D} (that of q), got {kv.shape[-1]}")
+    if G < 1 or H % G != 0:
+        raise ValueError(f"kv: the number of kv heads H_kv={G} must divide the query heads H={H}")
+
+    row_shape = (B, S) if batched else (S,)
+    rows = "[B, S]" if batched else "[T]"
+    if indices.dim() == len(row_shape) + 2:
+        if indices.shape[len(row_shape)] != G:
+            raise ValueError(
+                f"indices: expected {G} kv heads on dim {len(row_shape)} (that of kv), "
+                f"got shape {tuple(indices.shape)}"
+            )
+    elif not (indices.dim() == len(row_shape) + 1 and G == 1):
+        want = f"{rows[:-1]}, K]" if G == 1 else f"{rows[:-1]}, H_kv={G}, K]"
+        raise ValueError(f"indices: expected shape {want}, got {tuple(indices.shape)}")
+    if tuple(indices.shape[: len(row_shape)]) != tuple(row_shape):
+        raise ValueError(
+            f"indices: expected leading dims {tuple(row_shape)} (those of q), got {tuple(indices.shape)}"
+        )
+    K = indices.shape[-1]
+
+    if d_v is None:
+        d_v = min(D, 512)
+    d_v = _int("d_v", d_v, low=1)
+    if d_v > D:
+        raise ValueError(f"d_v: expected d_v <= D={D}, got {d_v}")
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else _float("sm_scale", sm_scale)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+
+    if sink is not None:
+        sink = _tensor("sink", sink, dtypes=(torch.float32, torch.float64))
+        _shape("sink", sink, (H,), "one value per query head")
+        if q.dtype != torch.float64 and sink.dtype != torch.float32:
+            raise TypeError(f"sink: expected dtype float32, got {sink.dtype}")
+        sink = sink.contiguous()
+    if topk_length is not None:
+        topk_length = _tensor("topk_length", topk_length, dtypes=INT_DTYPES)
+        _shape("topk_length", topk_length, row_shape, f"one length per query row {rows}")
+
+    T = S * (B if batched else 1)
+    qc = q.reshape(T, H, D).contiguous()
+    kvc = kv.reshape((B * N if batched else N), G, D).contiguous()
+    idx = indices.reshape(T, G, K)
+    if batched:
+        base = (torch.arange(B, device=idx.device, dtype=idx.dtype) * N).view(B, 1, 1, 1)
+        idx = _safe_indices(indices.reshape(B, S, G, K), N, base).view(T, G, K)
+    elif idx.dtype != torch.int32:
+        idx = _safe_indices(idx, N, None)
+    if topk_length is not None:
+        # clamp before the cast so int64 lengths past 2**31 cannot wrap negative
+        topk_length = _int32(topk_length.reshape(T).clamp(-1, K)).contiguous()
+    args = SparseAttnArgs(
+        q=qc,
+        kv=kvc,
+        indices=idx.contiguous(),
+        topk_length=topk_length,
+        sink=sink,
+        sm_scale=sm_scale,
+        d_v=d_v,
+        deterministic=deterministic,
+    )
+    return args, SparseAttnLayout(batch=B, seqlen=S)
+
+
+# --------------------------------------------------------------------------
+# indexer
+
+
+@dataclass(frozen=True)
+class IndexerLayout:
+    batch: Optional[int]  # B for batched, None for packed
+    seqlen_q: int
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch is None:
+            return x
+        return x.view(self.batch, self.seqlen_q, *x.shape[1:])
+
+
+def _cu_seqlens(name: str, cu, total: int, device: torch.device) -> Tuple[torch.Tensor, list]:
+    cu = _tensor(name, cu, dtypes=INT_DTYPES)
+    _rank(name, cu, (1,), "a 1-D tensor [B+1]")
+    if cu.shape[0] < 1:
+        raise ValueError(f"{name}: expected at least one entry [B+1], got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name}: expected device {device} (that of q), got {cu.device}")
+    vals = cu.tolist()
+    if vals[0] != 0:
+        raise ValueError(f"{name}: expected to start at 0, got {vals[0]}")
+    if any(b < a for a, b in zip(vals, vals[1:])):
+        raise ValueError(f"{name}: expected non-decreasing offsets, got {vals}")
+    if vals[-1] != total:
+        raise ValueError(f"{name}: expected to end at {total} (the number of packed rows), got {vals[-1]}")
+    return _int32(cu).contiguous(), vals
+
+
+def indexer_args(
+    q,
+    k,
+    weights,
+    *,
+    ratio,
+    sm_scale,
+    causal,
+    q_offsets,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_k,
+) -> Tuple[IndexerArgs, IndexerLayout]:
+    q = _tensor("q", q, dtypes=FLOAT_DTYPES)
+    k = _tensor("k", k, dtypes=FLOAT_DTYPES)
+    weights = _tensor("weights", weights, dtypes=FLOAT_DTYPES)
+    _rank("q", q, (3, 4), "[T_q, H_i, D_i] (packed) or [B, S_q, H_i, D_i] (batched)")
+    if k.dtype != q.dtype:
+        raise ValueError(f"k: expected dtype {q.dtype} (that of q), got {k.dtype}")
+    _same_device("q", q, k=k, weights=weights, q_offsets=q_offsets)
+    ratio = _int("ratio", ratio, low=1)
+    sm_scale = _float("sm_scale", sm_scale)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    device = q.device
+
+    if q.dim() == 4:
+        if cu_seqlens_q is not None or cu_seqlens_k is not None:
+            raise ValueError("cu_seqlens_q/cu_seqlens_k: only for the packed layout (q [T_q, H_i, D_i]); q is batched")
+        B, Sq, H, D = q.shape
+        _rank("k", k, (3, 4), "[B, S_k, D_i] or [B, S_k, 1, D_i] for batched q")
+        if k.dim() == 4 and k.shape[2] != 1:
+            raise ValueError(f"k: expected a single shared key head [B, S_k, 1, D_i], got {tuple(k.shape)}")
+        if k.shape[0] != B:
+            raise ValueError(f"k: expected batch size {B} (that of q), got {k.shape[0]}")
+        Sk = k.shape[1]
+        _shape("weights", weights, (B, Sq, H), "[B, S_q, H_i]")
+        if max_seqlen_k is not None and _int("max_seqlen_k", max_seqlen_k) != Sk:
+            raise ValueError(f"max_seqlen_k: expected S_k={Sk} for batched k, got {max_seqlen_k}")
+        cu_q = torch.arange(B + 1, device=device, dtype=torch.int32) * Sq
+        cu_k = torch.arange(B + 1, device=device, dtype=torch.int32) * Sk
+        Tq, Tk, max_k = B * Sq, B * Sk, Sk
+        layout = IndexerLayout(batch=B, seqlen_q=Sq)
+    else:
+        Tq, H, D = q.shape
+        _rank("k", k, (2, 3), "[T_k, D_i] or [T_k, 1, D_i] for packed q")
+        if k.dim() == 3 and k.shape[1] != 1:
+            raise ValueError(f"k: expected a single shared key head [T_k, 1, D_i], got {tuple(k.shape)}")
+        Tk = k.shape[0]
+        _shape("weights", weights, (Tq, H), "[T_q, H_i]")
+        if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+            raise ValueError("cu_seqlens_q/cu_seqlens_k: give both or neither (neither means one sequence)")
+        if cu_seqlens_q is None:
+            cu_q = torch.tensor([0, Tq], device=device, dtype=torch.int32)
+            cu_k = torch.tensor([0, Tk], device=device, dtype=torch.int32)
+            lens_k = [Tk]
+        else:
+            cu_q, vq = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, Tq, device)
+            cu_k, vk = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, Tk, device)
+            if len(vq) != len(vk):
+                raise ValueError(
+                    f"cu_seqlens_k: expected {len(vq)} entries (that of cu_seqlens_q), got {len(vk)}"
+                )
+            lens_k = [b - a for a, b in zip(vk, vk[1:])]
+        B = cu_q.shape[0] - 1
+        longest = max(lens_k, default=0)
+        if max_seqlen_k is None:
+            max_k = longest
+        else:
+            max_k = _int("max_seqlen_k", max_seqlen_k, low=0)
+            if max_k < longest:
+                raise ValueError(f"max_seqlen_k: expected >= the longest key sequence {longest}, got {max_k}")
+        layout = IndexerLayout(batch=None, seqlen_q=Tq)
+    if k.shape[-1] != D:
+        raise ValueError(f"k: expected head dim {D} (that of q), got {k.shape[-1]}")
+
+    if q_offsets is None:
+        q_offsets = torch.zeros(B, device=device, dtype=torch.int32)
+    else:
+        q_offsets = _tensor("q_offsets", q_offsets, dtypes=INT_DTYPES)
+        _shape("q_offsets", q_offsets, (B,), "one offset per sequence [B]")
+        q_offsets = _int32(q_offsets).contiguous()
+    args = IndexerArgs(
+        q=q.reshape(Tq, H, D).contiguous(),
+        k=k.reshape(Tk, D).contiguous(),
+        weights=weights.reshape(Tq, H).contiguous(),
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        q_offsets=q_offsets,
+        max_seqlen_k=max_k,
+        ratio=ratio,
+        causal=causal,
+        sm_scale=sm_scale,
+    )
+    return args, layout
+
+
+# --------------------------------------------------------------------------
+# top-k
+
+
+def topk_args(scores, k) -> Tuple[TopkArgs, Tuple[int, ...]]:
+    scores = _tensor("scores", scores, dtypes=FLOAT_DTYPES)
+    _rank("scores", scores, tuple(range(1, 9)), "at least one dim (top-k runs on the last)")
+    k = _int("k", k, low=0)
+    lead = tuple(scores.shape[:-1])
+    S = scores.shape[-1]
+    return TopkArgs(scores=scores.reshape(-1, S).contiguous(), k=k), lead
+
+
+def topk_value(name: str, topk) -> int:
+    return _int(name, topk, low=0)

@@ -1,0 +1,230 @@
+"""Public API of dsa: sparse attention, the lightning indexer and top-k.
+
+Every function checks its input once (:mod:`dsa._checks`), reduces the layout
+to the canonical one of :mod:`dsa._args`, and calls a ``torch.library``
+custom op (:mod:`dsa.ops`) that picks the backend (:mod:`dsa.selector`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from dsa import _checks, ops
+from dsa.selector import select
+
+Backend = str  # "auto" | "reference" | "triton" | "cute"
+
+
+def _sparse_call(q, kv, indices, sm_scale, d_v, sink, topk_length, deterministic):
+    return _checks.sparse_attention_args(
+        q, kv, indices, sm_scale=sm_scale, d_v=d_v, sink=sink, topk_length=topk_length, deterministic=deterministic
+    )
+
+
+def sparse_attention(
+    q: Tensor,
+    kv: Tensor,
+    indices: Tensor,
+    *,
+    sm_scale: Optional[float] = None,
+    d_v: Optional[int] = None,
+    sink: Optional[Tensor] = None,
+    topk_length: Optional[Tensor] = None,
+    return_lse: bool = False,
+    deterministic: bool = False,
+    backend: Backend = "auto",
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Sparse attention over top-k gathered KV rows (MLA in MQA/GQA form).
+
+    Layouts (H_kv = 1 is MQA; with H_kv > 1 query head h uses kv head
+    h // (H / H_kv)):
+
+    - packed:  q [T, H, D], kv [N, D] or [N, H_kv, D], indices [T, K] or
+      [T, H_kv, K] (global rows of kv), topk_length [T];
+    - batched: q [B, S, H, D], kv [B, N, D] or [B, N, H_kv, D], indices
+      [B, S, K] or [B, S, H_kv, K] (rows local to the batch), topk_length [B, S].
+
+    q and kv: bf16 or fp16 (fp32 on the reference and Triton backends);
+    indices int32 (int64 accepted); topk_length int32; sink fp32 [H].
+    Slot j of a row is valid iff j < clamp(topk_length, 0, K) and
+    0 <= index < N; invalid slots are never read. ``sm_scale`` defaults to
+    1/sqrt(D), ``d_v`` to min(D, 512) (V = kv[..., :d_v]).
+
+    Returns out [..., H, d_v] in q's dtype and, with ``return_lse``, lse
+    [..., H] fp32 (natural log, sink excluded, +inf for a row with no valid
+    slot; lse carries no gradient). Differentiable in q, kv and sink;
+    ``deterministic=True`` makes the gradients bitwise reproducible.
+    """
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
+    a, layout = _sparse_call(q, kv, indices, sm_scale, d_v, sink, topk_length, deterministic)
+    out, lse = ops.sparse_attention_fwd(
+        a.q, a.kv, a.indices, a.topk_length, a.sink, a.sm_scale, a.d_v, a.deterministic, backend
+    )
+    out = layout.unpack(out)
+    return (out, layout.unpack(lse)) if return_lse else out
+
+
+def _indexer_call(q, k, weights, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k):
+    return _checks.indexer_args(
+        q,
+        k,
+        weights,
+        ratio=ratio,
+        sm_scale=sm_scale,
+        causal=causal,
+        q_offsets=q_offsets,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_k=max_seqlen_k,
+    )
+
+
+def _indexer_tensors(a):
+    return (a.q, a.k, a.weights, a.cu_seqlens_q, a.cu_seqlens_k, a.q_offsets, a.max_seqlen_k, a.ratio, a.causal, a.sm_scale)
+
+
+def indexer_scores(
+    q: Tensor,
+    k: Tensor,
+    weights: Tensor,
+    *,
+    ratio: int = 1,
+    sm_scale: float = 1.0,
+    causal: bool = True,
+    q_offsets: Optional[Tensor] = None,
+    cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None,
+    max_seqlen_k: Optional[int] = None,
+    backend: Backend = "auto",
+) -> Tensor:
+    """Lightning-indexer scores of every (query, key) pair.
+
+    score[i, j] = sm_scale * sum_h weights[i, h] * relu(q[i, h] . k[j]) for
+    visible j, -inf otherwise. With ``causal``, query i (local to its
+    sequence) sees key j iff j < clamp((q_offsets[b] + i + 1) // ratio, 0, S_k).
+
+    - batched: q [B, S_q, H_i, D_i], k [B, S_k, D_i] or [B, S_k, 1, D_i],
+      weights [B, S_q, H_i] -> scores [B, S_q, S_k] fp32;
+    - packed: q [T_q, H_i, D_i], k [T_k, D_i], weights [T_q, H_i],
+      cu_seqlens_q / cu_seqlens_k [B+1] (both omitted: one sequence)
+      -> scores [T_q, max_seqlen_k] fp32, local key columns, -inf past each
+      sequence's own S_k.
+
+    q, k: bf16/fp16 (fp32 on reference and Triton); weights bf16/fp16/fp32;
+    q_offsets int [B].
+    """
+    a, layout = _indexer_call(q, k, weights, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k)
+    return layout.unpack(ops.indexer_scores(*_indexer_tensors(a), backend))
+
+
+def topk_indices(
+    scores: Tensor, k: int, *, return_lengths: bool = False, backend: Backend = "auto"
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Positions of the k largest scores of each row (last dim).
+
+    scores [..., S] (fp32/bf16/fp16) -> indices [..., k] int32: the selected
+    positions in ascending order, then -1 padding. NaN and -inf are never
+    selected (+inf is, as the largest); ties at the cut go to the smaller
+    position; k may exceed S. With ``return_lengths`` also lengths [...]
+    int32, the count of valid entries, ready to pass as ``topk_length``.
+    """
+    a, lead = _checks.topk_args(scores, k)
+    idx, lengths = ops.topk(a.scores, a.k, backend)
+    idx, lengths = idx.view(*lead, a.k), lengths.view(lead)
+    return (idx, lengths) if return_lengths else idx
+
+
+def indexer_topk(
+    q: Tensor,
+    k: Tensor,
+    weights: Tensor,
+    topk: int,
+    *,
+    ratio: int = 1,
+    sm_scale: float = 1.0,
+    causal: bool = True,
+    q_offsets: Optional[Tensor] = None,
+    cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None,
+    max_seqlen_k: Optional[int] = None,
+    global_indices: bool = False,
+    return_lengths: bool = False,
+    backend: Backend = "auto",
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """``topk_indices(indexer_scores(...), topk)`` without the score matrix.
+
+    Same layouts and keywords as :func:`indexer_scores`; returns indices
+    [B, S_q, topk] or [T_q, topk] int32 (local key positions, ascending, -1
+    padded) and, with ``return_lengths``, lengths [B, S_q] or [T_q] int32.
+    ``global_indices=True`` (packed layout) adds cu_seqlens_k[b] to every
+    valid index so the result feeds a packed ``sparse_attention`` directly.
+    """
+    topk = _checks.topk_value("topk", topk)
+    for name, v in (("global_indices", global_indices), ("return_lengths", return_lengths)):
+        if not isinstance(v, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(v).__name__}")
+    a, layout = _indexer_call(q, k, weights, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k)
+    if global_indices and layout.batch is not None:
+        raise ValueError("global_indices: only for the packed layout (q [T_q, H_i, D_i]); q is batched")
+    idx, lengths = ops.indexer_topk(*_indexer_tensors(a), topk, backend)
+    if global_indices:
+        seq = torch.repeat_interleave(
+            torch.arange(a.batch, device=idx.device), torch.diff(a.cu_seqlens_q).long(), output_size=idx.shape[0]
+        )
+        base = a.cu_seqlens_k[:-1][seq].view(-1, 1)
+        idx = torch.where(idx >= 0, idx + base, idx)
+    idx, lengths = layout.unpack(idx), layout.unpack(lengths)
+    return (idx, lengths) if return_lengths else idx
+
+
+# --------------------------------------------------------------------------
+# explain
+
+
+def _explain_sparse(q, kv, indices, *, sm_scale=None, d_v=None, sink=None, topk_length=None,
+                    return_lse=False, deterministic=False, backend="auto"):
+    a, _ = _sparse_call(q, kv, indices, sm_scale, d_v, sink, topk_length, deterministic)
+    shape = f"T={a.T} H={a.H} H_kv={a.G} D={a.D} d_v={a.d_v} K={a.K} N={a.N} {str(a.q.dtype).replace('torch.', '')}"
+    parts = [f"sparse_attention [{shape}]"]
+    for op in ("sparse_attention_fwd", "sparse_attention_bwd"):
+        parts.append(select(op, a, backend).describe(op))
+    return "\n".join(parts)
+
+
+def _explain_indexer(op):
+    def run(q, k, weights, *rest, ratio=1, sm_scale=1.0, causal=True, q_offsets=None, cu_seqlens_q=None,
+            cu_seqlens_k=None, max_seqlen_k=None, global_indices=False, return_lengths=False, backend="auto"):
+        a, _ = _indexer_call(q, k, weights, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k)
+        return select(op, a, backend).describe(op)
+
+    return run
+
+
+def _explain_topk(scores, k, *, return_lengths=False, backend="auto"):
+    a, _ = _checks.topk_args(scores, k)
+    return select("topk", a, backend).describe("topk")
+
+
+_EXPLAIN = {
+    "sparse_attention": _explain_sparse,
+    "indexer_scores": _explain_indexer("indexer_scores"),
+    "indexer_topk": _explain_indexer("indexer_topk"),
+    "topk_indices": _explain_topk,
+}
+
+
+def explain(op: Union[str, Callable], *args, **kwargs) -> str:
+    """Which backend ``backend="auto"`` (or the one named) picks for this call, and why.
+
+    ``op`` is the public function or its name, followed by the call's own
+    arguments, e.g. ``explain("sparse_attention", q, kv, indices, sink=sink)``.
+    Raises the same errors as the call itself would.
+    """
+    name = op if isinstance(op, str) else getattr(op, "__name__", repr(op))
+    if name not in _EXPLAIN:
+        raise ValueError(f"op: expected one of {sorted(_EXPLAIN)}, got {name!r}")
+    return _EXPLAIN[name](*args, **kwargs)

@@ -1,0 +1,242 @@
+"""Reference backend: the contract of DESIGN.md in plain PyTorch.
+
+Runs on any device. Every function works on the canonical arguments of
+:mod:`dsa._args` and computes in float32 (float64 for float64 inputs),
+chunked over query rows so that memory stays bounded (the V3.2 shape, T=4096,
+H=128, D=576, K=2048, runs in a few GB).
+
+Sparse attention, for row t, head h, kv head g = h // (H / G), slot j:
+    valid_j = j < clamp(topk_length[t], 0, K) and 0 <= indices[t, g, j] < N
+    s_j     = sm_scale * q[t, h] . kv[indices[t, g, j], g]
+    lse     = log sum_valid exp(s_j)            (+inf when nothing is valid)
+    den     = sum_valid exp(s_j) + exp(sink[h])
+    out     = sum_valid exp(s_j) / den * kv[indices[t, g, j], g, :d_v]
+The backward is written out from these formulas (not autograd) so that empty
+rows and infinite sinks give exact zeros rather than NaN.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+
+from dsa._args import IndexerArgs, SparseAttnArgs, TopkArgs
+from dsa.selector import Unsupported
+
+# elements of the largest per-chunk intermediate (fp32: 128 MiB)
+_CHUNK_ELEMS = 1 << 25
+
+_NEG_INF = float("-inf")
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _row_chunk(per_row: int) -> int:
+    return max(1, _CHUNK_ELEMS // max(1, per_row))
+
+
+# --------------------------------------------------------------------------
+# sparse attention
+
+
+class _Slots:
+    """The gathered slots of a chunk of rows [t0, t1), grouped by kv head.
+
+    valid [C, G, K]; k [C, G, K, D] with invalid slots zeroed (never the
+    stored row: NaN in unreferenced kv rows must not leak); scores and
+    probabilities [C, G, H/G, K].
+    """
+
+    def __init__(self, a: SparseAttnArgs, t0: int, t1: int):
+        acc = _acc_dtype(a.q)
+        C, G, K, N = t1 - t0, a.G, a.K, a.N
+        idx = a.indices[t0:t1].long()
+        valid = (idx >= 0) & (idx < N)
+        if a.topk_length is not None:
+            length = a.topk_length[t0:t1].long().clamp(0, K)
+            valid &= torch.arange(K, device=idx.device).view(1, 1, K) < length.view(C, 1, 1)
+        safe = torch.where(valid, idx, 0)
+        g = torch.arange(G, device=idx.device).view(1, G, 1)
+        k = a.kv[safe, g].to(acc)  # [C, G, K, D]
+        self.k = torch.where(valid[..., None], k, 0.0)
+        self.valid = valid
+        self.safe = safe
+        self.q = a.q[t0:t1].to(acc).view(C, G, a.H // G, a.D)
+        s = torch.einsum("cgmd,cgkd->cgmk", self.q, self.k) * a.sm_scale
+        self.s = torch.where(valid[:, :, None, :], s, _NEG_INF)
+        self.lse = torch.logsumexp(self.s, dim=-1)  # [C, G, M]; -inf when empty
+        log_den = self.lse
+        if a.sink is not None:
+            sink = a.sink.to(acc).view(1, G, a.H // G)
+            log_den = torch.logaddexp(self.lse, sink)
+        self.log_den = log_den
+        # exp(-inf - (-inf)) is NaN on empty rows: select 0 on invalid slots instead
+        p = torch.exp(self.s - log_den[..., None])
+        self.p = torch.where(valid[:, :, None, :], p, 0.0)
+
+    def v(self, d_v: int) -> torch.Tensor:
+        return self.k[..., :d_v]
+
+
+def sparse_attention_fwd(a: SparseAttnArgs) -> Tuple[torch.Tensor, torch.Tensor]:
+    """-> out [T, H, d_v] (q.dtype), lse [T, H] fp32 (+inf on empty rows)."""
+    T, H = a.T, a.H
+    out = torch.empty(T, H, a.d_v, device=a.q.device, dtype=a.q.dtype)
+    lse = torch.empty(T, H, device=a.q.device, dtype=_acc_dtype(a.q))
+    step = _row_chunk(a.G * a.K * a.D + H * a.K)
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        sl = _Slots(a, t0, t1)
+        o = torch.einsum("cgmk,cgkd->cgmd", sl.p, sl.v(a.d_v))
+        out[t0:t1] = o.reshape(t1 - t0, H, a.d_v).to(out.dtype)
+        l = sl.lse.reshape(t1 - t0, H)
+        lse[t0:t1] = torch.where(torch.isneginf(l), float("inf"), l).to(lse.dtype)
+    return out, lse
+
+
+def _sink_prob(sink: torch.Tensor, log_den: torch.Tensor) -> torch.Tensor:
+    """exp(sink - log den), with sink = +inf giving 1 and sink = -inf giving 0."""
+    p = torch.exp(sink - log_den)
+    p = torch.where(torch.isposinf(sink), 1.0, p)
+    return torch.where(torch.isneginf(sink), 0.0, p)
+
+
+def sparse_attention_bwd(
+    a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """-> dq [T, H, D] (q.dtype), dkv [N, G, D] (kv.dtype, fp32-accumulated), dsink [H] fp32 or None."""
+    acc = _acc_dtype(a.q)
+    T, H, G, D, K = a.T, a.H, a.G, a.D, a.K
+    M = H // G
+    dq = torch.empty_like(a.q)
+    dkv = torch.zeros(a.N * G, D, device=a.kv.device, dtype=acc)
+    dsink = None if a.sink is None else torch.zeros(H, device=a.q.device, dtype=acc)
+    step = _row_chunk(3 * G * K * D + 3 * H * K)
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        C = t1 - t0
+        sl = _Slots(a, t0, t1)
+        do = dout[t0:t1].to(acc).view(C, G, M, a.d_v)
+        o = torch.einsum("cgmk,cgkd->cgmd", sl.p, sl.v(a.d_v))
+        delta = (do * o).sum(-1)  # [C, G, M]
+        dp = torch.einsum("cgmd,cgkd->cgmk", do, sl.v(a.d_v))
+        ds = torch.where(sl.valid[:, :, None, :], sl.p * (dp - delta[..., None]), 0.0)
+        dq[t0:t1] = (torch.einsum("cgmk,cgkd->cgmd", ds, sl.k) * a.sm_scale).reshape(C, H, D).to(dq.dtype)
+        dk = torch.einsum("cgmk,cgmd->cgkd", ds, sl.q) * a.sm_scale
+        dk[..., : a.d_v] += torch.einsum("cgmk,cgmd->cgkd", sl.p, do)
+        # invalid slots add nothing, not even 0 * NaN from a NaN query row
+        dk = torch.where(sl.valid[..., None], dk, 0.0)
+        rows = sl.safe * G + torch.arange(G, device=dk.device).view(1, G, 1)
+        dkv.index_add_(0, rows.reshape(-1), dk.reshape(-1, D))
+        if dsink is not None:
+            sink = a.sink.to(acc).view(1, G, M)
+            dsink -= (_sink_prob(sink, sl.log_den) * delta).sum(0).reshape(H)
+    dkv = dkv.view(a.N, G, D).to(a.kv.dtype)
+    if dsink is not None and a.q.dtype != torch.float64:
+        dsink = dsink.float()
+    return dq, dkv, dsink
+
+
+# --------------------------------------------------------------------------
+# indexer
+
+
+def _visible_limit(a: IndexerArgs, b: int, i0: int, i1: int, s_k: int) -> torch.Tensor:
+    """Per query row i in [i0, i1) of sequence b: keys j < limit are visible."""
+    i = torch.arange(i0, i1, device=a.q.device, dtype=torch.int64)
+    if not a.causal:
+        return torch.full_like(i, s_k)
+    pos = a.q_offsets[b].long() + i + 1
+    return torch.div(pos, a.ratio, rounding_mode="floor").clamp(0, s_k)
+
+
+def _indexer_chunks(a: IndexerArgs):
+    """Yield (row0, row1, scores [C, S_k_b] fp32 with -inf where not visible) per chunk."""
+    cu_q = a.cu_seqlens_q.tolist()
+    cu_k = a.cu_seqlens_k.tolist()
+    H = a.q.shape[1]
+    for b in range(a.batch):
+        q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        s_k = k1 - k0
+        kb = a.k[k0:k1].float()
+        step = _row_chunk(H * max(1, s_k))
+        for i0 in range(0, q1 - q0, step):
+            i1 = min(q1 - q0, i0 + step)
+            qb = a.q[q0 + i0 : q0 + i1].float()
+            w = a.weights[q0 + i0 : q0 + i1].float()
+            dots = torch.relu(torch.einsum("ihd,jd->ihj", qb, kb))
+            sc = torch.einsum("ihj,ih->ij", dots, w) * a.sm_scale
+            limit = _visible_limit(a, b, i0, i1, s_k)
+            vis = torch.arange(s_k, device=sc.device).view(1, -1) < limit.view(-1, 1)
+            yield q0 + i0, q0 + i1, torch.where(vis, sc, _NEG_INF)
+
+
+def indexer_scores(a: IndexerArgs) -> torch.Tensor:
+    """-> scores [T_q, max_seqlen_k] fp32, -inf where not visible."""
+    out = torch.full((a.q.shape[0], a.max_seqlen_k), _NEG_INF, device=a.q.device, dtype=torch.float32)
+    for r0, r1, sc in _indexer_chunks(a):
+        out[r0:r1, : sc.shape[1]] = sc
+    return out
+
+
+def indexer_topk(a: IndexerArgs, topk: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """-> indices [T_q, topk] int32 (local key positions, -1 padded), lengths [T_q] int32."""
+    Tq = a.q.shape[0]
+    idx = torch.full((Tq, topk), -1, device=a.q.device, dtype=torch.int32)
+    lengths = torch.zeros(Tq, device=a.q.device, dtype=torch.int32)
+    for r0, r1, sc in _indexer_chunks(a):
+        i, n = _topk_rows(sc, topk)
+        idx[r0:r1], lengths[r0:r1] = i, n
+    return idx, lengths
+
+
+# --------------------------------------------------------------------------
+# top-k
+
+
+def _topk_rows(scores: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    R, S = scores.shape
+    key = scores.float()
+    key = torch.where(torch.isnan(key), _NEG_INF, key)
+    # a stable descending sort keeps equal scores in position order: ties go to the smaller position
+    vals, order = torch.sort(key, dim=-1, descending=True, stable=True)
+    take = min(k, S)
+    chosen = vals[:, :take] > _NEG_INF
+    pos = torch.where(chosen, order[:, :take], S)
+    pos, _ = torch.sort(pos, dim=-1)
+    out = torch.full((R, k), -1, device=scores.device, dtype=torch.int32)
+    out[:, :take] = torch.where(pos < S, pos, -1).to(torch.int32)
+    return out, chosen.sum(-1).to(torch.int32)
+
+
+def topk(a: TopkArgs) -> Tuple[torch.Tensor, torch.Tensor]:
+    """-> indices [R, k] int32 (selected positions ascending, then -1), lengths [R] int32."""
+    R, S = a.scores.shape
+    idx = torch.empty((R, a.k), device=a.scores.device, dtype=torch.int32)
+    lengths = torch.empty(R, device=a.scores.device, dtype=torch.int32)
+    step = _row_chunk(4 * S)
+    for r0 in range(0, R, step):
+        r1 = min(R, r0 + step)
+        idx[r0:r1], lengths[r0:r1] = _topk_rows(a.scores[r0:r1], a.k)
+    return idx, lengths
+
+
+# --------------------------------------------------------------------------
+
+_OPS = {
+    "sparse_attention_fwd": sparse_attention_fwd,
+    "sparse_attention_bwd": sparse_attention_bwd,
+    "indexer_scores": indexer_scores,
+    "indexer_topk": indexer_topk,
+    "topk": topk,
+}
+
+
+def backend_op(op: str, args: Any, auto: bool = False) -> Callable[..., Any]:
+    """The reference serves every valid call on every device."""
+    if op not in _OPS:
+        raise Unsupported(f"the reference has no implementation of {op}")
+    return _OPS[op]

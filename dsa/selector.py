@@ -1,0 +1,103 @@
+"""Backend selection: which implementation serves a call, and why.
+
+Every backend package (``dsa.reference``'s ops, ``dsa.triton``, ``dsa.cute``)
+exposes one hook, ``backend_op(op, args, auto)``, that returns the
+implementation of ``op`` for the canonical ``args`` or raises
+:class:`Unsupported` with the reason (``auto`` is True when the call did not
+name the backend, so a backend may also decline on measured speed). That hook is the single place where a backend states what it
+supports; the selector only orders the candidates.
+
+Order under ``backend="auto"``:
+  1. ``DSA_BACKEND`` (if set) forces one backend everywhere;
+  2. ``cute`` where the device, the shape and the measured placement table
+     say it leads, unless ``DSA_DISABLE_CUTE=1``;
+  3. ``triton`` on CUDA tensors;
+  4. ``reference`` (CPU tensors, and anything else).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Tuple
+
+BACKENDS = ("reference", "triton", "cute")
+
+
+class Unsupported(Exception):
+    """Raised by a backend hook: the backend cannot serve this call."""
+
+
+@dataclass
+class Choice:
+    backend: str
+    fn: Callable[..., Any]
+    reasons: List[Tuple[str, str]] = field(default_factory=list)  # (backend, why not)
+
+    def describe(self, op: str) -> str:
+        lines = [f"{op}: backend '{self.backend}'"]
+        for name, why in self.reasons:
+            lines.append(f"  {name}: {why}")
+        return "\n".join(lines)
+
+
+def _hook(name: str) -> Callable[..., Callable[..., Any]]:
+    module = {"reference": "dsa.reference", "triton": "dsa.triton", "cute": "dsa.cute"}[name]
+    return importlib.import_module(module).backend_op
+
+
+def _try(name: str, op: str, args: Any, auto: bool) -> Tuple[Callable[..., Any] | None, str]:
+    try:
+        return _hook(name)(op, args, auto=auto), ""
+    except Unsupported as e:
+        return None, str(e)
+
+
+def _device_type(args: Any) -> str:
+    for f in ("q", "scores"):
+        t = getattr(args, f, None)
+        if t is not None:
+            return t.device.type
+    return "cpu"
+
+
+def cute_disabled() -> bool:
+    return os.environ.get("DSA_DISABLE_CUTE", "0") not in ("", "0")
+
+
+def select(op: str, args: Any, backend: str = "auto") -> Choice:
+    """Pick the implementation of ``op`` for canonical ``args``.
+
+    Raises ``ValueError`` when an explicitly requested backend cannot serve
+    the call, with the backend's own reason.
+    """
+    if backend not in ("auto",) + BACKENDS:
+        raise ValueError(f"backend: expected one of {('auto',) + BACKENDS}, got {backend!r}")
+    forced = os.environ.get("DSA_BACKEND", "")
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"DSA_BACKEND: expected one of {BACKENDS}, got {forced!r}")
+        backend = forced
+    if backend != "auto":
+        fn, why = _try(backend, op, args, auto=False)
+        if fn is None:
+            raise ValueError(f"backend '{backend}' cannot run {op}: {why}")
+        return Choice(backend, fn)
+
+    reasons: List[Tuple[str, str]] = []
+    candidates = ["cute", "triton"] if _device_type(args) == "cuda" else []
+    for name in candidates:
+        if name == "cute" and cute_disabled():
+            reasons.append((name, "disabled by DSA_DISABLE_CUTE=1"))
+            continue
+        fn, why = _try(name, op, args, auto=True)
+        if fn is not None:
+            return Choice(name, fn, reasons)
+        reasons.append((name, why))
+    if not candidates:
+        reasons.append(("triton/cute", f"tensors are on '{_device_type(args)}', not CUDA"))
+    fn, why = _try("reference", op, args, auto=True)
+    if fn is None:  # the reference serves every valid call
+        raise ValueError(f"no backend can run {op}: {why}")
+    return Choice("reference", fn, reasons)

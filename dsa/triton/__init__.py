@@ -1,0 +1,56 @@
+"""Triton backend: kernels for every CUDA GPU (and CPU under TRITON_INTERPRET=1).
+
+Each op module exposes ``supports(args) -> Optional[str]`` (None when it can
+serve the canonical ``args``, else the reason) and the op functions named in
+``_OPS``. This file is the backend's one hook into :mod:`dsa.selector`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any, Callable, Optional
+
+from dsa.selector import Unsupported
+
+# op name -> (module in this package, function name)
+_OPS = {
+    "sparse_attention_fwd": ("sparse_attention", "forward"),
+    "sparse_attention_bwd": ("sparse_attention", "backward"),
+    "indexer_scores": ("indexer", "scores"),
+    "indexer_topk": ("indexer", "indexer_topk"),
+    "topk": ("topk", "topk"),
+}
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def device_reason(t: Any) -> Optional[str]:
+    """Why Triton cannot run on this tensor's device (None if it can)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    if t.device.type == "cuda":
+        return None
+    if t.device.type == "cpu" and interpreting():
+        return None
+    return f"tensors are on '{t.device.type}'; triton needs CUDA (or CPU with TRITON_INTERPRET=1)"
+
+
+def backend_op(op: str, args: Any, auto: bool = False) -> Callable[..., Any]:
+    if op not in _OPS:
+        raise Unsupported(f"triton has no kernel for {op}")
+    first = getattr(args, "q", None)
+    if first is None:
+        first = args.scores
+    why = device_reason(first)
+    if why is None:
+        module_name, fn_name = _OPS[op]
+        module = importlib.import_module(f"{__name__}.{module_name}")
+        why = module.supports(args)
+        if why is None:
+            return getattr(module, fn_name)
+    raise Unsupported(why)

@@ -31,7 +31,7 @@ demo: $(STAMP)
 
 # GPU only; on a machine with the packages already present use `make bench PYTHON=python3`
 bench:
-	$(PYTHON) -m pytest bench --benchmark-only --benchmark-json=$(BENCH_JSON)
+	$(PYTHON) -m pytest bench --benchmark-only --benchmark-json=$(BENCH_JSON) -rs -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -8,6 +8,7 @@ GPU), ``cute`` (CuTe DSL kernels for Hopper/Blackwell where measured faster).
 """
 
 from dsa.api import explain, indexer_scores, indexer_topk, sparse_attention, topk_indices
+from dsa.training import attention_target, dense_attention_target, indexer_kl_loss, sparse_indexer_scores
 
 __all__ = [
     "sparse_attention",
@@ -15,6 +16,10 @@ __all__ = [
     "topk_indices",
     "indexer_topk",
     "explain",
+    "attention_target",
+    "sparse_indexer_scores",
+    "indexer_kl_loss",
+    "dense_attention_target",
 ]
 
 __version__ = "0.1.0"

@@ -116,3 +116,78 @@ class TopkArgs:
 
     scores: torch.Tensor
     k: int
+
+
+@dataclass(frozen=True)
+class SparseIndexerArgs:
+    """The indexer on the top-k slots of sparse attention (indexer training).
+
+    q:           [T, H_i, D_i]  bf16 / fp16 / fp32
+    k:           [N, D_i]       same dtype as q (one key shared by all heads)
+    weights:     [T, H_i]       bf16 / fp16 / fp32
+    indices:     [T, K]         int32, global rows of k; any value allowed
+                 (slot j is valid iff j < clamp(topk_length[t], 0, K) and
+                 0 <= indices[t, j] < N, the rule of sparse attention)
+    topk_length: [T] int32 or None (all K slots may be valid)
+    sm_scale:    scale of the logits
+    deterministic: the k gradient must be bitwise reproducible
+
+    logits[t, j] = sm_scale * sum_h weights[t, h] * relu(q[t, h] . k[indices[t, j]])
+    on valid slots, -inf elsewhere.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    weights: torch.Tensor
+    indices: torch.Tensor
+    topk_length: Optional[torch.Tensor]
+    sm_scale: float
+    deterministic: bool = False
+
+    @property
+    def T(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def H(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def D(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def N(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def K(self) -> int:
+        return self.indices.shape[1]
+
+
+@dataclass(frozen=True)
+class DenseTargetArgs:
+    """The dense attention target of the indexer's warm-up stage, packed.
+
+    q:            [Tq, H, D]  bf16 / fp16 / fp32
+    kv:           [Tk, D]     same dtype as q (MQA, no sink)
+    cu_seqlens_q, cu_seqlens_k, q_offsets, max_seqlen_k, ratio, causal:
+                  as in :class:`IndexerArgs` (the indexer's visibility rule)
+    sm_scale:     softmax scale on q.kv
+
+    target[i, j] = (1/H) sum_h softmax over visible j of sm_scale * q[i, h] . kv[j].
+    """
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    q_offsets: torch.Tensor
+    max_seqlen_k: int
+    ratio: int
+    causal: bool
+    sm_scale: float
+
+    @property
+    def batch(self) -> int:
+        return self.cu_seqlens_q.shape[0] - 1

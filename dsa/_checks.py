@@ -5,18 +5,20 @@ for a wrong type and ``ValueError`` for a wrong value, always naming the
 argument, the expectation and what was given) and reduces the call to the
 canonical form of :mod:`dsa._args`. Checks on shapes, dtypes and devices are
 free of host synchronisation so that ``torch.compile`` traces them; only the
-packed indexer's ``cu_seqlens`` checks read values back.
+packed indexer's ``cu_seqlens`` checks read values back, and they are left
+out while compiling (``max_seqlen_k`` must then be given).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 import torch
 
-from dsa._args import IndexerArgs, SparseAttnArgs, TopkArgs
+from dsa._args import DenseTargetArgs, IndexerArgs, SparseAttnArgs, SparseIndexerArgs, TopkArgs
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INT_DTYPES = (torch.int32, torch.int64)
@@ -115,6 +117,10 @@ def sparse_attention_args(
     lead = 1 if batched else 0  # leading batch axis
     if kv.dtype != q.dtype:
         raise ValueError(f"kv: expected dtype {q.dtype} (that of q), got {kv.dtype}")
+    if sink is not None:
+        _tensor("sink", sink, dtypes=(torch.float32, torch.float64))
+    if topk_length is not None:
+        _tensor("topk_length", topk_length, dtypes=INT_DTYPES)
     _same_device("q", q, kv=kv, indices=indices, sink=sink, topk_length=topk_length)
 
     if batched:
@@ -161,13 +167,11 @@ def sparse_attention_args(
         raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
 
     if sink is not None:
-        sink = _tensor("sink", sink, dtypes=(torch.float32, torch.float64))
         _shape("sink", sink, (H,), "one value per query head")
         if q.dtype != torch.float64 and sink.dtype != torch.float32:
             raise TypeError(f"sink: expected dtype float32, got {sink.dtype}")
         sink = sink.contiguous()
     if topk_length is not None:
-        topk_length = _tensor("topk_length", topk_length, dtypes=INT_DTYPES)
         _shape("topk_length", topk_length, row_shape, f"one length per query row {rows}")
 
     T = S * (B if batched else 1)
@@ -217,6 +221,9 @@ def _cu_seqlens(name: str, cu, total: int, device: torch.device) -> Tuple[torch.
         raise ValueError(f"{name}: expected at least one entry [B+1], got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name}: expected device {device} (that of q), got {cu.device}")
+    if torch.compiler.is_compiling():
+        # reading values back would break the graph; the caller gives max_seqlen_k
+        return _int32(cu).contiguous(), None
     vals = cu.tolist()
     if vals[0] != 0:
         raise ValueError(f"{name}: expected to start at 0, got {vals[0]}")
@@ -246,6 +253,8 @@ def indexer_args(
     _rank("q", q, (3, 4), "[T_q, H_i, D_i] (packed) or [B, S_q, H_i, D_i] (batched)")
     if k.dtype != q.dtype:
         raise ValueError(f"k: expected dtype {q.dtype} (that of q), got {k.dtype}")
+    if q_offsets is not None:
+        _tensor("q_offsets", q_offsets, dtypes=INT_DTYPES)
     _same_device("q", q, k=k, weights=weights, q_offsets=q_offsets)
     ratio = _int("ratio", ratio, low=1)
     sm_scale = _float("sm_scale", sm_scale)
@@ -284,19 +293,21 @@ def indexer_args(
             cu_k = torch.tensor([0, Tk], device=device, dtype=torch.int32)
             lens_k = [Tk]
         else:
-            cu_q, vq = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, Tq, device)
+            cu_q, _ = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, Tq, device)
             cu_k, vk = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, Tk, device)
-            if len(vq) != len(vk):
+            if cu_k.shape[0] != cu_q.shape[0]:
                 raise ValueError(
-                    f"cu_seqlens_k: expected {len(vq)} entries (that of cu_seqlens_q), got {len(vk)}"
+                    f"cu_seqlens_k: expected {cu_q.shape[0]} entries (that of cu_seqlens_q), got {cu_k.shape[0]}"
                 )
-            lens_k = [b - a for a, b in zip(vk, vk[1:])]
+            lens_k = None if vk is None else [b - a for a, b in zip(vk, vk[1:])]
         B = cu_q.shape[0] - 1
-        longest = max(lens_k, default=0)
         if max_seqlen_k is None:
-            max_k = longest
+            if lens_k is None:
+                raise ValueError("max_seqlen_k: required for the packed layout under torch.compile")
+            max_k = max(lens_k, default=0)
         else:
             max_k = _int("max_seqlen_k", max_seqlen_k, low=0)
+            longest = max(lens_k, default=0) if lens_k is not None else 0
             if max_k < longest:
                 raise ValueError(f"max_seqlen_k: expected >= the longest key sequence {longest}, got {max_k}")
         layout = IndexerLayout(batch=None, seqlen_q=Tq)
@@ -334,8 +345,139 @@ def topk_args(scores, k) -> Tuple[TopkArgs, Tuple[int, ...]]:
     k = _int("k", k, low=0)
     lead = tuple(scores.shape[:-1])
     S = scores.shape[-1]
-    return TopkArgs(scores=scores.reshape(-1, S).contiguous(), k=k), lead
+    rows = math.prod(lead)  # not reshape(-1, S): ambiguous when S == 0
+    return TopkArgs(scores=scores.reshape(rows, S).contiguous(), k=k), lead
 
 
 def topk_value(name: str, topk) -> int:
     return _int(name, topk, low=0)
+
+
+# --------------------------------------------------------------------------
+# indexer training (attention targets, sparse indexer, KL loss)
+
+
+def _renamed(renames, fn, *args, **kwargs):
+    """Call a shared checker, naming the caller's arguments in its errors.
+
+    The training ops reuse :func:`sparse_attention_args` and
+    :func:`indexer_args`, whose messages say ``q`` / ``kv`` / ``k``; a user of
+    ``sparse_indexer_scores`` passed ``q_i`` / ``k_i`` and must read those.
+    """
+    try:
+        return fn(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+        pattern = re.compile(r"\b(" + "|".join(re.escape(n) for n in renames) + r")\b")
+        raise type(e)(pattern.sub(lambda m: renames[m.group(1)], str(e))) from None
+
+
+def _acc(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def attention_target_args(
+    q, kv, indices, lse, *, sm_scale, d_v, sink, topk_length
+) -> Tuple[SparseAttnArgs, torch.Tensor, SparseAttnLayout, bool]:
+    """-> (canonical args, lse [T, H], layout, whether indices carry an H_kv axis).
+
+    Same layouts and checks as sparse attention (sink and d_v are checked but
+    change nothing); lse is [T, H] / [B, S, H] float32 from
+    ``sparse_attention(..., return_lse=True)``.
+    """
+    a, layout = sparse_attention_args(
+        q, kv, indices, sm_scale=sm_scale, d_v=d_v, sink=sink, topk_length=topk_length, deterministic=False
+    )
+    lse = _tensor("lse", lse, dtypes=(torch.float32, torch.float64))
+    _shape("lse", lse, tuple(q.shape[:-1]), "one value per query row and head, as sparse_attention(..., return_lse=True) gives")
+    _same_device("q", q, lse=lse)
+    lse = lse.reshape(a.T, a.H).to(_acc(q)).contiguous()
+    return a, lse, layout, indices.dim() == q.dim()
+
+
+def sparse_indexer_args(
+    q_i, k_i, weights, indices, *, sm_scale, topk_length, deterministic
+) -> Tuple[SparseIndexerArgs, SparseAttnLayout]:
+    """The indexer on sparse-attention slots: packed q_i [T, H_i, D_i], k_i [N, D_i],
+    weights [T, H_i], indices [T, K] (global rows of k_i), or batched q_i
+    [B, S, H_i, D_i], k_i [B, N, D_i], weights [B, S, H_i], indices [B, S, K]
+    (rows local to the batch)."""
+    q_i = _tensor("q_i", q_i, dtypes=FLOAT_DTYPES)
+    k_i = _tensor("k_i", k_i, dtypes=FLOAT_DTYPES)
+    weights = _tensor("weights", weights, dtypes=FLOAT_DTYPES)
+    _rank("q_i", q_i, (3, 4), "[T, H_i, D_i] (packed) or [B, S, H_i, D_i] (batched)")
+    if q_i.dim() == 4:
+        _rank("k_i", k_i, (3,), "one shared key [B, N, D_i] for batched q_i")
+    else:
+        _rank("k_i", k_i, (2,), "one shared key [N, D_i] for packed q_i")
+    sm_scale = _float("sm_scale", sm_scale)
+    a, layout = _renamed(
+        {"q": "q_i", "kv": "k_i"},
+        sparse_attention_args,
+        q_i,
+        k_i,
+        indices,
+        sm_scale=sm_scale,
+        d_v=None,
+        sink=None,
+        topk_length=topk_length,
+        deterministic=deterministic,
+    )
+    _shape("weights", weights, tuple(q_i.shape[:-1]), "one weight per query row and head")
+    _same_device("q_i", q_i, weights=weights)
+    args = SparseIndexerArgs(
+        q=a.q,
+        k=a.kv.view(a.N, a.D),
+        weights=weights.reshape(a.T, a.H).contiguous(),
+        indices=a.indices.view(a.T, a.K),
+        topk_length=a.topk_length,
+        sm_scale=a.sm_scale,
+        deterministic=a.deterministic,
+    )
+    return args, layout
+
+
+def kl_target_arg(target, a: SparseIndexerArgs, indices_shape: Tuple[int, ...]) -> torch.Tensor:
+    """target [.., K] (the shape of indices) -> [T, K] float32 (float64 for float64 q_i)."""
+    target = _tensor("target", target, dtypes=FLOAT_DTYPES)
+    _shape("target", target, tuple(indices_shape), "one value per slot, the shape of indices")
+    _same_device("q_i", a.q, target=target)
+    return target.reshape(a.T, a.K).to(_acc(a.q)).contiguous()
+
+
+def dense_target_args(
+    q, kv, *, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k
+) -> Tuple[DenseTargetArgs, IndexerLayout]:
+    """Dense attention target: the indexer's layouts and visibility with kv
+    [B, S_k, D] / packed [T_k, D] in place of the indexer key and no weights."""
+    q = _tensor("q", q, dtypes=FLOAT_DTYPES)
+    kv = _tensor("kv", kv, dtypes=FLOAT_DTYPES)
+    _rank("q", q, (3, 4), "[T_q, H, D] (packed) or [B, S_q, H, D] (batched)")
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else _float("sm_scale", sm_scale)
+    # indexer_args wants head weights; a broadcast of ones stands in (never read)
+    ones = torch.ones((), device=q.device, dtype=torch.float32).expand(q.shape[:-1])
+    ia, layout = _renamed(
+        {"k": "kv"},
+        indexer_args,
+        q,
+        kv,
+        ones,
+        ratio=ratio,
+        sm_scale=sm_scale,
+        causal=causal,
+        q_offsets=q_offsets,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_k=max_seqlen_k,
+    )
+    args = DenseTargetArgs(
+        q=ia.q,
+        kv=ia.k,
+        cu_seqlens_q=ia.cu_seqlens_q,
+        cu_seqlens_k=ia.cu_seqlens_k,
+        q_offsets=ia.q_offsets,
+        max_seqlen_k=ia.max_seqlen_k,
+        ratio=ia.ratio,
+        causal=ia.causal,
+        sm_scale=ia.sm_scale,
+    )
+    return args, layout

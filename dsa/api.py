@@ -12,7 +12,7 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from dsa import _checks, ops
+from dsa import _checks, ops, training
 from dsa.selector import select
 
 Backend = str  # "auto" | "reference" | "triton" | "cute"
@@ -214,6 +214,7 @@ _EXPLAIN = {
     "indexer_scores": _explain_indexer("indexer_scores"),
     "indexer_topk": _explain_indexer("indexer_topk"),
     "topk_indices": _explain_topk,
+    **training.EXPLAIN,  # attention_target, sparse_indexer_scores, indexer_kl_loss, dense_attention_target
 }
 
 

@@ -19,7 +19,7 @@ from dsa._args import IndexerArgs, SparseAttnArgs, TopkArgs
 from dsa.selector import select
 
 
-def _lse_dtype(q: Tensor) -> torch.dtype:
+def _acc_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
@@ -50,14 +50,14 @@ def sparse_attention_fwd(
     a = sparse_args(q, kv, indices, topk_length, sink, sm_scale, d_v, deterministic)
     if _sparse_empty(a):
         out = q.new_zeros(a.T, a.H, d_v)
-        return out, torch.full((a.T, a.H), float("inf"), device=q.device, dtype=_lse_dtype(q))
+        return out, torch.full((a.T, a.H), float("inf"), device=q.device, dtype=_acc_dtype(q))
     return select("sparse_attention_fwd", a, backend).fn(a)
 
 
 @sparse_attention_fwd.register_fake
 def _(q, kv, indices, topk_length, sink, sm_scale, d_v, deterministic, backend):
     T, H = q.shape[0], q.shape[1]
-    return q.new_empty(T, H, d_v), q.new_empty(T, H, dtype=_lse_dtype(q))
+    return q.new_empty(T, H, d_v), q.new_empty(T, H, dtype=_acc_dtype(q))
 
 
 @torch.library.custom_op("dsa::sparse_attention_bwd", mutates_args=())
@@ -78,18 +78,18 @@ def sparse_attention_bwd(
     """-> dq, dkv, dsink ([0]-shaped when there is no sink)."""
     a = sparse_args(q, kv, indices, topk_length, sink, sm_scale, d_v, deterministic)
     if _sparse_empty(a):
-        dsink = torch.zeros(a.H if sink is not None else 0, device=q.device, dtype=_lse_dtype(q))
+        dsink = torch.zeros(a.H if sink is not None else 0, device=q.device, dtype=_acc_dtype(q))
         return torch.zeros_like(q), torch.zeros_like(kv), dsink
     dq, dkv, dsink = select("sparse_attention_bwd", a, backend).fn(a, out, lse, dout.contiguous())
     if dsink is None:
-        dsink = q.new_zeros(0, dtype=_lse_dtype(q))
+        dsink = q.new_zeros(0, dtype=_acc_dtype(q))
     return dq, dkv, dsink
 
 
 @sparse_attention_bwd.register_fake
 def _(q, kv, indices, topk_length, sink, out, lse, dout, sm_scale, d_v, deterministic, backend):
     n_sink = q.shape[1] if sink is not None else 0
-    return torch.empty_like(q), torch.empty_like(kv), q.new_empty(n_sink, dtype=_lse_dtype(q))
+    return torch.empty_like(q), torch.empty_like(kv), q.new_empty(n_sink, dtype=_acc_dtype(q))
 
 
 def _sparse_setup(ctx, inputs, output):
@@ -135,13 +135,13 @@ def indexer_scores(
 ) -> Tensor:
     a = indexer_args(q, k, weights, cu_seqlens_q, cu_seqlens_k, q_offsets, max_seqlen_k, ratio, causal, sm_scale)
     if q.shape[0] == 0 or k.shape[0] == 0 or max_seqlen_k == 0 or q.shape[1] == 0:
-        return torch.full((q.shape[0], max_seqlen_k), float("-inf"), device=q.device, dtype=torch.float32)
+        return torch.full((q.shape[0], max_seqlen_k), float("-inf"), device=q.device, dtype=_acc_dtype(q))
     return select("indexer_scores", a, backend).fn(a)
 
 
 @indexer_scores.register_fake
 def _(q, k, weights, cu_seqlens_q, cu_seqlens_k, q_offsets, max_seqlen_k, ratio, causal, sm_scale, backend):
-    return q.new_empty(q.shape[0], max_seqlen_k, dtype=torch.float32)
+    return q.new_empty(q.shape[0], max_seqlen_k, dtype=_acc_dtype(q))
 
 
 def _no_selection(rows: int, k: int, device) -> Tuple[Tensor, Tensor]:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 
+from dsa import reference_training
 from dsa._args import IndexerArgs, SparseAttnArgs, TopkArgs
 from dsa.selector import Unsupported
 
@@ -154,19 +155,20 @@ def _visible_limit(a: IndexerArgs, b: int, i0: int, i1: int, s_k: int) -> torch.
 
 
 def _indexer_chunks(a: IndexerArgs):
-    """Yield (row0, row1, scores [C, S_k_b] fp32 with -inf where not visible) per chunk."""
+    """Yield (row0, row1, scores [C, S_k_b] with -inf where not visible) per chunk."""
     cu_q = a.cu_seqlens_q.tolist()
     cu_k = a.cu_seqlens_k.tolist()
     H = a.q.shape[1]
+    acc = _acc_dtype(a.q)
     for b in range(a.batch):
         q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
         s_k = k1 - k0
-        kb = a.k[k0:k1].float()
+        kb = a.k[k0:k1].to(acc)
         step = _row_chunk(H * max(1, s_k))
         for i0 in range(0, q1 - q0, step):
             i1 = min(q1 - q0, i0 + step)
-            qb = a.q[q0 + i0 : q0 + i1].float()
-            w = a.weights[q0 + i0 : q0 + i1].float()
+            qb = a.q[q0 + i0 : q0 + i1].to(acc)
+            w = a.weights[q0 + i0 : q0 + i1].to(acc)
             dots = torch.relu(torch.einsum("ihd,jd->ihj", qb, kb))
             sc = torch.einsum("ihj,ih->ij", dots, w) * a.sm_scale
             limit = _visible_limit(a, b, i0, i1, s_k)
@@ -175,8 +177,8 @@ def _indexer_chunks(a: IndexerArgs):
 
 
 def indexer_scores(a: IndexerArgs) -> torch.Tensor:
-    """-> scores [T_q, max_seqlen_k] fp32, -inf where not visible."""
-    out = torch.full((a.q.shape[0], a.max_seqlen_k), _NEG_INF, device=a.q.device, dtype=torch.float32)
+    """-> scores [T_q, max_seqlen_k] fp32 (fp64 for fp64 inputs), -inf where not visible."""
+    out = torch.full((a.q.shape[0], a.max_seqlen_k), _NEG_INF, device=a.q.device, dtype=_acc_dtype(a.q))
     for r0, r1, sc in _indexer_chunks(a):
         out[r0:r1, : sc.shape[1]] = sc
     return out
@@ -199,7 +201,7 @@ def indexer_topk(a: IndexerArgs, topk: int) -> Tuple[torch.Tensor, torch.Tensor]
 
 def _topk_rows(scores: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
     R, S = scores.shape
-    key = scores.float()
+    key = scores if scores.dtype == torch.float64 else scores.float()
     key = torch.where(torch.isnan(key), _NEG_INF, key)
     # a stable descending sort keeps equal scores in position order: ties go to the smaller position
     vals, order = torch.sort(key, dim=-1, descending=True, stable=True)
@@ -233,6 +235,7 @@ _OPS = {
     "indexer_topk": indexer_topk,
     "topk": topk,
 }
+_OPS.update(reference_training.OPS)  # indexer training (dsa/reference_training.py)
 
 
 def backend_op(op: str, args: Any, auto: bool = False) -> Callable[..., Any]:

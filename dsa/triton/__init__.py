@@ -20,6 +20,14 @@ _OPS = {
     "indexer_scores": ("indexer", "scores"),
     "indexer_topk": ("indexer", "indexer_topk"),
     "topk": ("topk", "topk"),
+    # indexer training
+    "attention_target": ("training", "attention_target"),
+    "dense_attention_target": ("training", "dense_attention_target"),
+    "sparse_indexer_fwd": ("training", "sparse_indexer_fwd"),
+    "indexer_kl_fwd": ("training", "indexer_kl_fwd"),
+    "sparse_indexer_bwd": ("indexer_bwd", "sparse_indexer_bwd"),
+    "indexer_kl_bwd": ("indexer_bwd", "indexer_kl_bwd"),
+    "indexer_scores_bwd": ("indexer_bwd", "indexer_scores_bwd"),
 }
 
 

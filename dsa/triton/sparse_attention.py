@@ -17,6 +17,7 @@ from typing import Optional, Tuple
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from dsa._args import SparseAttnArgs
 from dsa.triton.sparse_attention_bwd import (
@@ -122,6 +123,31 @@ def _fit(a: SparseAttnArgs, cfg: TileConfig, bwd: bool) -> TileConfig:
     return cfg
 
 
+# Tiles that compiled, by launch signature: _smem_bytes is an estimate, and
+# where the compiler still finds too little shared memory the launch retries
+# with fewer stages / slots (never fewer heads, which the deterministic
+# backward's buffers are laid out by) and remembers the fit.
+_FITTED: dict = {}
+
+
+def _launch_fitting(key: tuple, cfg: TileConfig, launch) -> None:
+    cfg = _FITTED.get((key, cfg), cfg)
+    first = cfg
+    while True:
+        try:
+            launch(cfg)
+        except OutOfResources:
+            if cfg.num_stages > 1:
+                cfg = replace(cfg, num_stages=1)
+            elif cfg.BN > 16:
+                cfg = replace(cfg, BN=cfg.BN // 2)
+            else:
+                raise
+            continue
+        _FITTED[(key, first)] = cfg
+        return
+
+
 def _warps(BH: int, acc_cols: int) -> int:
     # 8 warps once the fp32 accumulator (O: d_v columns, dq: D columns)
     # passes 64 registers a thread at 4 warps.
@@ -174,14 +200,18 @@ def forward(a: SparseAttnArgs, config: Optional[TileConfig] = None) -> Tuple[tor
     out = torch.empty((T, H, a.d_v), dtype=a.q.dtype, device=a.q.device)
     lse = torch.empty((T, H), dtype=torch.float32, device=a.q.device)
     grid = (T * G, triton.cdiv(H // G, cfg.BH))
-    sparse_attn_fwd_kernel[grid](
-        a.q, a.kv, a.indices, a.topk_length, a.sink, out, lse,
-        a.N, K, a.sm_scale * LOG2E,
-        H=H, G=G, D=a.D, D_V=a.d_v, **ColumnChunks.of(a.D, a.d_v, cfg.CW).kernel_args(),
-        BH=cfg.BH, BN=cfg.BN, SKEW=cfg.skew,
-        HAS_LEN=a.topk_length is not None, HAS_SINK=a.sink is not None, PREC=_prec(a),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    flags = dict(HAS_LEN=a.topk_length is not None, HAS_SINK=a.sink is not None, PREC=_prec(a))
+
+    def launch(c: TileConfig) -> None:
+        sparse_attn_fwd_kernel[grid](
+            a.q, a.kv, a.indices, a.topk_length, a.sink, out, lse,
+            a.N, K, a.sm_scale * LOG2E,
+            H=H, G=G, D=a.D, D_V=a.d_v, **ColumnChunks.of(a.D, a.d_v, c.CW).kernel_args(),
+            BH=c.BH, BN=c.BN, SKEW=c.skew, **flags,
+            num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+
+    _launch_fitting(("fwd", a.q.dtype, H // G, a.D, a.d_v, tuple(flags.items())), cfg, launch)
     return out, lse
 
 
@@ -208,14 +238,18 @@ def _preprocess(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: t
 
 def _launch_bwd(a, cfg, dout, lg2den, delta, dq, dkv_buf, t0, tc, store_slots):
     grid = (tc * a.G, triton.cdiv(a.H // a.G, cfg.BH))
-    sparse_attn_bwd_kernel[grid](
-        a.q, a.kv, a.indices, a.topk_length, dout, lg2den, delta, dq, dkv_buf,
-        t0, a.N, a.K, a.sm_scale * LOG2E, a.sm_scale,
-        H=a.H, G=a.G, D=a.D, D_V=a.d_v, **ColumnChunks.of(a.D, a.d_v, cfg.CW).kernel_args(),
-        BH=cfg.BH, BN=cfg.BN,
-        HAS_LEN=a.topk_length is not None, STORE_SLOTS=store_slots, PREC=_prec(a),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    flags = dict(HAS_LEN=a.topk_length is not None, STORE_SLOTS=store_slots, PREC=_prec(a))
+
+    def launch(c: TileConfig) -> None:
+        sparse_attn_bwd_kernel[grid](
+            a.q, a.kv, a.indices, a.topk_length, dout, lg2den, delta, dq, dkv_buf,
+            t0, a.N, a.K, a.sm_scale * LOG2E, a.sm_scale,
+            H=a.H, G=a.G, D=a.D, D_V=a.d_v, **ColumnChunks.of(a.D, a.d_v, c.CW).kernel_args(),
+            BH=c.BH, BN=c.BN, **flags,
+            num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+
+    _launch_fitting(("bwd", a.q.dtype, a.H // a.G, a.D, a.d_v, tuple(flags.items())), cfg, launch)
 
 
 def _inverted_index(a: SparseAttnArgs, t0: int, tc: int):

@@ -1,0 +1,290 @@
+"""Reference backend of indexer training: DESIGN.md "Training the indexer" in plain PyTorch.
+
+Runs on any device, computes in float32 (float64 for float64 inputs) and is
+chunked over query rows, so no intermediate is ever held for all rows at once
+(in particular never the [T, K, H_i] relu products of the sparse indexer).
+
+Attention target (sparse attention's validity rule; g = kv head of the row,
+M = H / H_kv query heads per kv head):
+    target[t, g, j] = (1/M) sum_{h in g} exp(s[t, h, j] - lse[t, h])   valid j
+                    = 0                                                 otherwise
+    with s = sm_scale * q[t, h] . kv[indices[t, g, j], g] over all D dims and
+    lse the log-sum-exp of sparse attention (sink excluded, +inf when empty).
+
+Sparse indexer (MQA key k [N, D_i]):
+    logits[t, j] = sm_scale * sum_h weights[t, h] * relu(q[t, h] . k[indices[t, j]])   valid j
+                 = -inf                                                          otherwise
+
+KL loss, over the R rows that have a valid slot (terms with target 0 count 0;
+the target of an invalid slot is ignored, attention_target gives 0 there):
+    loss_t = sum_valid target[t, j] * (log target[t, j] - log_softmax(logits[t])_j)
+    loss   = sum_t loss_t / max(R, 1)
+    dloss/dlogits[t, j] = (softmax(logits[t])_j * sum_valid target[t] - target[t, j]) / R
+
+Backward of the relu-weighted dot, with g = dlogits (0 on invalid slots):
+    ds[t, h, j] = g[t, j] * sm_scale * weights[t, h] * [q[t, h] . k_j > 0]
+    dq[t, h]    = sum_j ds[t, h, j] k_j          dk[n] = sum_{(t, j) -> n} sum_h ds[t, h, j] q[t, h]
+    dweights[t, h] = sm_scale * sum_j g[t, j] relu(q[t, h] . k_j)
+The dense ``indexer_scores`` backward is the same with every visible key a slot.
+
+Dense attention target (the indexer's visibility rule, MQA kv [T_k, D]):
+    target[i, j] = (1/H) sum_h softmax_{visible j}(sm_scale * q[i, h] . kv[j]),  0 elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from dsa._args import DenseTargetArgs, IndexerArgs, SparseAttnArgs, SparseIndexerArgs
+
+# elements of the largest per-chunk intermediate (fp32: 128 MiB), as in dsa.reference
+_CHUNK_ELEMS = 1 << 25
+
+_NEG_INF = float("-inf")
+
+# per-row stats of the KL forward, saved for its backward: [T, 4] columns
+STAT_LOSS, STAT_LSE, STAT_TSUM, STAT_VALID = range(4)
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _row_chunk(per_row: int) -> int:
+    return max(1, _CHUNK_ELEMS // max(1, per_row))
+
+
+def slot_validity(
+    indices: torch.Tensor, topk_length: Optional[torch.Tensor], n: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """valid [..., K] (sparse attention's rule) and indices with invalid slots set to 0 (int64).
+
+    indices [R, ..., K] int, topk_length [R] or None.
+    """
+    idx = indices.long()
+    K = idx.shape[-1]
+    valid = (idx >= 0) & (idx < n)
+    if topk_length is not None:
+        length = topk_length.long().clamp(0, K).view(-1, *([1] * (idx.dim() - 1)))
+        valid &= torch.arange(K, device=idx.device) < length
+    return valid, torch.where(valid, idx, 0)
+
+
+def dense_rows(a) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per packed query row: (global row of its sequence's first key, number of visible keys), int32.
+
+    ``a`` is an IndexerArgs or DenseTargetArgs; key j (local) of query row i is
+    visible iff j < limit[i], the indexer's causal rule (DESIGN.md "Indexer").
+    """
+    Tq = a.q.shape[0]
+    dev = a.q.device
+    lens_q = torch.diff(a.cu_seqlens_q).long()
+    seq = torch.repeat_interleave(torch.arange(a.batch, device=dev), lens_q, output_size=Tq)
+    local = torch.arange(Tq, device=dev) - a.cu_seqlens_q.long()[seq]
+    s_k = torch.diff(a.cu_seqlens_k).long()[seq]
+    if a.causal:
+        pos = a.q_offsets.long()[seq] + local + 1
+        limit = torch.minimum(torch.div(pos, a.ratio, rounding_mode="floor").clamp_min(0), s_k)
+    else:
+        limit = s_k
+    return a.cu_seqlens_k.long()[seq].to(torch.int32), limit.to(torch.int32)
+
+
+# --------------------------------------------------------------------------
+# attention targets
+
+
+def attention_target(a: SparseAttnArgs, lse: torch.Tensor) -> torch.Tensor:
+    """-> target [T, G, K] fp32 (fp64 for fp64 q); lse [T, H] from sparse attention."""
+    acc = _acc_dtype(a.q)
+    T, H, G, K, D = a.T, a.H, a.G, a.K, a.D
+    M = H // G
+    out = torch.empty(T, G, K, device=a.q.device, dtype=acc)
+    g = torch.arange(G, device=a.q.device).view(1, G, 1)
+    step = _row_chunk(G * K * D + 2 * H * K)
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        C = t1 - t0
+        valid, safe = slot_validity(a.indices[t0:t1], None if a.topk_length is None else a.topk_length[t0:t1], a.N)
+        k = torch.where(valid[..., None], a.kv[safe, g].to(acc), 0.0)  # [C, G, K, D]; never an unreferenced row
+        q = a.q[t0:t1].to(acc).view(C, G, M, D)
+        s = torch.einsum("cgmd,cgkd->cgmk", q, k) * a.sm_scale
+        p = torch.exp(s - lse[t0:t1].to(acc).view(C, G, M, 1))  # lse = +inf on an empty row: 0
+        out[t0:t1] = torch.where(valid, p.mean(2), 0.0)
+    return out
+
+
+def dense_attention_target(a: DenseTargetArgs) -> torch.Tensor:
+    """-> target [T_q, max_seqlen_k] fp32 (fp64 for fp64 q), 0 where not visible."""
+    acc = _acc_dtype(a.q)
+    Tq, H, _ = a.q.shape
+    out = torch.zeros(Tq, a.max_seqlen_k, device=a.q.device, dtype=acc)
+    _, limit = dense_rows(a)
+    cu_q, cu_k = a.cu_seqlens_q.tolist(), a.cu_seqlens_k.tolist()
+    for b in range(a.batch):
+        q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        s_k = k1 - k0
+        if s_k == 0:
+            continue
+        kv = a.kv[k0:k1].to(acc)
+        step = _row_chunk(2 * H * s_k)
+        for r0 in range(q0, q1, step):
+            r1 = min(q1, r0 + step)
+            s = torch.einsum("chd,jd->chj", a.q[r0:r1].to(acc), kv) * a.sm_scale
+            vis = (torch.arange(s_k, device=s.device) < limit[r0:r1, None]).unsqueeze(1)  # [C, 1, S_k]
+            s = torch.where(vis, s, _NEG_INF)
+            p = torch.exp(s - torch.logsumexp(s, -1, keepdim=True))  # NaN on an empty row ...
+            out[r0:r1, :s_k] = torch.where(vis, p, 0.0).mean(1)  # ... selected away here
+    return out
+
+
+# --------------------------------------------------------------------------
+# sparse indexer
+
+
+class _IndexerSlots:
+    """Rows [t0, t1) of the sparse indexer: gathered keys, relu'd dots and logits.
+
+    valid [C, K]; k [C, K, D] with invalid slots zeroed (never the stored row);
+    dots [C, H, K] = q . k (0 on invalid slots); logits [C, K] (-inf invalid).
+    """
+
+    def __init__(self, a: SparseIndexerArgs, t0: int, t1: int):
+        acc = _acc_dtype(a.q)
+        length = None if a.topk_length is None else a.topk_length[t0:t1]
+        self.valid, safe = slot_validity(a.indices[t0:t1], length, a.N)
+        self.safe = safe
+        self.k = torch.where(self.valid[..., None], a.k[safe].to(acc), 0.0)
+        self.q = a.q[t0:t1].to(acc)
+        self.w = a.weights[t0:t1].to(acc)
+        dots = torch.einsum("chd,ckd->chk", self.q, self.k)
+        self.dots = torch.where(self.valid[:, None, :], dots, 0.0)
+        lg = torch.einsum("chk,ch->ck", torch.relu(self.dots), self.w) * a.sm_scale
+        self.logits = torch.where(self.valid, lg, _NEG_INF)
+
+
+def _relu_dot_bwd(q, w, dots, g, valid, sm_scale):
+    """(ds [C, H, K], dw [C, H]) of logits = sm_scale * sum_h w * relu(dots), given g = dlogits.
+
+    valid [C, K] (or [C, 1, K] broadcastable); g must be finite where valid.
+    """
+    g = torch.where(valid, g, 0.0)
+    live = (dots > 0) & valid[:, None, :]
+    ds = torch.where(live, g[:, None, :] * w[:, :, None] * sm_scale, 0.0)
+    dw = torch.einsum("chk,ck->ch", torch.where(live, dots, 0.0), g) * sm_scale
+    return ds, dw
+
+
+def _sparse_bwd(a: SparseIndexerArgs, grad_of_chunk) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Shared backward loop; grad_of_chunk(slots, t0, t1) -> dlogits [C, K]."""
+    acc = _acc_dtype(a.q)
+    T, H, D, K = a.T, a.H, a.D, a.K
+    dq = torch.empty_like(a.q)
+    dw = torch.empty_like(a.weights)
+    dk = torch.zeros(a.N, D, device=a.k.device, dtype=acc)
+    step = _row_chunk(K * (2 * D + 4 * H))
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        sl = _IndexerSlots(a, t0, t1)
+        ds, dw_c = _relu_dot_bwd(sl.q, sl.w, sl.dots, grad_of_chunk(sl, t0, t1), sl.valid, a.sm_scale)
+        dq[t0:t1] = torch.einsum("chk,ckd->chd", ds, sl.k).to(dq.dtype)
+        dw[t0:t1] = dw_c.to(dw.dtype)
+        dk_slots = torch.einsum("chk,chd->ckd", ds, sl.q)
+        dk_slots = torch.where(sl.valid[..., None], dk_slots, 0.0)  # not even 0 * NaN from a NaN q row
+        dk.index_add_(0, sl.safe.reshape(-1), dk_slots.reshape(-1, D))
+    return dq, dk.to(a.k.dtype), dw
+
+
+def sparse_indexer_fwd(a: SparseIndexerArgs) -> torch.Tensor:
+    """-> logits [T, K] fp32 (fp64 for fp64 q), -inf on invalid slots."""
+    out = torch.empty(a.T, a.K, device=a.q.device, dtype=_acc_dtype(a.q))
+    step = _row_chunk(a.K * (a.D + 2 * a.H))
+    for t0 in range(0, a.T, step):
+        t1 = min(a.T, t0 + step)
+        out[t0:t1] = _IndexerSlots(a, t0, t1).logits
+    return out
+
+
+def sparse_indexer_bwd(a: SparseIndexerArgs, dlogits: torch.Tensor):
+    """-> dq (q.dtype), dk (k.dtype, fp32-accumulated), dweights (weights.dtype)."""
+    return _sparse_bwd(a, lambda sl, t0, t1: dlogits[t0:t1].to(sl.q.dtype))
+
+
+def indexer_kl_fwd(a: SparseIndexerArgs, target: torch.Tensor) -> torch.Tensor:
+    """-> stats [T, 4] (loss_t, logsumexp of the logits, sum of valid target, has a valid slot)."""
+    acc = _acc_dtype(a.q)
+    stats = torch.empty(a.T, 4, device=a.q.device, dtype=acc)
+    step = _row_chunk(a.K * (a.D + 2 * a.H))
+    for t0 in range(0, a.T, step):
+        t1 = min(a.T, t0 + step)
+        sl = _IndexerSlots(a, t0, t1)
+        t = target[t0:t1].to(acc)
+        lse = torch.logsumexp(sl.logits, -1)  # -inf on an empty row
+        live = sl.valid & (t != 0)
+        term = torch.where(live, t * (torch.log(torch.where(live, t, 1.0)) - (sl.logits - lse[:, None])), 0.0)
+        has = sl.valid.any(-1)
+        stats[t0:t1, STAT_LOSS] = torch.where(has, term.sum(-1), 0.0)
+        stats[t0:t1, STAT_LSE] = lse
+        stats[t0:t1, STAT_TSUM] = torch.where(sl.valid, t, 0.0).sum(-1)
+        stats[t0:t1, STAT_VALID] = has.to(acc)
+    return stats
+
+
+def indexer_kl_bwd(a: SparseIndexerArgs, target: torch.Tensor, stats: torch.Tensor, scale: torch.Tensor):
+    """-> dq, dk, dweights of scale * sum_t loss_t (scale = dloss / max(R, 1), a 0-dim tensor)."""
+
+    def grad(sl, t0, t1):
+        lse = stats[t0:t1, STAT_LSE, None]
+        tsum = stats[t0:t1, STAT_TSUM, None]
+        p = torch.exp(torch.where(sl.valid, sl.logits - lse, _NEG_INF))
+        return (p * tsum - target[t0:t1].to(p.dtype)) * scale.to(p.dtype)
+
+    return _sparse_bwd(a, grad)
+
+
+# --------------------------------------------------------------------------
+# dense indexer backward
+
+
+def indexer_scores_bwd(a: IndexerArgs, dscores: torch.Tensor):
+    """Backward of ``indexer_scores`` -> dq (q.dtype), dk (k.dtype), dweights (weights.dtype).
+
+    dscores [T_q, max_seqlen_k]; entries at keys a row does not see are ignored.
+    """
+    acc = _acc_dtype(a.q)
+    Tq, H, D = a.q.shape
+    dq = torch.zeros(Tq, H, D, device=a.q.device, dtype=acc)
+    dw = torch.zeros(Tq, H, device=a.q.device, dtype=acc)
+    dk = torch.zeros(a.k.shape[0], D, device=a.k.device, dtype=acc)
+    _, limit = dense_rows(a)
+    cu_q, cu_k = a.cu_seqlens_q.tolist(), a.cu_seqlens_k.tolist()
+    for b in range(a.batch):
+        q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        s_k = k1 - k0
+        if s_k == 0:
+            continue
+        kb = a.k[k0:k1].to(acc)
+        step = _row_chunk(4 * H * s_k)
+        for r0 in range(q0, q1, step):
+            r1 = min(q1, r0 + step)
+            q = a.q[r0:r1].to(acc)
+            vis = torch.arange(s_k, device=q.device) < limit[r0:r1, None]  # [C, S_k]
+            dots = torch.where(vis[:, None, :], torch.einsum("chd,jd->chj", q, kb), 0.0)
+            ds, dw_c = _relu_dot_bwd(q, a.weights[r0:r1].to(acc), dots, dscores[r0:r1, :s_k].to(acc), vis, a.sm_scale)
+            dq[r0:r1] = torch.einsum("chj,jd->chd", ds, kb)
+            dw[r0:r1] = dw_c
+            dk[k0:k1] += torch.einsum("chj,chd->jd", ds, q)
+    return dq.to(a.q.dtype), dk.to(a.k.dtype), dw.to(a.weights.dtype)
+
+
+OPS = {
+    "attention_target": attention_target,
+    "dense_attention_target": dense_attention_target,
+    "sparse_indexer_fwd": sparse_indexer_fwd,
+    "sparse_indexer_bwd": sparse_indexer_bwd,
+    "indexer_kl_fwd": indexer_kl_fwd,
+    "indexer_kl_bwd": indexer_kl_bwd,
+    "indexer_scores_bwd": indexer_scores_bwd,
+}

@@ -1,0 +1,287 @@
+"""Triton lightning indexer: dense scores and the fused indexer + top-k.
+
+Canonical packed layout (``dsa._args.IndexerArgs``): q [Tq, H, D], one key
+k [Tk, D] shared by all heads, weights [Tq, H], sequences given by
+cu_seqlens_q / cu_seqlens_k. For sequence b, local query i and local key j:
+
+    visible(i, j) = j < S_k[b]  and (not causal or
+                    j < clamp((q_offsets[b] + i + 1) // ratio, 0, S_k[b]))
+    score[row, j] = sm_scale * sum_h weights[row, h] * relu(q[row, h] . k[cu_k[b] + j])
+
+for visible j, -inf otherwise (every column up to max_seqlen_k). fp32
+accumulation.
+
+Kernel layout: a program owns BQ consecutive queries of one sequence and
+keeps their q rows resident as one [BQ*HP, D] operand (HP = H padded to a
+power of two; padded heads carry weight 0). It walks the key blocks of the
+causal window only (blocks past the window are written -inf without being
+computed): for each [BN, D] key tile one MMA gives the [BN, BQ*HP] dot
+products of every (query, head) pair; relu, the weights and the sum over
+heads reduce them to the [BN, BQ] score tile. With the heads on the MMA's N
+dimension the head sum stays inside a thread and its quad (no shared memory),
+and each key tile byte loaded serves 2*BQ*HP flops.
+
+``indexer_topk`` runs the same kernel on query chunks whose score rows fit
+a scratch buffer of about Tq*topk/4 floats (at least 2**25, i.e. 128 MiB),
+and the top-k kernel on each chunk. The scores of a row do not depend on the
+chunking (same kernel, same tile config, same accumulation order), so the
+result equals ``topk(scores(a))`` bit for bit, ties included, while memory
+stays O(Tq*topk) whatever S_k is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from dsa._args import IndexerArgs
+from dsa.triton import topk as _topk
+
+_TABLE_BLOCK = 1024  # sequences a step of the block-table kernel
+_MAX_HEADS = 256
+_MAX_DIM = 256
+_FLOAT = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------
+
+
+@triton.jit
+def _block_table_kernel(cu_q_ptr, out_ptr, n_seq, Tq, rows_per_chunk, BQ: tl.constexpr, BLOCK_B: tl.constexpr):
+    """out[c, b] = number of BQ-query blocks in sequences < b, counting only
+    rows of chunk c = [c * rows_per_chunk, (c + 1) * rows_per_chunk) (b = 0..B).
+    A kernel, so that no host sync or chain of small torch ops sits in front
+    of every scores launch."""
+    c = tl.program_id(0)
+    r0 = c * rows_per_chunk
+    r1 = tl.minimum(r0 + rows_per_chunk, Tq)
+    p_out = out_ptr + c * (n_seq + 1)
+    tl.store(p_out, 0)
+    carry = tl.zeros([], tl.int32)
+    for b0 in range(0, n_seq, BLOCK_B):
+        o_b = b0 + tl.arange(0, BLOCK_B)
+        m_b = o_b < n_seq
+        lo = tl.maximum(tl.load(cu_q_ptr + o_b, mask=m_b, other=0), r0)
+        hi = tl.minimum(tl.load(cu_q_ptr + o_b + 1, mask=m_b, other=0), r1)
+        n_blk = tl.where(m_b, (tl.maximum(hi - lo, 0) + BQ - 1) // BQ, 0)
+        tl.store(p_out + 1 + o_b, carry + tl.cumsum(n_blk, axis=0), mask=m_b)
+        carry += tl.sum(n_blk, axis=0)
+
+
+@triton.jit
+def _find_block(blk_cum_ptr, blk, n_seq, n_iter):
+    """The sequence b with blk_cum[b] <= blk < blk_cum[b+1] (binary search)."""
+    lo = tl.zeros([], tl.int32)
+    hi = lo + n_seq
+    for _ in range(n_iter):
+        mid = (lo + hi) // 2
+        go_right = tl.load(blk_cum_ptr + mid) <= blk
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    return lo
+
+
+@triton.jit
+def _epilogue(b_s, b_w, p_out, j0, end, m_bq, max_seqlen_k, sm_scale,
+              BN: tl.constexpr, BQ: tl.constexpr, HP: tl.constexpr):
+    """[BN, BQ*HP] dot products -> the [BN, BQ] score tile at keys j0.., stored."""
+    b_s = tl.maximum(b_s, 0.0) * b_w[None, :]
+    b_o = tl.sum(tl.reshape(b_s, [BN, BQ, HP]), axis=2) * sm_scale  # [BN, BQ]
+    o_j = j0 + tl.arange(0, BN)
+    b_o = tl.where(o_j[:, None] < end[None, :], b_o, float("-inf"))
+    tl.store(p_out[None, :] + o_j[:, None], b_o, mask=m_bq[None, :] & (o_j[:, None] < max_seqlen_k))
+
+
+@triton.jit
+def _indexer_scores_kernel(
+    q_ptr, k_ptr, w_ptr, out_ptr,
+    cu_q_ptr, cu_k_ptr, off_ptr, blk_cum_ptr,
+    row_begin, row_end, n_seq, n_iter, max_seqlen_k, ratio, sm_scale,
+    stride_qt, stride_qh, stride_kt, stride_wt, stride_ot,
+    H, D,
+    CAUSAL: tl.constexpr, BQ: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
+    BN: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # Blocks are taken last-first: in a causal batch the late query blocks
+    # have the most keys, and starting them first evens out the tail.
+    total = tl.load(blk_cum_ptr + n_seq)
+    blk = total - 1 - tl.program_id(0)
+    if blk < 0:
+        return
+    b = _find_block(blk_cum_ptr, blk, n_seq, n_iter)
+    q_seq0 = tl.load(cu_q_ptr + b)
+    q_lo = tl.maximum(q_seq0, row_begin)
+    q_hi = tl.minimum(tl.load(cu_q_ptr + b + 1), row_end)
+    k_seq0 = tl.load(cu_k_ptr + b)
+    s_k = tl.load(cu_k_ptr + b + 1) - k_seq0
+    t0 = q_lo + (blk - tl.load(blk_cum_ptr + b)) * BQ
+
+    # Per-query visible key count.
+    o_bq = tl.arange(0, BQ)
+    m_bq = (t0 + o_bq) < q_hi
+    if CAUSAL:
+        first = tl.load(off_ptr + b) + (t0 - q_seq0) + 1
+        end = tl.minimum(tl.maximum((first + o_bq) // ratio, 0), s_k)
+    else:
+        end = tl.zeros([BQ], tl.int32) + s_k
+    end = tl.where(m_bq, end, 0)
+    k_end = tl.max(end, axis=0)  # the causal window of the whole block
+
+    # q of BQ queries as [BQ*HP, DP]: column c of the MMA is (query c // HP, head c % HP).
+    o_c = tl.arange(0, BQ * HP)
+    o_cq = o_c // HP
+    o_ch = o_c % HP
+    o_d = tl.arange(0, DP)
+    t_c = (t0 + o_cq).to(tl.int64)
+    m_c = ((t0 + o_cq) < q_hi) & (o_ch < H)
+    p_q = q_ptr + t_c[:, None] * stride_qt + o_ch[:, None] * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_c[:, None] & (o_d[None, :] < D), other=0.0)  # [BQ*HP, DP]
+    b_qt = tl.trans(b_q)  # [DP, BQ*HP]
+    b_w = tl.load(w_ptr + t_c * stride_wt + o_ch, mask=m_c, other=0.0).to(tl.float32)  # [BQ*HP]
+
+    t_q = (t0 + o_bq).to(tl.int64)
+    p_out = out_ptr + (t_q - row_begin) * stride_ot  # [BQ] row starts
+    o_n = tl.arange(0, BN)
+    p_k = k_ptr + (k_seq0 + o_n).to(tl.int64)[:, None] * stride_kt + o_d[None, :]
+    m_d = o_d[None, :] < D
+    for j0 in range(0, k_end, BN):
+        b_k = tl.load(p_k + j0 * stride_kt, mask=((j0 + o_n) < k_end)[:, None] & m_d, other=0.0)
+        b_s = tl.dot(b_k, b_qt, input_precision=PRECISION)  # [BN, BQ*HP]
+        _epilogue(b_s, b_w, p_out, j0, end, m_bq, max_seqlen_k, sm_scale, BN, BQ, HP)
+
+    # Past the window: -inf, no compute. Tiles [BQ, BN], keys contiguous.
+    b_inf = tl.full([BQ, BN], float("-inf"), tl.float32)
+    for j0 in range(tl.cdiv(k_end, BN) * BN, max_seqlen_k, BN):
+        o_j = j0 + o_n
+        tl.store(p_out[:, None] + o_j[None, :], b_inf, mask=m_bq[:, None] & (o_j[None, :] < max_seqlen_k))
+
+
+# --------------------------------------------------------------------------
+# Tile configuration
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    """Tile shape of the scores kernel: BN keys x (BQ queries * HP heads)."""
+
+    BN: int
+    NCOLS: int  # BQ * HP, the MMA's N
+    num_warps: int
+    num_stages: int
+
+
+# Chosen per dtype class only (never per Tq or S_k): indexer_topk's chunked
+# calls must compute exactly what scores() computes.
+_CONFIGS = {
+    # H200, bf16, H=64 D=128, causal: 518 / 539 / 515 TFLOP/s at S=4096,
+    # S=16384 (ratio 1) and 16384x4096 (ratio 4); 3 programs an SM (154
+    # registers, 66 KB shared). See bench/notes_indexer.md for the others.
+    "mma": IndexerConfig(BN=64, NCOLS=128, num_warps=4, num_stages=2),
+    # fp32 runs in full fp32 (FMA dot, not tuned): ptxas spills 5 KB a thread
+    # at 4 warps, none at 8 (56 registers, sm_90a, H=64 D=128).
+    "fp32": IndexerConfig(BN=32, NCOLS=64, num_warps=8, num_stages=2),
+}
+
+
+def _config(a: IndexerArgs) -> IndexerConfig:
+    return _CONFIGS["fp32" if a.q.dtype == torch.float32 else "mma"]
+
+
+def _dims(a: IndexerArgs, cfg: IndexerConfig) -> Tuple[int, int, int]:
+    H, D = a.q.shape[1], a.q.shape[2]
+    HP = triton.next_power_of_2(H)
+    DP = max(16, triton.next_power_of_2(D))
+    BQ = max(1, cfg.NCOLS // HP, 16 // HP)
+    return BQ, HP, DP
+
+
+# --------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------
+
+
+def supports(a: IndexerArgs) -> Optional[str]:
+    if a.q.dtype not in _FLOAT:
+        return f"triton indexer takes fp32/fp16/bf16 q, got {a.q.dtype}"
+    if a.k.dtype != a.q.dtype:
+        return f"triton indexer needs k in q's dtype ({a.q.dtype}), got {a.k.dtype}"
+    if a.weights.dtype not in _FLOAT:
+        return f"triton indexer takes fp32/fp16/bf16 weights, got {a.weights.dtype}"
+    if a.q.shape[1] > _MAX_HEADS:
+        return f"triton indexer supports up to {_MAX_HEADS} heads, got {a.q.shape[1]}"
+    if a.q.shape[2] > _MAX_DIM:
+        return f"triton indexer supports head dims up to {_MAX_DIM}, got {a.q.shape[2]}"
+    if a.q.shape[0] >= 2**31 or a.k.shape[0] >= 2**31:
+        return "triton indexer: token counts must fit in int32"
+    return None
+
+
+def _block_tables(a: IndexerArgs, BQ: int, rows_per_chunk: int, n_chunks: int) -> torch.Tensor:
+    """[n_chunks, B+1] int32 cumulative block counts (see _block_table_kernel)."""
+    B = a.batch
+    out = torch.empty((n_chunks, B + 1), dtype=torch.int32, device=a.q.device)
+    _block_table_kernel[(n_chunks,)](
+        a.cu_seqlens_q, out, B, a.q.shape[0], rows_per_chunk,
+        BQ=BQ, BLOCK_B=min(_TABLE_BLOCK, max(16, triton.next_power_of_2(B))), num_warps=4,
+    )
+    return out
+
+
+def _launch_scores(a: IndexerArgs, out: torch.Tensor, blk_cum: torch.Tensor, row_begin: int, row_end: int) -> None:
+    """Score rows [row_begin, row_end) of the packed queries into out[0 : row_end - row_begin]."""
+    cfg = _config(a)
+    BQ, HP, DP = _dims(a, cfg)
+    H, D = a.q.shape[1], a.q.shape[2]
+    B = a.batch
+    grid = (triton.cdiv(row_end - row_begin, BQ) + B,)  # >= the block count; spare programs exit
+    _indexer_scores_kernel[grid](
+        a.q, a.k, a.weights, out,
+        a.cu_seqlens_q, a.cu_seqlens_k, a.q_offsets, blk_cum,
+        row_begin, row_end, B, max(0, (B - 1).bit_length()), a.max_seqlen_k, a.ratio, float(a.sm_scale),
+        a.q.stride(0), a.q.stride(1), a.k.stride(0), a.weights.stride(0), out.stride(0),
+        H, D,
+        CAUSAL=bool(a.causal), BQ=BQ, HP=HP, DP=DP, BN=cfg.BN,
+        PRECISION="ieee" if a.q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def scores(a: IndexerArgs) -> torch.Tensor:
+    """-> [Tq, max_seqlen_k] fp32 (-inf where not visible)."""
+    Tq = a.q.shape[0]
+    out = torch.empty((Tq, a.max_seqlen_k), dtype=torch.float32, device=a.q.device)
+    BQ, _, _ = _dims(a, _config(a))
+    _launch_scores(a, out, _block_tables(a, BQ, Tq, 1)[0], 0, Tq)
+    return out
+
+
+def chunk_rows(Tq: int, S_k: int, topk: int) -> int:
+    """Query rows per chunk of ``indexer_topk``: the chunk's scores take about
+    max(Tq*topk/4, 2**25) floats, whatever S_k is (at least one row)."""
+    budget = max(Tq * topk // 4, 1 << 25)
+    return max(1, min(Tq, budget // max(1, S_k)))
+
+
+def indexer_topk(a: IndexerArgs, topk: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """-> (indices [Tq, topk] int32 local key positions, -1 padded; lengths [Tq] int32)."""
+    Tq, S = a.q.shape[0], a.max_seqlen_k
+    dev = a.q.device
+    indices = torch.empty((Tq, topk), dtype=torch.int32, device=dev)
+    lengths = torch.empty((Tq,), dtype=torch.int32, device=dev)
+    rows = chunk_rows(Tq, S, topk)
+    starts = list(range(0, Tq, rows))
+    BQ, _, _ = _dims(a, _config(a))
+    tables = _block_tables(a, BQ, rows, len(starts))
+    scratch = torch.empty((min(rows, Tq), S), dtype=torch.float32, device=dev)
+    for c, r0 in enumerate(starts):
+        r1 = min(r0 + rows, Tq)
+        _launch_scores(a, scratch, tables[c], r0, r1)
+        _topk.launch(scratch[: r1 - r0], topk, indices[r0:r1], lengths[r0:r1])
+    return indices, lengths

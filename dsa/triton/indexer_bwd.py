@@ -1,0 +1,303 @@
+"""Triton backward of the indexer: sparse logits, the fused KL loss and dense ``indexer_scores``.
+
+One program per query row t recomputes the dots s[h, j] = q[t, h] . k_j of its
+slots (the forward never stores the [T, K, H_i] products) and, with g_j the
+gradient of logit j,
+
+    ds[h, j]   = g_j * sm_scale * weights[t, h] * [s[h, j] > 0]
+    dq[t]      = ds @ K_slots                       [H_i, D_i]   (registers, one store)
+    dweights[t, h] = sm_scale * sum_j g_j * relu(s[h, j])          (registers, one store)
+    dk[idx_j] += (ds^T @ q[t])[j]                   [BK, D_i]    scattered, fp32
+
+g_j comes from one of three sources (the ``MODE`` of the kernel):
+
+* SPARSE: dlogits[t, j] of ``sparse_indexer_scores``;
+* KL: (softmax_j * S - target_j) with the forward's per-row lse and S = sum of
+  valid target (dsa/triton/training.py), recomputing the logit; the loss's
+  1/R * dloss scale is applied to dq, dk and dweights after the MMAs, so the
+  fp16 operand ds stays far from underflow (1/R alone is ~1e-4 at T = 4096);
+* DENSE: dscores of ``indexer_scores``; slot j of row i is key
+  cu_seqlens_k[b] + j, valid iff j < the row's visible limit.
+
+dk accumulation. By default the [BK, D_i] tiles go to an fp32 buffer with
+relaxed (vectorised) atomics. With ``deterministic=True`` one pass computes
+dq and dweights only; then, chunk by chunk of query rows, one program per
+(row, slot block) recomputes its dots and writes each slot's dk row to a
+workspace, the chunk's valid slots are stably sorted by key (torch.sort), and
+one program per key sums its rows in that fixed order into dk. Every sum has
+a fixed order, so dk is bitwise reproducible; the price is the recomputed
+dots and the workspace traffic (the workspace is bounded, 64 MiB).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from dsa._args import IndexerArgs, SparseIndexerArgs
+from dsa.reference_training import dense_rows, slot_validity
+from dsa.triton.training import _pow2, _prec, indexer_reason
+
+MODE_SPARSE, MODE_KL, MODE_DENSE = 0, 1, 2
+DK_ATOMIC, DK_SLOTS, DK_NONE = 0, 1, 2
+
+# deterministic mode: bytes of the per-chunk dk workspace (fp32 [rows, K, D_i])
+_WORKSPACE_BYTES = 64 << 20
+
+
+@triton.jit
+def _indexer_bwd_kernel(
+    Q,  # [T, H, D]
+    Kp,  # [N, D]
+    W,  # [T, H]
+    IDX,  # [T, K] int32 (SPARSE, KL)
+    LEN,  # [T] int32: topk_length (HAS_LEN) or the visible limit (DENSE)
+    BASE,  # [T] int32 first key row of the row's sequence (DENSE)
+    GIN,  # [T, stride_g] fp32: dlogits (SPARSE), target (KL), dscores (DENSE)
+    STATS,  # [T, 4] fp32 from the KL forward (columns: dsa.reference_training.STAT_*)
+    SCALE,  # [] fp32: dloss / max(R, 1) (KL)
+    DQ,  # [T, H, D] q.dtype
+    DK,  # [N, D] fp32 accumulator (DK_ATOMIC), or the per-slot workspace [C, K, D] (DK_SLOTS)
+    DW,  # [T, H] weights.dtype
+    sm_scale,
+    N,
+    K,
+    stride_g,
+    t_start,
+    H: tl.constexpr,
+    BH: tl.constexpr,
+    D: tl.constexpr,
+    BD: tl.constexpr,
+    BK: tl.constexpr,
+    HAS_LEN: tl.constexpr,
+    MODE: tl.constexpr,
+    DK_MODE: tl.constexpr,  # 0: atomics into DK, 1: per-slot rows into the workspace, 2: no dk
+    SPLIT: tl.constexpr,  # one slot block per program (axis 1), dk only: no dq / dweights
+    PREC: tl.constexpr,
+):
+    t = t_start + tl.program_id(0).to(tl.int64)
+    o_h = tl.arange(0, BH)
+    m_h = o_h < H
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    m_hd = m_h[:, None] & m_d[None, :]
+    b_q = tl.load(Q + t * (H * D) + o_h[:, None] * D + o_d[None, :], mask=m_hd, other=0.0)  # [BH, BD]
+    b_ws = tl.load(W + t * H + o_h, mask=m_h, other=0.0).to(tl.float32) * sm_scale  # [BH]
+    length = K
+    if HAS_LEN:
+        length = tl.minimum(tl.maximum(tl.load(LEN + t), 0), K)
+    if MODE == 2:
+        base = tl.load(BASE + t).to(tl.int64)
+    if MODE == 1:
+        lse = tl.load(STATS + t * 4 + 1)
+        tsum = tl.load(STATS + t * 4 + 2)
+    b_dq = tl.zeros([BH, BD], tl.float32)
+    b_dw = tl.zeros([BH], tl.float32)
+    k_lo = 0
+    if SPLIT:
+        k_lo = tl.program_id(1) * BK
+        length = tl.minimum(length, k_lo + BK)
+    for k0 in range(k_lo, length, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < length
+        if MODE == 2:
+            rows = base + o_k
+            valid = m_k
+        else:
+            idx = tl.load(IDX + t * K + o_k, mask=m_k, other=-1)
+            valid = m_k & (idx >= 0) & (idx < N)
+            rows = idx.to(tl.int64)
+        b_k = tl.load(Kp + rows[:, None] * D + o_d[None, :], mask=valid[:, None] & m_d[None, :], other=0.0)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)  # [BH, BK]
+        b_relu = tl.where(valid[None, :], tl.maximum(b_s, 0.0), 0.0)
+        if MODE == 1:
+            b_lg = tl.sum(b_relu * b_ws[:, None], 0)
+            b_t = tl.load(GIN + t * stride_g + o_k, mask=valid, other=0.0)
+            b_g = tl.exp(b_lg - lse) * tsum - b_t  # [BK], unscaled (see the module header)
+        else:
+            b_g = tl.load(GIN + t * stride_g + o_k, mask=valid, other=0.0)
+        b_g = tl.where(valid, b_g, 0.0)
+        b_ds = tl.where((b_s > 0.0) & valid[None, :], b_g[None, :] * b_ws[:, None], 0.0)  # [BH, BK]
+        if not SPLIT:
+            b_dw += tl.sum(b_relu * b_g[None, :], 1)
+            b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, b_dq, input_precision=PREC)  # [BH, BD]
+        if DK_MODE != 2:
+            b_dk = tl.dot(tl.trans(b_ds).to(b_q.dtype), b_q, input_precision=PREC)  # [BK, BD]
+            if MODE == 1:
+                b_dk = b_dk * tl.load(SCALE)
+            m_kd = valid[:, None] & m_d[None, :]
+            if DK_MODE == 1:
+                p_ws = DK + (tl.program_id(0).to(tl.int64) * K + o_k)[:, None] * D + o_d[None, :]
+                tl.store(p_ws, b_dk, mask=m_kd)
+            else:
+                tl.atomic_add(DK + rows[:, None] * D + o_d[None, :], b_dk, mask=m_kd, sem="relaxed")
+    if not SPLIT:
+        if MODE == 1:
+            scale = tl.load(SCALE)
+            b_dq = b_dq * scale
+            b_dw = b_dw * scale
+        tl.store(DQ + t * (H * D) + o_h[:, None] * D + o_d[None, :], b_dq.to(DQ.dtype.element_ty), mask=m_hd)
+        tl.store(DW + t * H + o_h, (b_dw * sm_scale).to(DW.dtype.element_ty), mask=m_h)
+
+
+@triton.jit
+def _segment_sum_kernel(
+    WS,  # [C * K, D] fp32 per-slot dk rows of one chunk
+    ORDER,  # [C * K] int64: slot ids sorted by key (stable)
+    START,  # [N + 1] int64: key n owns ORDER[START[n]:START[n+1]]
+    DK,  # [N, D] fp32
+    D: tl.constexpr,
+    BD: tl.constexpr,
+    BP: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    s = tl.load(START + n)
+    e = tl.load(START + n + 1)
+    if e > s:
+        o_d = tl.arange(0, BD)
+        m_d = o_d < D
+        acc = tl.zeros([BD], tl.float32)
+        for p0 in range(s, e, BP):
+            o_p = p0 + tl.arange(0, BP)
+            m_p = o_p < e
+            slot = tl.load(ORDER + o_p, mask=m_p, other=0)
+            rows = tl.load(WS + slot[:, None] * D + o_d[None, :], mask=m_p[:, None] & m_d[None, :], other=0.0)
+            acc += tl.sum(rows, 0)  # a fixed reduction tree: the same bits every run
+        p_dk = DK + n * D + o_d
+        tl.store(p_dk, tl.load(p_dk, mask=m_d) + acc, mask=m_d)
+
+
+# --------------------------------------------------------------------------
+# configs
+
+
+@dataclass(frozen=True)
+class Config:
+    BK: int
+    num_warps: int
+    num_stages: int
+
+
+# H_i = 64, D_i = 128: dq [64, 128] fp32 accumulates in registers across the row. H200 bf16,
+# KL backward at T=4096, K=2048: (BK, warps, stages) = (32,4,2) 2.98 ms; (32,4,1) 2.93; (32,4,3) 3.06;
+# (16,4,2) 3.24; (64,8,2) 4.52; (32,8,2) 6.01; (32,8,3) 6.17 (one warpgroup: 2 CTAs per SM).
+BWD_CONFIG = Config(BK=32, num_warps=4, num_stages=2)
+SEGMENT_BP = 16
+
+
+def bwd_config(K: int) -> Config:
+    return Config(min(BWD_CONFIG.BK, _pow2(K)), BWD_CONFIG.num_warps, BWD_CONFIG.num_stages)
+
+
+def supports(args) -> Optional[str]:
+    if isinstance(args, (SparseIndexerArgs, IndexerArgs)):
+        return indexer_reason(args.q, args.weights)
+    return f"triton: no kernel for {type(args).__name__}"
+
+
+# --------------------------------------------------------------------------
+# host functions
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """What one backward launch needs, whatever the mode."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    weights: torch.Tensor
+    indices: torch.Tensor  # [T, K] (any int32 tensor in DENSE mode)
+    length: Optional[torch.Tensor]  # [T] int32 or None
+    base: Optional[torch.Tensor]  # [T] int32 (DENSE)
+    grad_in: torch.Tensor  # [T, >= K] fp32
+    stats: Optional[torch.Tensor]
+    scale: Optional[torch.Tensor]
+    sm_scale: float
+    K: int
+    mode: int
+
+
+def _launch(p: _Problem, dq, dw, dk, t_start: int, rows: int, dk_mode: int, split: bool) -> None:
+    T, H, D = p.q.shape
+    cfg = bwd_config(p.K)
+    dummy = p.indices
+    grid = (rows, triton.cdiv(p.K, cfg.BK)) if split else (rows,)
+    _indexer_bwd_kernel[grid](
+        p.q, p.k, p.weights, p.indices,
+        dummy if p.length is None else p.length,
+        dummy if p.base is None else p.base,
+        p.grad_in,
+        p.grad_in if p.stats is None else p.stats,
+        p.grad_in if p.scale is None else p.scale,
+        dq, dk, dw, p.sm_scale, p.k.shape[0], p.K, p.grad_in.stride(0), t_start,
+        H=H, BH=_pow2(H), D=D, BD=_pow2(D), BK=cfg.BK,
+        HAS_LEN=p.length is not None, MODE=p.mode, DK_MODE=dk_mode, SPLIT=split, PREC=_prec(p.q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _chunk_keys(p: _Problem, t0: int, t1: int) -> torch.Tensor:
+    """Key of every slot of rows [t0, t1), N for an invalid one (sorted last, never summed)."""
+    N = p.k.shape[0]
+    length = None if p.length is None else p.length[t0:t1]
+    valid, safe = slot_validity(p.indices[t0:t1], length, N)
+    return torch.where(valid, safe, N).view(-1)
+
+
+def _backward(p: _Problem, deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    T, _, D = p.q.shape
+    N = p.k.shape[0]
+    dq = torch.empty_like(p.q)
+    dw = torch.empty_like(p.weights)
+    dk = torch.zeros(N, D, device=p.k.device, dtype=torch.float32)
+    if not deterministic:
+        _launch(p, dq, dw, dk, 0, T, DK_ATOMIC, False)
+        return dq, dk.to(p.k.dtype), dw
+    # dq and dweights: one program per row, as above, without dk
+    _launch(p, dq, dw, dk, 0, T, DK_NONE, False)
+    # dk: per-slot rows of a chunk of query rows, one program per (row, slot block) so that
+    # even a small chunk fills the GPU; then a fixed-order sum per key
+    rows = max(1, min(T, _WORKSPACE_BYTES // (p.K * D * 4)))
+    ws = torch.empty(rows * p.K, D, device=p.q.device, dtype=torch.float32)
+    keys_n = torch.arange(N + 1, device=p.q.device)
+    for t0 in range(0, T, rows):
+        t1 = min(T, t0 + rows)
+        _launch(p, dq, dw, ws, t0, t1 - t0, DK_SLOTS, True)
+        keys, order = torch.sort(_chunk_keys(p, t0, t1), stable=True)
+        start = torch.searchsorted(keys, keys_n)
+        _segment_sum_kernel[(N,)](ws, order, start, dk, D=D, BD=_pow2(D), BP=SEGMENT_BP, num_warps=4)
+    return dq, dk.to(p.k.dtype), dw
+
+
+def _sparse_problem(a: SparseIndexerArgs, grad_in, stats, scale, mode) -> _Problem:
+    return _Problem(
+        a.q, a.k, a.weights, a.indices, a.topk_length, None, grad_in, stats, scale, a.sm_scale, a.K, mode
+    )
+
+
+def sparse_indexer_bwd(a: SparseIndexerArgs, dlogits: torch.Tensor):
+    """-> dq, dk (fp32-accumulated), dweights of sparse_indexer_scores; dlogits [T, K]."""
+    p = _sparse_problem(a, dlogits.float().contiguous(), None, None, MODE_SPARSE)
+    return _backward(p, a.deterministic)
+
+
+def indexer_kl_bwd(a: SparseIndexerArgs, target: torch.Tensor, stats: torch.Tensor, scale: torch.Tensor):
+    """-> dq, dk, dweights of the KL loss; stats [T, 4] of the forward, scale = dloss / max(R, 1)."""
+    p = _sparse_problem(
+        a, target.float().contiguous(), stats.float().contiguous(), scale.float().reshape(()), MODE_KL
+    )
+    return _backward(p, a.deterministic)
+
+
+def indexer_scores_bwd(a: IndexerArgs, dscores: torch.Tensor):
+    """-> dq, dk, dweights of indexer_scores; dscores [T_q, max_seqlen_k], ignored where not visible."""
+    base, limit = dense_rows(a)
+    p = _Problem(
+        a.q, a.k, a.weights, base, limit, base, dscores.float().contiguous(), None, None,
+        a.sm_scale, a.max_seqlen_k, MODE_DENSE,
+    )
+    return _backward(p, False)

@@ -1,0 +1,362 @@
+"""Triton kernels of indexer training, forward side: attention targets and the sparse indexer.
+
+Attention target (one program per query row t and kv head g; M = H / H_kv
+query heads form the rows of the MMA, slots its columns):
+
+    s[h, j]      = sm_scale * q[t, h] . kv[indices[t, g, j], g]      (all D dims)
+    target[t, g, j] = (1/M) sum_h exp(s[h, j] - lse[t, h])           (valid j, else 0)
+
+It recomputes only S = Q K^T (no P V) and reuses the forward's lse, so it
+costs 2*M*K*D per row. Scores are kept in the log2 domain (sm_scale * log2 e
+folded into one multiply, then exp2), as flash attention does. The dense
+target of the warm-up stage runs the same kernel with implicit slots (slot j
+of row i is key cu_seqlens_k[b] + j, valid iff j < its visible limit): a first
+pass computes lse over the visible keys, a second the target.
+
+Sparse indexer (one program per query row; H_i heads are the MMA rows, the
+whole D_i row stays in registers):
+
+    logits[t, j] = sm_scale * sum_h weights[t, h] * relu(q[t, h] . k[indices[t, j]])
+
+With KL=True the same loop never stores the logits: it keeps an online
+log-sum-exp (max m, sum l) and, relative to the running max m,
+    A = sum_j target_j * (logit_j - m)      B = sum_j target_j * log target_j
+    S = sum_j target_j
+(rebasing A by (m_old - m_new) * S when the max grows), so that
+    loss_t = B - A + log(l) * S = sum_j target_j (log target_j - log_softmax_j)
+without subtracting two large numbers. It writes per-row stats
+(loss_t, lse, S, has-a-valid-slot) for the backward (dsa/triton/indexer_bwd.py).
+
+Validity (sparse attention's rule): slot j is valid iff j < clamp(topk_length[t], 0, K)
+and 0 <= index < N. Every gather is masked with it, so an invalid slot is
+never read; loops end at the row's last valid block; row offsets are int64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from dsa._args import DenseTargetArgs, IndexerArgs, SparseAttnArgs, SparseIndexerArgs
+from dsa.reference_training import dense_rows
+
+_LOG2E = 1.4426950408889634
+
+# the most query heads one program holds as MMA rows, and the widest indexer row
+MAX_HEADS = 128
+MAX_INDEXER_DIM = 256
+
+
+# --------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _target_kernel(
+    Q,  # [T, H, D]
+    KV,  # [N, G, D] (dense: [T_k, 1, D])
+    IDX,  # [T, G, K] int32 (unused when IMPLICIT)
+    LEN,  # [T] int32: topk_length, or the visible limit when IMPLICIT
+    BASE,  # [T] int32: first key row of the row's sequence (IMPLICIT only)
+    LSE,  # [T, H] fp32: read (target pass) or written (LSE_PASS)
+    OUT,  # [T, G, K] fp32, zero-initialised
+    sm_scale,
+    N,
+    K,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    M: tl.constexpr,  # query heads per kv head
+    BM: tl.constexpr,
+    D: tl.constexpr,
+    BD: tl.constexpr,
+    BK: tl.constexpr,
+    HAS_LEN: tl.constexpr,
+    IMPLICIT: tl.constexpr,
+    LSE_PASS: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    o_m = tl.arange(0, BM)
+    m_m = o_m < M
+    o_bd = tl.arange(0, BD)
+    p_q = Q + t * (H * D) + (g * M + o_m)[:, None] * D  # [BM, 1]
+    length = K
+    if HAS_LEN:
+        length = tl.minimum(tl.maximum(tl.load(LEN + t), 0), K)
+    if IMPLICIT:
+        base = tl.load(BASE + t).to(tl.int64)
+    qk_scale = sm_scale * 1.4426950408889634  # log2 domain: one multiply, then exp2
+    p_lse = LSE + t * H + g * M + o_m
+    if LSE_PASS:
+        b_m = tl.full([BM], float("-inf"), tl.float32)
+        b_l = tl.zeros([BM], tl.float32)
+    else:
+        # padded heads read +inf: exp2(s - inf) = 0
+        b_lse = tl.load(p_lse, mask=m_m, other=float("inf")) * 1.4426950408889634
+    for k0 in range(0, length, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < length
+        if IMPLICIT:
+            rows = base + o_k
+            valid = m_k
+        else:
+            idx = tl.load(IDX + (t * G + g) * K + o_k, mask=m_k, other=-1)
+            valid = m_k & (idx >= 0) & (idx < N)
+            rows = idx.to(tl.int64)
+        p_kv = KV + (rows * G + g) * D  # [BK]
+        b_s = tl.zeros([BM, BK], tl.float32)
+        # the D reduction as a dynamic loop: its loads are software-pipelined
+        for d0 in range(0, D, BD):
+            o_d = d0 + o_bd
+            m_d = o_d < D
+            b_q = tl.load(p_q + o_d[None, :], mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BM, BD]
+            # K^T loaded as [BD, BK] (not a transposed [BK, BD]) so the pipeliner feeds the MMA directly
+            b_kt = tl.load(p_kv[None, :] + o_d[:, None], mask=m_d[:, None] & valid[None, :], other=0.0)
+            b_s = tl.dot(b_q, b_kt, b_s, input_precision=PREC)  # [BM, BK]
+        b_s = b_s * qk_scale
+        if LSE_PASS:
+            b_s = tl.where(valid[None, :], b_s, float("-inf"))
+            b_mn = tl.maximum(b_m, tl.max(b_s, 1))
+            b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)  # no valid key yet: avoid -inf - -inf
+            b_l = b_l * tl.exp2(b_m - b_ms) + tl.sum(tl.exp2(b_s - b_ms[:, None]), 1)
+            b_m = b_mn
+        else:
+            b_p = tl.exp2(b_s - b_lse[:, None])
+            b_p = tl.where(m_m[:, None] & valid[None, :], b_p, 0.0)
+            tl.store(OUT + (t * G + g) * K + o_k, tl.sum(b_p, 0) / M, mask=m_k)
+    if LSE_PASS:
+        # natural-log lse; +inf on a row with no visible key (sparse attention's convention)
+        lse = tl.where(b_l > 0, (b_m + tl.log2(b_l)) / 1.4426950408889634, float("inf"))
+        tl.store(p_lse, lse, mask=m_m)
+
+
+@triton.jit
+def _sparse_indexer_fwd_kernel(
+    Q,  # [T, H, D]
+    Kp,  # [N, D]
+    W,  # [T, H]
+    IDX,  # [T, K] int32
+    LEN,  # [T] int32 (HAS_LEN)
+    TGT,  # [T, K] fp32 (KL)
+    OUT,  # [T, K] fp32 logits, -inf-initialised (not KL)
+    STATS,  # [T, 4] fp32 (KL): loss_t, lse, sum target, has a valid slot
+    sm_scale,
+    N,
+    K,
+    H: tl.constexpr,
+    BH: tl.constexpr,
+    D: tl.constexpr,
+    BD: tl.constexpr,
+    BK: tl.constexpr,
+    HAS_LEN: tl.constexpr,
+    KL: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    o_h = tl.arange(0, BH)
+    m_h = o_h < H
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    b_q = tl.load(Q + t * (H * D) + o_h[:, None] * D + o_d[None, :], mask=m_h[:, None] & m_d[None, :], other=0.0)
+    b_w = tl.load(W + t * H + o_h, mask=m_h, other=0.0).to(tl.float32) * sm_scale  # [BH]
+    length = K
+    if HAS_LEN:
+        length = tl.minimum(tl.maximum(tl.load(LEN + t), 0), K)
+    if KL:
+        b_m = tl.full([], float("-inf"), tl.float32)
+        b_l = tl.zeros([], tl.float32)
+        b_a = tl.zeros([], tl.float32)  # sum target * (logit - m)
+        b_b = tl.zeros([], tl.float32)  # sum target * log target
+        b_ts = tl.zeros([], tl.float32)  # sum target
+        n_valid = tl.zeros([], tl.int32)
+    for k0 in range(0, length, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < length
+        idx = tl.load(IDX + t * K + o_k, mask=m_k, other=-1)
+        valid = m_k & (idx >= 0) & (idx < N)
+        b_kt = tl.load(
+            Kp + idx.to(tl.int64)[None, :] * D + o_d[:, None], mask=m_d[:, None] & valid[None, :], other=0.0
+        )  # [BD, BK]: K^T as the MMA's B operand, loaded in that shape so it is pipelined
+        b_s = tl.dot(b_q, b_kt, input_precision=PREC)  # [BH, BK]
+        b_lg = tl.sum(tl.maximum(b_s, 0.0) * b_w[:, None], 0)  # [BK]
+        b_lg = tl.where(valid, b_lg, float("-inf"))
+        if KL:
+            b_t = tl.load(TGT + t * K + o_k, mask=valid, other=0.0)
+            live = valid & (b_t != 0.0)  # target 0 counts 0 (and an invalid slot's target is ignored)
+            b_mn = tl.maximum(b_m, tl.max(b_lg, 0))
+            b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
+            b_a += tl.where(b_m == float("-inf"), 0.0, (b_m - b_ms) * b_ts)  # rebase A to the new max
+            b_l = b_l * tl.exp(b_m - b_ms) + tl.sum(tl.exp(b_lg - b_ms), 0)
+            b_a += tl.sum(tl.where(live, b_t * (b_lg - b_ms), 0.0), 0)
+            b_b += tl.sum(tl.where(live, b_t * tl.log(b_t), 0.0), 0)
+            b_ts += tl.sum(tl.where(valid, b_t, 0.0), 0)
+            n_valid += tl.sum(valid.to(tl.int32), 0)
+            b_m = b_mn
+        else:
+            tl.store(OUT + t * K + o_k, b_lg, mask=m_k)
+    if KL:
+        has = n_valid > 0
+        log_l = tl.log(b_l)  # = lse - m
+        loss = tl.where(has, b_b - b_a + log_l * b_ts, 0.0)
+        p_st = STATS + t * 4
+        tl.store(p_st, loss)
+        tl.store(p_st + 1, tl.where(has, b_m + log_l, float("-inf")))
+        tl.store(p_st + 2, b_ts)
+        tl.store(p_st + 3, has.to(tl.float32))
+
+
+# --------------------------------------------------------------------------
+# configs
+
+
+@dataclass(frozen=True)
+class Config:
+    """Tile sizes and launch shape of one kernel."""
+
+    BK: int  # slots per block
+    BD: int  # head-dim chunk
+    num_warps: int
+    num_stages: int
+
+
+# attention target, by query heads per program (MMA rows); BD 64 divides 576 and 512.
+# H200 bf16, V3.2 step (T=4096, H=128, D=576, K=2048; python bench/test_bench_training.py --sweep):
+# (BK, BD, warps, stages) = (64,64,4,3) 3.40 ms (364 TFLOP/s); (64,64,8,3) 3.72; (128,32,8,4) 3.88;
+# (64,64,8,2) 4.30; (128,64,8,2) 5.25; (64,32,4,4) 5.66; second run (64,64,4,3) 3.48, (64,64,4,4) 3.53,
+# (64,64,4,2) 3.98, (32,64,4,3) 8.96. The 64- and 32-head rows are not measured.
+TARGET_CONFIGS = {
+    128: Config(BK=64, BD=64, num_warps=4, num_stages=3),
+    64: Config(BK=64, BD=64, num_warps=4, num_stages=3),
+    0: Config(BK=32, BD=64, num_warps=4, num_stages=2),  # <= 32 heads
+}
+# sparse indexer / KL forward, whole D_i row per tile. H200 bf16, T=4096, H_i=64, D_i=128, K=2048:
+# (BK, warps, stages) = (32,4,4) 0.97 ms; (32,4,3) 0.97; (32,4,5) 0.99; (64,4,3) 1.09; (16,4,4) 1.30;
+# (64,8,3) 1.62; (128,8,3) 1.92.
+INDEXER_FWD_CONFIG = Config(BK=32, BD=0, num_warps=4, num_stages=4)
+
+
+def _pow2(x: int, low: int = 16) -> int:
+    return max(low, triton.next_power_of_2(x))
+
+
+def _prec(dtype: torch.dtype) -> str:
+    # fp32 inputs are computed in full fp32 (DESIGN.md), not TF32
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def target_config(M: int, D: int, K: int) -> Config:
+    cfg = TARGET_CONFIGS[128 if M > 64 else (64 if M > 32 else 0)]
+    return Config(min(cfg.BK, _pow2(K)), min(cfg.BD, _pow2(D)), cfg.num_warps, cfg.num_stages)
+
+
+def indexer_fwd_config(D: int, K: int) -> Config:
+    c = INDEXER_FWD_CONFIG
+    return Config(min(c.BK, _pow2(K)), _pow2(D), c.num_warps, c.num_stages)
+
+
+# --------------------------------------------------------------------------
+# supports
+
+
+def _dtype_reason(q: torch.Tensor) -> Optional[str]:
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"triton: {str(q.dtype).replace('torch.', '')} inputs are not implemented (use the reference)"
+    return None
+
+
+def _heads_reason(m: int, what: str) -> Optional[str]:
+    if m > MAX_HEADS:
+        return f"triton: more than {MAX_HEADS} {what} per program is not implemented (got {m})"
+    return None
+
+
+def indexer_reason(q: torch.Tensor, weights: torch.Tensor) -> Optional[str]:
+    """Why the Triton indexer-training kernels cannot serve these inputs (None if they can)."""
+    why = _dtype_reason(q) or _heads_reason(q.shape[1], "indexer heads")
+    if why is None and weights.dtype == torch.float64:
+        why = "triton: float64 weights are not implemented (use the reference)"
+    if why is None and q.shape[2] > MAX_INDEXER_DIM:
+        why = f"triton: an indexer head dim above {MAX_INDEXER_DIM} is not implemented (got {q.shape[2]})"
+    return why
+
+
+def supports(args) -> Optional[str]:
+    if isinstance(args, SparseAttnArgs):
+        return _dtype_reason(args.q) or _heads_reason(args.H // args.G, "query heads per kv head")
+    if isinstance(args, DenseTargetArgs):
+        return _dtype_reason(args.q) or _heads_reason(args.q.shape[1], "query heads")
+    if isinstance(args, (SparseIndexerArgs, IndexerArgs)):
+        return indexer_reason(args.q, args.weights)
+    return f"triton: no kernel for {type(args).__name__}"
+
+
+# --------------------------------------------------------------------------
+# host functions
+
+
+def _launch_target(q, kv, idx, length, base, lse, out, sm_scale, N, K, G, *, has_len, implicit, lse_pass):
+    T, H, D = q.shape
+    M = H // G
+    cfg = target_config(M, D, K)
+    _target_kernel[(T, G)](
+        q, kv, idx, length, base, lse, out, sm_scale, N, K,
+        H=H, G=G, M=M, BM=_pow2(M), D=D, BD=cfg.BD, BK=cfg.BK,
+        HAS_LEN=has_len, IMPLICIT=implicit, LSE_PASS=lse_pass, PREC=_prec(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def attention_target(a: SparseAttnArgs, lse: torch.Tensor) -> torch.Tensor:
+    """-> target [T, G, K] fp32; lse [T, H] fp32 from the sparse attention forward."""
+    out = torch.zeros(a.T, a.G, a.K, device=a.q.device, dtype=torch.float32)
+    length = a.indices if a.topk_length is None else a.topk_length  # any tensor when HAS_LEN is off
+    _launch_target(
+        a.q, a.kv, a.indices, length, a.indices, lse.float().contiguous(), out, a.sm_scale, a.N, a.K, a.G,
+        has_len=a.topk_length is not None, implicit=False, lse_pass=False,
+    )
+    return out
+
+
+def dense_attention_target(a: DenseTargetArgs) -> torch.Tensor:
+    """-> target [T_q, max_seqlen_k] fp32: an lse pass over the visible keys, then the target pass."""
+    Tq, H, _ = a.q.shape
+    base, limit = dense_rows(a)
+    kv = a.kv.view(a.kv.shape[0], 1, a.kv.shape[1])
+    lse = torch.empty(Tq, H, device=a.q.device, dtype=torch.float32)
+    out = torch.zeros(Tq, a.max_seqlen_k, device=a.q.device, dtype=torch.float32)
+    for lse_pass in (True, False):
+        _launch_target(
+            a.q, kv, base, limit, base, lse, out, a.sm_scale, kv.shape[0], a.max_seqlen_k, 1,
+            has_len=True, implicit=True, lse_pass=lse_pass,
+        )
+    return out
+
+
+def _launch_indexer_fwd(a: SparseIndexerArgs, target, out, stats, *, kl: bool) -> None:
+    cfg = indexer_fwd_config(a.D, a.K)
+    length = a.indices if a.topk_length is None else a.topk_length
+    _sparse_indexer_fwd_kernel[(a.T,)](
+        a.q, a.k, a.weights, a.indices, length, target, out, stats, a.sm_scale, a.N, a.K,
+        H=a.H, BH=_pow2(a.H), D=a.D, BD=cfg.BD, BK=cfg.BK,
+        HAS_LEN=a.topk_length is not None, KL=kl, PREC=_prec(a.q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def sparse_indexer_fwd(a: SparseIndexerArgs) -> torch.Tensor:
+    """-> logits [T, K] fp32, -inf on invalid slots."""
+    out = torch.full((a.T, a.K), float("-inf"), device=a.q.device, dtype=torch.float32)
+    _launch_indexer_fwd(a, out, out, out, kl=False)
+    return out
+
+
+def indexer_kl_fwd(a: SparseIndexerArgs, target: torch.Tensor) -> torch.Tensor:
+    """-> stats [T, 4] fp32 (loss_t, lse of the logits, sum of valid target, has a valid slot)."""
+    stats = torch.empty(a.T, 4, device=a.q.device, dtype=torch.float32)
+    _launch_indexer_fwd(a, target.float().contiguous(), stats, stats, kl=True)
+    return stats

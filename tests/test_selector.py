@@ -1,0 +1,169 @@
+"""The backend selector: explain(), auto on CPU, DSA_BACKEND, DSA_DISABLE_CUTE
+and the ValueError of a backend that cannot serve the call."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import dsa
+
+OPS = ("sparse_attention", "indexer_scores", "topk_indices", "indexer_topk")
+
+
+def _inputs(device="cpu", dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    T, H, D, K, N = 4, 2, 32, 8, 16
+    q = torch.randn(T, H, D, generator=g).to(dtype).to(device)
+    kv = torch.randn(N, D, generator=g).to(dtype).to(device)
+    idx = torch.stack([torch.randperm(N, generator=g)[:K] for _ in range(T)]).int().to(device)
+    sink = torch.randn(H, generator=g).to(device)
+    qi = torch.randn(2, 5, 2, 32, generator=g).to(dtype).to(device)
+    ki = torch.randn(2, 6, 32, generator=g).to(dtype).to(device)
+    wi = torch.randn(2, 5, 2, generator=g).to(dtype).to(device)
+    return q, kv, idx, sink, qi, ki, wi
+
+
+def _op_args(op, device="cpu", dtype=torch.float32):
+    q, kv, idx, sink, qi, ki, wi = _inputs(device, dtype)
+    if op == "sparse_attention":
+        return (q, kv, idx), dict(sink=sink, d_v=16)
+    if op == "indexer_scores":
+        return (qi, ki, wi), dict(ratio=2)
+    if op == "indexer_topk":
+        return (qi, ki, wi, 3), dict(ratio=2)
+    return (torch.randn(6, 10, generator=torch.Generator().manual_seed(1)).to(device), 3), {}
+
+
+def _run_all(backend, device="cpu"):
+    """Forward (and sparse attention's backward) of every op with this backend."""
+    q, kv, idx, sink, qi, ki, wi = _inputs(device)
+    q.requires_grad_(True)
+    kv.requires_grad_(True)
+    sink.requires_grad_(True)
+    out, lse = dsa.sparse_attention(q, kv, idx, sink=sink, d_v=16, return_lse=True, backend=backend)
+    dq, dkv, dsink = torch.autograd.grad(out.sum(), (q, kv, sink))
+    scores = dsa.indexer_scores(qi, ki, wi, ratio=2, backend=backend)
+    top = dsa.topk_indices(scores, 3, return_lengths=True, backend=backend)
+    itop = dsa.indexer_topk(qi, ki, wi, 3, ratio=2, return_lengths=True, backend=backend)
+    return [out, lse, dq, dkv, dsink, scores, *top, *itop]
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No selector variables set for the test (restored afterwards)."""
+    monkeypatch.delenv("DSA_BACKEND", raising=False)
+    monkeypatch.delenv("DSA_DISABLE_CUTE", raising=False)
+    return monkeypatch
+
+
+# --------------------------------------------------------------------------
+# CPU
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_explain_names_reference_on_cpu(clean_env, op):
+    args, kw = _op_args(op)
+    before = dict(os.environ)
+    text = dsa.explain(op, *args, **kw)
+    assert dict(os.environ) == before, "explain changed the environment"
+    assert isinstance(text, str)
+    assert "reference" in text
+    # and it says why the GPU backends were not taken
+    assert "triton" in text.lower() and "cute" in text.lower()
+    assert "cuda" in text.lower()
+
+
+def test_auto_on_cpu_is_the_reference(clean_env):
+    """CPU tensors use the reference under auto, even with TRITON_INTERPRET=1."""
+    auto = _run_all("auto")
+    ref = _run_all("reference")
+    for a, r in zip(auto, ref):
+        assert torch.equal(a, r)
+
+
+def test_dsa_backend_reference_forces_it(clean_env, call):
+    clean_env.setenv("DSA_BACKEND", "reference")
+    args, kw = _op_args("sparse_attention")
+    assert "reference" in dsa.explain("sparse_attention", *args, **kw)
+    forced = _run_all("triton")  # the environment wins over the argument
+    clean_env.delenv("DSA_BACKEND")
+    ref = _run_all("reference")
+    for a, r in zip(forced, ref):
+        assert torch.equal(a, r)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-interpreter check")
+def test_dsa_backend_triton_forces_it_on_cpu(clean_env, call):
+    pytest.importorskip("triton")
+    clean_env.setenv("DSA_BACKEND", "triton")
+    q, kv, idx, sink, *_ = _inputs()
+    text = call(dsa.explain, "sparse_attention", q, kv, idx, sink=sink, d_v=16)
+    assert "triton" in text
+    assert "backend 'reference'" not in text
+    forced = call(dsa.sparse_attention, q, kv, idx, sink=sink, d_v=16, backend="auto")
+    clean_env.delenv("DSA_BACKEND")
+    direct = call(dsa.sparse_attention, q, kv, idx, sink=sink, d_v=16, backend="triton")
+    assert torch.equal(forced, direct)
+
+
+def test_dsa_backend_unknown_value(clean_env):
+    clean_env.setenv("DSA_BACKEND", "fastest")
+    q, kv, idx, *_ = _inputs()
+    with pytest.raises(ValueError, match="DSA_BACKEND"):
+        dsa.sparse_attention(q, kv, idx)
+
+
+def test_cute_on_cpu_raises_with_reason(clean_env):
+    q, kv, idx, *_ = _inputs()
+    with pytest.raises(ValueError, match="cute") as info:
+        dsa.sparse_attention(q, kv, idx, backend="cute")
+    assert len(str(info.value)) > len("backend 'cute'") + 10, "the error must say why"
+    with pytest.raises(ValueError, match="cute"):
+        dsa.topk_indices(torch.zeros(2, 4), 2, backend="cute")
+
+
+def test_triton_on_cpu_without_interpreter_raises(clean_env):
+    clean_env.delenv("TRITON_INTERPRET", raising=False)
+    q, kv, idx, *_ = _inputs()
+    with pytest.raises(ValueError, match="triton") as info:
+        dsa.sparse_attention(q, kv, idx, backend="triton")
+    assert "cpu" in str(info.value).lower() or "cuda" in str(info.value).lower()
+
+
+def test_explain_unknown_op():
+    q, kv, idx, *_ = _inputs()
+    with pytest.raises(ValueError, match="op"):
+        dsa.explain("dense_attention", q, kv, idx)
+
+
+# --------------------------------------------------------------------------
+# CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_explain_on_cuda_prefers_a_gpu_backend(clean_env, op):
+    args, kw = _op_args(op, "cuda", torch.bfloat16)
+    text = dsa.explain(op, *args, **kw)
+    assert "backend 'triton'" in text or "backend 'cute'" in text, text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_dsa_disable_cute_in_explain(clean_env, op):
+    clean_env.setenv("DSA_DISABLE_CUTE", "1")
+    args, kw = _op_args(op, "cuda", torch.bfloat16)
+    text = dsa.explain(op, *args, **kw)
+    assert "DSA_DISABLE_CUTE" in text, text
+    assert "backend 'cute'" not in text
+
+
+@pytest.mark.gpu
+def test_dsa_backend_reference_on_cuda(clean_env):
+    clean_env.setenv("DSA_BACKEND", "reference")
+    args, kw = _op_args("sparse_attention", "cuda", torch.bfloat16)
+    text = dsa.explain("sparse_attention", *args, **kw)
+    assert "backend 'reference'" in text and "backend 'triton'" not in text

@@ -1,0 +1,139 @@
+"""Kernel tests of dsa/triton/topk.py against a plain-torch form of the contract.
+
+CPU: the Triton interpreter on tiny rows (both the resident and the streaming
+kernel, the latter forced by a small ``resident_max``). GPU (``gpu`` marker):
+the benchmark sizes, ties included.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import pytest  # noqa: E402
+
+from dsa._args import TopkArgs  # noqa: E402
+from dsa.triton import topk as tk  # noqa: E402
+
+INF = float("inf")
+NAN = float("nan")
+
+
+def topk_contract(scores: torch.Tensor, k: int):
+    """DESIGN.md's top-k in plain torch: the k largest scores (NaN, -inf never),
+    ties to the smaller position, positions ascending, -1 padded."""
+    x = scores.double()
+    R, S = x.shape
+    valid = ~torch.isnan(x) & (x != -INF)
+    x = torch.where(valid, x, torch.full_like(x, -INF))
+    order = torch.sort(x, dim=1, descending=True, stable=True).indices  # ties: smaller position first
+    n_sel = valid.sum(dim=1).clamp(max=k)
+    width = min(k, S)
+    picked = order[:, :width]
+    keep = torch.arange(width, device=x.device)[None, :] < n_sel[:, None]
+    picked = torch.where(keep, picked, torch.full_like(picked, S))
+    picked = torch.sort(picked, dim=1).values
+    out = torch.full((R, k), -1, dtype=torch.int64, device=x.device)
+    out[:, :width] = torch.where(picked == S, torch.full_like(picked, -1), picked)
+    return out.to(torch.int32), n_sel.to(torch.int32)
+
+
+def _run(scores: torch.Tensor, k: int, **launch_kw):
+    if not launch_kw:
+        return tk.topk(TopkArgs(scores, k))
+    R = scores.shape[0]
+    idx = torch.full((R, k), 12345, dtype=torch.int32, device=scores.device)  # poisoned
+    lens = torch.full((R,), 12345, dtype=torch.int32, device=scores.device)
+    tk.launch(scores, k, idx, lens, **launch_kw)
+    return idx, lens
+
+
+def _special_rows(R: int, S: int, gen: torch.Generator) -> torch.Tensor:
+    """Integer-valued scores (many ties) with NaN, +-inf, -0.0 and degenerate rows."""
+    x = torch.randint(-4, 5, (R, S), generator=gen).float()
+    x[x == 4] = INF
+    x[x == -4] = -INF
+    x[0, :] = -INF  # nothing selectable
+    x[1, :] = NAN
+    x[2, ::3] = NAN
+    x[3, :] = 1.0  # all tied
+    x[4, 1::2] = -0.0
+    x[4, ::2] = 0.0
+    x[5, : S // 2] = -INF
+    return x
+
+
+KERNEL_PATHS = [
+    pytest.param({}, id="resident"),
+    pytest.param({"config": tk.ResidentConfig(num_warps=8)}, id="resident-8warps"),
+    pytest.param({"resident_max": 8, "chunk": 16}, id="stream"),
+]
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+@pytest.mark.parametrize("S,k", [(1, 1), (1, 3), (7, 3), (37, 5), (37, 37), (37, 50), (100, 17), (64, 64)])
+def test_ties_nan_inf(path, S, k):
+    gen = torch.Generator().manual_seed(S * 131 + k)
+    x = _special_rows(8, S, gen) if S >= 7 else torch.randint(-2, 3, (3, S), generator=gen).float()
+    idx, lens = _run(x, k, **path)
+    ref_idx, ref_len = topk_contract(x, k)
+    assert idx.dtype == torch.int32 and lens.dtype == torch.int32
+    assert torch.equal(lens, ref_len)
+    assert torch.equal(idx, ref_idx)
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_random_values(path, dtype):
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(5, 90, generator=gen) * 1e3).to(dtype)
+    x[1, 10:20] = x[1, 0]  # a tie run
+    idx, lens = _run(x, 11, **path)
+    ref_idx, ref_len = topk_contract(x, 11)
+    assert torch.equal(idx, ref_idx) and torch.equal(lens, ref_len)
+
+
+def test_extremes_order():
+    """Keys at the ends of the range: +-FLT_MAX, denormals, +inf, -inf, NaN."""
+    tiny = torch.finfo(torch.float32).tiny
+    big = torch.finfo(torch.float32).max
+    row = torch.tensor([[-big, big, INF, -INF, NAN, tiny / 4, -tiny / 4, 0.0, -0.0, 1.0, -1.0, INF]])
+    for k in range(1, 13):
+        idx, lens = _run(row, k)
+        ref_idx, ref_len = topk_contract(row, k)
+        assert torch.equal(idx, ref_idx) and torch.equal(lens, ref_len), k
+
+
+def test_strided_rows():
+    """A row-sliced view (row stride != S) is read correctly."""
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randint(-3, 4, (6, 50), generator=gen).float()
+    view = base[:, :40]
+    idx, lens = _run(view, 9, resident_max=tk.RESIDENT_MAX)
+    ref_idx, ref_len = topk_contract(view, 9)
+    assert torch.equal(idx, ref_idx) and torch.equal(lens, ref_len)
+
+
+def test_supports():
+    assert tk.supports(TopkArgs(torch.zeros(2, 3), 2)) is None
+    assert "fp32" in tk.supports(TopkArgs(torch.zeros(2, 3, dtype=torch.float64), 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,S,k", [(4096, 4096, 2048), (512, 16384, 2048), (64, 40000, 2048), (300, 3000, 4096)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpu_contract(R, S, k, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(R + S)
+    x = torch.randint(-200, 200, (R, S), device="cuda", generator=gen).float()  # ties
+    x[:, ::97] = NAN
+    x[:, 5::31] = -INF
+    x[: R // 4, S // 3 :] = -INF  # short causal-like rows
+    x = x.to(dtype)
+    idx, lens = tk.topk(TopkArgs(x.contiguous(), k))
+    ref_idx, ref_len = topk_contract(x, k)
+    assert torch.equal(lens, ref_len)
+    assert torch.equal(idx, ref_idx)

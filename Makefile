@@ -5,6 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTHON ?= $(BIN)/python
 BENCH_JSON ?= bench/results.json
+BENCH_PNG ?= bench/results.png
 
 .PHONY: test demo bench env clean
 
@@ -29,9 +30,11 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m dsa.demo
 
-# GPU only; on a machine with the packages already present use `make bench PYTHON=python3`
+# GPU only (on CPU every benchmark skips). Where torch and triton are already
+# installed (the lent H200): `make bench PYTHON=python3`.
 bench:
 	$(PYTHON) -m pytest bench --benchmark-only --benchmark-json=$(BENCH_JSON) -rs -p no:cacheprovider
+	test ! -s $(BENCH_JSON) || $(PYTHON) -m bench.plot $(BENCH_JSON) -o $(BENCH_PNG)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

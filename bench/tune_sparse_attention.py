@@ -34,9 +34,6 @@ FWD_VARIANTS = {
     "bh64-bn64-cw256-s2": C(64, 64, 256, 8, 2),
     "bh64-bn64-cw128-s1": C(64, 64, 128, 8, 1),
     "skew-bh64-bn32-cw128-s1": C(64, 32, 128, 8, 1, True),
-    "scratch-bh64-bn64-cw128-s2": C(64, 64, 128, 8, 2, scratch=True),
-    "scratch-bh64-bn32-cw128-s2": C(64, 32, 128, 8, 2, scratch=True),
-    "scratch-bh64-bn64-cw256-s2": C(64, 64, 256, 8, 2, scratch=True),
 }
 BWD_VARIANTS = {
     "bh64-bn32-cw128-s1": C(64, 32, 128, 8, 1),

@@ -48,7 +48,6 @@ class TileConfig:
     num_warps: int
     num_stages: int
     skew: bool = False
-    scratch: bool = False
 
 
 # ----------------------------------------------------------------------------
@@ -204,14 +203,11 @@ def forward(a: SparseAttnArgs, config: Optional[TileConfig] = None) -> Tuple[tor
     flags = dict(HAS_LEN=a.topk_length is not None, HAS_SINK=a.sink is not None, PREC=_prec(a))
 
     def launch(c: TileConfig) -> None:
-        n_scr = grid[0] * grid[1] if c.scratch else 1
-        scr_p = torch.empty(n_scr * c.BH * c.BN, dtype=a.q.dtype, device=a.q.device)
-        scr_a = torch.empty(n_scr * c.BH, dtype=torch.float32, device=a.q.device)
         sparse_attn_fwd_kernel[grid](
-            a.q, a.kv, a.indices, a.topk_length, a.sink, out, lse, scr_p, scr_a,
+            a.q, a.kv, a.indices, a.topk_length, a.sink, out, lse,
             a.N, K, a.sm_scale * LOG2E,
             H=H, G=G, D=a.D, D_V=a.d_v, **ColumnChunks.of(a.D, a.d_v, c.CW).kernel_args(),
-            BH=c.BH, BN=c.BN, SKEW=c.skew, SCRATCH=c.scratch, **flags,
+            BH=c.BH, BN=c.BN, SKEW=c.skew, **flags,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
 

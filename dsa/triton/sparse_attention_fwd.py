@@ -14,11 +14,6 @@ softmax runs online in the log2 domain (exp2 with log2(e) folded into the
 scale).  The loop stops at the last block of valid slots, so a row with
 topk_length L costs about L / K of a full row.
 
-SCRATCH (experimental, off by default): the same problem solved by passing P
-and the rescale factor of each block to the P @ V products through a small
-per-program scratch tile in global memory (two CTA barriers a block), which
-removes S from the P @ V products' dependence chain without carrying V.
-
 SKEW: Triton lays out a dot whose result feeds another dot with all warps
 along M; with BH = 64 rows and 8 warps both warpgroups would then compute the
 same S = Q K^T.  With SKEW the loop computes S of block i + 1 and hands it
@@ -74,38 +69,12 @@ def online_softmax_pv(b_s, valid, qk_scale, b_m, b_l, b_os, b_vs, NV: tl.constex
 
 
 @triton.jit
-def online_softmax_pv_scratch(b_s, valid, qk_scale, b_m, b_l, b_os, b_vs, p_scr_p, p_scr_a,
-                              NV: tl.constexpr, PREC: tl.constexpr, BH: tl.constexpr,
-                              BN: tl.constexpr):
-    """online_softmax_pv with P and the rescale factor passed to the P @ V
-    products through this program's scratch tile (see SCRATCH above)."""
-    b_s = tl.where(valid[None, :], b_s * qk_scale, float("-inf"))
-    b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
-    b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-    b_alpha = tl.exp2(b_m - b_m_use)
-    b_p = tl.exp2(b_s - b_m_use[:, None])
-    b_l = b_l * b_alpha + tl.sum(b_p, 1)
-    o_h = tl.arange(0, BH)
-    p_p = p_scr_p + o_h[:, None] * BN + tl.arange(0, BN)[None, :]
-    tl.debug_barrier()  # every warp has read the previous block's tile
-    tl.store(p_p, b_p.to(p_scr_p.dtype.element_ty))
-    tl.store(p_scr_a + o_h, b_alpha)
-    tl.debug_barrier()
-    b_pc = tl.load(p_p)
-    b_al = tl.load(p_scr_a + o_h)
-    new = ()
-    for c in tl.static_range(NV):
-        new = new + (tl.dot(b_pc, b_vs[c], b_os[c] * b_al[:, None], input_precision=PREC),)
-    return b_m_new, b_l, new
-
-
-@triton.jit
 def sparse_attn_fwd_kernel(
-    q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr, scr_p_ptr, scr_a_ptr,
+    q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr,
     N, K, qk_scale,
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, D_V: tl.constexpr,
     OFFS: tl.constexpr, WS: tl.constexpr, NV: tl.constexpr,
-    BH: tl.constexpr, BN: tl.constexpr, SKEW: tl.constexpr, SCRATCH: tl.constexpr,
+    BH: tl.constexpr, BN: tl.constexpr, SKEW: tl.constexpr,
     HAS_LEN: tl.constexpr, HAS_SINK: tl.constexpr, PREC: tl.constexpr,
 ):
     HG: tl.constexpr = H // G
@@ -142,16 +111,6 @@ def sparse_attn_fwd_kernel(
             b_s = b_s_n
             valid = valid_n
             b_vs = first_chunks(b_ks_n, NV)
-    elif SCRATCH:
-        prog = (pid * tl.num_programs(1) + tl.program_id(1)).to(tl.int64)
-        p_scr_p = scr_p_ptr + prog * (BH * BN)
-        p_scr_a = scr_a_ptr + prog * BH
-        for start in range(0, L, BN):
-            idx, valid = slot_block(p_idx, start, L, N, BN)
-            b_ks = load_chunks(p_kv + idx * (G * D), valid, OFFS, WS, 0, NC)
-            b_s = scores(b_qs, b_ks, NC, PREC)  # [BH, BN]
-            b_m, b_l, b_os = online_softmax_pv_scratch(b_s, valid, qk_scale, b_m, b_l, b_os, b_ks,
-                                                       p_scr_p, p_scr_a, NV, PREC, BH, BN)
     else:
         for start in range(0, L, BN):
             idx, valid = slot_block(p_idx, start, L, N, BN)

@@ -94,7 +94,7 @@ def _pad_row(idx_row_ptr, length, K, BLOCK: tl.constexpr):
 @triton.jit
 def _topk_resident_kernel(
     s_ptr, idx_ptr, len_ptr, S, K, stride_s, stride_i,
-    BLOCK_S: tl.constexpr, FILL: tl.constexpr,
+    BLOCK_S: tl.constexpr, FILL: tl.constexpr, EARLY_EXIT: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     o_s = tl.arange(0, BLOCK_S)
@@ -106,11 +106,23 @@ def _topk_resident_kernel(
     thr = tl.zeros([], tl.uint32)
     need = tl.zeros([], tl.int32)
     if n_valid > K:  # else every valid key is taken (rows of early causal queries)
-        # Largest thr with count(key >= thr) >= K, one bit at a time, MSB first.
-        for bit in range(31, -1, -1):
-            cand = thr | (tl.full([], 1, tl.uint32) << bit)
-            cnt = tl.sum((b_key >= cand).to(tl.int32), axis=0)
-            thr = tl.where(cnt >= K, cand, thr)
+        if EARLY_EXIT:
+            # The same bisection, stopped once exactly K keys are >= thr: that
+            # set is the top K, ties included whole (distinct scores get there
+            # after about log2(S) + a few bits instead of 32).
+            bit = 31
+            cnt = n_valid
+            while (bit >= 0) & (cnt != K):
+                cand = thr | (tl.full([], 1, tl.uint32) << bit)
+                cnt = tl.sum((b_key >= cand).to(tl.int32), axis=0)
+                thr = tl.where(cnt >= K, cand, thr)
+                bit -= 1
+        else:
+            # Largest thr with count(key >= thr) >= K, one bit at a time, MSB first.
+            for bit in range(31, -1, -1):
+                cand = thr | (tl.full([], 1, tl.uint32) << bit)
+                cnt = tl.sum((b_key >= cand).to(tl.int32), axis=0)
+                thr = tl.where(cnt >= K, cand, thr)
         need = K - tl.sum((b_key > thr).to(tl.int32), axis=0)
     # thr == 0 when every valid key is taken: "key > 0" is exactly "valid".
 
@@ -180,6 +192,7 @@ def _topk_stream_kernel(
 @dataclass(frozen=True)
 class ResidentConfig:
     num_warps: int
+    early_exit: bool = False
 
 
 def _resident_config(block_s: int) -> ResidentConfig:
@@ -212,7 +225,7 @@ def launch(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: torch.T
         cfg = config or _resident_config(block_s)
         _topk_resident_kernel[(R,)](
             scores, indices, lengths, S, k, scores.stride(0), indices.stride(0),
-            BLOCK_S=block_s, FILL=_FILL_BLOCK, num_warps=cfg.num_warps,
+            BLOCK_S=block_s, FILL=_FILL_BLOCK, EARLY_EXIT=cfg.early_exit, num_warps=cfg.num_warps,
         )
     else:
         _topk_stream_kernel[(R,)](

@@ -12,9 +12,11 @@ found exactly, then one prefix scan emits, in position order, every key
 ``> thr`` and the first ``k - count(> thr)`` keys ``== thr``.
 
 * Resident kernel (S <= RESIDENT_MAX): one program per row holds the whole
-  row in registers (read from memory once) and finds ``thr`` by a 32-step
-  bisection on the key bits, each step one compare and one block reduction.
-  Rows with at most k selectable keys skip the bisection.
+  row in registers (read from memory once) and finds ``thr`` by a bisection
+  on the key bits, MSB first, each step one compare and one block reduction;
+  it stops as soon as exactly k keys are >= thr (about log2(S) + a few steps
+  on distinct scores, 32 at most). Rows with at most k selectable keys skip
+  the bisection.
 * Streaming kernel (longer rows): the row is read in chunks, ``thr`` comes
   from a 4-pass radix select (8-bit digits, 256-bin histograms), and the emit
   pass walks the chunks in order with running counters.
@@ -192,13 +194,17 @@ def _topk_stream_kernel(
 @dataclass(frozen=True)
 class ResidentConfig:
     num_warps: int
-    early_exit: bool = False
+    # H200, fp32, k=2048 (bench/tune_topk.py): 4096x4096 0.189 -> 0.122 ms,
+    # 4096x16384 0.949 -> 0.721 ms; same results, ties included
+    early_exit: bool = True
 
 
 def _resident_config(block_s: int) -> ResidentConfig:
-    # H200, fp32 rows, k=2048 (bench/notes_indexer.md): 4 warps at 4096 keys
-    # (0.19 ms for 4096 rows; 8 warps 0.22, 16 warps 0.25), 16 warps at 16384
-    # (0.94 ms; 8 warps 1.00, 32 warps 0.95).
+    # H200, fp32 rows, k=2048, 4096 rows (bench/tune_topk.py, early exit):
+    # 4 warps at 4096 keys (0.122 ms; 8 warps 0.133), 16 warps at 16384
+    # (0.721 ms; 8 warps 0.789). Without early exit (bench/notes_indexer.md)
+    # the same choice held: 0.19 / 0.22 / 0.25 ms at 4/8/16 warps, 0.94 / 1.00
+    # / 0.95 ms at 16/8/32.
     return ResidentConfig(num_warps=max(4, min(16, block_s // 1024)))
 
 

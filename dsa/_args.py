@@ -82,7 +82,9 @@ class IndexerArgs:
     weights:       [Tq, H_i]       bf16 / fp16 / fp32
     cu_seqlens_q:  [B+1] int32, cu_seqlens_q[-1] == Tq
     cu_seqlens_k:  [B+1] int32, cu_seqlens_k[-1] == Tk
-    q_offsets:     [B] int32, absolute position of each sequence's first query
+    q_offsets:     [B] int64, absolute position of each sequence's first query
+                   (clamped by the checks so that q_offsets + i + 1 cannot
+                   overflow; the visible keys are those of the given value)
     max_seqlen_k:  columns of the score matrix (>= every sequence's S_k)
     ratio, causal, sm_scale: as in DESIGN.md
 

@@ -49,18 +49,47 @@ def _same_device(ref_name: str, ref: torch.Tensor, **others: Optional[torch.Tens
             raise ValueError(f"{name}: expected device {ref.device} (that of {ref_name}), got {t.device}")
 
 
+# the ops' schemas carry ints as int64: a larger value would fail inside torch
+_INT64_MAX = 2**63 - 1
+
+
 def _int(name: str, v, *, low: int = None) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
     if low is not None and v < low:
         raise ValueError(f"{name}: expected an int >= {low}, got {v}")
+    if v > _INT64_MAX:
+        raise ValueError(f"{name}: expected an int < 2**63, got {v}")
     return v
+
+
+def flag(name: str, v) -> bool:
+    """A bool keyword (return_lse, return_lengths, global_indices, ...)."""
+    if not isinstance(v, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(v).__name__}")
+    return v
+
+
+def backend_arg(backend) -> str:
+    """The ``backend`` keyword's type (its value is the selector's to judge).
+
+    Checked before any custom op is called: the op's schema would reject a
+    non-str with a RuntimeError that does not say what was expected.
+    """
+    if not isinstance(backend, str):
+        raise TypeError(
+            f"backend: expected a str ('auto', 'reference', 'triton' or 'cute'), got {type(backend).__name__}"
+        )
+    return backend
 
 
 def _float(name: str, v) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise TypeError(f"{name}: expected a float, got {type(v).__name__}")
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:  # an int past the float range
+        raise ValueError(f"{name}: expected a float, got an int too large for one ({len(str(abs(v)))} digits)") from None
 
 
 def _int32(x: torch.Tensor) -> torch.Tensor:
@@ -315,11 +344,16 @@ def indexer_args(
         raise ValueError(f"k: expected head dim {D} (that of q), got {k.shape[-1]}")
 
     if q_offsets is None:
-        q_offsets = torch.zeros(B, device=device, dtype=torch.int32)
+        q_offsets = torch.zeros(B, device=device, dtype=torch.int64)
     else:
         q_offsets = _tensor("q_offsets", q_offsets, dtypes=INT_DTYPES)
         _shape("q_offsets", q_offsets, (B,), "one offset per sequence [B]")
-        q_offsets = _int32(q_offsets).contiguous()
+        # int64, clamped to a range that gives every query the same visible keys
+        # (at or below -(Tq + 1) nothing is visible, at or above ratio * max_k
+        # everything is) and in which q_offsets + i + 1 cannot overflow; an int32
+        # cast would wrap offsets past 2**31 into different (valid) ones.
+        hi = min(ratio * max_k, _INT64_MAX - Tq - 1)
+        q_offsets = q_offsets.long().clamp(-(Tq + 1), hi).contiguous()
     args = IndexerArgs(
         q=q.reshape(Tq, H, D).contiguous(),
         k=k.reshape(Tk, D).contiguous(),
@@ -452,6 +486,8 @@ def dense_target_args(
     q = _tensor("q", q, dtypes=FLOAT_DTYPES)
     kv = _tensor("kv", kv, dtypes=FLOAT_DTYPES)
     _rank("q", q, (3, 4), "[T_q, H, D] (packed) or [B, S_q, H, D] (batched)")
+    if sm_scale is None and q.shape[-1] == 0:
+        raise ValueError(f"q: expected head dim D >= 1 (sm_scale defaults to 1/sqrt(D)), got shape {tuple(q.shape)}")
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else _float("sm_scale", sm_scale)
     # indexer_args wants head weights; a broadcast of ones stands in (never read)
     ones = torch.ones((), device=q.device, dtype=torch.float32).expand(q.shape[:-1])

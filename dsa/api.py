@@ -18,7 +18,9 @@ from dsa.selector import select
 Backend = str  # "auto" | "reference" | "triton" | "cute"
 
 
-def _sparse_call(q, kv, indices, sm_scale, d_v, sink, topk_length, deterministic):
+def _sparse_call(q, kv, indices, sm_scale, d_v, sink, topk_length, return_lse, deterministic, backend):
+    _checks.flag("return_lse", return_lse)
+    _checks.backend_arg(backend)
     return _checks.sparse_attention_args(
         q, kv, indices, sm_scale=sm_scale, d_v=d_v, sink=sink, topk_length=topk_length, deterministic=deterministic
     )
@@ -58,9 +60,7 @@ def sparse_attention(
     slot; lse carries no gradient). Differentiable in q, kv and sink;
     ``deterministic=True`` makes the gradients bitwise reproducible.
     """
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
-    a, layout = _sparse_call(q, kv, indices, sm_scale, d_v, sink, topk_length, deterministic)
+    a, layout = _sparse_call(q, kv, indices, sm_scale, d_v, sink, topk_length, return_lse, deterministic, backend)
     out, lse = ops.sparse_attention_fwd(
         a.q, a.kv, a.indices, a.topk_length, a.sink, a.sm_scale, a.d_v, a.deterministic, backend
     )
@@ -68,7 +68,8 @@ def sparse_attention(
     return (out, layout.unpack(lse)) if return_lse else out
 
 
-def _indexer_call(q, k, weights, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k):
+def _indexer_call(q, k, weights, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, backend):
+    _checks.backend_arg(backend)
     return _checks.indexer_args(
         q,
         k,
@@ -117,8 +118,16 @@ def indexer_scores(
     q, k: bf16/fp16 (fp32 on reference and Triton); weights bf16/fp16/fp32;
     q_offsets int [B].
     """
-    a, layout = _indexer_call(q, k, weights, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k)
+    a, layout = _indexer_call(
+        q, k, weights, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, backend
+    )
     return layout.unpack(ops.indexer_scores(*_indexer_tensors(a), backend))
+
+
+def _topk_call(scores, k, return_lengths, backend):
+    _checks.flag("return_lengths", return_lengths)
+    _checks.backend_arg(backend)
+    return _checks.topk_args(scores, k)
 
 
 def topk_indices(
@@ -132,7 +141,7 @@ def topk_indices(
     position; k may exceed S. With ``return_lengths`` also lengths [...]
     int32, the count of valid entries, ready to pass as ``topk_length``.
     """
-    a, lead = _checks.topk_args(scores, k)
+    a, lead = _topk_call(scores, k, return_lengths, backend)
     idx, lengths = ops.topk(a.scores, a.k, backend)
     idx, lengths = idx.view(*lead, a.k), lengths.view(lead)
     return (idx, lengths) if return_lengths else idx
@@ -163,13 +172,10 @@ def indexer_topk(
     ``global_indices=True`` (packed layout) adds cu_seqlens_k[b] to every
     valid index so the result feeds a packed ``sparse_attention`` directly.
     """
-    topk = _checks.topk_value("topk", topk)
-    for name, v in (("global_indices", global_indices), ("return_lengths", return_lengths)):
-        if not isinstance(v, bool):
-            raise TypeError(f"{name}: expected a bool, got {type(v).__name__}")
-    a, layout = _indexer_call(q, k, weights, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k)
-    if global_indices and layout.batch is not None:
-        raise ValueError("global_indices: only for the packed layout (q [T_q, H_i, D_i]); q is batched")
+    a, layout, topk = _indexer_topk_call(
+        q, k, weights, topk, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
+        global_indices, return_lengths, backend,
+    )
     idx, lengths = ops.indexer_topk(*_indexer_tensors(a), topk, backend)
     if global_indices:
         seq = torch.repeat_interleave(
@@ -181,13 +187,26 @@ def indexer_topk(
     return (idx, lengths) if return_lengths else idx
 
 
+def _indexer_topk_call(q, k, weights, topk, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k,
+                       max_seqlen_k, global_indices, return_lengths, backend):
+    topk = _checks.topk_value("topk", topk)
+    _checks.flag("global_indices", global_indices)
+    _checks.flag("return_lengths", return_lengths)
+    a, layout = _indexer_call(
+        q, k, weights, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, backend
+    )
+    if global_indices and layout.batch is not None:
+        raise ValueError("global_indices: only for the packed layout (q [T_q, H_i, D_i]); q is batched")
+    return a, layout, topk
+
+
 # --------------------------------------------------------------------------
-# explain
+# explain: each takes exactly the arguments of its op and checks them the same way
 
 
 def _explain_sparse(q, kv, indices, *, sm_scale=None, d_v=None, sink=None, topk_length=None,
                     return_lse=False, deterministic=False, backend="auto"):
-    a, _ = _sparse_call(q, kv, indices, sm_scale, d_v, sink, topk_length, deterministic)
+    a, _ = _sparse_call(q, kv, indices, sm_scale, d_v, sink, topk_length, return_lse, deterministic, backend)
     shape = f"T={a.T} H={a.H} H_kv={a.G} D={a.D} d_v={a.d_v} K={a.K} N={a.N} {str(a.q.dtype).replace('torch.', '')}"
     parts = [f"sparse_attention [{shape}]"]
     for op in ("sparse_attention_fwd", "sparse_attention_bwd"):
@@ -195,24 +214,33 @@ def _explain_sparse(q, kv, indices, *, sm_scale=None, d_v=None, sink=None, topk_
     return "\n".join(parts)
 
 
-def _explain_indexer(op):
-    def run(q, k, weights, *rest, ratio=1, sm_scale=1.0, causal=True, q_offsets=None, cu_seqlens_q=None,
-            cu_seqlens_k=None, max_seqlen_k=None, global_indices=False, return_lengths=False, backend="auto"):
-        a, _ = _indexer_call(q, k, weights, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k)
-        return select(op, a, backend).describe(op)
+def _explain_indexer_scores(q, k, weights, *, ratio=1, sm_scale=1.0, causal=True, q_offsets=None,
+                            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_k=None, backend="auto"):
+    a, _ = _indexer_call(
+        q, k, weights, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, backend
+    )
+    return select("indexer_scores", a, backend).describe("indexer_scores")
 
-    return run
+
+def _explain_indexer_topk(q, k, weights, topk, *, ratio=1, sm_scale=1.0, causal=True, q_offsets=None,
+                          cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_k=None, global_indices=False,
+                          return_lengths=False, backend="auto"):
+    a, _, _ = _indexer_topk_call(
+        q, k, weights, topk, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
+        global_indices, return_lengths, backend,
+    )
+    return select("indexer_topk", a, backend).describe("indexer_topk")
 
 
 def _explain_topk(scores, k, *, return_lengths=False, backend="auto"):
-    a, _ = _checks.topk_args(scores, k)
+    a, _ = _topk_call(scores, k, return_lengths, backend)
     return select("topk", a, backend).describe("topk")
 
 
 _EXPLAIN = {
     "sparse_attention": _explain_sparse,
-    "indexer_scores": _explain_indexer("indexer_scores"),
-    "indexer_topk": _explain_indexer("indexer_topk"),
+    "indexer_scores": _explain_indexer_scores,
+    "indexer_topk": _explain_indexer_topk,
     "topk_indices": _explain_topk,
     **training.EXPLAIN,  # attention_target, sparse_indexer_scores, indexer_kl_loss, dense_attention_target
 }

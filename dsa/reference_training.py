@@ -266,16 +266,20 @@ def indexer_scores_bwd(a: IndexerArgs, dscores: torch.Tensor):
         if s_k == 0:
             continue
         kb = a.k[k0:k1].to(acc)
-        step = _row_chunk(4 * H * s_k)
+        step = _row_chunk(4 * H * s_k + 2 * D * s_k)
         for r0 in range(q0, q1, step):
             r1 = min(q1, r0 + step)
             q = a.q[r0:r1].to(acc)
             vis = torch.arange(s_k, device=q.device) < limit[r0:r1, None]  # [C, S_k]
             dots = torch.where(vis[:, None, :], torch.einsum("chd,jd->chj", q, kb), 0.0)
             ds, dw_c = _relu_dot_bwd(q, a.weights[r0:r1].to(acc), dots, dscores[r0:r1, :s_k].to(acc), vis, a.sm_scale)
-            dq[r0:r1] = torch.einsum("chj,jd->chd", ds, kb)
+            # keys a row does not see are never read, and add nothing to dk (not
+            # even 0 * NaN from a NaN key past the causal window or a NaN query row)
+            k_vis = torch.where(vis[..., None], kb, 0.0)  # [C, S_k, D]
+            dq[r0:r1] = torch.einsum("chj,cjd->chd", ds, k_vis)
             dw[r0:r1] = dw_c
-            dk[k0:k1] += torch.einsum("chj,chd->jd", ds, q)
+            dk_rows = torch.einsum("chj,chd->cjd", ds, q)
+            dk[k0:k1] += torch.where(vis[..., None], dk_rows, 0.0).sum(0)
     return dq.to(a.q.dtype), dk.to(a.k.dtype), dw.to(a.weights.dtype)
 
 

@@ -101,6 +101,7 @@ def attention_target(
     target sums to 1 over the valid slots of a row even with a sink, and the
     scores use all D dims whatever d_v is.
     """
+    _checks.backend_arg(backend)
     a, lse, layout, head_axis = _checks.attention_target_args(
         q, kv, indices, lse, sm_scale=sm_scale, d_v=d_v, sink=sink, topk_length=topk_length
     )
@@ -138,7 +139,8 @@ def _(q, kv, cu_seqlens_q, cu_seqlens_k, q_offsets, max_seqlen_k, ratio, causal,
     return q.new_empty(q.shape[0], max_seqlen_k, dtype=_acc(q))
 
 
-def _dense_call(q, kv, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k):
+def _dense_call(q, kv, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, backend):
+    _checks.backend_arg(backend)
     return _checks.dense_target_args(
         q,
         kv,
@@ -182,7 +184,9 @@ def dense_attention_target(
     ``sm_scale`` defaults to 1/sqrt(D). Chunked over query rows: memory stays
     O(S_q * S_k) (the output) plus a bounded workspace.
     """
-    a, layout = _dense_call(q, kv, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k)
+    a, layout = _dense_call(
+        q, kv, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, backend
+    )
     out = _dense_attention_target(
         a.q.detach(), a.kv.detach(), a.cu_seqlens_q, a.cu_seqlens_k, a.q_offsets, a.max_seqlen_k,
         a.ratio, a.causal, a.sm_scale, backend,
@@ -296,6 +300,7 @@ def sparse_indexer_scores(
     no gradient); ``deterministic=True`` makes the gradients bitwise
     reproducible.
     """
+    _checks.backend_arg(backend)
     a, layout = _checks.sparse_indexer_args(
         q_i, k_i, weights, indices, sm_scale=sm_scale, topk_length=topk_length, deterministic=deterministic
     )
@@ -383,6 +388,14 @@ def _kl_backward(ctx, dloss, _dstats):
 torch.library.register_autograd("dsa::indexer_kl_fwd", _kl_backward, setup_context=_kl_setup)
 
 
+def _kl_call(q_i, k_i, weights, indices, target, sm_scale, topk_length, deterministic, backend):
+    _checks.backend_arg(backend)
+    a, _ = _checks.sparse_indexer_args(
+        q_i, k_i, weights, indices, sm_scale=sm_scale, topk_length=topk_length, deterministic=deterministic
+    )
+    return a, _checks.kl_target_arg(target, a, tuple(indices.shape)).detach()
+
+
 def indexer_kl_loss(
     q_i: Tensor,
     k_i: Tensor,
@@ -413,10 +426,7 @@ def indexer_kl_loss(
     [T, K, H_i] intermediate in memory; ``deterministic=True`` makes the
     gradients bitwise reproducible.
     """
-    a, layout = _checks.sparse_indexer_args(
-        q_i, k_i, weights, indices, sm_scale=sm_scale, topk_length=topk_length, deterministic=deterministic
-    )
-    tgt = _checks.kl_target_arg(target, a, tuple(indices.shape)).detach()
+    a, tgt = _kl_call(q_i, k_i, weights, indices, target, sm_scale, topk_length, deterministic, backend)
     loss, _ = _indexer_kl_fwd(
         a.q, a.k, a.weights, a.indices, a.topk_length, tgt, a.sm_scale, a.deterministic, backend
     )
@@ -475,6 +485,7 @@ torch.library.register_autograd("dsa::indexer_scores", _scores_backward, setup_c
 
 
 def _explain_target(q, kv, indices, lse, *, sm_scale=None, d_v=None, sink=None, topk_length=None, backend="auto"):
+    _checks.backend_arg(backend)
     a, _, _, _ = _checks.attention_target_args(
         q, kv, indices, lse, sm_scale=sm_scale, d_v=d_v, sink=sink, topk_length=topk_length
     )
@@ -482,27 +493,36 @@ def _explain_target(q, kv, indices, lse, *, sm_scale=None, d_v=None, sink=None, 
     return f"attention_target [{shape}]\n" + select("attention_target", a, backend).describe("attention_target")
 
 
-def _explain_sparse_indexer(name, fwd, bwd):
-    def run(q_i, k_i, weights, indices, *rest, sm_scale=1.0, topk_length=None, deterministic=False, backend="auto"):
-        a, _ = _checks.sparse_indexer_args(
-            q_i, k_i, weights, indices, sm_scale=sm_scale, topk_length=topk_length, deterministic=deterministic
-        )
-        shape = f"T={a.T} H_i={a.H} D_i={a.D} K={a.K} N={a.N} {str(a.q.dtype).replace('torch.', '')}"
-        parts = [f"{name} [{shape}]"] + [select(op, a, backend).describe(op) for op in (fwd, bwd)]
-        return "\n".join(parts)
+def _describe_sparse_indexer(name, fwd, bwd, a, backend):
+    shape = f"T={a.T} H_i={a.H} D_i={a.D} K={a.K} N={a.N} {str(a.q.dtype).replace('torch.', '')}"
+    parts = [f"{name} [{shape}]"] + [select(op, a, backend).describe(op) for op in (fwd, bwd)]
+    return "\n".join(parts)
 
-    return run
+
+def _explain_sparse_indexer(q_i, k_i, weights, indices, *, sm_scale=1.0, topk_length=None, deterministic=False,
+                            backend="auto"):
+    _checks.backend_arg(backend)
+    a, _ = _checks.sparse_indexer_args(
+        q_i, k_i, weights, indices, sm_scale=sm_scale, topk_length=topk_length, deterministic=deterministic
+    )
+    return _describe_sparse_indexer("sparse_indexer_scores", "sparse_indexer_fwd", "sparse_indexer_bwd", a, backend)
+
+
+def _explain_kl(q_i, k_i, weights, indices, target, *, sm_scale=1.0, topk_length=None, deterministic=False,
+                backend="auto"):
+    a, _ = _kl_call(q_i, k_i, weights, indices, target, sm_scale, topk_length, deterministic, backend)
+    return _describe_sparse_indexer("indexer_kl_loss", "indexer_kl_fwd", "indexer_kl_bwd", a, backend)
 
 
 def _explain_dense(q, kv, *, ratio=1, sm_scale=None, causal=True, q_offsets=None, cu_seqlens_q=None,
                    cu_seqlens_k=None, max_seqlen_k=None, backend="auto"):
-    a, _ = _dense_call(q, kv, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k)
+    a, _ = _dense_call(q, kv, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, backend)
     return select("dense_attention_target", a, backend).describe("dense_attention_target")
 
 
 EXPLAIN = {
     "attention_target": _explain_target,
-    "sparse_indexer_scores": _explain_sparse_indexer("sparse_indexer_scores", "sparse_indexer_fwd", "sparse_indexer_bwd"),
-    "indexer_kl_loss": _explain_sparse_indexer("indexer_kl_loss", "indexer_kl_fwd", "indexer_kl_bwd"),
+    "sparse_indexer_scores": _explain_sparse_indexer,
+    "indexer_kl_loss": _explain_kl,
     "dense_attention_target": _explain_dense,
 }

@@ -37,6 +37,9 @@ class Choice:
 
     def describe(self, op: str) -> str:
         lines = [f"{op}: backend '{self.backend}'"]
+        note = getattr(self.fn, "note", None)  # why this backend, where it says
+        if note:
+            lines.append(f"  {self.backend}: {note}")
         for name, why in self.reasons:
             lines.append(f"  {name}: {why}")
         return "\n".join(lines)

@@ -1,0 +1,107 @@
+"""Check and time the CuTe DSL SM90 sparse-attention forward against Triton.
+
+    PYTHONPATH=$PWD python bench/tune_cute.py [--quick]
+
+For each named shape (bf16, fresh random inputs, distinct-enough random
+indices): the relative L2 difference of cute's out / lse from a float64
+recomputation on a sample of rows (NaN-poisoned outputs first), then
+do_bench medians of both backends' forward and the TFLOP/s
+(2*T*H*K*(D + d_v), valid slots only for the half-valid rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import triton
+
+from dsa._args import SparseAttnArgs
+from dsa.cute import sparse_attention as cute_sa
+from dsa.triton import sparse_attention as triton_sa
+
+SHAPES = {  # name: T, N, H, D, d_v, K, sink, half_valid
+    "V3.2": (4096, 8192, 128, 576, 512, 2048, False, False),
+    "V3.2-half": (4096, 8192, 128, 576, 512, 2048, False, True),
+    "V4-pro": (8192, 8192, 128, 512, 512, 1152, True, False),
+    "V4-flash": (8192, 8192, 64, 512, 512, 640, True, False),
+    "H64-D576": (4096, 8192, 64, 576, 512, 2048, False, False),
+}
+
+
+def make(name, seed=0):
+    T, N, H, D, d_v, K, sink, half = SHAPES[name]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(N, 1, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    idx = torch.randint(0, N, (T, 1, K), device="cuda", dtype=torch.int32, generator=g)
+    L = torch.randint(0, K + 1, (T,), device="cuda", dtype=torch.int32, generator=g) if half else None
+    s = torch.randn(H, device="cuda", generator=g) if sink else None
+    a = SparseAttnArgs(q, kv, idx, L, s, D ** -0.5, d_v, False)
+    slots = T * H * (L.clamp(0, K).sum().item() / T if half else K)
+    return a, 2 * slots * (D + d_v)
+
+
+def exact_rows(a: SparseAttnArgs, rows):
+    """float64 out / lse for a few token rows."""
+    outs, lses = [], []
+    K = a.K
+    for t in rows:
+        L = K if a.topk_length is None else max(0, min(int(a.topk_length[t]), K))
+        idx = a.indices[t, 0, :L].long()
+        kv = a.kv[idx, 0].double()
+        s = a.q[t].double() @ kv.T * a.sm_scale  # [H, L]
+        lse = torch.logsumexp(s, -1) if L else torch.full((a.H,), float("inf"), device=s.device, dtype=s.dtype)
+        den = torch.exp(lse)
+        if a.sink is not None:
+            den = den + torch.exp(a.sink.double())
+        p = torch.exp(s - torch.log(den)[:, None]) if L else s
+        outs.append(p @ kv[:, : a.d_v] if L else torch.zeros(a.H, a.d_v, device=s.device, dtype=s.dtype))
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses)
+
+
+def rel(x, y):
+    x, y = x.double(), y.double()
+    fin = torch.isfinite(y)
+    return ((x[fin] - y[fin]).norm() / y[fin].norm().clamp_min(1e-30)).item(), bool(torch.equal(torch.isinf(x), torch.isinf(y)))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    args = ap.parse_args()
+    print(f"device: {torch.cuda.get_device_name()}")
+    for name in args.shapes.split(","):
+        a, flops = make(name)
+        t0 = time.time()
+        torch.cuda.synchronize()
+        junk = torch.full((a.T, a.H, a.d_v), float("nan"), dtype=a.q.dtype, device="cuda")
+        del junk
+        out, lse = cute_sa.forward(a)
+        torch.cuda.synchronize()
+        first = time.time() - t0
+        rows = torch.linspace(0, a.T - 1, 6).long().tolist()
+        eo, el = exact_rows(a, rows)
+        e_out, _ = rel(out[rows], eo)
+        e_lse, inf_ok = rel(lse[rows], el)
+        tout, tlse = triton_sa.forward(a)
+        d_tr = rel(out, tout)[0]
+        nan = bool(out.isnan().any() or lse.isnan().any())
+        print(f"{name}: first call (compile+run) {first:.1f}s; cute vs fp64 rows: out {e_out:.2e} lse {e_lse:.2e} "
+              f"inf-pattern {'ok' if inf_ok else 'DIFFERS'}; cute vs triton out {d_tr:.2e}; NaN {nan}", flush=True)
+        res = {}
+        for backend, fn in (("cute", cute_sa.forward), ("triton", triton_sa.forward)):
+            inputs = [make(name, seed=s)[0] for s in range(1 if args.quick else 3)]
+            it = iter(range(10**9))
+            ms = triton.testing.do_bench(lambda: fn(inputs[next(it) % len(inputs)]), warmup=25, rep=100,
+                                         return_mode="median")
+            res[backend] = ms
+            print(f"  {backend:6s} fwd {name}: {ms:.3f} ms  {flops / ms / 1e9:.1f} TFLOP/s", flush=True)
+        print(f"  speedup cute/triton: {res['triton'] / res['cute']:.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""CuTe DSL sparse attention forward: what it serves, compilation cache, launch.
+
+    forward(a) -> out [T, H, d_v] (q.dtype), lse [T, H] fp32
+
+on the canonical packed layout of :class:`dsa._args.SparseAttnArgs`.  The
+kernel is ``sparse_attention_sm90.SparseAttnFwdSm90``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from dsa._args import SparseAttnArgs
+
+HEADS_PER_CTA = 64
+SERVED_D = (512, 576)
+SERVED_DV = 512
+
+_COMPILED: Dict[tuple, object] = {}
+_ZEROS: Dict[tuple, torch.Tensor] = {}
+
+
+def dsl_reason() -> Optional[str]:
+    """Why the CuTe DSL cannot be used in this process (None if it can)."""
+    try:
+        import cutlass  # noqa: F401
+        import cutlass.cute  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install
+        return f"CuTe DSL (nvidia-cutlass-dsl) is not importable: {type(e).__name__}: {e}"
+    return None
+
+
+def supports(a: SparseAttnArgs) -> Optional[str]:
+    """None when the SM90 kernel can serve ``a``, else the reason."""
+    if a.q.device.type != "cuda":
+        return f"tensors are on '{a.q.device.type}'; the cute kernels need a CUDA GPU"
+    cap = torch.cuda.get_device_capability(a.q.device)
+    if cap != (9, 0):
+        return f"the cute sparse attention kernel is written for SM90 (Hopper); this GPU is SM{cap[0]}{cap[1]}"
+    if a.q.dtype not in (torch.bfloat16, torch.float16):
+        return f"q dtype {a.q.dtype} is not bf16 or fp16"
+    if a.kv.dtype != a.q.dtype:
+        return f"kv dtype {a.kv.dtype} differs from q dtype {a.q.dtype}"
+    if a.D not in SERVED_D or a.d_v != SERVED_DV:
+        return f"D={a.D}, d_v={a.d_v}: the cute kernel serves D in {SERVED_D} with d_v = {SERVED_DV}"
+    hg = a.H // a.G
+    if hg % HEADS_PER_CTA:
+        return f"{hg} query heads per kv head: the cute kernel needs a multiple of {HEADS_PER_CTA}"
+    if a.indices.dtype != torch.int32:
+        return f"indices dtype {a.indices.dtype} is not int32"
+    if a.topk_length is not None and a.topk_length.dtype != torch.int32:
+        return f"topk_length dtype {a.topk_length.dtype} is not int32"
+    if a.sink is not None and a.sink.dtype != torch.float32:
+        return f"sink dtype {a.sink.dtype} is not fp32"
+    if a.T * a.G >= 2**31 or a.N * a.G >= 2**31 or a.K >= 2**31:
+        return "T * H_kv, N * H_kv and K must fit in int32"
+    for name in ("q", "kv"):
+        if getattr(a, name).data_ptr() % 16:
+            return f"{name} is not 16-byte aligned"
+    return dsl_reason()
+
+
+def _zeros(a: SparseAttnArgs) -> torch.Tensor:
+    # The source row of every invalid slot: gathering zeros keeps whatever is
+    # stored in unreferenced kv rows out of the tile.
+    key = (a.q.device, a.q.dtype, a.D)
+    z = _ZEROS.get(key)
+    if z is None:
+        z = _ZEROS[key] = torch.zeros(a.D, dtype=a.q.dtype, device=a.q.device)
+    return z
+
+
+def _compiled(a: SparseAttnArgs, ptrs, scalars, stream):
+    import cutlass.cute as cute
+
+    from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
+
+    key = (a.q.dtype, a.D, a.d_v, a.H, a.G, a.topk_length is not None, a.sink is not None)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        kernel = SparseAttnFwdSm90(_cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G,
+                                   a.topk_length is not None, a.sink is not None)
+        fn = _COMPILED[key] = cute.compile(kernel, *ptrs, *scalars, stream)
+    return fn
+
+
+def _cutlass_dtype(dt: torch.dtype):
+    import cutlass
+
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dt]
+
+
+def _ptr(t: torch.Tensor, dtype, align: int):
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+
+
+def forward(a: SparseAttnArgs) -> Tuple[torch.Tensor, torch.Tensor]:
+    """out [T, H, d_v] in q.dtype and lse [T, H] fp32 (sink excluded, +inf on empty rows)."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+
+    out = torch.empty((a.T, a.H, a.d_v), dtype=a.q.dtype, device=a.q.device)
+    lse = torch.empty((a.T, a.H), dtype=torch.float32, device=a.q.device)
+    dt = _cutlass_dtype(a.q.dtype)
+    # Absent optional inputs are never read; any valid address stands in.
+    length = a.topk_length if a.topk_length is not None else a.indices
+    sink = a.sink if a.sink is not None else lse
+    ptrs = (
+        _ptr(a.q, dt, 16), _ptr(a.kv, dt, 16), _ptr(a.indices, cutlass.Int32, 4),
+        _ptr(length, cutlass.Int32, 4), _ptr(sink, cutlass.Float32, 4), _ptr(out, dt, 16),
+        _ptr(lse, cutlass.Float32, 4), _ptr(_zeros(a), dt, 16),
+    )
+    scalars = (cutlass.Int32(a.T), cutlass.Int32(a.N), cutlass.Int32(a.K),
+               cutlass.Float32(a.sm_scale * 1.4426950408889634))
+    stream = cuda.CUstream(torch.cuda.current_stream(a.q.device).cuda_stream)
+    with torch.cuda.device(a.q.device):
+        _compiled(a, ptrs, scalars, stream)(*ptrs, *scalars, stream)
+    return out, lse
+
+
+def compile_offline(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, has_sink: bool,
+                    keep_ptx: bool = True):
+    """Compile the kernel without a GPU (``CUTE_DSL_ARCH=sm_90a``), for CI and
+    inspection; returns the compiled object (its PTX is kept when asked)."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
+
+    dt = _cutlass_dtype(dtype)
+
+    def p(ty, align):
+        return make_ptr(ty, align * 64, cute.AddressSpace.gmem, assumed_align=align)
+
+    ptrs = (p(dt, 16), p(dt, 16), p(cutlass.Int32, 4), p(cutlass.Int32, 4), p(cutlass.Float32, 4),
+            p(dt, 16), p(cutlass.Float32, 4), p(dt, 16))
+    scalars = (cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Float32(math.log2(math.e)))
+    kernel = SparseAttnFwdSm90(dt, D, SERVED_DV, H, G, has_len, has_sink)
+    return cute.compile(kernel, *ptrs, *scalars, cuda.CUstream(0), options="--keep-ptx" if keep_ptx else "")

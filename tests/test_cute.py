@@ -1,0 +1,288 @@
+"""The CuTe DSL tier: SM90 sparse attention forward and its placement table.
+
+* CPU (CI): the kernel is compiled ahead of time for sm_90a with no GPU
+  (``CUTE_DSL_ARCH=sm_90a``) in a subprocess, and its PTX must contain the
+  Hopper instructions the design rests on (wgmma, cp.async with mbarrier
+  completion, register reallocation); the placement lookup is checked on a
+  synthetic table.
+* GPU (``-m gpu``, an SM90 device): every validity rule of DESIGN.md at the
+  shapes the kernel serves (64 query heads per kv head, D 512 / 576,
+  d_v 512), bf16 and fp16, against the float64 brute force.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import bruteforce as bf
+import dsa
+from dsa._args import SparseAttnArgs
+from dsa.cute import placement
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INF = float("inf")
+
+try:
+    import cutlass  # noqa: F401
+
+    HAVE_DSL = True
+except Exception:  # not installed, or no usable install
+    HAVE_DSL = False
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+# --------------------------------------------------------------------------
+# ahead-of-time compilation (CPU)
+
+_AOT = r"""
+import json, os, sys, torch
+from dsa.cute.sparse_attention import compile_offline
+res = {}
+for name, dt, D, H, G, has_len, has_sink in json.loads(sys.argv[1]):
+    c = compile_offline(getattr(torch, dt), D, H, G, has_len, has_sink)
+    ptx = c.artifacts.PTX
+    res[name] = {k: ptx.count(k) for k in (
+        "wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc",
+        "setmaxnreg.inc", "setmaxnreg.dec", "mbarrier.try_wait")}
+print("RESULT" + json.dumps(res))
+"""
+
+_CONFIGS = [
+    ("v32_bf16", "bfloat16", 576, 128, 1, True, True),
+    ("v4_fp16_gqa", "float16", 512, 128, 2, False, False),
+]
+
+
+@pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl is not installed")
+def test_sm90_kernel_compiles_offline_with_hopper_instructions(tmp_path):
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_DUMP_DIR=str(tmp_path), PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", _AOT, json.dumps(_CONFIGS)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout.split("RESULT", 1)[1])
+    for name, dt, D, H, G, has_len, has_sink in _CONFIGS:
+        r = res[name]
+        # S = Q K^T: D / 16 wgmma per block; O += P V: 4 per block and stage.
+        assert r["wgmma.mma_async"] >= D // 16 + 4, (name, r)
+        assert r["cp.async.cg.shared.global"] >= D // 64 * 4, (name, r)  # the gather
+        assert r["cp.async.mbarrier.arrive.noinc"] >= 2, (name, r)       # Q + kv stages
+        assert r["setmaxnreg.inc"] >= 1 and r["setmaxnreg.dec"] >= 1, (name, r)
+        assert r["mbarrier.try_wait"] >= 2, (name, r)
+
+
+# --------------------------------------------------------------------------
+# placement table lookup (CPU)
+
+
+def _entry(**kw):
+    base = dict(dtype="bfloat16", D=576, HG=128, K=2048, T=4096, topk_length=False, sink=False,
+                backend="cute", cute_ms=1.0, triton_ms=2.0)
+    base.update(kw)
+    return placement.Entry(**base)
+
+
+def _features(**kw):
+    base = dict(dtype="bfloat16", D=576, HG=128, K=2048, T=4096, topk_length=False, sink=False)
+    base.update(kw)
+    return base
+
+
+def test_placement_nearest_entry_decides():
+    table = [_entry(K=2048, backend="cute"), _entry(K=512, backend="triton", cute_ms=3.0)]
+    assert placement.nearest(_features(K=1800), table).backend == "cute"
+    assert placement.nearest(_features(K=600), table).backend == "triton"
+
+
+def test_placement_needs_matching_dtype_D_and_flags():
+    table = [_entry()]
+    assert placement.nearest(_features(dtype="float16"), table) is None
+    assert placement.nearest(_features(D=512), table) is None
+    assert placement.nearest(_features(sink=True), table) is None
+    assert placement.nearest(_features(topk_length=True), table) is None
+
+
+def test_placement_far_shapes_have_no_entry():
+    table = [_entry(T=4096)]
+    assert placement.nearest(_features(T=8192), table) is not None  # one octave
+    assert placement.nearest(_features(T=16384), table) is None     # two
+    assert placement.nearest(_features(K=8192), table) is None
+
+
+def test_placement_shipped_table_is_well_formed():
+    if not os.path.exists(placement.TABLE):
+        pytest.skip("no placement table shipped")
+    with open(placement.TABLE) as f:
+        table = json.load(f)
+    assert table["holdout"]["regret_geomean"] <= 1.02
+    for e in placement.entries():
+        assert e.backend in ("cute", "triton")
+        faster = "cute" if e.cute_ms < e.triton_ms else "triton"
+        assert e.backend == faster, e
+
+
+def test_cute_declines_other_ops_with_reason():
+    q = torch.zeros(2, 64, 512)
+    with pytest.raises(ValueError, match="cute"):
+        dsa.indexer_scores(q[:, :4, :32], q[:, 0, :32], torch.ones(2, 4), backend="cute")
+
+
+# --------------------------------------------------------------------------
+# GPU: the contract on cute
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _rand(shape, dtype, gen, scale=1.0):
+    return (torch.randn(shape, generator=gen) * scale).to(dtype).cuda()
+
+
+def _indices(T, G, K, N, gen):
+    rows = [torch.randperm(N, generator=gen)[:K] for _ in range(T * G)]
+    return torch.stack(rows).reshape(T, G, K).to(torch.int32)
+
+
+def _check(dtype, q, kv, idx, **kw):
+    out, lse = dsa.sparse_attention(q, kv, idx, return_lse=True, backend="cute", **kw)
+    exp = bf.sparse_attention(q, kv, idx, **kw)
+    bf.assert_close(out, exp["out"], dtype, "out")
+    bf.assert_close(lse, exp["lse"], torch.float32 if dtype == torch.float32 else dtype, "lse")
+    return out, lse
+
+
+dtypes = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+gpu = pytest.mark.skipif(not (SM90 and HAVE_DSL), reason="needs an SM90 GPU and nvidia-cutlass-dsl")
+
+
+@pytest.mark.gpu
+@gpu
+@dtypes
+@pytest.mark.parametrize("H,G,D,K,T", [
+    (64, 1, 512, 128, 3),      # V4-flash heads
+    (128, 1, 576, 200, 2),     # V3.2 heads, K not a multiple of the 64-slot block
+    (128, 2, 512, 64, 2),      # GQA: 64 heads per kv head
+    (64, 1, 576, 1, 1),        # one slot, one token
+])
+def test_cute_matches_bruteforce(dtype, H, G, D, K, T):
+    gen = _gen(H + D + K)
+    N = 3 * K + 5
+    q = _rand((T, H, D), dtype, gen)
+    kv = _rand((N, G, D) if G > 1 else (N, D), dtype, gen)
+    idx = _indices(T, G, K, N, gen).cuda()
+    if G == 1:
+        idx = idx[:, 0]
+    _check(dtype, q, kv, idx)
+
+
+@pytest.mark.gpu
+@gpu
+@dtypes
+def test_cute_validity_rules(dtype):
+    """topk_length in every regime, indices -1 / N / far out of range,
+    duplicates, per-head sink, and NaN/Inf in every unreferenced kv row."""
+    gen = _gen(7)
+    T, H, D, K, N = 6, 64, 576, 150, 400
+    q = _rand((T, H, D), dtype, gen)
+    kv = _rand((N, D), dtype, gen)
+    idx = _indices(T, 1, K, N, gen)[:, 0]
+    idx[0, ::5] = -1
+    idx[1, ::3] = N
+    idx[2, 1::4] = 2**31 - 1
+    idx[3, :40] = idx[3, 40:80]  # duplicates: separate slots
+    used = torch.zeros(N, dtype=torch.bool)
+    tl = torch.tensor([K, 0, 1, 77, 200, -5], dtype=torch.int32)
+    for t in range(T):
+        L = max(0, min(int(tl[t]), K))
+        r = idx[t, :L]
+        used[r[(r >= 0) & (r < N)].long()] = True
+    kv_cpu = kv.cpu()
+    kv_cpu[~used] = float("nan")
+    kv_cpu[~used & (torch.arange(N) % 2 == 0)] = INF
+    kv = kv_cpu.to(dtype).cuda()
+    sink = (torch.randn(H, generator=gen) * 2).float().cuda()
+    out, lse = _check(dtype, q, kv, idx.cuda(), topk_length=tl.cuda(), sink=sink)
+    assert not out.isnan().any()
+    assert torch.isinf(lse[1]).all() and torch.isinf(lse[5]).all()  # empty rows: +inf
+    assert (out[1] == 0).all() and (out[5] == 0).all()
+
+
+@pytest.mark.gpu
+@gpu
+@dtypes
+@pytest.mark.parametrize("value", [INF, 2.4e38, -INF])
+def test_cute_sink_extremes(dtype, value):
+    gen = _gen(11)
+    T, H, D, K, N = 2, 64, 512, 64, 128
+    q, kv = _rand((T, H, D), dtype, gen), _rand((N, D), dtype, gen)
+    idx = _indices(T, 1, K, N, gen)[:, 0].cuda()
+    sink = torch.full((H,), value, dtype=torch.float32, device="cuda")
+    out, _ = _check(dtype, q, kv, idx, sink=sink)
+    if value > 0:
+        assert (out == 0).all()
+
+
+@pytest.mark.gpu
+@gpu
+@dtypes
+def test_cute_batched_layout_and_nan_propagation(dtype):
+    gen = _gen(13)
+    B, S, H, D, K, N = 2, 3, 64, 512, 96, 130
+    q = _rand((B, S, H, D), dtype, gen)
+    kv = _rand((B, N, D), dtype, gen)
+    idx = torch.stack([_indices(S, 1, K, N, gen)[:, 0] for _ in range(B)]).cuda()
+    _check(dtype, q, kv, idx)
+    q2 = q.clone()
+    q2[0, 1, 5, 3] = float("nan")
+    out = dsa.sparse_attention(q2, kv, idx, backend="cute")
+    assert out[0, 1, 5].isnan().all() and not out[0, 1, :5].isnan().any()
+
+
+@pytest.mark.gpu
+@gpu
+def test_cute_writes_every_output_element():
+    """Outputs come from torch.empty; poison the allocator's free memory with
+    NaN first so that an unwritten element shows."""
+    gen = _gen(17)
+    T, H, D, K, N = 5, 128, 576, 130, 300
+    q, kv = _rand((T, H, D), torch.bfloat16, gen), _rand((N, D), torch.bfloat16, gen)
+    idx = _indices(T, 1, K, N, gen)[:, 0].cuda()
+    tl = torch.tensor([0, 1, 64, 65, 130], dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        junk = (torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda"),
+                torch.full((T, H), float("nan"), device="cuda"))
+        del junk
+        out, lse = dsa.sparse_attention(q, kv, idx, topk_length=tl, return_lse=True, backend="cute")
+        assert not out.isnan().any() and not lse.isnan().any()
+
+
+@pytest.mark.gpu
+@gpu
+def test_cute_backward_is_declined_with_reason():
+    gen = _gen(19)
+    q = _rand((2, 64, 512), torch.bfloat16, gen).requires_grad_(True)
+    kv = _rand((64, 512), torch.bfloat16, gen)
+    idx = _indices(2, 1, 64, 64, gen)[:, 0].cuda()
+    out = dsa.sparse_attention(q, kv, idx, backend="cute")
+    with pytest.raises(ValueError, match="cute.*sparse_attention_bwd"):
+        out.sum().backward()
+
+
+@pytest.mark.gpu
+@gpu
+def test_cute_unserved_shape_raises_with_reason():
+    gen = _gen(23)
+    q, kv = _rand((2, 32, 512), torch.bfloat16, gen), _rand((64, 512), torch.bfloat16, gen)
+    idx = _indices(2, 1, 64, 64, gen)[:, 0].cuda()
+    with pytest.raises(ValueError, match="multiple of 64"):
+        dsa.sparse_attention(q, kv, idx, backend="cute")
+    text = dsa.explain("sparse_attention", q, kv, idx)
+    assert "multiple of 64" in text, text

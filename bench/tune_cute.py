@@ -93,13 +93,16 @@ def main():
         print(f"{name}: first call (compile+run) {first:.1f}s; cute vs fp64 rows: out {e_out:.2e} lse {e_lse:.2e} "
               f"inf-pattern {'ok' if inf_ok else 'DIFFERS'}; cute vs triton out {d_tr:.2e}; NaN {nan}", flush=True)
         res = {}
-        for backend, fn in (("cute", cute_sa.forward), ("triton", triton_sa.forward)):
+        variants = (("cute", cute_sa.forward),
+                    ("cute-dup", lambda x: cute_sa.forward(x, cute_sa.Config(split=False))),
+                    ("triton", triton_sa.forward))
+        for backend, fn in variants:
             inputs = [make(name, seed=s)[0] for s in range(1 if args.quick else 3)]
             it = iter(range(10**9))
             ms = triton.testing.do_bench(lambda: fn(inputs[next(it) % len(inputs)]), warmup=25, rep=100,
                                          return_mode="median")
             res[backend] = ms
-            print(f"  {backend:6s} fwd {name}: {ms:.3f} ms  {flops / ms / 1e9:.1f} TFLOP/s", flush=True)
+            print(f"  {backend:8s} fwd {name}: {ms:.3f} ms  {flops / ms / 1e9:.1f} TFLOP/s", flush=True)
         print(f"  speedup cute/triton: {res['triton'] / res['cute']:.2f}x", flush=True)
 
 

@@ -9,6 +9,7 @@ kernel is ``sparse_attention_sm90.SparseAttnFwdSm90``.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -18,6 +19,16 @@ from dsa._args import SparseAttnArgs
 HEADS_PER_CTA = 64
 SERVED_D = (512, 576)
 SERVED_DV = 512
+
+
+
+@dataclass(frozen=True)
+class Config:
+    """split: the consumers take alternate slot blocks and exchange P (see
+    sparse_attention_sm90); else both compute S of every block."""
+
+    split: bool = True
+
 
 _COMPILED: Dict[tuple, object] = {}
 _ZEROS: Dict[tuple, torch.Tensor] = {}
@@ -73,16 +84,16 @@ def _zeros(a: SparseAttnArgs) -> torch.Tensor:
     return z
 
 
-def _compiled(a: SparseAttnArgs, ptrs, scalars, stream):
+def _compiled(a: SparseAttnArgs, cfg: Config, ptrs, scalars, stream):
     import cutlass.cute as cute
 
     from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
 
-    key = (a.q.dtype, a.D, a.d_v, a.H, a.G, a.topk_length is not None, a.sink is not None)
+    key = (a.q.dtype, a.D, a.d_v, a.H, a.G, a.topk_length is not None, a.sink is not None, cfg)
     fn = _COMPILED.get(key)
     if fn is None:
         kernel = SparseAttnFwdSm90(_cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G,
-                                   a.topk_length is not None, a.sink is not None)
+                                   a.topk_length is not None, a.sink is not None, split=cfg.split)
         fn = _COMPILED[key] = cute.compile(kernel, *ptrs, *scalars, stream)
     return fn
 
@@ -100,8 +111,9 @@ def _ptr(t: torch.Tensor, dtype, align: int):
     return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
 
-def forward(a: SparseAttnArgs) -> Tuple[torch.Tensor, torch.Tensor]:
+def forward(a: SparseAttnArgs, config: Optional[Config] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """out [T, H, d_v] in q.dtype and lse [T, H] fp32 (sink excluded, +inf on empty rows)."""
+    cfg = config or Config()
     import cuda.bindings.driver as cuda
     import cutlass
 
@@ -120,12 +132,12 @@ def forward(a: SparseAttnArgs) -> Tuple[torch.Tensor, torch.Tensor]:
                cutlass.Float32(a.sm_scale * 1.4426950408889634))
     stream = cuda.CUstream(torch.cuda.current_stream(a.q.device).cuda_stream)
     with torch.cuda.device(a.q.device):
-        _compiled(a, ptrs, scalars, stream)(*ptrs, *scalars, stream)
+        _compiled(a, cfg, ptrs, scalars, stream)(*ptrs, *scalars, stream)
     return out, lse
 
 
 def compile_offline(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, has_sink: bool,
-                    keep_ptx: bool = True):
+                    keep_ptx: bool = True, config: Optional[Config] = None):
     """Compile the kernel without a GPU (``CUTE_DSL_ARCH=sm_90a``), for CI and
     inspection; returns the compiled object (its PTX is kept when asked)."""
     import cuda.bindings.driver as cuda
@@ -143,5 +155,5 @@ def compile_offline(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, h
     ptrs = (p(dt, 16), p(dt, 16), p(cutlass.Int32, 4), p(cutlass.Int32, 4), p(cutlass.Float32, 4),
             p(dt, 16), p(cutlass.Float32, 4), p(dt, 16))
     scalars = (cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Float32(math.log2(math.e)))
-    kernel = SparseAttnFwdSm90(dt, D, SERVED_DV, H, G, has_len, has_sink)
+    kernel = SparseAttnFwdSm90(dt, D, SERVED_DV, H, G, has_len, has_sink, split=(config or Config()).split)
     return cute.compile(kernel, *ptrs, *scalars, cuda.CUstream(0), options="--keep-ptx" if keep_ptx else "")

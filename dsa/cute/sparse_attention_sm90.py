@@ -43,7 +43,8 @@ CONSUMER_REGS = 232
 class SparseAttnFwdSm90:
     """Host-side builder of the kernel for one static configuration."""
 
-    def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, has_sink: bool):
+    def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, has_sink: bool,
+                 split: bool = True):
         if D % 64 or d_v != 512 or (H // G) % BLOCK_H:
             raise ValueError("SparseAttnFwdSm90 needs D % 64 == 0, d_v == 512, (H / G) % 64 == 0")
         self.dtype = dtype
@@ -51,6 +52,10 @@ class SparseAttnFwdSm90:
         self.HG = H // G
         self.dv_half = d_v // 2
         self.has_len, self.has_sink = has_len, has_sink
+        # split: the two consumers take alternate slot blocks for S = Q K^T
+        # and exchange row maxima and P through shared memory (no S computed
+        # twice); otherwise both compute S of every block.
+        self.split = split
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -67,6 +72,10 @@ class SparseAttnFwdSm90:
         pv_mma = cute.make_tiled_mma(cute.make_mma_atom(warpgroup.MmaF16BF16Op(
             dt, Float32, (BLOCK_H, self.dv_half, 16), warpgroup.OperandSource.RMEM,
             warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN)), (1, 1, 1))
+        # O += P V with the other consumer's P, read from shared memory.
+        pv_mma_ss = cute.make_tiled_mma(cute.make_mma_atom(warpgroup.MmaF16BF16Op(
+            dt, Float32, (BLOCK_H, self.dv_half, 16), warpgroup.OperandSource.SMEM,
+            warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN)), (1, 1, 1))
 
         # Q: [64 heads, D] and K: [64 slots, D] per stage, K-major 128B-swizzled
         # atoms of 8 rows x 64 columns, rows first.  The V operand of P V is
@@ -78,6 +87,12 @@ class SparseAttnFwdSm90:
         sq_layout = cute.tile_to_shape(k_atom, (BLOCK_H, self.D), order=(0, 1))
         sk_layout = cute.tile_to_shape(k_atom, (BLOCK_N, self.D, STAGES), order=(0, 1, 2))
         sv_layout = cute.tile_to_shape(mn_atom, (self.dv_half, BLOCK_N), order=(1, 0))
+        # P [64 heads, 64 slots] as a K-major A operand: 8 contiguous atoms,
+        # the same shape as the columns 512..575 of a K stage, which the split
+        # consumers reuse for P once S of that stage is computed (for D = 576;
+        # D = 512 has a buffer of its own).
+        sp_layout = cute.tile_to_shape(k_atom, (BLOCK_H, BLOCK_N), order=(0, 1))
+        p_elems = 0 if self.D > self.d_v else STAGES * BLOCK_H * BLOCK_N
 
         @cute.struct
         class Smem:
@@ -86,11 +101,14 @@ class SparseAttnFwdSm90:
             empty: cute.struct.MemRange[Int64, STAGES]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sq_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sk_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[dt, max(p_elems, 8)], 1024]
+            sM: cute.struct.MemRange[Float32, STAGES * BLOCK_H]
+            sL: cute.struct.MemRange[Float32, STAGES * BLOCK_H]
 
         self.smem = Smem
         grid_x = T * self.G
         self.kernel(
-            qk_mma, pv_mma, sq_layout, sk_layout, sv_layout,
+            qk_mma, pv_mma, pv_mma_ss, sq_layout, sk_layout, sv_layout, sp_layout,
             q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr, zero_ptr,
             N, K, scale_log2,
         ).launch(grid=[grid_x, self.HG // BLOCK_H, 1], block=[THREADS, 1, 1], stream=stream,
@@ -99,8 +117,9 @@ class SparseAttnFwdSm90:
     # ---------------------------------------------------------------- device
     @cute.kernel
     def kernel(
-        self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma,
+        self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, pv_mma_ss: cute.TiledMma,
         sq_layout: cute.ComposedLayout, sk_layout: cute.ComposedLayout, sv_layout: cute.ComposedLayout,
+        sp_layout: cute.ComposedLayout,
         q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, len_ptr: cute.Pointer,
         sink_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer, zero_ptr: cute.Pointer,
         N: Int32, K: Int32, scale_log2: Float32,
@@ -137,14 +156,32 @@ class SparseAttnFwdSm90:
         n_blocks = (L + BLOCK_N - 1) // BLOCK_N
         idx_row = idx_ptr + Int64(pid) * Int64(K)
 
+        if const_expr(self.split):
+            # The split consumers zero their accumulators by hand: the MMA
+            # objects are shared by both code paths and never change inside.
+            for mma in (qk_mma, pv_mma, pv_mma_ss):
+                mma.set(warpgroup.Field.ACCUMULATE, True)
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.producer(tidx, sQ, sK, q_full, full, empty, q_ptr, kv_ptr, idx_row, zero_ptr,
                           t, g, head0, L, N, n_blocks)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self.consumer(qk_mma, pv_mma, sv_layout, tidx - 128, wg - 1, sQ, sK, q_full, full, empty,
-                          idx_row, sink_ptr, out_ptr, lse_ptr, t, head0, L, N, n_blocks, scale_log2)
+            if const_expr(not self.split):
+                self.consumer(qk_mma, pv_mma, sv_layout, tidx - 128, wg - 1, sQ, sK, q_full, full, empty,
+                              idx_row, sink_ptr, out_ptr, lse_ptr, t, head0, L, N, n_blocks, scale_log2)
+            else:
+                sP = st.sP.data_ptr()
+                sM = st.sM.data_ptr()
+                sL = st.sL.data_ptr()
+                args = (qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, tidx % 128, sQ, sK, sP, sM, sL,
+                        q_full, full, empty, idx_row, sink_ptr, out_ptr, lse_ptr, t, head0, L, N,
+                        n_blocks, scale_log2)
+                # One code path per consumer, with its stage and V half static.
+                if wg == 1:
+                    self.consumer_split(0, *args)
+                else:
+                    self.consumer_split(1, *args)
 
     @cute.jit
     def producer(self, tidx, sQ, sK, q_full, full, empty, q_ptr, kv_ptr, idx_row, zero_ptr,
@@ -303,17 +340,28 @@ class SparseAttnFwdSm90:
             cute.arch.mbarrier_arrive(empty + s)
 
         # Epilogue: the row sums are spread over the 4 threads of a row.
-        inv = cute.make_rmem_tensor((2,), Float32)
         for r in cutlass.range_constexpr(2):
             l = l_run[r]
             l = l + cute.arch.shuffle_sync_bfly(l, 1)
             l = l + cute.arch.shuffle_sync_bfly(l, 2)
             l_run[r] = l
+        self.epilogue(acc_o, m_run, l_run, half, lane, row_lo, col_lane, sink_ptr, out_ptr, lse_ptr, t, head0)
+
+    @cute.jit
+    def epilogue(self, acc_o, m_run, l_run, half, lane, row_lo, col_lane, sink_ptr, out_ptr, lse_ptr,
+                 t, head0):
+        """out = O / (l + exp(sink)) for this consumer's column half; lse
+        (+inf on a row with no valid slot) from consumer 0.  m_run is the
+        running maximum (log2 domain), l_run the whole row sum."""
+        dvh = self.dv_half
+        NO = cute.size(acc_o)
+        inv = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
             mu = m_run[r]
             if mu == -Float32.inf:
                 mu = Float32(0.0)
             m_run[r] = mu
-            den = l
+            den = l_run[r]
             if const_expr(self.has_sink):
                 # sink * log2(e) overflows to +inf for sinks above ~2.4e38:
                 # the sink then takes all the probability and out is 0.
@@ -342,6 +390,178 @@ class SparseAttnFwdSm90:
                 pl = cute.make_tensor(lse_ptr + (Int64(t) * Int64(self.H) + Int64(head0 + row_lo + 8 * r)),
                                       cute.make_layout((1,)))
                 pl[0] = lse
+
+    @cute.jit
+    def consumer_split(self, w: cutlass.Constexpr, qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, wtid,
+                       sQ, sK, sP, sM, sL, q_full, full, empty, idx_row, sink_ptr, out_ptr, lse_ptr,
+                       t, head0, L, N, n_blocks, scale_log2):
+        """Consumer w of the split scheme: S of the blocks 2i + w, O for the
+        columns [256 w, 256 w + 256) of every block."""
+        D, dvh = self.D, self.dv_half
+        o = 1 - w  # the other consumer, and the stage it computes S of
+        lane = wtid % 32
+        warp = wtid // 32
+        thr_qk = qk_mma.get_slice(wtid)
+        thr_pv = pv_mma.get_slice(wtid)
+        thr_ss = pv_mma_ss.get_slice(wtid)
+
+        tSrQ = qk_mma.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = qk_mma.make_fragment_B(thr_qk.partition_B(sK))   # (MMA, 1, D/16, STAGES)
+        acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((BLOCK_H, BLOCK_N)), Float32)
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((BLOCK_H, dvh)), Float32)
+        acc_o.fill(0.0)
+        r_p = cute.make_rmem_tensor(thr_pv.partition_shape_A((BLOCK_H, BLOCK_N)), self.dtype)
+
+        raw = cute.recast_ptr(sK.iterator, None)
+        v_own = cute.make_tensor(cute.recast_ptr(raw + (w * BLOCK_N * D + w * BLOCK_N * dvh), sv_layout.inner),
+                                 sv_layout.outer)
+        v_oth = cute.make_tensor(cute.recast_ptr(raw + (o * BLOCK_N * D + w * BLOCK_N * dvh), sv_layout.inner),
+                                 sv_layout.outer)
+        if const_expr(D > self.d_v):
+            p_base = raw + BLOCK_N * self.d_v  # columns d_v.. of stage 0
+            p_stride = BLOCK_N * D
+        else:
+            p_base = cute.recast_ptr(sP, None)
+            p_stride = BLOCK_H * BLOCK_N
+        p_own = cute.make_tensor(cute.recast_ptr(p_base + w * p_stride, sp_layout.inner), sp_layout.outer)
+        p_oth = cute.make_tensor(cute.recast_ptr(p_base + o * p_stride, sp_layout.inner), sp_layout.outer)
+        tPs_own = thr_qk.partition_C(p_own)
+        tOrV_own = pv_mma.make_fragment_B(thr_pv.partition_B(v_own))
+        tOrV_oth = pv_mma_ss.make_fragment_B(thr_ss.partition_B(v_oth))
+        tOrP_oth = pv_mma_ss.make_fragment_A(thr_ss.partition_A(p_oth))
+        m_own = cute.make_tensor(sM + w * BLOCK_H, cute.make_layout((BLOCK_H,)))
+        m_oth = cute.make_tensor(sM + o * BLOCK_H, cute.make_layout((BLOCK_H,)))
+
+        row_lo = warp * 16 + lane // 4
+        col_lane = 2 * (lane % 4)
+        m_run = cute.make_rmem_tensor((2,), Float32)
+        l_run = cute.make_rmem_tensor((2,), Float32)
+        m_run.fill(-Float32.inf)
+        l_run.fill(0.0)
+        NS = cute.size(acc_s)
+        NO = cute.size(acc_o)
+
+        cute.arch.mbarrier_wait(q_full, 0)
+        ctx = (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, tPs_own, tOrV_own, tOrV_oth, tOrP_oth, m_own, m_oth,
+               acc_s, acc_o, r_p, m_run, l_run, full, empty, idx_row, L, N, row_lo, col_lane, lane, scale_log2)
+        n_pairs = n_blocks // 2
+        for i in cutlass.range(n_pairs, unroll=1):
+            self.pair(w, i, True, True, *ctx)
+        if n_blocks % 2 == 1:  # a last block of its own: stage 0, consumer 0's S
+            self.pair(w, n_pairs, w == 0, w == 1, *ctx)
+
+        # Epilogue: row sums over the 4 threads of a row, then over both consumers.
+        l_own = cute.make_tensor(sL + w * BLOCK_H, cute.make_layout((BLOCK_H,)))
+        l_oth = cute.make_tensor(sL + o * BLOCK_H, cute.make_layout((BLOCK_H,)))
+        for r in cutlass.range_constexpr(2):
+            l = l_run[r]
+            l = l + cute.arch.shuffle_sync_bfly(l, 1)
+            l = l + cute.arch.shuffle_sync_bfly(l, 2)
+            l_run[r] = l
+            if lane % 4 == 0:
+                l_own[row_lo + 8 * r] = l
+        cute.arch.barrier(barrier_id=3, number_of_threads=256)
+        for r in cutlass.range_constexpr(2):
+            l_run[r] = l_run[r] + l_oth[row_lo + 8 * r]
+        self.epilogue(acc_o, m_run, l_run, w, lane, row_lo, col_lane, sink_ptr, out_ptr, lse_ptr, t, head0)
+
+    @cute.jit
+    def pair(self, w: cutlass.Constexpr, i, has_own: cutlass.Constexpr, has_oth: cutlass.Constexpr,
+             qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, tPs_own, tOrV_own, tOrV_oth, tOrP_oth, m_own, m_oth,
+             acc_s, acc_o, r_p, m_run, l_run, full, empty, idx_row, L, N, row_lo, col_lane, lane, scale_log2):
+        """Blocks 2i (stage 0) and 2i + 1 (stage 1) for consumer w: S of its
+        own block when it exists, then O += P V over the blocks that exist."""
+        D = self.D
+        o = 1 - w
+        b = 2 * i + w
+        NS = cute.size(acc_s)
+        NO = cute.size(acc_o)
+        if const_expr(has_own):
+            cute.arch.mbarrier_wait(full + w, i % 2)
+            acc_s.fill(0.0)
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(D // 16):
+                cute.gemm(qk_mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k, w], acc_s)
+            warpgroup.commit_group()
+            valid = cute.make_rmem_tensor((NS // 4, 2), cutlass.Boolean)
+            for j in cutlass.range_constexpr(NS // 4):
+                for e in cutlass.range_constexpr(2):
+                    slot = b * BLOCK_N + 8 * j + col_lane + e
+                    ok = slot < L
+                    if ok:
+                        n = _load_i32(idx_row, Int64(slot))
+                        ok = n >= 0 and n < N
+                    valid[j, e] = ok
+            warpgroup.wait_group(0)
+            for j in cutlass.range_constexpr(NS // 4):
+                for r in cutlass.range_constexpr(2):
+                    for e in cutlass.range_constexpr(2):
+                        v = acc_s[4 * j + 2 * r + e] * scale_log2
+                        if not valid[j, e]:
+                            v = -Float32.inf
+                        acc_s[4 * j + 2 * r + e] = v
+        else:
+            acc_s.fill(-Float32.inf)
+
+        # Row maxima of this block, exchanged with the other consumer so
+        # that both scale O and P by the same running maximum.
+        mx = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
+            v = -Float32.inf
+            for j in cutlass.range_constexpr(NS // 4):
+                for e in cutlass.range_constexpr(2):
+                    v = cute.arch.fmax(v, acc_s[4 * j + 2 * r + e])
+            v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, 1))
+            v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, 2))
+            mx[r] = v
+            if lane % 4 == 0:
+                m_own[row_lo + 8 * r] = v
+        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        alpha = cute.make_rmem_tensor((2,), Float32)
+        m_use = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
+            mn = cute.arch.fmax(m_run[r], cute.arch.fmax(mx[r], m_oth[row_lo + 8 * r]))
+            # A row that has seen no valid slot keeps m = -inf; shift by 0
+            # there so that no (-inf) - (-inf) appears.
+            mu = mn
+            if mn == -Float32.inf:
+                mu = Float32(0.0)
+            alpha[r] = cute.math.exp2(m_run[r] - mu, fastmath=True)
+            m_use[r] = mu
+            m_run[r] = mn
+        for r in cutlass.range_constexpr(2):
+            rs = Float32(0.0)
+            for j in cutlass.range_constexpr(NS // 4):
+                for e in cutlass.range_constexpr(2):
+                    i_ = 4 * j + 2 * r + e
+                    p = cute.math.exp2(acc_s[i_] - m_use[r], fastmath=True)
+                    acc_s[i_] = p
+                    rs = rs + p
+            l_run[r] = l_run[r] * alpha[r] + rs
+        for i_ in cutlass.range_constexpr(NS):
+            r_p[i_] = acc_s[i_].to(self.dtype)
+        if const_expr(has_own):
+            for i_ in cutlass.range_constexpr(NS):
+                tPs_own[i_] = r_p[i_]
+            # P is read by the other consumer's wgmma (the async proxy).
+            cute.arch.fence_view_async_shared()
+        for i_ in cutlass.range(NO, unroll_full=True):
+            acc_o[i_] = acc_o[i_] * alpha[(i_ // 2) % 2]
+        cute.arch.barrier(barrier_id=2, number_of_threads=256)
+
+        warpgroup.fence()
+        if const_expr(has_own):
+            for k in cutlass.range_constexpr(BLOCK_N // 16):
+                cute.gemm(pv_mma, acc_o, r_p[None, None, k], tOrV_own[None, None, k], acc_o)
+        if const_expr(has_oth):
+            for k in cutlass.range_constexpr(BLOCK_N // 16):
+                cute.gemm(pv_mma_ss, acc_o, tOrP_oth[None, None, k], tOrV_oth[None, None, k], acc_o)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        if const_expr(has_own):
+            cute.arch.mbarrier_arrive(empty + w)
+        if const_expr(has_oth):
+            cute.arch.mbarrier_arrive(empty + o)
 
 
 @cute.jit

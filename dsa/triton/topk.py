@@ -12,11 +12,28 @@ found exactly, then one prefix scan emits, in position order, every key
 ``> thr`` and the first ``k - count(> thr)`` keys ``== thr``.
 
 * Resident kernel (S <= RESIDENT_MAX): one program per row holds the whole
-  row in registers (read from memory once) and finds ``thr`` by a bisection
-  on the key bits, MSB first, each step one compare and one block reduction;
-  it stops as soon as exactly k keys are >= thr (about log2(S) + a few steps
-  on distinct scores, 32 at most). Rows with at most k selectable keys skip
-  the bisection.
+  row in registers (read from memory once) and finds ``thr`` with one of
+  three searches (``ResidentConfig.search``); each round is one block-wide
+  reduction, so the number of rounds sets the cost. All of them keep
+  ``count(key >= lo) >= k > count(key >= hi)`` and stop as soon as exactly k
+  keys are >= a candidate (that set is the top k, ties at the cut included
+  whole). Rows with at most k selectable keys skip the search.
+
+  - ``bisect``: one key bit a round, MSB first (about log2(S) + a few rounds
+    on distinct scores, 32 at most).
+  - ``radix``: ``radix_bits`` bits a round, the 2^b - 1 candidate digits
+    counted together (two 16-bit counts per int32 lane of one 2-D
+    reduction); 16-bit inputs stop at their last significant key bit.
+  - ``interp``: two candidates a round, counted in one packed reduction,
+    placed by a model of the row's value distribution: a normal fit (from
+    the sum and the sum of squares, taken with the valid-key count) for the
+    first round, then linear interpolation between the bracket ends or a
+    secant through the last round's two points, aiming at counts k +- a
+    spread that shrinks with the bracket. A round that fails to halve the
+    bracket is answered by a snap round (the bracket ends move onto the
+    nearest keys inside it: ties finish there) and then by a split of the
+    bracket's key range in thirds (for distributions the model misses).
+    About 4-6 rounds on random rows instead of about 20.
 * Streaming kernel (longer rows): the row is read in chunks, ``thr`` comes
   from a 4-pass radix select (8-bit digits, 256-bin histograms), and the emit
   pass walks the chunks in order with running counters.
@@ -40,6 +57,24 @@ RESIDENT_MAX = 16384
 STREAM_CHUNK = 4096
 _FILL_BLOCK = 1024
 
+SEARCHES = ("bisect", "radix", "interp")
+
+# Order keys of +inf and of -FLT_MAX (the largest and smallest selectable
+# finite-or-inf keys; NaN and -inf are 0 and no valid key lies in between).
+_KEY_PINF = tl.constexpr(0xFF800000)
+_KEY_MIN = tl.constexpr(0x00800000)
+# interp: first-round spread in standard deviations of the count at the normal
+# guess; later spreads in those of the cut's rank (bracket interpolation) and
+# of the secant's reach (tuned on a NumPy model of the search over randn,
+# exponential, uniform and fp16 rows: about 4.3 rounds on average).
+_GUESS_SPREAD = tl.constexpr(1.0)
+_INTERP_SPREAD = tl.constexpr(0.75)
+_SECANT_SPREAD = tl.constexpr(0.375)
+_MODE_GUESS = tl.constexpr(0)
+_MODE_SNAP = tl.constexpr(1)
+_MODE_INTERP = tl.constexpr(2)
+_MODE_SPLIT = tl.constexpr(3)
+
 
 # --------------------------------------------------------------------------
 # Device helpers
@@ -60,7 +95,44 @@ def _order_key(x):
 
 
 @triton.jit
-def _emit_block(idx_row_ptr, key, pos, m, thr, need, gt_run, eq_run):
+def _key_value(key):
+    """Inverse of _order_key on selectable keys: uint32 -> fp32."""
+    signed = (key ^ 0x80000000).to(tl.int32, bitcast=True)
+    bits = signed ^ ((signed >> 31) & 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _count_pair(b_key, ca, cb):
+    """(count(key >= ca), count(key >= cb)) from one block reduction: two
+    16-bit fields of an int32 (a block holds at most 2^16 - 1 keys >= ca)."""
+    packed = (b_key >= ca).to(tl.int32) + ((b_key >= cb).to(tl.int32) << 16)
+    n = tl.sum(packed, axis=0)
+    return n & 0xFFFF, (n >> 16) & 0xFFFF
+
+
+@triton.jit
+def _sum3(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, a1 + b1, a2 + b2
+
+
+@triton.jit
+def _min_max(a_min, a_max, b_min, b_max):
+    return tl.minimum(a_min, b_min), tl.maximum(a_max, b_max)
+
+
+@triton.jit
+def _upper_normal_quantile(p):
+    """z with P(N(0, 1) > z) ~= p for p in (0, 1) (Abramowitz-Stegun 26.2.23,
+    |error| < 4.5e-4: only a first guess)."""
+    q = tl.minimum(p, 1.0 - p)
+    t = tl.sqrt(-2.0 * tl.log(q))
+    z = t - (2.515517 + t * (0.802853 + t * 0.010328)) / (1.0 + t * (1.432788 + t * (0.189269 + t * 0.001308)))
+    return tl.where(p > 0.5, -z, z)
+
+
+@triton.jit
+def _emit_block(idx_row_ptr, key, pos, m, thr, need, gt_run, eq_run, ONE_SUM: tl.constexpr = False):
     """Store the selected positions of one block; return the block's counts.
 
     Selected: key > thr, or key == thr among the first ``need`` such keys of
@@ -77,6 +149,9 @@ def _emit_block(idx_row_ptr, key, pos, m, thr, need, gt_run, eq_run):
     sel = gt | (eq & (eq_before < need))
     slot = gt_before + tl.minimum(eq_before, need)
     tl.store(idx_row_ptr + slot, pos, mask=sel)
+    if ONE_SUM:  # both counts from one reduction of the packed flags
+        n = tl.sum(packed, axis=0)
+        return n & 0xFFFF, (n >> 16) & 0xFFFF
     return tl.sum(gt.to(tl.int32), axis=0), tl.sum(eq.to(tl.int32), axis=0)
 
 
@@ -89,6 +164,235 @@ def _pad_row(idx_row_ptr, length, K, BLOCK: tl.constexpr):
 
 
 # --------------------------------------------------------------------------
+# Threshold searches of the resident kernel. Each returns (thr, need): emit
+# every key > thr and the first ``need`` keys == thr.
+# --------------------------------------------------------------------------
+
+
+@triton.jit
+def _search_bisect(b_key, n_valid, K, EARLY_EXIT: tl.constexpr):
+    thr = tl.zeros([], tl.uint32)
+    if EARLY_EXIT:
+        # The same bisection, stopped once exactly K keys are >= thr: that
+        # set is the top K, ties included whole (distinct scores get there
+        # after about log2(S) + a few bits instead of 32).
+        bit = 31
+        cnt = n_valid
+        while (bit >= 0) & (cnt != K):
+            cand = thr | (tl.full([], 1, tl.uint32) << bit)
+            cnt = tl.sum((b_key >= cand).to(tl.int32), axis=0)
+            thr = tl.where(cnt >= K, cand, thr)
+            bit -= 1
+    else:
+        # Largest thr with count(key >= thr) >= K, one bit at a time, MSB first.
+        for bit in range(31, -1, -1):
+            cand = thr | (tl.full([], 1, tl.uint32) << bit)
+            cnt = tl.sum((b_key >= cand).to(tl.int32), axis=0)
+            thr = tl.where(cnt >= K, cand, thr)
+    need = K - tl.sum((b_key > thr).to(tl.int32), axis=0)
+    return thr, need
+
+
+@triton.jit
+def _sum2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def _sum4(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
+def _sum8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4, a5 + b5, a6 + b6, a7 + b7
+
+
+@triton.jit
+def _radix_word(b_key, thr, sh, n_dig, J: tl.constexpr):
+    """Per key: (key >= candidate 2J+1) + (key >= candidate 2J+2) << 16, the
+    candidate of digit d being thr | d << sh (none past the round's digits)."""
+    ca = tl.where(2 * J + 1 < n_dig, thr | ((2 * J + 1) << sh), 0xFFFFFFFF)  # no key is >= 0xFFFFFFFF
+    cb = tl.where(2 * J + 2 < n_dig, thr | ((2 * J + 2) << sh), 0xFFFFFFFF)
+    return (b_key >= ca).to(tl.int32) + ((b_key >= cb).to(tl.int32) << 16)
+
+
+@triton.jit
+def _radix_counts(b_key, thr, sh, n_dig, BITS: tl.constexpr):
+    """The round's 2^BITS - 1 candidate counts, two 16-bit fields per int32,
+    from one block reduction (a tuple of 2^(BITS-1) words, all scalars: the
+    digit logic after it runs on uniform registers, no small-vector layout)."""
+    if BITS == 1:
+        words = (tl.sum(_radix_word(b_key, thr, sh, n_dig, 0), axis=0), )
+    elif BITS == 2:
+        words = tl.reduce((_radix_word(b_key, thr, sh, n_dig, 0), _radix_word(b_key, thr, sh, n_dig, 1)), 0, _sum2)
+    elif BITS == 3:
+        words = tl.reduce((_radix_word(b_key, thr, sh, n_dig, 0), _radix_word(b_key, thr, sh, n_dig, 1),
+                           _radix_word(b_key, thr, sh, n_dig, 2), _radix_word(b_key, thr, sh, n_dig, 3)), 0, _sum4)
+    else:
+        words = tl.reduce((_radix_word(b_key, thr, sh, n_dig, 0), _radix_word(b_key, thr, sh, n_dig, 1),
+                           _radix_word(b_key, thr, sh, n_dig, 2), _radix_word(b_key, thr, sh, n_dig, 3),
+                           _radix_word(b_key, thr, sh, n_dig, 4), _radix_word(b_key, thr, sh, n_dig, 5),
+                           _radix_word(b_key, thr, sh, n_dig, 6), _radix_word(b_key, thr, sh, n_dig, 7)), 0, _sum8)
+    return words
+
+
+@triton.jit
+def _search_radix(b_key, K, BITS: tl.constexpr, LOW_BITS: tl.constexpr):
+    """Radix select on the key, BITS bits a round from the top down to bit
+    LOW_BITS (below it every key of a 16-bit input is all zeros or all ones).
+
+    Round: count the candidates thr | d << sh, d = 1 .. 2^BITS - 1, in one
+    reduction; counts fall with d, so the digit kept is the number of them
+    >= K. c_up = count(key >= the range's upper end) carries ``need`` to the
+    end without another reduction.
+    """
+    NP: tl.constexpr = 1 << (BITS - 1)
+    WIDTH: tl.constexpr = 32 - LOW_BITS
+    FIRST: tl.constexpr = WIDTH - BITS * ((WIDTH - 1) // BITS)  # bits of round 1
+    zero = tl.zeros([], tl.int32)
+    thr = tl.zeros([], tl.uint32)
+    c_up = zero
+    hit_key = tl.zeros([], tl.uint32)
+    shift = zero + (32 - FIRST)
+    width = zero + FIRST
+    while (shift >= LOW_BITS) & (hit_key == 0):
+        sh = shift.to(tl.uint32)
+        n_dig = tl.full([], 1, tl.uint32) << width.to(tl.uint32)
+        words = _radix_counts(b_key, thr, sh, n_dig, BITS)
+        dig = tl.zeros([], tl.uint32)
+        hit = tl.zeros([], tl.uint32)
+        n_below = zero  # the largest count < K: that of digit dig + 1
+        for j in tl.static_range(NP):
+            for f in tl.static_range(2):
+                c = (words[j] >> (16 * f)) & 0xFFFF
+                dig += (c >= K).to(tl.uint32)
+                hit = tl.where(c == K, 2 * j + 1 + f, hit)
+                n_below = tl.maximum(n_below, tl.where(c < K, c, 0))
+        c_up = tl.where(dig + 1 < n_dig, n_below, c_up)
+        hit_key = tl.where(hit > 0, thr | (hit << sh), hit_key)
+        thr = thr | (dig << sh)
+        shift -= BITS
+        width = zero + BITS
+    # All keys in [thr, thr + 2^LOW_BITS) equal the K-th one; negative values
+    # carry ones below LOW_BITS (see _order_key).
+    low = (tl.full([], 1, tl.uint32) << LOW_BITS) - 1
+    thr = tl.where(thr < 0x80000000, thr | low, thr)
+    need = K - c_up
+    # exact hit: the keys >= hit_key are the top K
+    thr = tl.where(hit_key > 0, hit_key - 1, thr)
+    need = tl.where(hit_key > 0, 0, need)
+    return thr, need
+
+
+@triton.jit
+def _search_interp(b_key, n_valid, n_pinf, s1, s2, K, INTERP: tl.constexpr):
+    """Candidates from a model of the values (see the module header).
+
+    State: lo < hi keys with c_lo = count(>= lo) >= K > c_hi = count(>= hi),
+    start [key(-FLT_MAX), key(+inf)). Candidates only decide how fast the
+    bracket shrinks; every count is exact, so any placement is correct.
+    Without INTERP the rounds after the first split the key range in thirds.
+    """
+    lo = tl.full([], _KEY_MIN, tl.uint32)
+    hi = tl.full([], _KEY_PINF, tl.uint32)
+    c_lo = n_valid
+    c_hi = n_pinf
+    if n_pinf >= K:  # the K-th key is +inf
+        lo = hi
+        hi = lo + 1
+        c_lo = n_pinf
+        c_hi = tl.zeros([], tl.int32)
+
+    # Round 1: a normal fit to the finite values, counts K +- GUESS_SPREAD sd.
+    nf = (n_valid - n_pinf).to(tl.float32)
+    mean = s1 / nf
+    sd = tl.sqrt(tl.maximum(s2 / nf - mean * mean, 0.0))
+    t = (K - n_pinf).to(tl.float32)
+    d0 = 0.5 + _GUESS_SPREAD * tl.sqrt(tl.maximum(t * (nf - t), 0.0) / nf)
+    p_min = 0.5 / nf
+    va_g = mean + sd * _upper_normal_quantile(tl.clamp((t + d0) / nf, p_min, 1.0 - p_min))
+    vb_g = mean + sd * _upper_normal_quantile(tl.clamp((t - d0) / nf, p_min, 1.0 - p_min))
+    guess_ok = (tl.abs(va_g) < float("inf")) & (tl.abs(vb_g) < float("inf"))
+    mode = tl.where(guess_ok, _MODE_GUESS, _MODE_SNAP)
+
+    zero = tl.zeros([], tl.int32)
+    fails = zero  # rounds in a row that did not halve the bracket
+    snapped = zero
+    na = zero  # counts and values of the last round's candidates
+    nb = zero
+    va_p = tl.zeros([], tl.float32)
+    vb_p = tl.zeros([], tl.float32)
+    while (c_lo != K) & (hi - lo > 1):
+        if mode == _MODE_SNAP:
+            # Ends onto the keys inside [lo, hi): same counts, and a bracket
+            # holding a single (tied) key is then done.
+            lo, hi_key = tl.reduce((tl.where(b_key >= lo, b_key, 0xFFFFFFFF), tl.where(b_key < hi, b_key, 0)),
+                                   0, _min_max)
+            hi = hi_key + 1
+            snapped = zero + 1
+            mode = zero + (_MODE_INTERP if INTERP else _MODE_SPLIT)
+        else:
+            m = c_lo - c_hi
+            r = c_lo - K  # keys of the bracket below the cut
+            mf = m.to(tl.float32)
+            rf = r.to(tl.float32)
+            # bracket interpolation, the cut's rank +- INTERP_SPREAD sd
+            f_lo = _key_value(lo)
+            f_hi = _key_value(hi - 1)
+            d = tl.maximum(_INTERP_SPREAD * tl.sqrt(rf * (mf - rf) / mf), 0.5)
+            pa = tl.clamp((rf - d) / mf, 0.0, 1.0)
+            pb = tl.clamp((rf + d) / mf, 0.0, 1.0)
+            va = f_lo * (1.0 - pa) + f_hi * pa
+            vb = f_lo * (1.0 - pb) + f_hi * pb
+            # secant through the last two candidates when both fell on one side
+            same_side = ((na >= K) == (nb >= K)) & (na != nb) & (snapped == 0) & (mode == _MODE_INTERP)
+            slope = (na - nb).to(tl.float32) / (vb_p - va_p)
+            above = nb >= K
+            near_v = tl.where(above, vb_p, va_p)
+            near_n = tl.where(above, nb, na).to(tl.float32)
+            reach = tl.abs(near_n - K)
+            ds = 0.5 + _SECANT_SPREAD * (tl.sqrt(reach) + reach / tl.sqrt((na - nb).to(tl.float32)))
+            va = tl.where(same_side, near_v + (near_n - (K + ds)) / slope, va)
+            vb = tl.where(same_side, near_v + (near_n - (K - ds)) / slope, vb)
+            va = tl.where(mode == _MODE_GUESS, va_g, va)
+            vb = tl.where(mode == _MODE_GUESS, vb_g, vb)
+            ca = _order_key(va)  # NaN -> 0, clamped to lo + 1 below
+            cb = _order_key(vb)
+            # right after a snap lo and hi - 1 are keys: one above lo (or hi - 1
+            # itself) is the cut when one key of the bracket lies on that side
+            ca = tl.where((snapped != 0) & (r == 1), lo + 1, ca)
+            cb = tl.where((snapped != 0) & (m - r == 1), hi - 1, cb)
+            third = tl.maximum((hi - lo) // 3, 1)
+            ca = tl.where(mode == _MODE_SPLIT, lo + third, ca)
+            cb = tl.where(mode == _MODE_SPLIT, hi - third, cb)
+            ca = tl.minimum(tl.maximum(ca, lo + 1), hi - 1)
+            cb = tl.minimum(tl.maximum(cb, ca), hi - 1)
+
+            na, nb = _count_pair(b_key, ca, cb)
+            va_p = _key_value(ca)
+            vb_p = _key_value(cb)
+            up = nb >= K
+            mid = na >= K
+            lo = tl.where(up, cb, tl.where(mid, ca, lo))
+            c_lo = tl.where(up, nb, tl.where(mid, na, c_lo))
+            hi = tl.where(up, hi, tl.where(mid, cb, ca))
+            c_hi = tl.where(up, c_hi, tl.where(mid, nb, na))
+            fails = tl.where(2 * (c_lo - c_hi) > m, fails + 1, 0)
+            snapped = zero
+            if INTERP:
+                unbounded = (lo == _KEY_MIN) | (hi == _KEY_PINF)  # no data value at an end yet
+                mode = tl.where(fails == 0, _MODE_INTERP, tl.where(fails % 2 == 1, _MODE_SNAP, _MODE_SPLIT))
+                mode = tl.where(unbounded, tl.where(na == nb, _MODE_SNAP, _MODE_INTERP), mode)
+            else:
+                mode = zero + _MODE_SPLIT
+    exact = c_lo == K  # keys >= lo are the top K
+    thr = tl.where(exact, lo - 1, lo)
+    need = tl.where(exact, 0, K - c_hi)
+    return thr, need
+
+
+# --------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------
 
@@ -97,40 +401,43 @@ def _pad_row(idx_row_ptr, length, K, BLOCK: tl.constexpr):
 def _topk_resident_kernel(
     s_ptr, idx_ptr, len_ptr, S, K, stride_s, stride_i,
     BLOCK_S: tl.constexpr, FILL: tl.constexpr, EARLY_EXIT: tl.constexpr,
+    SEARCH: tl.constexpr = 0, RADIX_BITS: tl.constexpr = 2, LOW_BITS: tl.constexpr = 0,
 ):
     r = tl.program_id(0).to(tl.int64)
     o_s = tl.arange(0, BLOCK_S)
     m_s = o_s < S
     b_x = tl.load(s_ptr + r * stride_s + o_s, mask=m_s, other=float("-inf")).to(tl.float32)
     b_key = _order_key(b_x)  # [BLOCK_S]
-    n_valid = tl.sum((b_key != 0).to(tl.int32), axis=0)
-
-    thr = tl.zeros([], tl.uint32)
-    need = tl.zeros([], tl.int32)
-    if n_valid > K:  # else every valid key is taken (rows of early causal queries)
-        if EARLY_EXIT:
-            # The same bisection, stopped once exactly K keys are >= thr: that
-            # set is the top K, ties included whole (distinct scores get there
-            # after about log2(S) + a few bits instead of 32).
-            bit = 31
-            cnt = n_valid
-            while (bit >= 0) & (cnt != K):
-                cand = thr | (tl.full([], 1, tl.uint32) << bit)
-                cnt = tl.sum((b_key >= cand).to(tl.int32), axis=0)
-                thr = tl.where(cnt >= K, cand, thr)
-                bit -= 1
-        else:
-            # Largest thr with count(key >= thr) >= K, one bit at a time, MSB first.
-            for bit in range(31, -1, -1):
-                cand = thr | (tl.full([], 1, tl.uint32) << bit)
-                cnt = tl.sum((b_key >= cand).to(tl.int32), axis=0)
-                thr = tl.where(cnt >= K, cand, thr)
-        need = K - tl.sum((b_key > thr).to(tl.int32), axis=0)
-    # thr == 0 when every valid key is taken: "key > 0" is exactly "valid".
-
     idx_row = idx_ptr + r * stride_i
-    n_gt, n_eq = _emit_block(idx_row, b_key, o_s, m_s, thr, need, 0, 0)
-    length = n_gt + tl.minimum(n_eq, need)
+
+    if SEARCH == 0:
+        n_valid = tl.sum((b_key != 0).to(tl.int32), axis=0)
+        thr = tl.zeros([], tl.uint32)
+        need = tl.zeros([], tl.int32)
+        if n_valid > K:  # else every valid key is taken (rows of early causal queries)
+            thr, need = _search_bisect(b_key, n_valid, K, EARLY_EXIT)
+        # thr == 0 when every valid key is taken: "key > 0" is exactly "valid".
+        n_gt, n_eq = _emit_block(idx_row, b_key, o_s, m_s, thr, need, 0, 0)
+        length = n_gt + tl.minimum(n_eq, need)
+    else:
+        if SEARCH == 1:
+            n_valid = tl.sum((b_key != 0).to(tl.int32), axis=0)
+        else:
+            # valid and +inf counts with the sums for the first guess, one reduction
+            fin = (b_key != 0) & (b_key != _KEY_PINF)
+            b_xf = tl.where(fin, b_x, 0.0)
+            packed = (b_key != 0).to(tl.int32) + ((b_key == _KEY_PINF).to(tl.int32) << 16)
+            n_packed, s1, s2 = tl.reduce((packed, b_xf, b_xf * b_xf), 0, _sum3)
+            n_valid = n_packed & 0xFFFF
+        thr = tl.zeros([], tl.uint32)
+        need = tl.zeros([], tl.int32)
+        if n_valid > K:
+            if SEARCH == 1:
+                thr, need = _search_radix(b_key, K, RADIX_BITS, LOW_BITS)
+            else:
+                thr, need = _search_interp(b_key, n_valid, (n_packed >> 16) & 0xFFFF, s1, s2, K, SEARCH == 2)
+        n_gt, n_eq = _emit_block(idx_row, b_key, o_s, m_s, thr, need, 0, 0, True)
+        length = n_gt + tl.minimum(n_eq, need)
     tl.store(len_ptr + r, length)
     _pad_row(idx_row, length, K, FILL)
 
@@ -197,6 +504,27 @@ class ResidentConfig:
     # H200, fp32, k=2048 (bench/tune_topk.py): 4096x4096 0.189 -> 0.122 ms,
     # 4096x16384 0.949 -> 0.721 ms; same results, ties included
     early_exit: bool = True
+    # "bisect" | "radix" | "interp" | "guess" (interp's first round, then
+    # thirds of the key range); see the module header. Not yet timed.
+    search: str = "bisect"
+    radix_bits: int = 2  # radix: bits a round, 1..4
+    # ptxas register cap (None: its choice). 4 warps at 4096 keys take 181
+    # registers, 2 programs an SM; 128 would allow 4.
+    maxnreg: Optional[int] = None
+
+    def __post_init__(self):
+        if self.search not in SEARCHES + ("guess",):
+            raise ValueError(f"ResidentConfig.search must be one of {SEARCHES + ('guess',)}, got {self.search!r}")
+        if not 1 <= self.radix_bits <= 4:
+            raise ValueError(f"ResidentConfig.radix_bits must be in 1..4, got {self.radix_bits}")
+
+    def constexprs(self, dtype: torch.dtype) -> dict:
+        """The kernel's compile-time switches for this config and score dtype."""
+        search = {"bisect": 0, "radix": 1, "interp": 2, "guess": 3}[self.search]
+        # key bits below the input's precision: fp16 (10-bit mantissa) leaves
+        # 13 zero bits in the fp32 pattern, bf16 16
+        low = {torch.float16: 13, torch.bfloat16: 16}.get(dtype, 0)
+        return dict(EARLY_EXIT=self.early_exit, SEARCH=search, RADIX_BITS=self.radix_bits, LOW_BITS=low)
 
 
 def _resident_config(block_s: int) -> ResidentConfig:
@@ -229,9 +557,10 @@ def launch(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: torch.T
     if S <= resident_max:
         block_s = max(16, triton.next_power_of_2(S))
         cfg = config or _resident_config(block_s)
+        opts = {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
         _topk_resident_kernel[(R,)](
             scores, indices, lengths, S, k, scores.stride(0), indices.stride(0),
-            BLOCK_S=block_s, FILL=_FILL_BLOCK, EARLY_EXIT=cfg.early_exit, num_warps=cfg.num_warps,
+            BLOCK_S=block_s, FILL=_FILL_BLOCK, num_warps=cfg.num_warps, **cfg.constexprs(scores.dtype), **opts,
         )
     else:
         _topk_stream_kernel[(R,)](

@@ -83,14 +83,13 @@ def test_sm90_kernel_compiles_offline_with_hopper_instructions(tmp_path):
 
 
 def _entry(**kw):
-    base = dict(dtype="bfloat16", D=576, HG=128, K=2048, T=4096, topk_length=False, sink=False,
-                backend="cute", cute_ms=1.0, triton_ms=2.0)
+    base = dict(dtype="bfloat16", D=576, HG=128, K=2048, T=4096, backend="cute", cute_ms=1.0, triton_ms=2.0)
     base.update(kw)
     return placement.Entry(**base)
 
 
 def _features(**kw):
-    base = dict(dtype="bfloat16", D=576, HG=128, K=2048, T=4096, topk_length=False, sink=False)
+    base = dict(dtype="bfloat16", D=576, HG=128, K=2048, T=4096)
     base.update(kw)
     return base
 
@@ -101,19 +100,17 @@ def test_placement_nearest_entry_decides():
     assert placement.nearest(_features(K=600), table).backend == "triton"
 
 
-def test_placement_needs_matching_dtype_D_and_flags():
+def test_placement_needs_matching_dtype_and_D():
     table = [_entry()]
     assert placement.nearest(_features(dtype="float16"), table) is None
     assert placement.nearest(_features(D=512), table) is None
-    assert placement.nearest(_features(sink=True), table) is None
-    assert placement.nearest(_features(topk_length=True), table) is None
 
 
 def test_placement_far_shapes_have_no_entry():
     table = [_entry(T=4096)]
-    assert placement.nearest(_features(T=8192), table) is not None  # one octave
-    assert placement.nearest(_features(T=16384), table) is None     # two
-    assert placement.nearest(_features(K=8192), table) is None
+    assert placement.nearest(_features(T=16384), table) is not None  # two octaves
+    assert placement.nearest(_features(T=32768), table) is None      # three
+    assert placement.nearest(_features(K=16384), table) is None
 
 
 def test_placement_shipped_table_is_well_formed():
@@ -286,3 +283,22 @@ def test_cute_unserved_shape_raises_with_reason():
         dsa.sparse_attention(q, kv, idx, backend="cute")
     text = dsa.explain("sparse_attention", q, kv, idx)
     assert "multiple of 64" in text, text
+
+
+@pytest.mark.gpu
+@gpu
+def test_auto_follows_the_placement_table(monkeypatch):
+    gen = _gen(29)
+    T, H, D, K, N = 64, 128, 576, 512, 1024
+    q, kv = _rand((T, H, D), torch.bfloat16, gen), _rand((N, D), torch.bfloat16, gen)
+    idx = _indices(T, 1, K, N, gen)[:, 0].cuda()
+    a = SparseAttnArgs(q, kv[:, None], idx[:, None], None, None, D ** -0.5, 512)
+    entry = placement.lookup(a)
+    text = dsa.explain("sparse_attention", q, kv, idx)
+    if entry is None:
+        assert "no measured placement table entry" in text, text
+    else:
+        assert f"backend '{entry.backend}'" in text and "placement table entry" in text, text
+    monkeypatch.setenv("DSA_DISABLE_CUTE", "1")
+    text = dsa.explain("sparse_attention", q, kv, idx)
+    assert "backend 'triton'" in text and "DSA_DISABLE_CUTE" in text, text

@@ -2,12 +2,12 @@
 
 ``placement_sm90.json`` is written by ``bench/place_cute.py`` from timings on
 a Hopper GPU: one entry per shape of a training grid, each naming the faster
-backend there.  A call is decided by the nearest entry with the same dtype,
-D, and with/without topk_length and sink, nearest in log2 of (query heads per kv
-head, K, T); a call farther than one octave in any of them from every entry
-has no entry, and auto keeps Triton.  The script also measures a holdout grid
-frozen before the timing and records the table's regret on it; the table is
-only written when that regret is at most 1.02 (geometric mean).
+backend there.  A call is decided by the entry with the same dtype and D that
+is nearest in log2 of (query heads per kv head, K, T); a call more than two
+octaves away from every entry in any of these has no entry, and auto keeps
+Triton.  The script also measures a holdout grid frozen before the timing
+(with sinks, topk_length and other N) and records the table's regret on it;
+the table is only written when that regret is at most 1.02 (geometric mean).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import List, Optional
 from dsa._args import SparseAttnArgs
 
 TABLE = os.path.join(os.path.dirname(__file__), "placement_sm90.json")
-MAX_OCTAVES = 1.0
+MAX_OCTAVES = 2.0
 
 
 @dataclass(frozen=True)
@@ -32,15 +32,12 @@ class Entry:
     HG: int
     K: int
     T: int
-    topk_length: bool
-    sink: bool
     backend: str
     cute_ms: float
     triton_ms: float
 
     def describe(self) -> str:
-        return (f"'{self.dtype} D={self.D} H/G={self.HG} K={self.K} T={self.T}"
-                f"{' topk_length' if self.topk_length else ''}{' sink' if self.sink else ''}'"
+        return (f"'{self.dtype} D={self.D} H/G={self.HG} K={self.K} T={self.T}'"
                 f" (cute {self.cute_ms:.3f} ms, triton {self.triton_ms:.3f} ms)")
 
 
@@ -58,14 +55,13 @@ def entries(path: str = TABLE) -> List[Entry]:
 
 
 def features(a: SparseAttnArgs) -> dict:
-    return dict(dtype=dtype_name(a.q.dtype), D=a.D, HG=a.H // a.G, K=a.K, T=a.T,
-                topk_length=a.topk_length is not None, sink=a.sink is not None)
+    return dict(dtype=dtype_name(a.q.dtype), D=a.D, HG=a.H // a.G, K=a.K, T=a.T)
 
 
 def nearest(f: dict, table: List[Entry]) -> Optional[Entry]:
     best, best_d = None, math.inf
     for e in table:
-        if (e.dtype, e.D, e.topk_length, e.sink) != (f["dtype"], f["D"], f["topk_length"], f["sink"]):
+        if (e.dtype, e.D) != (f["dtype"], f["D"]):
             continue
         gaps = [abs(math.log2(max(f[k], 1)) - math.log2(max(getattr(e, k), 1))) for k in ("HG", "K", "T")]
         if max(gaps) > MAX_OCTAVES:

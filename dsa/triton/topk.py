@@ -429,9 +429,9 @@ def _topk_resident_kernel(
             packed = (b_key != 0).to(tl.int32) + ((b_key == _KEY_PINF).to(tl.int32) << 16)
             n_packed, s1, s2 = tl.reduce((packed, b_xf, b_xf * b_xf), 0, _sum3)
             n_valid = n_packed & 0xFFFF
-        thr = tl.zeros([], tl.uint32)
+        thr = tl.where(K > 0, 0, 0xFFFFFFFF).to(tl.uint32)  # k = 0: nothing is > thr
         need = tl.zeros([], tl.int32)
-        if n_valid > K:
+        if (n_valid > K) & (K > 0):
             if SEARCH == 1:
                 thr, need = _search_radix(b_key, K, RADIX_BITS, LOW_BITS)
             else:

@@ -1,0 +1,138 @@
+"""Measure where the cute SM90 forward beats Triton, and write the placement table.
+
+    PYTHONPATH=$PWD python bench/place_cute.py --out DIR [--commit SHA]
+
+1. Training grid (``TRAIN``): every shape is timed on both backends; each
+   becomes one table entry naming the faster one.
+2. Holdout grid (``HOLDOUT``): a fixed list written down before any timing
+   (shapes off the training grid: other K, T, N, sink and topk_length), timed
+   the same way.  The table picks a backend for each holdout shape by its
+   nearest entry (``dsa.cute.placement.nearest``); the regret of a shape is
+   time(picked) / min(time(cute), time(triton)), and its geometric mean over
+   the holdout must be <= 1.02 for the table to be written
+   (``DIR/placement_sm90.json``; copy it to ``dsa/cute/``).
+
+Timing: triton.testing.do_bench median (warmup 25 ms, rep 60 ms) of the
+forward on fresh random inputs (distinct seeds per backend call set), bf16 or
+fp16, kv rows drawn uniformly from [0, N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import os
+
+import torch
+import triton
+
+from dsa._args import SparseAttnArgs
+from dsa.cute import placement
+from dsa.cute import sparse_attention as cute_sa
+from dsa.triton import sparse_attention as triton_sa
+
+# (dtype, D, HG, K, T, N, sink, topk_length)
+TRAIN = [
+    (dt, D, HG, K, T, 8192, False, False)
+    for dt, D, HG, K, T in itertools.product(
+        ("bfloat16", "float16"), (512, 576), (64, 128), (128, 512, 2048), (16, 128, 1024, 8192))
+]
+
+# Frozen before timing: off-grid K, T and N, with sinks and half-valid rows.
+HOLDOUT = [
+    ("bfloat16", 576, 128, 2048, 4096, 8192, False, False),    # V3.2
+    ("bfloat16", 512, 128, 1152, 8192, 8192, True, False),     # V4-pro
+    ("bfloat16", 512, 64, 640, 8192, 8192, True, False),       # V4-flash
+    ("bfloat16", 576, 64, 2048, 4096, 8192, False, False),     # H64 / D576
+    ("bfloat16", 576, 128, 2048, 4096, 8192, False, True),     # V3.2, half-valid rows
+    ("bfloat16", 576, 128, 1000, 300, 16384, True, False),
+    ("bfloat16", 512, 64, 3000, 2000, 65536, False, True),
+    ("bfloat16", 576, 64, 200, 6000, 4096, True, True),
+    ("bfloat16", 512, 128, 384, 40, 65536, False, False),
+    ("bfloat16", 576, 128, 64, 2500, 8192, False, False),
+    ("bfloat16", 512, 128, 4096, 700, 16384, True, False),
+    ("bfloat16", 576, 64, 1536, 90, 32768, False, True),
+    ("float16", 576, 128, 2048, 3000, 8192, False, False),
+    ("float16", 512, 64, 640, 5000, 16384, True, False),
+    ("float16", 576, 64, 300, 200, 4096, True, True),
+    ("float16", 512, 128, 1536, 1500, 32768, False, True),
+    ("float16", 576, 128, 96, 12000, 8192, True, False),
+    ("float16", 512, 64, 2500, 24, 65536, False, False),
+]
+
+
+def make(shape, seed):
+    dt, D, HG, K, T, N, sink, half = shape
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dtype = getattr(torch, dt)
+    q = torch.randn(T, HG, D, device="cuda", dtype=dtype, generator=g)
+    kv = torch.randn(N, 1, D, device="cuda", dtype=dtype, generator=g)
+    idx = torch.randint(0, N, (T, 1, K), device="cuda", dtype=torch.int32, generator=g)
+    L = torch.randint(0, K + 1, (T,), device="cuda", dtype=torch.int32, generator=g) if half else None
+    s = torch.randn(HG, device="cuda", generator=g) if sink else None
+    return SparseAttnArgs(q, kv, idx, L, s, D ** -0.5, 512, False)
+
+
+def time_both(shape):
+    res = {}
+    for name, fn in (("cute", cute_sa.forward), ("triton", triton_sa.forward)):
+        inputs = [make(shape, seed) for seed in range(2)]
+        fn(inputs[0])  # compile outside the timing
+        it = itertools.count()
+        res[name] = triton.testing.do_bench(lambda: fn(inputs[next(it) % 2]), warmup=25, rep=60,
+                                            return_mode="median")
+        del inputs
+    return res
+
+
+def features(shape):
+    dt, D, HG, K, T, N, sink, half = shape
+    return dict(dtype=dt, D=D, HG=HG, K=K, T=T)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--commit", default="")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+
+    entries = []
+    for shape in TRAIN:
+        t = time_both(shape)
+        e = dict(features(shape), backend=min(t, key=t.get), cute_ms=round(t["cute"], 5),
+                 triton_ms=round(t["triton"], 5))
+        entries.append(e)
+        print(f"train {shape}: cute {t['cute']:.4f} ms triton {t['triton']:.4f} ms -> {e['backend']}", flush=True)
+    table = [placement.Entry(**e) for e in entries]
+
+    rows, logs = [], []
+    for shape in HOLDOUT:
+        t = time_both(shape)
+        entry = placement.nearest(features(shape), table)
+        pick = entry.backend if entry is not None else "triton"
+        regret = t[pick] / min(t.values())
+        logs.append(math.log(regret))
+        rows.append(dict(shape=list(shape), cute_ms=round(t["cute"], 5), triton_ms=round(t["triton"], 5),
+                         picked=pick, regret=round(regret, 4)))
+        print(f"holdout {shape}: cute {t['cute']:.4f} ms triton {t['triton']:.4f} ms picked {pick} "
+              f"regret {regret:.3f}", flush=True)
+    geo = math.exp(sum(logs) / len(logs))
+    print(f"holdout regret (geomean over {len(rows)} shapes): {geo:.4f}", flush=True)
+    doc = dict(
+        device=torch.cuda.get_device_name(), date=str(datetime.date.today()), commit=args.commit,
+        timing="triton.testing.do_bench median, warmup 25 ms, rep 60 ms; forward only",
+        features="exact dtype and D; nearest in log2 of HG, K, T",
+        entries=entries, holdout=dict(regret_geomean=round(geo, 4), shapes=rows),
+    )
+    path = os.path.join(args.out, "placement_sm90.json" if geo <= 1.02 else "placement_sm90.rejected.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

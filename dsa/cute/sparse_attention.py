@@ -25,9 +25,11 @@ SERVED_DV = 512
 @dataclass(frozen=True)
 class Config:
     """split: the consumers take alternate slot blocks and exchange P (see
-    sparse_attention_sm90); else both compute S of every block."""
+    sparse_attention_sm90); else both compute S of every block.
+    early_release: (split) stage 0 is read first and released early."""
 
     split: bool = True
+    early_release: bool = True
 
 
 _COMPILED: Dict[tuple, object] = {}
@@ -93,7 +95,8 @@ def _compiled(a: SparseAttnArgs, cfg: Config, ptrs, scalars, stream):
     fn = _COMPILED.get(key)
     if fn is None:
         kernel = SparseAttnFwdSm90(_cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G,
-                                   a.topk_length is not None, a.sink is not None, split=cfg.split)
+                                   a.topk_length is not None, a.sink is not None, split=cfg.split,
+                                   early_release=cfg.early_release)
         fn = _COMPILED[key] = cute.compile(kernel, *ptrs, *scalars, stream)
     return fn
 
@@ -155,5 +158,7 @@ def compile_offline(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, h
     ptrs = (p(dt, 16), p(dt, 16), p(cutlass.Int32, 4), p(cutlass.Int32, 4), p(cutlass.Float32, 4),
             p(dt, 16), p(cutlass.Float32, 4), p(dt, 16))
     scalars = (cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Float32(math.log2(math.e)))
-    kernel = SparseAttnFwdSm90(dt, D, SERVED_DV, H, G, has_len, has_sink, split=(config or Config()).split)
+    cfg = config or Config()
+    kernel = SparseAttnFwdSm90(dt, D, SERVED_DV, H, G, has_len, has_sink, split=cfg.split,
+                               early_release=cfg.early_release)
     return cute.compile(kernel, *ptrs, *scalars, cuda.CUstream(0), options="--keep-ptx" if keep_ptx else "")

@@ -44,7 +44,7 @@ class SparseAttnFwdSm90:
     """Host-side builder of the kernel for one static configuration."""
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, has_sink: bool,
-                 split: bool = True):
+                 split: bool = True, early_release: bool = True):
         if D % 64 or d_v != 512 or (H // G) % BLOCK_H:
             raise ValueError("SparseAttnFwdSm90 needs D % 64 == 0, d_v == 512, (H / G) % 64 == 0")
         self.dtype = dtype
@@ -56,6 +56,7 @@ class SparseAttnFwdSm90:
         # and exchange row maxima and P through shared memory (no S computed
         # twice); otherwise both compute S of every block.
         self.split = split
+        self.early_release = early_release
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -210,6 +211,9 @@ class SparseAttnFwdSm90:
                 cute.copy(atom, src, tQs[None, m, c])
         cute.arch.cp_async_mbarrier_arrive_noinc(q_full)
 
+        # The next block's kv rows are looked up while this block's copies fly.
+        rows = cute.make_rmem_tensor((ROWS,), Int32)
+        self.lookup(rows, 0, idx_row, L, N, row_in_pass)
         for b in cutlass.range(n_blocks, unroll=1):
             s = b % STAGES
             use = b // STAGES
@@ -217,18 +221,29 @@ class SparseAttnFwdSm90:
                 cute.arch.mbarrier_wait(empty + s, (use - 1) % 2)
             tKs = thr.partition_D(sK[None, None, s])
             for m in cutlass.range_constexpr(ROWS):
-                slot = b * BLOCK_N + row_in_pass + m * 16
-                n = Int32(-1)
-                if slot < L:
-                    n = _load_i32(idx_row, Int64(slot))
+                n = rows[m]
                 addr = zero_ptr.toint()
-                if n >= 0 and n < N:
+                if n >= 0:
                     addr = kv_ptr.toint() + (Int64(n) * Int64(G) + Int64(g)) * Int64(D * ES)
                 addr = addr + col0 * ES
                 for c in cutlass.range_constexpr(CHUNKS):
                     src = cute.make_tensor(_aligned(self.dtype, addr + c * 64 * ES), cute.make_layout((8,)))
                     cute.copy(atom, src, tKs[None, m, c])
             cute.arch.cp_async_mbarrier_arrive_noinc(full + s)
+            self.lookup(rows, b + 1, idx_row, L, N, row_in_pass)
+
+    @cute.jit
+    def lookup(self, rows, b, idx_row, L, N, row_in_pass):
+        """rows[m]: the kv row of slot b * 64 + row_in_pass + 16 m, or -1 if
+        that slot is not valid."""
+        for m in cutlass.range_constexpr(BLOCK_N // 16):
+            slot = b * BLOCK_N + row_in_pass + m * 16
+            n = Int32(-1)
+            if slot < L:
+                n = _load_i32(idx_row, Int64(slot))
+                if n < 0 or n >= N:
+                    n = Int32(-1)
+            rows[m] = n
 
     @cute.jit
     def consumer(self, qk_mma, pv_mma, sv_layout, ctid, half, sQ, sK, q_full, full, empty,
@@ -550,19 +565,55 @@ class SparseAttnFwdSm90:
         cute.arch.barrier(barrier_id=2, number_of_threads=256)
 
         warpgroup.fence()
-        if const_expr(has_own):
-            for k in cutlass.range_constexpr(BLOCK_N // 16):
-                cute.gemm(pv_mma, acc_o, r_p[None, None, k], tOrV_own[None, None, k], acc_o)
-        if const_expr(has_oth):
-            for k in cutlass.range_constexpr(BLOCK_N // 16):
-                cute.gemm(pv_mma_ss, acc_o, tOrP_oth[None, None, k], tOrV_oth[None, None, k], acc_o)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
-        if const_expr(has_own):
-            cute.arch.mbarrier_arrive(empty + w)
-        if const_expr(has_oth):
-            cute.arch.mbarrier_arrive(empty + o)
+        if const_expr(self.early_release):
+            # Both consumers read stage 0 first and release it as soon as
+            # that wgmma group retires, so the producer refills it while the
+            # stage-1 group runs.
+            if const_expr(w == 0):
+                self.pv_own(has_own, pv_mma, acc_o, r_p, tOrV_own)
+                warpgroup.commit_group()
+                self.pv_oth(has_oth, pv_mma_ss, acc_o, tOrP_oth, tOrV_oth)
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)
+                if const_expr(has_own):
+                    cute.arch.mbarrier_arrive(empty + 0)
+                warpgroup.wait_group(0)
+                if const_expr(has_oth):
+                    cute.arch.mbarrier_arrive(empty + 1)
+            else:
+                self.pv_oth(has_oth, pv_mma_ss, acc_o, tOrP_oth, tOrV_oth)
+                warpgroup.commit_group()
+                self.pv_own(has_own, pv_mma, acc_o, r_p, tOrV_own)
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)
+                if const_expr(has_oth):
+                    cute.arch.mbarrier_arrive(empty + 0)
+                warpgroup.wait_group(0)
+                if const_expr(has_own):
+                    cute.arch.mbarrier_arrive(empty + 1)
+        else:
+            self.pv_own(has_own, pv_mma, acc_o, r_p, tOrV_own)
+            self.pv_oth(has_oth, pv_mma_ss, acc_o, tOrP_oth, tOrV_oth)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            if const_expr(has_own):
+                cute.arch.mbarrier_arrive(empty + w)
+            if const_expr(has_oth):
+                cute.arch.mbarrier_arrive(empty + o)
 
+    @cute.jit
+    def pv_own(self, has: cutlass.Constexpr, pv_mma, acc_o, r_p, tOrV):
+        """O += P V for this consumer's own block, P from registers."""
+        if const_expr(has):
+            for k in cutlass.range_constexpr(BLOCK_N // 16):
+                cute.gemm(pv_mma, acc_o, r_p[None, None, k], tOrV[None, None, k], acc_o)
+
+    @cute.jit
+    def pv_oth(self, has: cutlass.Constexpr, pv_mma_ss, acc_o, tOrP, tOrV):
+        """O += P V for the other consumer's block, P from shared memory."""
+        if const_expr(has):
+            for k in cutlass.range_constexpr(BLOCK_N // 16):
+                cute.gemm(pv_mma_ss, acc_o, tOrP[None, None, k], tOrV[None, None, k], acc_o)
 
 @cute.jit
 def _aligned(dtype, addr: Int64) -> cute.Pointer:

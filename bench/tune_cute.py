@@ -26,7 +26,7 @@ SHAPES = {  # name: T, N, H, D, d_v, K, sink, half_valid
     "V3.2-half": (4096, 8192, 128, 576, 512, 2048, False, True),
     "V4-pro": (8192, 8192, 128, 512, 512, 1152, True, False),
     "V4-flash": (8192, 8192, 64, 512, 512, 640, True, False),
-    "H64-D576": (4096, 8192, 64, 576, 512, 2048, False, False),
+    "H64-D576-K2048": (4096, 8192, 64, 576, 512, 2048, False, False),
 }
 
 

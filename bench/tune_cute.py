@@ -94,8 +94,7 @@ def main():
               f"inf-pattern {'ok' if inf_ok else 'DIFFERS'}; cute vs triton out {d_tr:.2e}; NaN {nan}", flush=True)
         res = {}
         variants = (("cute", cute_sa.forward),
-                    ("cute-late", lambda x: cute_sa.forward(x, cute_sa.Config(early_release=False))),
-                    ("cute-dup", lambda x: cute_sa.forward(x, cute_sa.Config(split=False))),
+                    ("cute-bn32", lambda x: cute_sa.forward(x, cute_sa.Config(block_n=32))),
                     ("triton", triton_sa.forward))
         for backend, fn in variants:
             inputs = [make(name, seed=s)[0] for s in range(1 if args.quick else 3)]

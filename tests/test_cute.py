@@ -49,6 +49,8 @@ res = {}
 for name, dt, D, H, G, has_len, has_sink in json.loads(sys.argv[1]):
     c = compile_offline(getattr(torch, dt), D, H, G, has_len, has_sink)
     ptx = c.artifacts.PTX
+    if len(ptx) < 4096 and os.path.exists(ptx):  # with a dump directory: the file's path
+        ptx = open(ptx).read()
     res[name] = {k: ptx.count(k) for k in (
         "wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc",
         "setmaxnreg.inc", "setmaxnreg.dec", "mbarrier.try_wait")}

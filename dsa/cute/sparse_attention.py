@@ -24,12 +24,10 @@ SERVED_DV = 512
 
 @dataclass(frozen=True)
 class Config:
-    """split: the consumers take alternate slot blocks and exchange P (see
-    sparse_attention_sm90); else both compute S of every block.
-    early_release: (split) stage 0 is read first and released early."""
+    """block_n: slots per pipeline stage, 64 (two stages) or 32 (four); see
+    sparse_attention_sm90."""
 
-    split: bool = True
-    early_release: bool = True
+    block_n: int = 64
 
 
 _COMPILED: Dict[tuple, object] = {}
@@ -68,8 +66,8 @@ def supports(a: SparseAttnArgs) -> Optional[str]:
         return f"topk_length dtype {a.topk_length.dtype} is not int32"
     if a.sink is not None and a.sink.dtype != torch.float32:
         return f"sink dtype {a.sink.dtype} is not fp32"
-    if a.T * a.G >= 2**31 or a.N * a.G >= 2**31 or a.K >= 2**31:
-        return "T * H_kv, N * H_kv and K must fit in int32"
+    if a.T * a.H // HEADS_PER_CTA >= 2**31 or a.N * a.G >= 2**31 or a.K >= 2**31:
+        return "T * H / 64 (the grid), N * H_kv and K must fit in int32"
     for name in ("q", "kv"):
         if getattr(a, name).data_ptr() % 16:
             return f"{name} is not 16-byte aligned"
@@ -95,8 +93,7 @@ def _compiled(a: SparseAttnArgs, cfg: Config, ptrs, scalars, stream):
     fn = _COMPILED.get(key)
     if fn is None:
         kernel = SparseAttnFwdSm90(_cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G,
-                                   a.topk_length is not None, a.sink is not None, split=cfg.split,
-                                   early_release=cfg.early_release)
+                                   a.topk_length is not None, a.sink is not None, block_n=cfg.block_n)
         fn = _COMPILED[key] = cute.compile(kernel, *ptrs, *scalars, stream)
     return fn
 
@@ -159,6 +156,5 @@ def compile_offline(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, h
             p(dt, 16), p(cutlass.Float32, 4), p(dt, 16))
     scalars = (cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Float32(math.log2(math.e)))
     cfg = config or Config()
-    kernel = SparseAttnFwdSm90(dt, D, SERVED_DV, H, G, has_len, has_sink, split=cfg.split,
-                               early_release=cfg.early_release)
+    kernel = SparseAttnFwdSm90(dt, D, SERVED_DV, H, G, has_len, has_sink, block_n=cfg.block_n)
     return cute.compile(kernel, *ptrs, *scalars, cuda.CUstream(0), options="--keep-ptx" if keep_ptx else "")

@@ -12,9 +12,15 @@
    the holdout must be <= 1.02 for the table to be written
    (``DIR/placement_sm90.json``; copy it to ``dsa/cute/``).
 
-Timing: triton.testing.do_bench median (warmup 25 ms, rep 60 ms) of the
-forward on fresh random inputs (distinct seeds per backend call set), bf16 or
-fp16, kv rows drawn uniformly from [0, N).
+Timing: every kernel configuration is compiled before anything is timed
+(an idle GPU during a compile lowers its clocks, and the next small shape
+would be timed slow), the GPU is kept busy for a second, then each shape is
+timed twice per backend, alternating, with triton.testing.do_bench (median,
+warmup 25 ms, rep 60 ms) on fresh random inputs, and the lower median kept.
+bf16 or fp16, kv rows drawn uniformly from [0, N).  Shapes whose calls are
+a few tens of microseconds are launch-bound: their ranking moved between the
+runs of 96cb385 and 88ce576 (bench/placement/), which is why the timing is
+done this way.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import itertools
 import json
 import math
 import os
+import time
 
 import torch
 import triton
@@ -76,15 +83,40 @@ def make(shape, seed):
     return SparseAttnArgs(q, kv, idx, L, s, D ** -0.5, 512, False)
 
 
+BACKENDS = (("cute", cute_sa.forward), ("triton", triton_sa.forward))
+
+
+def compile_all(shapes):
+    seen = set()
+    for shape in shapes:
+        dt, D, HG, K, T, N, sink, half = shape
+        key = (dt, D, HG, sink, half)
+        if key not in seen:
+            seen.add(key)
+            a = make((dt, D, HG, 64, 1, 64, sink, half), 0)
+            for _, fn in BACKENDS:
+                fn(a)
+    torch.cuda.synchronize()
+
+
+def keep_busy(seconds=1.0):
+    a = make(("bfloat16", 576, 128, 2048, 2048, 8192, False, False), 0)
+    t_end = time.time() + seconds
+    while time.time() < t_end:
+        triton_sa.forward(a)
+        torch.cuda.synchronize()
+
+
 def time_both(shape):
+    inputs = [make(shape, seed) for seed in range(2)]
     res = {}
-    for name, fn in (("cute", cute_sa.forward), ("triton", triton_sa.forward)):
-        inputs = [make(shape, seed) for seed in range(2)]
-        fn(inputs[0])  # compile outside the timing
-        it = itertools.count()
-        res[name] = triton.testing.do_bench(lambda: fn(inputs[next(it) % 2]), warmup=25, rep=60,
-                                            return_mode="median")
-        del inputs
+    for _ in range(2):
+        for name, fn in BACKENDS:
+            it = itertools.count()
+            ms = triton.testing.do_bench(lambda: fn(inputs[next(it) % 2]), warmup=25, rep=60,
+                                         return_mode="median")
+            res[name] = min(res.get(name, ms), ms)
+    del inputs
     return res
 
 
@@ -100,6 +132,8 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
+    compile_all(TRAIN + HOLDOUT)
+    keep_busy()
     entries = []
     for shape in TRAIN:
         t = time_both(shape)
@@ -124,7 +158,8 @@ def main():
     print(f"holdout regret (geomean over {len(rows)} shapes): {geo:.4f}", flush=True)
     doc = dict(
         device=torch.cuda.get_device_name(), date=str(datetime.date.today()), commit=args.commit,
-        timing="triton.testing.do_bench median, warmup 25 ms, rep 60 ms; forward only",
+        timing="compile first, GPU kept busy 1 s, then per shape the lower of two do_bench medians "
+               "(warmup 25 ms, rep 60 ms) per backend; forward only",
         features="exact dtype and D; nearest in log2 of HG, K, T",
         entries=entries, holdout=dict(regret_geomean=round(geo, 4), shapes=rows),
     )

@@ -1,16 +1,20 @@
-"""Check and time the resident top-k kernel's variants on one device call.
+"""Check and time the resident top-k kernel's threshold searches in one device call.
 
     PYTHONPATH=$PWD python bench/tune_topk.py
 
-Every variant is compared with the reference on random, tied, NaN/+-inf and
-16-bit rows (exact equality of indices and lengths), then timed with
-triton.testing.do_bench (median) on fresh random fp32 rows, k = 2048.
+Every variant (ResidentConfig.search and its options) is compared with the
+reference (exact equality of indices and lengths) on random, tied, NaN/+-inf,
+short (causal-like), extreme-valued, fp16 and bf16 rows of 4096, 16384 and
+1000 keys, k in {1, 17, S/2, 2048, S+3}; then every timed config is checked
+on its own input and timed with triton.testing.do_bench (median, warmup 25 ms,
+rep 100 ms) on fresh torch.randn fp32 rows, 4096 rows, k = 2048.
 On CPU (TRITON_INTERPRET=1) it runs the checks only, on small rows.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -21,53 +25,125 @@ from dsa import reference  # noqa: E402
 from dsa._args import TopkArgs  # noqa: E402
 from dsa.triton import topk as tk  # noqa: E402
 
+RC = tk.ResidentConfig
+# name -> config at a given num_warps
+VARIANTS = {
+    "bisect": lambda w, **kw: RC(w, **kw),
+    "radix2": lambda w, **kw: RC(w, search="radix", radix_bits=2, **kw),
+    "radix3": lambda w, **kw: RC(w, search="radix", radix_bits=3, **kw),
+    "radix4": lambda w, **kw: RC(w, search="radix", radix_bits=4, **kw),
+    "interp": lambda w, **kw: RC(w, search="interp", **kw),
+    "guess": lambda w, **kw: RC(w, search="guess", **kw),
+}
+# (row length, variant, num_warps, maxnreg): 18 timed configs. maxnreg 128 /
+# 96 at 4096 keys: 4 / 5 programs an SM instead of 2 (181 registers), no
+# spills (ptxas, sm_90a); 32 warps at 16384 spills (64-register cap).
+TIMED = [
+    (4096, "bisect", 4, None), (4096, "bisect", 4, 128), (4096, "bisect", 4, 96), (4096, "bisect", 8, None),
+    (4096, "radix2", 4, None), (4096, "radix3", 4, None), (4096, "radix4", 4, None),
+    (4096, "interp", 4, None), (4096, "interp", 8, None), (4096, "guess", 4, None),
+    (16384, "bisect", 16, None), (16384, "bisect", 8, None),
+    (16384, "radix2", 16, None), (16384, "radix3", 16, None), (16384, "radix4", 16, None),
+    (16384, "interp", 16, None), (16384, "interp", 8, None), (16384, "guess", 16, None),
+]
 
-def rows(R, S, dev, g):
-    yield torch.randn(R, S, device=dev, generator=g)
-    yield torch.randint(-5, 5, (R, S), device=dev, generator=g).float()  # heavy ties
+
+def rows(R, S, dev, g, half):
+    """(name, scores) test rows; ``half``: add the fp16 / bf16 kinds."""
+    yield "randn", torch.randn(R, S, device=dev, generator=g)
+    yield "ties", torch.randint(-5, 5, (R, S), device=dev, generator=g).float()
     x = torch.randn(R, S, device=dev, generator=g)
     x[:, ::7], x[:, ::5], x[:, ::11] = float("nan"), float("-inf"), float("inf")
-    yield x
-    yield torch.randn(R, S, device=dev, generator=g).half()
-    if dev == "cuda":  # the interpreter computes bf16 wrongly
-        yield torch.randn(R, S, device=dev, generator=g).bfloat16()
+    yield "nan_inf", x
+    x = torch.randint(-50, 50, (R, S), device=dev, generator=g).float()
+    x[: R // 2, S // 3:] = float("-inf")  # short rows: fewer than k selectable
+    x[:, ::97] = float("nan")
+    yield "short", x
+    x = torch.randn(R, S, device=dev, generator=g)
+    x[0::4, ::3] = torch.finfo(torch.float32).max  # the sums of the first guess overflow
+    x[1::4, S // 2] = 1e30  # a lone outlier
+    x[2::4] *= torch.finfo(torch.float32).tiny  # denormals
+    x[3::4] = x[3::4].exp() * 1e-3  # skewed
+    yield "extreme", x
+    if half:
+        yield "fp16", torch.randn(R, S, device=dev, generator=g).half()
+        yield "fp16_ties", torch.randint(-8, 8, (R, S), device=dev, generator=g).half()
+        if dev == "cuda":  # the interpreter computes bf16 wrongly
+            yield "bf16", torch.randn(R, S, device=dev, generator=g).bfloat16()
+            yield "bf16_ties", (torch.randint(-8, 8, (R, S), device=dev, generator=g) * 0.125).bfloat16()
 
 
-def run(x, k, cfg):
+def run(x, k, cfg, out=None):
     R = x.shape[0]
-    i = torch.empty(R, k, dtype=torch.int32, device=x.device)
-    n = torch.empty(R, dtype=torch.int32, device=x.device)
+    i, n = out if out is not None else (torch.empty(R, k, dtype=torch.int32, device=x.device),
+                                        torch.empty(R, dtype=torch.int32, device=x.device))
     tk.launch(x, k, i, n, config=cfg)
     return i, n
+
+
+def same(got, ref):
+    return torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+def check_all(dev, g):
+    if dev == "cuda":
+        sizes = [(64, 4096, True), (64, 16384, False), (48, 1000, True)]
+    else:
+        sizes = [(3, 40, True), (2, 100, False)]
+    bad = {name: 0 for name in VARIANTS}
+    n_cases = 0
+    for R, S, half in sizes:
+        warps = tk._resident_config(max(16, 1 << (S - 1).bit_length())).num_warps
+        ks = sorted({1, 17, S // 2, S + 3} | ({2048} if S >= 4096 else set()))
+        if dev != "cuda":
+            ks = [1, S // 2, S + 3]
+        for kind, x in rows(R, S, dev, g, half):
+            for k in ks:
+                ref = reference.topk(TopkArgs(x, k))
+                n_cases += 1
+                for name, make in VARIANTS.items():
+                    if not same(run(x, k, make(warps)), ref):
+                        bad[name] += 1
+                        print(f"MISMATCH {name} warps={warps} R={R} S={S} k={k} {kind} {x.dtype}")
+    for name, n in bad.items():
+        print(f"checks {name}: {n} mismatches of {n_cases}")
+    print(f"checks: {sum(bad.values())} mismatches in total")
+
+
+def time_all(dev, g):
+    import triton
+
+    base = {}
+    for S in sorted({t[0] for t in TIMED}):
+        x = torch.randn(4096, S, device=dev, generator=g)
+        xt = torch.randint(-100, 100, (4096, S), device=dev, generator=g).float()  # ties at the cut
+        k = 2048
+        ref, ref_t = reference.topk(TopkArgs(x, k)), reference.topk(TopkArgs(xt, k))
+        out = (torch.empty(4096, k, dtype=torch.int32, device=dev), torch.empty(4096, dtype=torch.int32, device=dev))
+        for S_, name, w, maxnreg in TIMED:
+            if S_ != S:
+                continue
+            cfg = VARIANTS[name](w, maxnreg=maxnreg)
+            ok = same(run(x, k, cfg), ref) and same(run(xt, k, cfg), ref_t)
+            ms = triton.testing.do_bench(lambda: run(x, k, cfg, out), warmup=25, rep=100, return_mode="median")
+            ms_t = triton.testing.do_bench(lambda: run(xt, k, cfg, out), warmup=25, rep=100, return_mode="median")
+            base.setdefault(S, ms)  # the first line of a shape is the current default
+            print(f"topk 4096x{S} k={k} {name:7s} warps={w:2d} maxnreg={str(maxnreg):4s}: {ms:.4f} ms "
+                  f"(x{base[S] / ms:.2f} vs default; ties rows {ms_t:.4f} ms) ok={ok}", flush=True)
+        ms = triton.testing.do_bench(lambda: torch.topk(x, k, dim=1), warmup=25, rep=100, return_mode="median")
+        print(f"topk 4096x{S} k={k} torch.topk: {ms:.4f} ms", flush=True)
 
 
 def main():
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=dev).manual_seed(0)
-    sizes = [(64, 4096), (64, 16384), (32, 1000)] if dev == "cuda" else [(3, 50), (4, 300)]
-    bad = 0
-    for R, S in sizes:
-        warps = tk._resident_config(max(16, 1 << (S - 1).bit_length())).num_warps
-        for k in (1, 17, S // 2, S + 3):
-            for x in rows(R, S, dev, g):
-                ref = reference.topk(TopkArgs(x, k))
-                for early in (False, True):
-                    got = run(x, k, tk.ResidentConfig(warps, early))
-                    if not (torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])):
-                        bad += 1
-                        print(f"MISMATCH R={R} S={S} k={k} {x.dtype} early_exit={early}")
-    print(f"checks: {bad} mismatches")
-    if dev != "cuda":
-        return
-    import triton
-
-    for S, warps in ((4096, (4, 8)), (16384, (8, 16))):
-        x = torch.randn(4096, S, device=dev, generator=g)
-        for early in (False, True):
-            for w in warps:
-                cfg = tk.ResidentConfig(w, early)
-                ms = triton.testing.do_bench(lambda: run(x, 2048, cfg), warmup=25, rep=100, return_mode="median")
-                print(f"topk 4096x{S} k=2048 early_exit={early} warps={w}: {ms:.4f} ms")
+    t0 = time.time()
+    check_all(dev, g)
+    print(f"checks took {time.time() - t0:.1f} s", flush=True)
+    if dev == "cuda":
+        t0 = time.time()
+        time_all(dev, g)
+        print(f"timing took {time.time() - t0:.1f} s")
 
 
 if __name__ == "__main__":

@@ -118,6 +118,63 @@ def test_strided_rows():
     assert torch.equal(idx, ref_idx) and torch.equal(lens, ref_len)
 
 
+# Every threshold search of the resident kernel (ResidentConfig.search).
+SEARCH_CONFIGS = [
+    pytest.param(tk.ResidentConfig(4, search="radix", radix_bits=b), id=f"radix{b}") for b in (1, 2, 3, 4)
+] + [
+    pytest.param(tk.ResidentConfig(4, search="interp"), id="interp"),
+    pytest.param(tk.ResidentConfig(4, search="guess"), id="guess"),
+]
+
+
+def _extreme_rows(S: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows whose value statistics overflow fp32 (the first guess of interp),
+    with +-FLT_MAX, denormals, a lone outlier and a block of +inf."""
+    big = torch.finfo(torch.float32).max
+    tiny = torch.finfo(torch.float32).tiny
+    x = torch.randn(4, S, generator=gen)
+    x[0, ::3] = big
+    x[0, 1::3] = -big
+    x[1] = x[1] * tiny  # denormals and tiny normals
+    x[2, S // 2] = 1e30
+    x[3, : S // 3] = INF
+    return x
+
+
+@pytest.mark.parametrize("cfg", SEARCH_CONFIGS)
+@pytest.mark.parametrize("S,k", [(7, 3), (24, 0), (24, 1), (24, 12), (30, 31)])
+def test_search_ties_nan_inf(cfg, S, k):
+    gen = torch.Generator().manual_seed(S * 131 + k)
+    x = torch.cat([_special_rows(6, S, gen), _extreme_rows(S, gen)])
+    for rows in (x, x.half()):
+        idx, lens = _run(rows, k, config=cfg)
+        ref_idx, ref_len = topk_contract(rows, k)
+        assert torch.equal(lens, ref_len), rows.dtype
+        assert torch.equal(idx, ref_idx), rows.dtype
+
+
+@pytest.mark.parametrize("cfg", SEARCH_CONFIGS)
+def test_search_random_values(cfg):
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 30, generator=gen) * 1e3
+    x[1, 10:20] = x[1, 0]  # a tie run
+    x[2] = torch.randint(-3, 3, (30,), generator=gen).float()
+    x[3] = torch.empty(30).exponential_(generator=gen)  # skewed: the normal guess misses
+    x[4] = (torch.randn(30, generator=gen) * 8).exp()
+    for rows in (x, x.half()):
+        for k in (1, 17):
+            idx, lens = _run(rows, k, config=cfg)
+            ref_idx, ref_len = topk_contract(rows, k)
+            assert torch.equal(idx, ref_idx) and torch.equal(lens, ref_len), (rows.dtype, k)
+
+
+def test_resident_config_checks():
+    with pytest.raises(ValueError, match="search"):
+        tk.ResidentConfig(4, search="sort")
+    with pytest.raises(ValueError, match="radix_bits"):
+        tk.ResidentConfig(4, search="radix", radix_bits=5)
+
+
 def test_supports():
     assert tk.supports(TopkArgs(torch.zeros(2, 3), 2)) is None
     assert "fp32" in tk.supports(TopkArgs(torch.zeros(2, 3, dtype=torch.float64), 2))

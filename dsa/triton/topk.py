@@ -397,8 +397,7 @@ def _search_interp(b_key, n_valid, n_pinf, s1, s2, K, INTERP: tl.constexpr):
 # --------------------------------------------------------------------------
 
 
-@triton.jit
-def _topk_resident_kernel(
+def _topk_resident(
     s_ptr, idx_ptr, len_ptr, S, K, stride_s, stride_i,
     BLOCK_S: tl.constexpr, FILL: tl.constexpr, EARLY_EXIT: tl.constexpr,
     SEARCH: tl.constexpr = 0, RADIX_BITS: tl.constexpr = 2, LOW_BITS: tl.constexpr = 0,
@@ -440,6 +439,15 @@ def _topk_resident_kernel(
         length = n_gt + tl.minimum(n_eq, need)
     tl.store(len_ptr + r, length)
     _pad_row(idx_row, length, K, FILL)
+
+
+_topk_resident_kernel = triton.jit(_topk_resident)
+# The same kernel with S and the row stride left unspecialized: the row load
+# can no longer be vectorized, so every tensor keeps the one-key-a-thread
+# layout of the scattered store and the emit needs no shared-memory layout
+# conversion of its 64-bit pointers (sm_90a, 16384 keys: 13 instead of 25
+# barriers a row, same registers).
+_topk_resident_kernel_scalar = triton.jit(do_not_specialize=["S", "stride_s"])(_topk_resident)
 
 
 @triton.jit
@@ -508,9 +516,12 @@ class ResidentConfig:
     # thirds of the key range); see the module header. Not yet timed.
     search: str = "bisect"
     radix_bits: int = 2  # radix: bits a round, 1..4
-    # ptxas register cap (None: its choice). 4 warps at 4096 keys take 181
-    # registers, 2 programs an SM; 128 would allow 4.
+    # ptxas register cap (None: its choice). 4 warps at 4096 keys take 168
+    # registers, 3 programs an SM; 128 allows 4, 96 5 (no spills, sm_90a).
     maxnreg: Optional[int] = None
+    # False: the kernel without the vectorized row load (see
+    # _topk_resident_kernel_scalar). Not yet timed.
+    vec_load: bool = True
 
     def __post_init__(self):
         if self.search not in SEARCHES + ("guess",):
@@ -558,7 +569,8 @@ def launch(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: torch.T
         block_s = max(16, triton.next_power_of_2(S))
         cfg = config or _resident_config(block_s)
         opts = {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
-        _topk_resident_kernel[(R,)](
+        kernel = _topk_resident_kernel if cfg.vec_load else _topk_resident_kernel_scalar
+        kernel[(R,)](
             scores, indices, lengths, S, k, scores.stride(0), indices.stride(0),
             BLOCK_S=block_s, FILL=_FILL_BLOCK, num_warps=cfg.num_warps, **cfg.constexprs(scores.dtype), **opts,
         )

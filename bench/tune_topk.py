@@ -4,10 +4,11 @@
 
 Every variant (ResidentConfig.search and its options) is compared with the
 reference (exact equality of indices and lengths) on random, tied, NaN/+-inf,
-short (causal-like), extreme-valued, fp16 and bf16 rows of 4096, 16384 and
-1000 keys, k in {1, 17, S/2, 2048, S+3}; then every timed config is checked
-on its own input and timed with triton.testing.do_bench (median, warmup 25 ms,
-rep 100 ms) on fresh torch.randn fp32 rows, 4096 rows, k = 2048.
+short (causal-like) and extreme-valued fp32 rows of 4096, 16384 and 1000 keys
+and on fp16 / bf16 rows (random and tied) of 1000 keys, k in {1, 17, S/2,
+2048, S+3}; then every timed config is checked on its own inputs and timed
+with triton.testing.do_bench (median, warmup 25 ms, rep 100 ms) on fresh
+torch.randn fp32 rows and on tied rows, 4096 rows, k = 2048.
 On CPU (TRITON_INTERPRET=1) it runs the checks only, on small rows.
 """
 
@@ -26,26 +27,36 @@ from dsa._args import TopkArgs  # noqa: E402
 from dsa.triton import topk as tk  # noqa: E402
 
 RC = tk.ResidentConfig
-# name -> config at a given num_warps
+# name -> ResidentConfig fields besides num_warps
 VARIANTS = {
-    "bisect": lambda w, **kw: RC(w, **kw),
-    "radix2": lambda w, **kw: RC(w, search="radix", radix_bits=2, **kw),
-    "radix3": lambda w, **kw: RC(w, search="radix", radix_bits=3, **kw),
-    "radix4": lambda w, **kw: RC(w, search="radix", radix_bits=4, **kw),
-    "interp": lambda w, **kw: RC(w, search="interp", **kw),
-    "guess": lambda w, **kw: RC(w, search="guess", **kw),
+    "bisect": {},
+    "bisect_s": {"vec_load": False},
+    "radix2": {"search": "radix", "radix_bits": 2},
+    "radix3": {"search": "radix", "radix_bits": 3},
+    "radix4": {"search": "radix", "radix_bits": 4},
+    "interp": {"search": "interp"},
+    "interp_s": {"search": "interp", "vec_load": False},
+    "guess": {"search": "guess"},
 }
-# (row length, variant, num_warps, maxnreg): 18 timed configs. maxnreg 128 /
-# 96 at 4096 keys: 4 / 5 programs an SM instead of 2 (181 registers), no
-# spills (ptxas, sm_90a); 32 warps at 16384 spills (64-register cap).
+# (row length, variant, num_warps, maxnreg): 23 timed configs, the current
+# default first for each length. maxnreg 128 at 4096 keys: 4 programs an
+# SM instead of 3 (168 registers), no spills (ptxas, sm_90a; 96 spills);
+# 32 warps at 16384 keys spill (64-register cap), so not timed.
 TIMED = [
-    (4096, "bisect", 4, None), (4096, "bisect", 4, 128), (4096, "bisect", 4, 96), (4096, "bisect", 8, None),
+    (4096, "bisect", 4, None), (4096, "bisect", 4, 128), (4096, "bisect", 8, None), (4096, "bisect_s", 4, None),
     (4096, "radix2", 4, None), (4096, "radix3", 4, None), (4096, "radix4", 4, None),
-    (4096, "interp", 4, None), (4096, "interp", 8, None), (4096, "guess", 4, None),
-    (16384, "bisect", 16, None), (16384, "bisect", 8, None),
+    (4096, "interp", 4, None), (4096, "interp", 4, 128), (4096, "interp", 8, None),
+    (4096, "interp_s", 4, None), (4096, "interp_s", 4, 128),
+    (4096, "guess", 4, None),
+    (16384, "bisect", 16, None), (16384, "bisect", 8, None), (16384, "bisect_s", 16, None),
     (16384, "radix2", 16, None), (16384, "radix3", 16, None), (16384, "radix4", 16, None),
-    (16384, "interp", 16, None), (16384, "interp", 8, None), (16384, "guess", 16, None),
+    (16384, "interp", 16, None), (16384, "interp", 8, None), (16384, "interp_s", 16, None),
+    (16384, "guess", 16, None),
 ]
+
+
+def config(name, num_warps, **kw):
+    return RC(num_warps, **VARIANTS[name], **kw)
 
 
 def rows(R, S, dev, g, half):
@@ -86,8 +97,8 @@ def same(got, ref):
 
 
 def check_all(dev, g):
-    if dev == "cuda":
-        sizes = [(64, 4096, True), (64, 16384, False), (48, 1000, True)]
+    if dev == "cuda":  # 16-bit rows at one length: every (variant, length, dtype) is a compile
+        sizes = [(64, 4096, False), (64, 16384, False), (48, 1000, True)]
     else:
         sizes = [(3, 40, True), (2, 100, False)]
     bad = {name: 0 for name in VARIANTS}
@@ -101,8 +112,8 @@ def check_all(dev, g):
             for k in ks:
                 ref = reference.topk(TopkArgs(x, k))
                 n_cases += 1
-                for name, make in VARIANTS.items():
-                    if not same(run(x, k, make(warps)), ref):
+                for name in VARIANTS:
+                    if not same(run(x, k, config(name, warps)), ref):
                         bad[name] += 1
                         print(f"MISMATCH {name} warps={warps} R={R} S={S} k={k} {kind} {x.dtype}")
     for name, n in bad.items():
@@ -123,12 +134,12 @@ def time_all(dev, g):
         for S_, name, w, maxnreg in TIMED:
             if S_ != S:
                 continue
-            cfg = VARIANTS[name](w, maxnreg=maxnreg)
+            cfg = config(name, w, maxnreg=maxnreg)
             ok = same(run(x, k, cfg), ref) and same(run(xt, k, cfg), ref_t)
             ms = triton.testing.do_bench(lambda: run(x, k, cfg, out), warmup=25, rep=100, return_mode="median")
             ms_t = triton.testing.do_bench(lambda: run(xt, k, cfg, out), warmup=25, rep=100, return_mode="median")
             base.setdefault(S, ms)  # the first line of a shape is the current default
-            print(f"topk 4096x{S} k={k} {name:7s} warps={w:2d} maxnreg={str(maxnreg):4s}: {ms:.4f} ms "
+            print(f"topk 4096x{S} k={k} {name:8s} warps={w:2d} maxnreg={str(maxnreg):4s}: {ms:.4f} ms "
                   f"(x{base[S] / ms:.2f} vs default; ties rows {ms_t:.4f} ms) ok={ok}", flush=True)
         ms = triton.testing.do_bench(lambda: torch.topk(x, k, dim=1), warmup=25, rep=100, return_mode="median")
         print(f"topk 4096x{S} k={k} torch.topk: {ms:.4f} ms", flush=True)

@@ -123,6 +123,7 @@ SEARCH_CONFIGS = [
     pytest.param(tk.ResidentConfig(4, search="radix", radix_bits=b), id=f"radix{b}") for b in (1, 2, 3, 4)
 ] + [
     pytest.param(tk.ResidentConfig(4, search="interp"), id="interp"),
+    pytest.param(tk.ResidentConfig(4, search="interp", vec_load=False), id="interp-scalar"),
     pytest.param(tk.ResidentConfig(4, search="guess"), id="guess"),
 ]
 

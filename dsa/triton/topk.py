@@ -12,28 +12,33 @@ found exactly, then one prefix scan emits, in position order, every key
 ``> thr`` and the first ``k - count(> thr)`` keys ``== thr``.
 
 * Resident kernel (S <= RESIDENT_MAX): one program per row holds the whole
-  row in registers (read from memory once) and finds ``thr`` with one of
-  three searches (``ResidentConfig.search``); each round is one block-wide
-  reduction, so the number of rounds sets the cost. All of them keep
-  ``count(key >= lo) >= k > count(key >= hi)`` and stop as soon as exactly k
-  keys are >= a candidate (that set is the top k, ties at the cut included
-  whole). Rows with at most k selectable keys skip the search.
+  row in registers (read from memory once) and finds ``thr`` with one of the
+  searches of ``ResidentConfig.search``; each round is one block-wide
+  reduction (its barriers and shuffles are the cost), so fewer rounds is
+  faster. All keep ``count(key >= lo) >= k > count(key >= hi)`` and stop as
+  soon as exactly k keys are >= a candidate (that set is the top k, ties at
+  the cut included whole). Rows with at most k selectable keys skip it.
 
   - ``bisect``: one key bit a round, MSB first (about log2(S) + a few rounds
-    on distinct scores, 32 at most).
-  - ``radix``: ``radix_bits`` bits a round, the 2^b - 1 candidate digits
-    counted together (two 16-bit counts per int32 lane of one 2-D
-    reduction); 16-bit inputs stop at their last significant key bit.
+    on distinct scores, 32 at most), then one more count for ``need``.
+  - ``radix``: ``radix_bits`` = b bits a round, the 2^b - 1 candidate digits
+    counted in one multi-operand reduction (two 16-bit counts per int32);
+    16-bit inputs stop at their last significant key bit.
   - ``interp``: two candidates a round, counted in one packed reduction,
-    placed by a model of the row's value distribution: a normal fit (from
-    the sum and the sum of squares, taken with the valid-key count) for the
-    first round, then linear interpolation between the bracket ends or a
-    secant through the last round's two points, aiming at counts k +- a
-    spread that shrinks with the bracket. A round that fails to halve the
-    bracket is answered by a snap round (the bracket ends move onto the
-    nearest keys inside it: ties finish there) and then by a split of the
-    bracket's key range in thirds (for distributions the model misses).
-    About 4-6 rounds on random rows instead of about 20.
+    placed by a model of the row's values: a normal fit (sum and sum of
+    squares, reduced with the valid-key count) for the first round, then
+    linear interpolation between the bracket ends, or a secant through the
+    last round's two points when both fell on one side, aiming at counts
+    k +- a spread that shrinks with the bracket. A round that does not halve
+    the bracket is answered by a snap round (both ends move onto the nearest
+    keys inside: a tied cut ends there) and then by a split of the bracket's
+    key range in thirds (distributions the model misses), so the rounds stay
+    bounded. About 4 rounds on randn rows of 4096 / 16384 keys instead of 12
+    / 20 (NumPy model of the search).
+  - ``guess``: interp's first round, then thirds of the key range.
+
+  ``vec_load=False`` runs the same kernel compiled without the vectorized
+  row load (see ``_topk_resident_kernel_scalar``).
 * Streaming kernel (longer rows): the row is read in chunks, ``thr`` comes
   from a 4-pass radix select (8-bit digits, 256-bin histograms), and the emit
   pass walks the chunks in order with running counters.
@@ -57,7 +62,7 @@ RESIDENT_MAX = 16384
 STREAM_CHUNK = 4096
 _FILL_BLOCK = 1024
 
-SEARCHES = ("bisect", "radix", "interp")
+SEARCHES = ("bisect", "radix", "interp", "guess")  # ResidentConfig.search; SEARCH = its index
 
 # Order keys of +inf and of -FLT_MAX (the largest and smallest selectable
 # finite-or-inf keys; NaN and -inf are 0 and no valid key lies in between).
@@ -132,13 +137,15 @@ def _upper_normal_quantile(p):
 
 
 @triton.jit
-def _emit_block(idx_row_ptr, key, pos, m, thr, need, gt_run, eq_run, ONE_SUM: tl.constexpr = False):
+def _emit_block(idx_row_ptr, key, pos, m, thr, need, gt_run, eq_run, K, ONE_SUM: tl.constexpr = False):
     """Store the selected positions of one block; return the block's counts.
 
     Selected: key > thr, or key == thr among the first ``need`` such keys of
     the row (``eq_run`` of them lie in earlier blocks). The output slot is the
     number of selected keys before it. Both prefix counts come out of one
     scan: gt in the low 16 bits, eq in the high 16 (a block is < 2^15 long).
+    Slots >= K are never written: a wrong threshold gives wrong indices, not
+    a fault.
     """
     gt = (key > thr) & m
     eq = (key == thr) & m & (need > 0)
@@ -148,7 +155,7 @@ def _emit_block(idx_row_ptr, key, pos, m, thr, need, gt_run, eq_run, ONE_SUM: tl
     eq_before = eq_run + (excl >> 16)
     sel = gt | (eq & (eq_before < need))
     slot = gt_before + tl.minimum(eq_before, need)
-    tl.store(idx_row_ptr + slot, pos, mask=sel)
+    tl.store(idx_row_ptr + slot, pos, mask=sel & (slot < K))
     if ONE_SUM:  # both counts from one reduction of the packed flags
         n = tl.sum(packed, axis=0)
         return n & 0xFFFF, (n >> 16) & 0xFFFF
@@ -378,12 +385,15 @@ def _search_interp(b_key, n_valid, n_pinf, s1, s2, K, INTERP: tl.constexpr):
             c_lo = tl.where(up, nb, tl.where(mid, na, c_lo))
             hi = tl.where(up, hi, tl.where(mid, cb, ca))
             c_hi = tl.where(up, c_hi, tl.where(mid, nb, na))
-            fails = tl.where(2 * (c_lo - c_hi) > m, fails + 1, 0)
+            # the first round is a guess, not a step of the model: not judged
+            fails = tl.where((2 * (c_lo - c_hi) > m) & (mode != _MODE_GUESS), fails + 1, 0)
             snapped = zero
             if INTERP:
-                unbounded = (lo == _KEY_MIN) | (hi == _KEY_PINF)  # no data value at an end yet
                 mode = tl.where(fails == 0, _MODE_INTERP, tl.where(fails % 2 == 1, _MODE_SNAP, _MODE_SPLIT))
-                mode = tl.where(unbounded, tl.where(na == nb, _MODE_SNAP, _MODE_INTERP), mode)
+                # an end still at the start key and no slope from this round:
+                # snap for a data value there first
+                unbounded = (lo == _KEY_MIN) | (hi == _KEY_PINF)
+                mode = tl.where(unbounded & (na == nb) & (mode == _MODE_INTERP), _MODE_SNAP, mode)
             else:
                 mode = zero + _MODE_SPLIT
     exact = c_lo == K  # keys >= lo are the top K
@@ -397,11 +407,12 @@ def _search_interp(b_key, n_valid, n_pinf, s1, s2, K, INTERP: tl.constexpr):
 # --------------------------------------------------------------------------
 
 
-def _topk_resident(
+def _topk_resident_kernel(
     s_ptr, idx_ptr, len_ptr, S, K, stride_s, stride_i,
     BLOCK_S: tl.constexpr, FILL: tl.constexpr, EARLY_EXIT: tl.constexpr,
     SEARCH: tl.constexpr = 0, RADIX_BITS: tl.constexpr = 2, LOW_BITS: tl.constexpr = 0,
 ):
+    # SEARCH: index in SEARCHES; LOW_BITS: key bits below the input's precision
     r = tl.program_id(0).to(tl.int64)
     o_s = tl.arange(0, BLOCK_S)
     m_s = o_s < S
@@ -416,7 +427,7 @@ def _topk_resident(
         if n_valid > K:  # else every valid key is taken (rows of early causal queries)
             thr, need = _search_bisect(b_key, n_valid, K, EARLY_EXIT)
         # thr == 0 when every valid key is taken: "key > 0" is exactly "valid".
-        n_gt, n_eq = _emit_block(idx_row, b_key, o_s, m_s, thr, need, 0, 0)
+        n_gt, n_eq = _emit_block(idx_row, b_key, o_s, m_s, thr, need, 0, 0, K)
         length = n_gt + tl.minimum(n_eq, need)
     else:
         if SEARCH == 1:
@@ -435,19 +446,19 @@ def _topk_resident(
                 thr, need = _search_radix(b_key, K, RADIX_BITS, LOW_BITS)
             else:
                 thr, need = _search_interp(b_key, n_valid, (n_packed >> 16) & 0xFFFF, s1, s2, K, SEARCH == 2)
-        n_gt, n_eq = _emit_block(idx_row, b_key, o_s, m_s, thr, need, 0, 0, True)
+        n_gt, n_eq = _emit_block(idx_row, b_key, o_s, m_s, thr, need, 0, 0, K, True)
         length = n_gt + tl.minimum(n_eq, need)
     tl.store(len_ptr + r, length)
     _pad_row(idx_row, length, K, FILL)
 
 
-_topk_resident_kernel = triton.jit(_topk_resident)
 # The same kernel with S and the row stride left unspecialized: the row load
 # can no longer be vectorized, so every tensor keeps the one-key-a-thread
 # layout of the scattered store and the emit needs no shared-memory layout
 # conversion of its 64-bit pointers (sm_90a, 16384 keys: 13 instead of 25
 # barriers a row, same registers).
-_topk_resident_kernel_scalar = triton.jit(do_not_specialize=["S", "stride_s"])(_topk_resident)
+_topk_resident_kernel_scalar = triton.jit(do_not_specialize=["S", "stride_s"])(_topk_resident_kernel)
+_topk_resident_kernel = triton.jit(_topk_resident_kernel)
 
 
 @triton.jit
@@ -493,7 +504,7 @@ def _topk_stream_kernel(
     for c0 in range(0, S, CHUNK):
         m = (c0 + o_c) < S
         key = _order_key(tl.load(s_row + c0 + o_c, mask=m, other=float("-inf")).to(tl.float32))
-        n_gt, n_eq = _emit_block(idx_row, key, c0 + o_c, m, thr, need, gt_run, eq_run)
+        n_gt, n_eq = _emit_block(idx_row, key, c0 + o_c, m, thr, need, gt_run, eq_run, K)
         gt_run += n_gt
         eq_run += n_eq
     length = gt_run + tl.minimum(eq_run, need)
@@ -512,26 +523,26 @@ class ResidentConfig:
     # H200, fp32, k=2048 (bench/tune_topk.py): 4096x4096 0.189 -> 0.122 ms,
     # 4096x16384 0.949 -> 0.721 ms; same results, ties included
     early_exit: bool = True
-    # "bisect" | "radix" | "interp" | "guess" (interp's first round, then
-    # thirds of the key range); see the module header. Not yet timed.
+    # one of SEARCHES (see the module header); the others are not yet timed
     search: str = "bisect"
     radix_bits: int = 2  # radix: bits a round, 1..4
     # ptxas register cap (None: its choice). 4 warps at 4096 keys take 168
-    # registers, 3 programs an SM; 128 allows 4, 96 5 (no spills, sm_90a).
+    # registers, 3 programs an SM; 128 allows 4 without spills (sm_90a; 96
+    # spills).
     maxnreg: Optional[int] = None
     # False: the kernel without the vectorized row load (see
     # _topk_resident_kernel_scalar). Not yet timed.
     vec_load: bool = True
 
     def __post_init__(self):
-        if self.search not in SEARCHES + ("guess",):
-            raise ValueError(f"ResidentConfig.search must be one of {SEARCHES + ('guess',)}, got {self.search!r}")
+        if self.search not in SEARCHES:
+            raise ValueError(f"ResidentConfig.search must be one of {SEARCHES}, got {self.search!r}")
         if not 1 <= self.radix_bits <= 4:
             raise ValueError(f"ResidentConfig.radix_bits must be in 1..4, got {self.radix_bits}")
 
     def constexprs(self, dtype: torch.dtype) -> dict:
         """The kernel's compile-time switches for this config and score dtype."""
-        search = {"bisect": 0, "radix": 1, "interp": 2, "guess": 3}[self.search]
+        search = SEARCHES.index(self.search)
         # key bits below the input's precision: fp16 (10-bit mantissa) leaves
         # 13 zero bits in the fp32 pattern, bf16 16
         low = {torch.float16: 13, torch.bfloat16: 16}.get(dtype, 0)

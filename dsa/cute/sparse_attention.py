@@ -27,6 +27,7 @@ class Config:
     """block_n: slots per pipeline stage, 64 (two stages) or 32 (four); see
     sparse_attention_sm90."""
 
+    # H200, V3.2 forward: 64 -> 473 TFLOP/s, 32 -> 454 (bench/RESULTS.md, C7)
     block_n: int = 64
 
 

@@ -26,6 +26,8 @@ d_v, H, G, topk_length?, sink?, BN) and cached by ``dsa.cute.sparse_attention``.
 
 from __future__ import annotations
 
+import enum
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
@@ -41,6 +43,17 @@ PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 # Shared memory holds Q and 128 slots of K (64 x 2 stages or 32 x 4).
 RING_SLOTS = 128
+
+
+class Barrier(enum.IntEnum):
+    """Named barriers of the two consumer warpgroups (id 0 is __syncthreads)."""
+
+    MAX_SWAP = 1  # both row maxima of a pair are in shared memory
+    P_READY = 2   # both P tiles of a pair are in shared memory
+    ROW_SUMS = 3  # both row sums are in shared memory (epilogue)
+
+
+CONSUMER_THREADS = 256
 
 
 class SparseAttnFwdSm90:
@@ -298,23 +311,24 @@ class SparseAttnFwdSm90:
         l_run.fill(0.0)
 
         cute.arch.mbarrier_wait(q_full, 0)
-        ctx = (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, m_own, m_oth, acc_s, acc_o, r_p, m_run, l_run,
-               full, empty, idx_row, L, N, row_lo, col_lane, lane, scale_log2)
+        # A plain tuple: the DSL threads it through the loops unchanged.
+        cs = (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, m_own, m_oth, acc_s, acc_o, r_p, m_run, l_run,
+              full, empty, idx_row, L, N, row_lo, col_lane, lane, scale_log2)
         n_pairs = n_blocks // 2
         n_rings = n_pairs // PPR
         for it in cutlass.range(n_rings, unroll=1):
             for q in cutlass.range_constexpr(PPR):
-                self.pair(w, q, it * PPR + q, True, True, views[q], *ctx)
+                self.pair(w, q, it * PPR + q, True, True, views[q], cs)
         # Pairs left over after the last full turn of the ring, then a last
         # block of its own (consumer 0's S, the first stage of its pair slot).
         rest = n_pairs - n_rings * PPR
         for q in cutlass.range_constexpr(PPR - 1):
             if q < rest:
-                self.pair(w, q, n_rings * PPR + q, True, True, views[q], *ctx)
+                self.pair(w, q, n_rings * PPR + q, True, True, views[q], cs)
         if n_blocks % 2 == 1:
             for q in cutlass.range_constexpr(PPR):
                 if q == rest:
-                    self.pair(w, q, n_pairs, w == 0, w == 1, views[q], *ctx)
+                    self.pair(w, q, n_pairs, w == 0, w == 1, views[q], cs)
 
         # Row sums over the 4 threads of a row, then over both consumers.
         l_own = cute.make_tensor(sL + w * BLOCK_H, cute.make_layout((BLOCK_H,)))
@@ -326,19 +340,23 @@ class SparseAttnFwdSm90:
             l_run[r] = l
             if lane % 4 == 0:
                 l_own[row_lo + 8 * r] = l
-        cute.arch.barrier(barrier_id=3, number_of_threads=256)
+        cute.arch.barrier(barrier_id=Barrier.ROW_SUMS, number_of_threads=CONSUMER_THREADS)
         for r in cutlass.range_constexpr(2):
             l_run[r] = l_run[r] + l_oth[row_lo + 8 * r]
         self.epilogue(acc_o, m_run, l_run, w, lane, row_lo, col_lane, sink_ptr, out_ptr, lse_ptr, t, head0)
 
     @cute.jit
     def pair(self, w: cutlass.Constexpr, q: cutlass.Constexpr, i, has_own: cutlass.Constexpr,
-             has_oth: cutlass.Constexpr, views, qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, m_own, m_oth,
-             acc_s, acc_o, r_p, m_run, l_run, full, empty, idx_row, L, N, row_lo, col_lane, lane, scale_log2):
+             has_oth: cutlass.Constexpr, views, cs):
         """Pair i (blocks 2i and 2i + 1, in stages 2q and 2q + 1) for
         consumer w: S of its own block when that exists, then O += P V over
         the blocks that exist."""
         D, BN = self.D, self.BN
+        # cs: the consumer's state, as built in consumer(): MMA objects and
+        # operand views, the max-swap buffers, accumulators, softmax state
+        # (rmem tensors updated in place) and the row's limits.
+        (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, m_own, m_oth, acc_s, acc_o, r_p, m_run, l_run,
+         full, empty, idx_row, L, N, row_lo, col_lane, lane, scale_log2) = cs
         o = 1 - w
         own = 2 * q + w
         b = 2 * i + w
@@ -388,7 +406,7 @@ class SparseAttnFwdSm90:
             mx[r] = v
             if lane % 4 == 0:
                 m_own[row_lo + 8 * r] = v
-        cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        cute.arch.barrier(barrier_id=Barrier.MAX_SWAP, number_of_threads=CONSUMER_THREADS)
         alpha = cute.make_rmem_tensor((2,), Float32)
         m_use = cute.make_rmem_tensor((2,), Float32)
         for r in cutlass.range_constexpr(2):
@@ -421,7 +439,7 @@ class SparseAttnFwdSm90:
             cute.arch.fence_view_async_shared()
         for i_ in cutlass.range(NO, unroll_full=True):
             acc_o[i_] = acc_o[i_] * alpha[(i_ // 2) % 2]
-        cute.arch.barrier(barrier_id=2, number_of_threads=256)
+        cute.arch.barrier(barrier_id=Barrier.P_READY, number_of_threads=CONSUMER_THREADS)
 
         # Stage 2q first (consumer 0's own block, consumer 1's other one),
         # released as soon as its group retires.

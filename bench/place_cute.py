@@ -116,7 +116,6 @@ def time_both(shape):
             ms = triton.testing.do_bench(lambda: fn(inputs[next(it) % 2]), warmup=25, rep=60,
                                          return_mode="median")
             res[name] = min(res.get(name, ms), ms)
-    del inputs
     return res
 
 

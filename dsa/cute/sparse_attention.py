@@ -21,7 +21,6 @@ SERVED_D = (512, 576)
 SERVED_DV = 512
 
 
-
 @dataclass(frozen=True)
 class Config:
     """block_n: slots per pipeline stage, 64 (two stages) or 32 (four); see

@@ -357,7 +357,6 @@ class SparseAttnFwdSm90:
         # (rmem tensors updated in place) and the row's limits.
         (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, m_own, m_oth, acc_s, acc_o, r_p, m_run, l_run,
          full, empty, idx_row, L, N, row_lo, col_lane, lane, scale_log2) = cs
-        o = 1 - w
         own = 2 * q + w
         b = 2 * i + w
         phase = (i // self.pairs_per_ring) % 2

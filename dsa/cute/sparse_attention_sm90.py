@@ -175,7 +175,7 @@ class SparseAttnFwdSm90:
         # Slots [0, L) may be valid; the loops stop at the block holding L - 1.
         L = K
         if const_expr(self.has_len):
-            L = _load_i32(len_ptr, Int64(t))
+            L = _load(len_ptr, Int64(t))
             L = cutlass.max(Int32(0), cutlass.min(L, K))
         n_blocks = (L + BN - 1) // BN
         idx_row = idx_ptr + Int64(pid) * Int64(K)
@@ -253,7 +253,7 @@ class SparseAttnFwdSm90:
             slot = b * self.BN + row_in_pass + m * 16
             n = Int32(-1)
             if slot < L:
-                n = _load_i32(idx_row, Int64(slot))
+                n = _load(idx_row, Int64(slot))
                 if n < 0 or n >= N:
                     n = Int32(-1)
             rows[m] = n
@@ -379,7 +379,7 @@ class SparseAttnFwdSm90:
                     slot = b * BN + 8 * j + col_lane + e
                     ok = slot < L
                     if ok:
-                        n = _load_i32(idx_row, Int64(slot))
+                        n = _load(idx_row, Int64(slot))
                         ok = n >= 0 and n < N
                     valid[j, e] = ok
             warpgroup.wait_group(0)
@@ -484,7 +484,7 @@ class SparseAttnFwdSm90:
             if const_expr(self.has_sink):
                 # sink * log2(e) overflows to +inf for sinks above ~2.4e38:
                 # the sink then takes all the probability and out is 0.
-                sk = _load_f32(sink_ptr, Int64(head0 + row_lo + 8 * r)) * LOG2E
+                sk = _load(sink_ptr, Int64(head0 + row_lo + 8 * r)) * LOG2E
                 den = den + cute.math.exp2(sk - mu, fastmath=False)
             iv = Float32(0.0)
             if den != 0.0:
@@ -518,10 +518,6 @@ def _aligned(dtype, addr: Int64) -> cute.Pointer:
 
 
 @cute.jit
-def _load_i32(ptr: cute.Pointer, off: Int64) -> Int32:
-    return cute.make_tensor(ptr + off, cute.make_layout((1,)))[0]
-
-
-@cute.jit
-def _load_f32(ptr: cute.Pointer, off: Int64) -> Float32:
+def _load(ptr: cute.Pointer, off: Int64):
+    """ptr[off], one element of global memory."""
     return cute.make_tensor(ptr + off, cute.make_layout((1,)))[0]

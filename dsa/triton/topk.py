@@ -523,7 +523,7 @@ class ResidentConfig:
     # H200, fp32, k=2048 (bench/tune_topk.py): 4096x4096 0.189 -> 0.122 ms,
     # 4096x16384 0.949 -> 0.721 ms; same results, ties included
     early_exit: bool = True
-    # one of SEARCHES (see the module header); the others are not yet timed
+    # one of SEARCHES (see the module header); _resident_config picks interp
     search: str = "bisect"
     radix_bits: int = 2  # radix: bits a round, 1..4
     # ptxas register cap (None: its choice). 4 warps at 4096 keys take 168
@@ -531,7 +531,7 @@ class ResidentConfig:
     # spills).
     maxnreg: Optional[int] = None
     # False: the kernel without the vectorized row load (see
-    # _topk_resident_kernel_scalar). Not yet timed.
+    # _topk_resident_kernel_scalar); slower on the H200 (C10).
     vec_load: bool = True
 
     def __post_init__(self):
@@ -550,12 +550,13 @@ class ResidentConfig:
 
 
 def _resident_config(block_s: int) -> ResidentConfig:
-    # H200, fp32 rows, k=2048, 4096 rows (bench/tune_topk.py, early exit):
-    # 4 warps at 4096 keys (0.122 ms; 8 warps 0.133), 16 warps at 16384
-    # (0.721 ms; 8 warps 0.789). Without early exit (bench/notes_indexer.md)
-    # the same choice held: 0.19 / 0.22 / 0.25 ms at 4/8/16 warps, 0.94 / 1.00
-    # / 0.95 ms at 16/8/32.
-    return ResidentConfig(num_warps=max(4, min(16, block_s // 1024)))
+    # H200, fp32 rows, k=2048, 4096 rows (bench/tune_topk.py, RESULTS.md C10;
+    # every variant exact against the reference first): interp beats the
+    # early-exit bisection at 4096 keys (4 warps, 128 registers: 0.115 ms
+    # against 0.123) and at 16384 (16 warps: 0.526 ms against 0.738; 8 warps
+    # 0.623). radix (2-4 bits) and guess were slower at 4096 keys.
+    warps = max(4, min(16, block_s // 1024))
+    return ResidentConfig(num_warps=warps, search="interp", maxnreg=128 if block_s == 4096 else None)
 
 
 def supports(a: TopkArgs) -> Optional[str]:

@@ -28,7 +28,23 @@ class Config:
 
     # H200, V3.2 forward: 64 -> 473 TFLOP/s, 32 -> 454 (bench/RESULTS.md, C7)
     block_n: int = 64
+    # "lockstep" (sparse_attention_sm90) or "staggered"
+    # (sparse_attention_sm90_staggered, block_n 64 only)
+    schedule: str = "lockstep"
 
+    def build(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, has_sink: bool):
+        """The kernel object for this configuration."""
+        if self.schedule == "staggered":
+            from dsa.cute.sparse_attention_sm90_staggered import SparseAttnFwdSm90Staggered
+
+            return SparseAttnFwdSm90Staggered(dtype, D, d_v, H, G, has_len, has_sink)
+        from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
+
+        return SparseAttnFwdSm90(dtype, D, d_v, H, G, has_len, has_sink, block_n=self.block_n)
+
+
+# The configuration forward() runs when none is given.
+DEFAULT = Config()
 
 _COMPILED: Dict[tuple, object] = {}
 _ZEROS: Dict[tuple, torch.Tensor] = {}
@@ -87,13 +103,11 @@ def _zeros(a: SparseAttnArgs) -> torch.Tensor:
 def _compiled(a: SparseAttnArgs, cfg: Config, ptrs, scalars, stream):
     import cutlass.cute as cute
 
-    from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
-
     key = (a.q.dtype, a.D, a.d_v, a.H, a.G, a.topk_length is not None, a.sink is not None, cfg)
     fn = _COMPILED.get(key)
     if fn is None:
-        kernel = SparseAttnFwdSm90(_cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G,
-                                   a.topk_length is not None, a.sink is not None, block_n=cfg.block_n)
+        kernel = cfg.build(_cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G,
+                           a.topk_length is not None, a.sink is not None)
         fn = _COMPILED[key] = cute.compile(kernel, *ptrs, *scalars, stream)
     return fn
 
@@ -113,7 +127,7 @@ def _ptr(t: torch.Tensor, dtype, align: int):
 
 def forward(a: SparseAttnArgs, config: Optional[Config] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """out [T, H, d_v] in q.dtype and lse [T, H] fp32 (sink excluded, +inf on empty rows)."""
-    cfg = config or Config()
+    cfg = config or DEFAULT
     import cuda.bindings.driver as cuda
     import cutlass
 
@@ -145,8 +159,6 @@ def compile_offline(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, h
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
 
-    from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
-
     dt = _cutlass_dtype(dtype)
 
     def p(ty, align):
@@ -156,5 +168,5 @@ def compile_offline(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, h
             p(dt, 16), p(cutlass.Float32, 4), p(dt, 16))
     scalars = (cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Float32(math.log2(math.e)))
     cfg = config or Config()
-    kernel = SparseAttnFwdSm90(dt, D, SERVED_DV, H, G, has_len, has_sink, block_n=cfg.block_n)
+    kernel = cfg.build(dt, D, SERVED_DV, H, G, has_len, has_sink)
     return cute.compile(kernel, *ptrs, *scalars, cuda.CUstream(0), options="--keep-ptx" if keep_ptx else "")

@@ -1,0 +1,541 @@
+"""Sparse attention forward for Hopper (SM90), staggered consumers.
+
+The same CTA as ``sparse_attention_sm90`` (one per token, kv head and block
+of 64 query heads; a producer warpgroup gathering 64-slot blocks into two
+stages; consumer w computing S of the blocks 2i + w and O for the value
+columns [256 w, 256 w + 256)), with a finer pipeline:
+
+* Each stage is two halves with barriers of their own: L, the columns
+  [0, 256), and R, the columns [256, D).  Consumer 0 reads the L halves as V,
+  consumer 1 the R halves, so each releases its half as soon as its P V on it
+  retires and the producer refills it while the other half is still in use.
+  The producer fills them in the order the consumers free them: L of stage 0,
+  R of stage 1, R of stage 0, L of stage 1.
+* The consumers do not run the softmax in step.  Consumer 0 finishes its
+  block first, publishes its new row maxima and starts O += P0 V0 on its
+  half at once; consumer 1 takes those maxima into its own (so its maxima
+  are the pair's), publishes them and starts O += P1 V1; consumer 0 then
+  rescales its P0 to the pair's maxima, hands it over through shared memory,
+  and runs O += P1 V1 with consumer 1's P, followed at once by the S = Q K^T
+  of its next block.  The tensor cores have one consumer's work while the
+  other one runs its softmax.
+
+Row maxima are in the log2 domain; a row with no valid slot so far keeps
+-inf and is shifted by 0 (``_shift``), so no (-inf) - (-inf) appears.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import warpgroup
+
+from dsa.cute.sparse_attention_sm90 import BLOCK_H, THREADS, SparseAttnFwdSm90, _load
+
+PRODUCER_REGS = 56
+CONSUMER_REGS = 224
+BN = 64
+L_CHUNKS = 4  # 64-column chunks of an L half (the value columns of consumer 0)
+
+
+class Barrier(enum.IntEnum):
+    """Named barriers between the consumers: one side arrives, the other waits."""
+
+    MAX0 = 1   # consumer 0's row maxima of the pair are in shared memory
+    MAX1 = 2   # consumer 1's (the pair's) maxima are
+    P0 = 3     # consumer 0's P, at the pair's maxima, is
+    P1 = 4     # consumer 1's P is
+    ROW_SUMS = 5
+
+
+PAIR_THREADS = 256
+
+
+@cute.jit
+def _shift(m):
+    """The subtrahend of exp2(x - m): m, or 0 for a row whose maximum is -inf."""
+    mu = m
+    if m == -Float32.inf:
+        mu = Float32(0.0)
+    return mu
+
+
+class SparseAttnFwdSm90Staggered(SparseAttnFwdSm90):
+    def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, has_sink: bool):
+        super().__init__(dtype, D, d_v, H, G, has_len, has_sink, block_n=BN)
+
+    # ------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(
+        self,
+        q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, len_ptr: cute.Pointer,
+        sink_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer, zero_ptr: cute.Pointer,
+        T: Int32, N: Int32, K: Int32, scale_log2: Float32, stream,
+    ):
+        dt = self.dtype
+        K_ = warpgroup.OperandMajorMode.K
+        MN = warpgroup.OperandMajorMode.MN
+        qk_mma = cute.make_tiled_mma(cute.make_mma_atom(warpgroup.MmaF16BF16Op(
+            dt, Float32, (BLOCK_H, BN, 16), warpgroup.OperandSource.SMEM, K_, K_)), (1, 1, 1))
+        pv_mma = cute.make_tiled_mma(cute.make_mma_atom(warpgroup.MmaF16BF16Op(
+            dt, Float32, (BLOCK_H, self.dv_half, 16), warpgroup.OperandSource.RMEM, K_, MN)), (1, 1, 1))
+        pv_mma_ss = cute.make_tiled_mma(cute.make_mma_atom(warpgroup.MmaF16BF16Op(
+            dt, Float32, (BLOCK_H, self.dv_half, 16), warpgroup.OperandSource.SMEM, K_, MN)), (1, 1, 1))
+        # Layouts as in SparseAttnFwdSm90.  P of consumer 0 lives in the dead
+        # RoPE columns of stage 0 when D = 576; consumer 1's P always has a
+        # buffer of its own: stage 1's R half is refilled while consumer 0
+        # still reads that P.
+        k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, dt)
+        mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, dt)
+        sq_layout = cute.tile_to_shape(k_atom, (BLOCK_H, self.D), order=(0, 1))
+        sk_layout = cute.tile_to_shape(k_atom, (BN, self.D, 2), order=(0, 1, 2))
+        sv_layout = cute.tile_to_shape(mn_atom, (self.dv_half, BN), order=(1, 0))
+        sp_layout = cute.tile_to_shape(k_atom, (BLOCK_H, BN), order=(0, 1))
+        p_elems = (1 if self.D > self.d_v else 2) * BLOCK_H * BN
+
+        @cute.struct
+        class Smem:
+            q_full: cute.struct.MemRange[Int64, 1]
+            full: cute.struct.MemRange[Int64, 4]   # stage s, half h at 2 s + h (L = 0, R = 1)
+            empty: cute.struct.MemRange[Int64, 4]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sq_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sk_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[dt, p_elems], 1024]
+            sM: cute.struct.MemRange[Float32, 2 * BLOCK_H]
+            sL: cute.struct.MemRange[Float32, 2 * BLOCK_H]
+
+        self.smem = Smem
+        grid_x = T * self.G * (self.HG // BLOCK_H)
+        self.kernel(
+            qk_mma, pv_mma, pv_mma_ss, sq_layout, sk_layout, sv_layout, sp_layout,
+            q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr, zero_ptr,
+            N, K, scale_log2,
+        ).launch(grid=[grid_x, 1, 1], block=[THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ---------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(
+        self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, pv_mma_ss: cute.TiledMma,
+        sq_layout: cute.ComposedLayout, sk_layout: cute.ComposedLayout, sv_layout: cute.ComposedLayout,
+        sp_layout: cute.ComposedLayout,
+        q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, len_ptr: cute.Pointer,
+        sink_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer, zero_ptr: cute.Pointer,
+        N: Int32, K: Int32, scale_log2: Float32,
+    ):
+        G, HG = self.G, self.HG
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        HB = HG // BLOCK_H
+        pid = cta // HB  # t * G + g
+        hblk = cta - pid * HB
+        t = pid // G
+        g = pid - t * G
+        head0 = g * HG + hblk * BLOCK_H
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+
+        smem = cutlass.utils.SmemAllocator()
+        st = smem.allocate(self.smem)
+        q_full = st.q_full.data_ptr()
+        full = st.full.data_ptr()
+        empty = st.empty.data_ptr()
+        sQ = st.sQ.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)
+        sK = st.sK.get_tensor(sk_layout.outer, swizzle=sk_layout.inner)
+
+        if tidx == 0:
+            cute.arch.mbarrier_init(q_full, 128)
+            for h in cutlass.range_constexpr(4):
+                cute.arch.mbarrier_init(full + h, 128)   # the producer's threads
+                cute.arch.mbarrier_init(empty + h, 128)  # the consumer reading that half as V
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        L = K
+        if const_expr(self.has_len):
+            L = _load(len_ptr, Int64(t))
+            L = cutlass.max(Int32(0), cutlass.min(L, K))
+        n_blocks = (L + BN - 1) // BN
+        idx_row = idx_ptr + Int64(pid) * Int64(K)
+
+        for mma in (qk_mma, pv_mma, pv_mma_ss):
+            mma.set(warpgroup.Field.ACCUMULATE, True)
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            self.producer(tidx, sQ, sK, q_full, full, empty, q_ptr, kv_ptr, idx_row, zero_ptr,
+                          t, g, head0, L, N, n_blocks)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            args = (qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, tidx % 128, sQ, sK,
+                    st.sP.data_ptr(), st.sM.data_ptr(), st.sL.data_ptr(), q_full, full, empty, idx_row,
+                    sink_ptr, out_ptr, lse_ptr, t, head0, L, N, n_blocks, scale_log2)
+            if wg == 1:
+                self.consumer(0, *args)
+            else:
+                self.consumer(1, *args)
+
+    @cute.jit
+    def producer(self, tidx, sQ, sK, q_full, full, empty, q_ptr, kv_ptr, idx_row, zero_ptr,
+                 t, g, head0, L, N, n_blocks):
+        D, G = self.D, self.G
+        ES = self.dtype.width // 8
+        atom = cute.make_copy_atom(cpasync_op(), self.dtype, num_bits_per_copy=128)
+        tiled = cute.make_tiled_copy_tv(atom, cute.make_ordered_layout((16, 8), order=(1, 0)),
+                                        cute.make_layout((1, 8)))
+        thr = tiled.get_slice(tidx)
+        row_in_pass = tidx // 8
+        col0 = (tidx % 8) * 8
+        CHUNKS = D // 64
+
+        tQs = thr.partition_D(sQ)
+        for m in cutlass.range_constexpr(BLOCK_H // 16):
+            row = head0 + row_in_pass + m * 16
+            addr = q_ptr.toint() + (Int64(t) * Int64(self.H) + Int64(row)) * Int64(D * ES) + col0 * ES
+            for c in cutlass.range_constexpr(CHUNKS):
+                src = cute.make_tensor(_aligned16(self.dtype, addr + c * 64 * ES), cute.make_layout((8,)))
+                cute.copy(atom, src, tQs[None, m, c])
+        cute.arch.cp_async_mbarrier_arrive_noinc(q_full)
+
+        # kv-row byte offsets of the pair's two blocks (the zero row's for an
+        # invalid slot), looked up while the previous pair's copies fly
+        base0 = cute.make_rmem_tensor((BN // 16,), Int64)
+        base1 = cute.make_rmem_tensor((BN // 16,), Int64)
+        self.row_addrs(base0, 0, idx_row, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0)
+        self.row_addrs(base1, 1, idx_row, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0)
+        n_pairs = (n_blocks + 1) // 2
+        tK0 = thr.partition_D(sK[None, None, 0])
+        tK1 = thr.partition_D(sK[None, None, 1])
+        for i in cutlass.range(n_pairs, unroll=1):
+            ph = (i + 1) % 2  # the phase the consumers completed one pair ago
+            has1 = 2 * i + 1 < n_blocks
+            if i > 0:
+                cute.arch.mbarrier_wait(empty + 0, ph)
+            self.copy_half(atom, base0, tK0, 0, L_CHUNKS)
+            cute.arch.cp_async_mbarrier_arrive_noinc(full + 0)
+            if has1:
+                if i > 0:
+                    cute.arch.mbarrier_wait(empty + 3, ph)
+                self.copy_half(atom, base1, tK1, L_CHUNKS, CHUNKS)
+                cute.arch.cp_async_mbarrier_arrive_noinc(full + 3)
+            if i > 0:
+                cute.arch.mbarrier_wait(empty + 1, ph)
+            self.copy_half(atom, base0, tK0, L_CHUNKS, CHUNKS)
+            cute.arch.cp_async_mbarrier_arrive_noinc(full + 1)
+            if has1:
+                if i > 0:
+                    cute.arch.mbarrier_wait(empty + 2, ph)
+                self.copy_half(atom, base1, tK1, 0, L_CHUNKS)
+                cute.arch.cp_async_mbarrier_arrive_noinc(full + 2)
+            self.row_addrs(base0, 2 * i + 2, idx_row, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0)
+            self.row_addrs(base1, 2 * i + 3, idx_row, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0)
+
+    @cute.jit
+    def row_addrs(self, base, b, idx_row, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0):
+        """base[m]: the address this thread copies from for slot b * 64 +
+        row_in_pass + 16 m (the zero row when the slot is not valid)."""
+        ES = self.dtype.width // 8
+        for m in cutlass.range_constexpr(BN // 16):
+            slot = b * BN + row_in_pass + m * 16
+            addr = zero_ptr.toint()
+            if slot < L:
+                n = _load(idx_row, Int64(slot))
+                if n >= 0 and n < N:
+                    addr = kv_ptr.toint() + (Int64(n) * Int64(self.G) + Int64(g)) * Int64(self.D * ES)
+            base[m] = addr + col0 * ES
+
+    @cute.jit
+    def copy_half(self, atom, base, tKs, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr):
+        ES = self.dtype.width // 8
+        for m in cutlass.range_constexpr(BN // 16):
+            for c in cutlass.range_constexpr(c_hi - c_lo):
+                src = cute.make_tensor(_aligned16(self.dtype, base[m] + (c_lo + c) * 64 * ES), cute.make_layout((8,)))
+                cute.copy(atom, src, tKs[None, m, c_lo + c])
+
+    @cute.jit
+    def consumer(self, w: cutlass.Constexpr, qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, wtid,
+                 sQ, sK, sP, sM, sL, q_full, full, empty, idx_row, sink_ptr, out_ptr, lse_ptr,
+                 t, head0, L, N, n_blocks, scale_log2):
+        D, dvh = self.D, self.dv_half
+        lane = wtid % 32
+        warp = wtid // 32
+        thr_qk = qk_mma.get_slice(wtid)
+        thr_pv = pv_mma.get_slice(wtid)
+        thr_ss = pv_mma_ss.get_slice(wtid)
+
+        tSrQ = qk_mma.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = qk_mma.make_fragment_B(thr_qk.partition_B(sK))   # (MMA, 1, D / 16, 2)
+        acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((BLOCK_H, BN)), Float32)
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((BLOCK_H, dvh)), Float32)
+        acc_o.fill(0.0)
+        r_p = cute.make_rmem_tensor(thr_pv.partition_shape_A((BLOCK_H, BN)), self.dtype)
+
+        raw = cute.recast_ptr(sK.iterator, None)
+        p_raw = cute.recast_ptr(sP, None)
+        if const_expr(D > self.d_v):
+            p0_ptr, p1_ptr = raw + BN * self.d_v, p_raw     # P0 in stage 0's RoPE columns
+        else:
+            p0_ptr, p1_ptr = p_raw + BLOCK_H * BN, p_raw
+        # consumer w: its own block in stage w, its V columns at w * 256
+        v_own = cute.make_tensor(cute.recast_ptr(raw + (w * BN * D + w * BN * dvh), sv_layout.inner),
+                                 sv_layout.outer)
+        v_oth = cute.make_tensor(cute.recast_ptr(raw + ((1 - w) * BN * D + w * BN * dvh), sv_layout.inner),
+                                 sv_layout.outer)
+        p_own = cute.make_tensor(cute.recast_ptr(p0_ptr if w == 0 else p1_ptr, sp_layout.inner), sp_layout.outer)
+        p_oth = cute.make_tensor(cute.recast_ptr(p1_ptr if w == 0 else p0_ptr, sp_layout.inner), sp_layout.outer)
+        tPs_own = thr_qk.partition_C(p_own)
+        tOrV_own = pv_mma.make_fragment_B(thr_pv.partition_B(v_own))
+        tOrV_oth = pv_mma_ss.make_fragment_B(thr_ss.partition_B(v_oth))
+        tOrP_oth = pv_mma_ss.make_fragment_A(thr_ss.partition_A(p_oth))
+        m0 = cute.make_tensor(sM, cute.make_layout((BLOCK_H,)))
+        m1 = cute.make_tensor(sM + BLOCK_H, cute.make_layout((BLOCK_H,)))
+
+        row_lo = warp * 16 + lane // 4
+        col_lane = 2 * (lane % 4)
+        m_run = cute.make_rmem_tensor((2,), Float32)
+        l_run = cute.make_rmem_tensor((2,), Float32)
+        m_run.fill(-Float32.inf)
+        l_run.fill(0.0)
+        valid = cute.make_rmem_tensor((cute.size(acc_s) // 4, 2), cutlass.Boolean)
+
+        cute.arch.mbarrier_wait(q_full, 0)
+        cs = (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, acc_s, acc_o, r_p, valid, m_run, l_run, m0, m1,
+              tPs_own, tOrV_own, tOrV_oth, tOrP_oth, full, empty, idx_row, L, N, row_lo, col_lane, lane,
+              scale_log2)
+        n_full = n_blocks // 2
+        if const_expr(w == 0):
+            if n_blocks > 0:
+                self.qk(cs, 0, 0, True)
+            for i in cutlass.range(n_full, unroll=1):
+                self.pair0(cs, i, n_blocks, True)
+            if n_blocks % 2 == 1:
+                self.pair0(cs, n_full, n_blocks, False)
+        else:
+            for i in cutlass.range(n_full, unroll=1):
+                self.pair1(cs, i, True)
+            if n_blocks % 2 == 1:
+                self.pair1(cs, n_full, False)
+
+        # Row sums over the 4 threads of a row, then over both consumers.
+        l_own = cute.make_tensor(sL + w * BLOCK_H, cute.make_layout((BLOCK_H,)))
+        l_oth = cute.make_tensor(sL + (1 - w) * BLOCK_H, cute.make_layout((BLOCK_H,)))
+        for r in cutlass.range_constexpr(2):
+            l = l_run[r]
+            l = l + cute.arch.shuffle_sync_bfly(l, 1)
+            l = l + cute.arch.shuffle_sync_bfly(l, 2)
+            l_run[r] = l
+            if lane % 4 == 0:
+                l_own[row_lo + 8 * r] = l
+        cute.arch.barrier(barrier_id=Barrier.ROW_SUMS, number_of_threads=PAIR_THREADS)
+        for r in cutlass.range_constexpr(2):
+            l_run[r] = l_run[r] + l_oth[row_lo + 8 * r]
+        self.epilogue(acc_o, m_run, l_run, w, lane, row_lo, col_lane, sink_ptr, out_ptr, lse_ptr, t, head0)
+
+    # -------------------------------------------------------- consumer steps
+    @cute.jit
+    def qk(self, cs, stage: cutlass.Constexpr, i, first_l: cutlass.Constexpr):
+        """S = Q K^T of the block in ``stage`` for pair i (phase i % 2), its
+        L half first when first_l, then masked and scaled to the log2 domain.
+        Consumer 0 calls it with its previous remote P V still in flight and
+        releases stage 1's L half between the halves."""
+        (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, acc_s, acc_o, r_p, valid, m_run, l_run, m0, m1,
+         tPs_own, tOrV_own, tOrV_oth, tOrP_oth, full, empty, idx_row, L, N, row_lo, col_lane, lane,
+         scale_log2) = cs
+        KD = self.D // 16
+        KL = L_CHUNKS * 4
+        ph = i % 2
+        first = 2 * stage + (0 if first_l else 1)
+        acc_s.fill(0.0)
+        cute.arch.mbarrier_wait(full + first, ph)
+        warpgroup.fence()
+        if const_expr(first_l):
+            for k in cutlass.range_constexpr(KL):
+                cute.gemm(qk_mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_s)
+        else:
+            for k in cutlass.range_constexpr(KD - KL):
+                cute.gemm(qk_mma, acc_s, tSrQ[None, None, KL + k], tSrK[None, None, KL + k, stage], acc_s)
+        warpgroup.commit_group()
+        if const_expr(stage == 0):
+            if i > 0:
+                # consumer 0's P1 V1 of the last pair has retired: stage 1's L is free
+                warpgroup.wait_group(1)
+                cute.arch.mbarrier_arrive(empty + 2)
+        cute.arch.mbarrier_wait(full + (2 * stage + (1 if first_l else 0)), ph)
+        warpgroup.fence()
+        if const_expr(first_l):
+            for k in cutlass.range_constexpr(KD - KL):
+                cute.gemm(qk_mma, acc_s, tSrQ[None, None, KL + k], tSrK[None, None, KL + k, stage], acc_s)
+        else:
+            for k in cutlass.range_constexpr(KL):
+                cute.gemm(qk_mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_s)
+        warpgroup.commit_group()
+        # Validity of this thread's columns while the wgmma runs: accumulator
+        # element 4j + 2r + e sits at row row_lo + 8r, column 8j + col_lane + e.
+        b = 2 * i + stage
+        NS = cute.size(acc_s)
+        for j in cutlass.range_constexpr(NS // 4):
+            for e in cutlass.range_constexpr(2):
+                slot = b * BN + 8 * j + col_lane + e
+                ok = slot < L
+                if ok:
+                    n = _load(idx_row, Int64(slot))
+                    ok = n >= 0 and n < N
+                valid[j, e] = ok
+        warpgroup.wait_group(0)
+        for j in cutlass.range_constexpr(NS // 4):
+            for r in cutlass.range_constexpr(2):
+                for e in cutlass.range_constexpr(2):
+                    v = acc_s[4 * j + 2 * r + e] * scale_log2
+                    if not valid[j, e]:
+                        v = -Float32.inf
+                    acc_s[4 * j + 2 * r + e] = v
+
+    @cute.jit
+    def softmax(self, cs, m_new):
+        """acc_s <- exp2(S - m_new) in place, r_p its 16-bit copy; l and O
+        rescaled from the running maximum to m_new, which becomes it."""
+        (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, acc_s, acc_o, r_p, valid, m_run, l_run, m0, m1,
+         tPs_own, tOrV_own, tOrV_oth, tOrP_oth, full, empty, idx_row, L, N, row_lo, col_lane, lane,
+         scale_log2) = cs
+        NS = cute.size(acc_s)
+        alpha = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
+            mu = _shift(m_new[r])
+            alpha[r] = cute.math.exp2(m_run[r] - mu, fastmath=True)
+            rs = Float32(0.0)
+            for j in cutlass.range_constexpr(NS // 4):
+                for e in cutlass.range_constexpr(2):
+                    i_ = 4 * j + 2 * r + e
+                    p = cute.math.exp2(acc_s[i_] - mu, fastmath=True)
+                    acc_s[i_] = p
+                    rs = rs + p
+            l_run[r] = l_run[r] * alpha[r] + rs
+            m_run[r] = m_new[r]
+        for i_ in cutlass.range_constexpr(NS):
+            r_p[i_] = acc_s[i_].to(self.dtype)
+        self.rescale_o(acc_o, alpha)
+
+    @cute.jit
+    def rescale_o(self, acc_o, alpha):
+        for i_ in cutlass.range(cute.size(acc_o), unroll_full=True):
+            acc_o[i_] = acc_o[i_] * alpha[(i_ // 2) % 2]
+
+    @cute.jit
+    def row_max(self, acc_s, mx):
+        NS = cute.size(acc_s)
+        for r in cutlass.range_constexpr(2):
+            v = -Float32.inf
+            for j in cutlass.range_constexpr(NS // 4):
+                for e in cutlass.range_constexpr(2):
+                    v = cute.arch.fmax(v, acc_s[4 * j + 2 * r + e])
+            v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, 1))
+            v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, 2))
+            mx[r] = v
+
+    @cute.jit
+    def store_p(self, r_p, acc_s, tPs_own):
+        # Column pairs are adjacent in the swizzled tile: 32-bit stores; the
+        # other consumer's wgmma reads P through the async proxy.
+        cute.autovec_copy(cute.make_tensor(r_p.iterator, acc_s.layout), tPs_own)
+        cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def pv(self, mma, acc_o, tOrP, tOrV):
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(BN // 16):
+            cute.gemm(mma, acc_o, tOrP[None, None, k], tOrV[None, None, k], acc_o)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def pair0(self, cs, i, n_blocks, has1: cutlass.Constexpr):
+        """Consumer 0, pair i: S of block 2i is in acc_s (masked)."""
+        (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, acc_s, acc_o, r_p, valid, m_run, l_run, m0, m1,
+         tPs_own, tOrV_own, tOrV_oth, tOrP_oth, full, empty, idx_row, L, N, row_lo, col_lane, lane,
+         scale_log2) = cs
+        NS = cute.size(acc_s)
+        mx = cute.make_rmem_tensor((2,), Float32)
+        self.row_max(acc_s, mx)
+        for r in cutlass.range_constexpr(2):
+            mx[r] = cute.arch.fmax(mx[r], m_run[r])
+            if lane % 4 == 0:
+                m0[row_lo + 8 * r] = mx[r]
+        cute.arch.barrier_arrive(barrier_id=Barrier.MAX0, number_of_threads=PAIR_THREADS)
+        self.softmax(cs, mx)
+        self.pv(pv_mma, acc_o, r_p, tOrV_own)
+        warpgroup.wait_group(0)
+        if const_expr(has1):
+            cute.arch.mbarrier_arrive(empty + 0)  # stage 0's L: no one reads it again this pair
+            # the pair's maxima from consumer 1; P0 rescaled to them
+            cute.arch.barrier(barrier_id=Barrier.MAX1, number_of_threads=PAIR_THREADS)
+            sc = cute.make_rmem_tensor((2,), Float32)
+            for r in cutlass.range_constexpr(2):
+                mp = m1[row_lo + 8 * r]
+                sc[r] = cute.math.exp2(m_run[r] - _shift(mp), fastmath=True)
+                m_run[r] = mp
+                l_run[r] = l_run[r] * sc[r]
+            for i_ in cutlass.range_constexpr(NS):
+                r_p[i_] = (acc_s[i_] * sc[(i_ // 2) % 2]).to(self.dtype)
+            self.store_p(r_p, acc_s, tPs_own)
+            cute.arch.barrier_arrive(barrier_id=Barrier.P0, number_of_threads=PAIR_THREADS)
+            self.rescale_o(acc_o, sc)
+            cute.arch.barrier(barrier_id=Barrier.P1, number_of_threads=PAIR_THREADS)
+            self.pv(pv_mma_ss, acc_o, tOrP_oth, tOrV_oth)
+            if 2 * i + 2 < n_blocks:
+                self.qk(cs, 0, i + 1, True)  # releases stage 1's L once P1 V1 retires
+            else:
+                warpgroup.wait_group(0)
+        else:
+            # the last block, alone: its maxima are final, consumer 1 only needs P0
+            self.store_p(r_p, acc_s, tPs_own)
+            cute.arch.barrier_arrive(barrier_id=Barrier.P0, number_of_threads=PAIR_THREADS)
+
+    @cute.jit
+    def pair1(self, cs, i, has1: cutlass.Constexpr):
+        """Consumer 1, pair i: S of block 2i + 1 when has1, then O over both."""
+        (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, acc_s, acc_o, r_p, valid, m_run, l_run, m0, m1,
+         tPs_own, tOrV_own, tOrV_oth, tOrP_oth, full, empty, idx_row, L, N, row_lo, col_lane, lane,
+         scale_log2) = cs
+        mx = cute.make_rmem_tensor((2,), Float32)
+        if const_expr(has1):
+            self.qk(cs, 1, i, False)
+            self.row_max(acc_s, mx)
+        else:
+            mx.fill(-Float32.inf)
+        cute.arch.barrier(barrier_id=Barrier.MAX0, number_of_threads=PAIR_THREADS)
+        for r in cutlass.range_constexpr(2):
+            # consumer 0's maxima already hold every earlier block's
+            mx[r] = cute.arch.fmax(mx[r], m0[row_lo + 8 * r])
+        if const_expr(has1):
+            for r in cutlass.range_constexpr(2):
+                if lane % 4 == 0:
+                    m1[row_lo + 8 * r] = mx[r]
+            cute.arch.barrier_arrive(barrier_id=Barrier.MAX1, number_of_threads=PAIR_THREADS)
+            self.softmax(cs, mx)
+            self.pv(pv_mma, acc_o, r_p, tOrV_own)
+            self.store_p(r_p, acc_s, tPs_own)
+        else:
+            alpha = cute.make_rmem_tensor((2,), Float32)
+            for r in cutlass.range_constexpr(2):
+                alpha[r] = cute.math.exp2(m_run[r] - _shift(mx[r]), fastmath=True)
+                l_run[r] = l_run[r] * alpha[r]
+                m_run[r] = mx[r]
+            self.rescale_o(acc_o, alpha)
+        cute.arch.barrier(barrier_id=Barrier.P0, number_of_threads=PAIR_THREADS)
+        self.pv(pv_mma_ss, acc_o, tOrP_oth, tOrV_oth)
+        if const_expr(has1):
+            cute.arch.barrier_arrive(barrier_id=Barrier.P1, number_of_threads=PAIR_THREADS)
+            warpgroup.wait_group(1)
+            cute.arch.mbarrier_arrive(empty + 3)  # stage 1's R
+        warpgroup.wait_group(0)
+        cute.arch.mbarrier_arrive(empty + 1)      # stage 0's R (and P0 with it)
+
+
+def cpasync_op():
+    from cutlass.cute.nvgpu import cpasync
+
+    return cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL)
+
+
+@cute.jit
+def _aligned16(dtype, addr: Int64) -> cute.Pointer:
+    return cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=16)

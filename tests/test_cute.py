@@ -43,10 +43,10 @@ SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0
 
 _AOT = r"""
 import json, os, sys, torch
-from dsa.cute.sparse_attention import Config, compile_offline
+from dsa.cute.sparse_attention import compile_offline
 res = {}
-for name, dt, D, H, G, has_len, has_sink, schedule in json.loads(sys.argv[1]):
-    c = compile_offline(getattr(torch, dt), D, H, G, has_len, has_sink, config=Config(schedule=schedule))
+for name, dt, D, H, G, has_len, has_sink in json.loads(sys.argv[1]):
+    c = compile_offline(getattr(torch, dt), D, H, G, has_len, has_sink)
     ptx = c.artifacts.PTX
     if len(ptx) < 4096 and os.path.exists(ptx):  # with a dump directory: the file's path
         ptx = open(ptx).read()
@@ -57,10 +57,8 @@ print("RESULT" + json.dumps(res))
 """
 
 _CONFIGS = [
-    ("v32_bf16", "bfloat16", 576, 128, 1, True, True, "lockstep"),
-    ("v4_fp16_gqa", "float16", 512, 128, 2, False, False, "lockstep"),
-    ("v32_bf16_staggered", "bfloat16", 576, 128, 1, True, True, "staggered"),
-    ("v4_fp16_gqa_staggered", "float16", 512, 128, 2, False, False, "staggered"),
+    ("v32_bf16", "bfloat16", 576, 128, 1, True, True),
+    ("v4_fp16_gqa", "float16", 512, 128, 2, False, False),
 ]
 
 
@@ -71,7 +69,7 @@ def test_sm90_kernel_compiles_offline_with_hopper_instructions(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
-    for name, dt, D, H, G, has_len, has_sink, _ in _CONFIGS:
+    for name, dt, D, H, G, has_len, has_sink in _CONFIGS:
         r = res[name]
         # S = Q K^T: D / 16 wgmma per block; O += P V: 4 per block and stage.
         assert r["wgmma.mma_async"] >= D // 16 + 4, (name, r)
@@ -172,22 +170,12 @@ def _check(dtype, q, kv, idx, **kw):
     return out, lse
 
 
-@pytest.fixture(params=["lockstep", "staggered"])
-def schedule(request, monkeypatch):
-    """Every GPU test runs on each consumer schedule of the kernel."""
-    from dsa.cute import sparse_attention as cute_sa
-
-    monkeypatch.setattr(cute_sa, "DEFAULT", cute_sa.Config(schedule=request.param))
-    return request.param
-
-
 dtypes = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 gpu = pytest.mark.skipif(not (SM90 and HAVE_DSL), reason="needs an SM90 GPU and nvidia-cutlass-dsl")
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.usefixtures("schedule")
 @dtypes
 @pytest.mark.parametrize("H,G,D,K,T", [
     (64, 1, 512, 128, 3),      # V4-flash heads
@@ -208,7 +196,6 @@ def test_cute_matches_bruteforce(dtype, H, G, D, K, T):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.usefixtures("schedule")
 @dtypes
 def test_cute_validity_rules(dtype):
     """topk_length in every regime, indices -1 / N / far out of range,
@@ -241,7 +228,6 @@ def test_cute_validity_rules(dtype):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.usefixtures("schedule")
 @dtypes
 @pytest.mark.parametrize("value", [INF, 2.4e38, -INF])
 def test_cute_sink_extremes(dtype, value):
@@ -257,7 +243,6 @@ def test_cute_sink_extremes(dtype, value):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.usefixtures("schedule")
 @dtypes
 def test_cute_batched_layout_and_nan_propagation(dtype):
     gen = _gen(13)
@@ -274,7 +259,6 @@ def test_cute_batched_layout_and_nan_propagation(dtype):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.usefixtures("schedule")
 def test_cute_writes_every_output_element():
     """Outputs come from torch.empty; poison the allocator's free memory with
     NaN first so that an unwritten element shows."""
@@ -293,7 +277,6 @@ def test_cute_writes_every_output_element():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.usefixtures("schedule")
 def test_cute_backward_is_declined_with_reason():
     gen = _gen(19)
     q = _rand((2, 64, 512), torch.bfloat16, gen).requires_grad_(True)
@@ -306,7 +289,6 @@ def test_cute_backward_is_declined_with_reason():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.usefixtures("schedule")
 def test_cute_unserved_shape_raises_with_reason():
     gen = _gen(23)
     q, kv = _rand((2, 32, 512), torch.bfloat16, gen), _rand((64, 512), torch.bfloat16, gen)
@@ -319,7 +301,6 @@ def test_cute_unserved_shape_raises_with_reason():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.usefixtures("schedule")
 def test_auto_follows_the_placement_table(monkeypatch):
     gen = _gen(29)
     T, H, D, K, N = 64, 128, 576, 512, 1024

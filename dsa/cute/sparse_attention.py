@@ -9,7 +9,6 @@ kernel is ``sparse_attention_sm90.SparseAttnFwdSm90``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -20,31 +19,6 @@ HEADS_PER_CTA = 64
 SERVED_D = (512, 576)
 SERVED_DV = 512
 
-
-@dataclass(frozen=True)
-class Config:
-    """block_n: slots per pipeline stage, 64 (two stages) or 32 (four); see
-    sparse_attention_sm90."""
-
-    # H200, V3.2 forward: 64 -> 473 TFLOP/s, 32 -> 454 (bench/RESULTS.md, C7)
-    block_n: int = 64
-    # "lockstep" (sparse_attention_sm90) or "staggered"
-    # (sparse_attention_sm90_staggered, block_n 64 only)
-    schedule: str = "lockstep"
-
-    def build(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, has_sink: bool):
-        """The kernel object for this configuration."""
-        if self.schedule == "staggered":
-            from dsa.cute.sparse_attention_sm90_staggered import SparseAttnFwdSm90Staggered
-
-            return SparseAttnFwdSm90Staggered(dtype, D, d_v, H, G, has_len, has_sink)
-        from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
-
-        return SparseAttnFwdSm90(dtype, D, d_v, H, G, has_len, has_sink, block_n=self.block_n)
-
-
-# The configuration forward() runs when none is given.
-DEFAULT = Config()
 
 _COMPILED: Dict[tuple, object] = {}
 _ZEROS: Dict[tuple, torch.Tensor] = {}
@@ -100,14 +74,16 @@ def _zeros(a: SparseAttnArgs) -> torch.Tensor:
     return z
 
 
-def _compiled(a: SparseAttnArgs, cfg: Config, ptrs, scalars, stream):
+def _compiled(a: SparseAttnArgs, ptrs, scalars, stream):
     import cutlass.cute as cute
 
-    key = (a.q.dtype, a.D, a.d_v, a.H, a.G, a.topk_length is not None, a.sink is not None, cfg)
+    from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
+
+    key = (a.q.dtype, a.D, a.d_v, a.H, a.G, a.topk_length is not None, a.sink is not None)
     fn = _COMPILED.get(key)
     if fn is None:
-        kernel = cfg.build(_cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G,
-                           a.topk_length is not None, a.sink is not None)
+        kernel = SparseAttnFwdSm90(_cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G,
+                                   a.topk_length is not None, a.sink is not None)
         fn = _COMPILED[key] = cute.compile(kernel, *ptrs, *scalars, stream)
     return fn
 
@@ -125,9 +101,8 @@ def _ptr(t: torch.Tensor, dtype, align: int):
     return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
 
-def forward(a: SparseAttnArgs, config: Optional[Config] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def forward(a: SparseAttnArgs) -> Tuple[torch.Tensor, torch.Tensor]:
     """out [T, H, d_v] in q.dtype and lse [T, H] fp32 (sink excluded, +inf on empty rows)."""
-    cfg = config or DEFAULT
     import cuda.bindings.driver as cuda
     import cutlass
 
@@ -146,18 +121,20 @@ def forward(a: SparseAttnArgs, config: Optional[Config] = None) -> Tuple[torch.T
                cutlass.Float32(a.sm_scale * 1.4426950408889634))
     stream = cuda.CUstream(torch.cuda.current_stream(a.q.device).cuda_stream)
     with torch.cuda.device(a.q.device):
-        _compiled(a, cfg, ptrs, scalars, stream)(*ptrs, *scalars, stream)
+        _compiled(a, ptrs, scalars, stream)(*ptrs, *scalars, stream)
     return out, lse
 
 
 def compile_offline(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, has_sink: bool,
-                    keep_ptx: bool = True, config: Optional[Config] = None):
+                    keep_ptx: bool = True):
     """Compile the kernel without a GPU (``CUTE_DSL_ARCH=sm_90a``), for CI and
     inspection; returns the compiled object (its PTX is kept when asked)."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
+
+    from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
 
     dt = _cutlass_dtype(dtype)
 
@@ -167,6 +144,5 @@ def compile_offline(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, h
     ptrs = (p(dt, 16), p(dt, 16), p(cutlass.Int32, 4), p(cutlass.Int32, 4), p(cutlass.Float32, 4),
             p(dt, 16), p(cutlass.Float32, 4), p(dt, 16))
     scalars = (cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Float32(math.log2(math.e)))
-    cfg = config or Config()
-    kernel = cfg.build(dt, D, SERVED_DV, H, G, has_len, has_sink)
+    kernel = SparseAttnFwdSm90(dt, D, SERVED_DV, H, G, has_len, has_sink)
     return cute.compile(kernel, *ptrs, *scalars, cuda.CUstream(0), options="--keep-ptx" if keep_ptx else "")

@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python bench/place_cute.py --out DIR [--commit SHA]
 
-1. Training grid (``TRAIN``): every shape is timed on both backends; each
+1. Training grid (``TRAIN``, 120 shapes): every shape is timed on both backends; each
    becomes one table entry naming the faster one.
 2. Holdout grid (``HOLDOUT``): a fixed list written down before any timing
    (shapes off the training grid: other K, T, N, sink and topk_length), timed
@@ -45,8 +45,8 @@ from dsa.triton import sparse_attention as triton_sa
 TRAIN = [
     (dt, D, HG, K, T, 8192, False, False)
     for dt, D, HG, K, T in itertools.product(
-        ("bfloat16", "float16"), (512, 576), (64, 128), (128, 512, 2048), (16, 128, 1024, 8192))
-]
+        ("bfloat16", "float16"), (512, 576), (64, 128), (128, 512, 2048), (16, 128, 256, 1024, 8192))
+]  # T = 256: the first T whose grid needs more than one wave of CTAs on 132 SMs
 
 # Frozen before timing: off-grid K, T and N, with sinks and half-valid rows.
 HOLDOUT = [

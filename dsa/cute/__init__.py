@@ -7,8 +7,9 @@ cute forward included: train with ``backend="auto"`` or ``"triton"``).
 
 Under ``backend="auto"`` a call the kernel can serve goes to cute only where
 the measured placement table (``dsa.cute.placement``) says cute is faster;
-``explain()`` names the table entry that decided.  Without a table (none
-ships while no study has passed its holdout check) auto keeps Triton.
+``explain()`` names the table entry that decided.  Without a table for the
+GPU (``bench/place_cute.py`` writes one only when it passes its holdout
+check) auto keeps Triton.
 """
 
 from __future__ import annotations

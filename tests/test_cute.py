@@ -52,7 +52,7 @@ for name, dt, D, H, G, has_len, has_sink in json.loads(sys.argv[1]):
         ptx = open(ptx).read()
     res[name] = {k: ptx.count(k) for k in (
         "wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc",
-        "setmaxnreg.inc", "setmaxnreg.dec", "mbarrier.try_wait")}
+        "setmaxnreg.inc", "setmaxnreg.dec", "mbarrier.try_wait", "mbarrier.arrive.shared", "bar.arrive")}
 print("RESULT" + json.dumps(res))
 """
 
@@ -74,7 +74,10 @@ def test_sm90_kernel_compiles_offline_with_hopper_instructions(tmp_path):
         # S = Q K^T: D / 16 wgmma per block; O += P V: 4 per block and stage.
         assert r["wgmma.mma_async"] >= D // 16 + 4, (name, r)
         assert r["cp.async.cg.shared.global"] >= D // 64 * 4, (name, r)  # the gather
-        assert r["cp.async.mbarrier.arrive.noinc"] >= 2, (name, r)       # Q + kv stages
+        # Q, then each of the four half stages (L and R of two stages) signalled on its own
+        assert r["cp.async.mbarrier.arrive.noinc"] >= 5, (name, r)
+        assert r["mbarrier.arrive.shared"] >= 4, (name, r)  # the consumers free each half
+        assert r["bar.arrive"] >= 4, (name, r)  # the staggered hand-offs: maxima and P, both ways
         assert r["setmaxnreg.inc"] >= 1 and r["setmaxnreg.dec"] >= 1, (name, r)
         assert r["mbarrier.try_wait"] >= 2, (name, r)
 

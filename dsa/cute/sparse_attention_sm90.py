@@ -81,8 +81,9 @@ class SparseAttnFwdSm90:
     """Host-side builder of the kernel for one static configuration."""
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, has_sink: bool):
-        if D % 64 or D < 512 or d_v != 512 or (H // G) % BLOCK_H:
-            raise ValueError("SparseAttnFwdSm90 needs D % 64 == 0, D >= 512, d_v == 512, (H / G) % 64 == 0")
+        # shared memory holds Q and two 64-slot stages up to D = 576
+        if D not in (512, 576) or d_v != 512 or (H // G) % BLOCK_H:
+            raise ValueError("SparseAttnFwdSm90 needs D in (512, 576), d_v == 512, (H / G) % 64 == 0")
         self.dtype = dtype
         self.D, self.d_v, self.H, self.G = D, d_v, H, G
         self.HG = H // G
@@ -206,7 +207,7 @@ class SparseAttnFwdSm90:
     @cute.jit
     def producer(self, tidx, sQ, sK, q_full, full, empty, q_ptr, kv_ptr, idx_row, zero_ptr,
                  t, g, head0, L, N, n_blocks):
-        D, G = self.D, self.G
+        D = self.D
         ES = self.dtype.width // 8
         # 8 threads per row, 16 B each per copy: each row's 128-byte segments
         # go out as full sectors; 16 rows per pass.

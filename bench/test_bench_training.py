@@ -207,7 +207,9 @@ def main(argv: List[str]) -> None:
     configs = [orig[128]]
     if sweep:
         C = training.Config
-        configs += [C(64, 64, 4, 4), C(32, 64, 4, 3), C(64, 64, 4, 2), C(64, 64, 8, 3)]
+        configs += [C(64, 64, 4, 4), C(32, 64, 4, 3), C(64, 64, 4, 2), C(64, 64, 8, 3),
+                    # Q loaded once per row (not yet timed)
+                    C(64, 64, 8, 2, q_resident=True), C(32, 64, 8, 3, q_resident=True)]
     with torch.no_grad():
         ref = target_call(s, "triton")()
         for cfg in configs:

@@ -214,6 +214,21 @@ def on(case, *xs):
 # attention target
 
 
+@pytest.fixture(params=[False, True], ids=["q-streamed", "q-resident"])
+def target_q(request, case, monkeypatch):
+    """The Triton target kernel both ways: Q re-read per slot block (the
+    default) and Q loaded once (``Config.q_resident``)."""
+    if request.param:
+        if case.backend != "triton":
+            pytest.skip("a Triton kernel option")
+        from dsa.triton import training as tt
+
+        monkeypatch.setattr(tt, "TARGET_CONFIGS", {
+            m: tt.Config(c.BK, c.BD, 8, c.num_stages, q_resident=True) for m, c in tt.TARGET_CONFIGS.items()})
+    return request.param
+
+
+@pytest.mark.usefixtures("target_q")
 @pytest.mark.parametrize("layout", ["packed", "gqa", "batched"])
 def test_attention_target(case, call, layout):
     g = gen(1)
@@ -248,6 +263,19 @@ def test_attention_target(case, call, layout):
     nonempty = exp.reshape(-1, K).sum(-1) > 0
     assert torch.allclose(sums[nonempty], torch.ones_like(sums[nonempty]), atol=1e-2)
     assert torch.all(sums[~nonempty] == 0)
+
+
+@pytest.mark.usefixtures("target_q")
+def test_attention_target_several_head_dim_chunks(case, call):
+    """D = 144: the kernel reduces D in chunks of 64, the last one partial."""
+    g = gen(11)
+    T, H, D, N, K = 3, 4, 144, 9, 12
+    q, kv = rand((T, H, D), case, g), rand((N, D), case, g)
+    idx, tl = on(case, slot_indices((T, K), N, g), lengths(T, K))
+    _, lse = dsa.sparse_attention(q, kv, idx, sm_scale=0.1, topk_length=tl, return_lse=True, backend="reference")
+    got = call(dsa.attention_target, q, kv, idx, lse, sm_scale=0.1, topk_length=tl, backend=case.backend)
+    exp = bf_target(q, kv.reshape(N, 1, D), idx.cpu().reshape(T, 1, K), lse, tl.cpu(), 0.1).view(got.shape)
+    rel_close(got, exp, TOL[case.dtype], "target")
 
 
 def test_attention_target_sink_and_d_v_change_nothing(fast_case, call):
@@ -396,6 +424,7 @@ def _dense_kwargs(case, spec, cu_q, cu_k, off):
     return kw
 
 
+@pytest.mark.usefixtures("target_q")
 @pytest.mark.parametrize("name", list(DENSE_CASES))
 def test_dense_attention_target(case, call, name):
     spec = DENSE_CASES[name]
@@ -726,6 +755,15 @@ def test_gpu_bf16_model_shapes():
     a = dsa.attention_target(q, kv, idx, lse, topk_length=tl, backend="triton")
     b = dsa.attention_target(q, kv, idx, lse, topk_length=tl, backend="reference")
     rel_close(a, b, 2e-2, "target")
+    from dsa.triton import training as tt
+
+    default = dict(tt.TARGET_CONFIGS)
+    try:  # the kernel with Q held across slot blocks (Config.q_resident)
+        tt.TARGET_CONFIGS.update({m: tt.Config(c.BK, c.BD, 8, c.num_stages, q_resident=True)
+                                  for m, c in default.items()})
+        rel_close(dsa.attention_target(q, kv, idx, lse, topk_length=tl, backend="triton"), b, 2e-2, "target")
+    finally:
+        tt.TARGET_CONFIGS.update(default)
     Hi, Di = 64, 128
     qi = torch.randn(T, Hi, Di, device=dev, dtype=bf16, generator=g)
     ki = torch.randn(N, Di, device=dev, dtype=bf16, generator=g)

@@ -78,6 +78,7 @@ def _target_kernel(
     IMPLICIT: tl.constexpr,
     LSE_PASS: tl.constexpr,
     PREC: tl.constexpr,
+    Q_RESIDENT: tl.constexpr = False,  # Q's D chunks loaded once, held in registers
 ):
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
@@ -98,6 +99,14 @@ def _target_kernel(
     else:
         # padded heads read +inf: exp2(s - inf) = 0
         b_lse = tl.load(p_lse, mask=m_m, other=float("inf")) * 1.4426950408889634
+    NCH: tl.constexpr = (D + BD - 1) // BD
+    if Q_RESIDENT:
+        # Q read once, not once per slot block: the L2 traffic of a block is
+        # then its kv rows only
+        qs = ()
+        for c in tl.static_range(NCH):
+            o_d = c * BD + o_bd
+            qs = qs + (tl.load(p_q + o_d[None, :], mask=m_m[:, None] & (o_d < D)[None, :], other=0.0),)
     for k0 in range(0, length, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < length
@@ -110,14 +119,21 @@ def _target_kernel(
             rows = idx.to(tl.int64)
         p_kv = KV + (rows * G + g) * D  # [BK]
         b_s = tl.zeros([BM, BK], tl.float32)
-        # the D reduction as a dynamic loop: its loads are software-pipelined
-        for d0 in range(0, D, BD):
-            o_d = d0 + o_bd
-            m_d = o_d < D
-            b_q = tl.load(p_q + o_d[None, :], mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BM, BD]
-            # K^T loaded as [BD, BK] (not a transposed [BK, BD]) so the pipeliner feeds the MMA directly
-            b_kt = tl.load(p_kv[None, :] + o_d[:, None], mask=m_d[:, None] & valid[None, :], other=0.0)
-            b_s = tl.dot(b_q, b_kt, b_s, input_precision=PREC)  # [BM, BK]
+        if Q_RESIDENT:
+            for c in tl.static_range(NCH):
+                o_d = c * BD + o_bd
+                m_d = o_d < D
+                b_kt = tl.load(p_kv[None, :] + o_d[:, None], mask=m_d[:, None] & valid[None, :], other=0.0)
+                b_s = tl.dot(qs[c], b_kt, b_s, input_precision=PREC)  # [BM, BK]
+        else:
+            # the D reduction as a dynamic loop: its loads are software-pipelined
+            for d0 in range(0, D, BD):
+                o_d = d0 + o_bd
+                m_d = o_d < D
+                b_q = tl.load(p_q + o_d[None, :], mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BM, BD]
+                # K^T loaded as [BD, BK] (not a transposed [BK, BD]) so the pipeliner feeds the MMA directly
+                b_kt = tl.load(p_kv[None, :] + o_d[:, None], mask=m_d[:, None] & valid[None, :], other=0.0)
+                b_s = tl.dot(b_q, b_kt, b_s, input_precision=PREC)  # [BM, BK]
         b_s = b_s * qk_scale
         if LSE_PASS:
             b_s = tl.where(valid[None, :], b_s, float("-inf"))
@@ -222,6 +238,7 @@ class Config:
     BD: int  # head-dim chunk
     num_warps: int
     num_stages: int
+    q_resident: bool = False  # attention target: Q held in registers across slot blocks
 
 
 # attention target, by query heads per program (MMA rows); BD 64 divides 576 and 512.
@@ -229,6 +246,9 @@ class Config:
 # (BK, BD, warps, stages) = (64,64,4,3) 3.40 ms (364 TFLOP/s); (64,64,8,3) 3.72; (128,32,8,4) 3.88;
 # (64,64,8,2) 4.30; (128,64,8,2) 5.25; (64,32,4,4) 5.66; second run (64,64,4,3) 3.48, (64,64,4,4) 3.53,
 # (64,64,4,2) 3.98, (32,64,4,3) 8.96. The 64- and 32-head rows are not measured.
+# Offline (sm_90a) the default takes 255 registers and spills 1400 B; each slot block re-reads
+# Q (144 KB at H=128, D=576) besides its 72 KB of kv rows. q_resident=True loads Q once into
+# shared memory (8 warps, BK 64: 139 registers, no spills, 152 KB): not yet timed.
 TARGET_CONFIGS = {
     128: Config(BK=64, BD=64, num_warps=4, num_stages=3),
     64: Config(BK=64, BD=64, num_warps=4, num_stages=3),
@@ -251,7 +271,7 @@ def _prec(dtype: torch.dtype) -> str:
 
 def target_config(M: int, D: int, K: int) -> Config:
     cfg = TARGET_CONFIGS[128 if M > 64 else (64 if M > 32 else 0)]
-    return Config(min(cfg.BK, _pow2(K)), min(cfg.BD, _pow2(D)), cfg.num_warps, cfg.num_stages)
+    return Config(min(cfg.BK, _pow2(K)), min(cfg.BD, _pow2(D)), cfg.num_warps, cfg.num_stages, cfg.q_resident)
 
 
 def indexer_fwd_config(D: int, K: int) -> Config:
@@ -306,7 +326,7 @@ def _launch_target(q, kv, idx, length, base, lse, out, sm_scale, N, K, G, *, has
     _target_kernel[(T, G)](
         q, kv, idx, length, base, lse, out, sm_scale, N, K,
         H=H, G=G, M=M, BM=_pow2(M), D=D, BD=cfg.BD, BK=cfg.BK,
-        HAS_LEN=has_len, IMPLICIT=implicit, LSE_PASS=lse_pass, PREC=_prec(q.dtype),
+        HAS_LEN=has_len, IMPLICIT=implicit, LSE_PASS=lse_pass, PREC=_prec(q.dtype), Q_RESIDENT=cfg.q_resident,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

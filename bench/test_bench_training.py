@@ -228,7 +228,9 @@ def main(argv: List[str]) -> None:
     fwd_cfgs = [training.INDEXER_FWD_CONFIG]
     bwd_cfgs = [indexer_bwd.BWD_CONFIG]
     if sweep:
-        fwd_cfgs += [training.Config(32, 0, 4, 3), training.Config(16, 0, 4, 4), training.Config(32, 0, 4, 5)]
+        fwd_cfgs += [training.Config(32, 0, 4, 3), training.Config(16, 0, 4, 4), training.Config(32, 0, 4, 5),
+                     # slots as the MMA's rows (not yet timed)
+                     training.Config(64, 0, 4, 4, keys_as_rows=True), training.Config(64, 0, 4, 3, keys_as_rows=True)]
         bwd_cfgs += [indexer_bwd.Config(32, 4, 3), indexer_bwd.Config(16, 4, 2), indexer_bwd.Config(32, 4, 1)]
     import dsa
 

@@ -315,6 +315,21 @@ def layout_inputs(case, g, layout, T=8, H=3, D=16, N=19, K=20):
     return (q, k, w, idx, tl), packed
 
 
+@pytest.fixture(params=[False, True], ids=["heads-as-rows", "keys-as-rows"])
+def indexer_rows(request, case, monkeypatch):
+    """The Triton sparse-indexer forward both ways: query heads as the MMA's
+    rows (the default) and slots as its rows (``Config.keys_as_rows``)."""
+    if request.param:
+        if case.backend != "triton":
+            pytest.skip("a Triton kernel option")
+        from dsa.triton import training as tt
+
+        c = tt.INDEXER_FWD_CONFIG
+        monkeypatch.setattr(tt, "INDEXER_FWD_CONFIG", tt.Config(64, c.BD, c.num_warps, c.num_stages, keys_as_rows=True))
+    return request.param
+
+
+@pytest.mark.usefixtures("indexer_rows")
 @pytest.mark.parametrize("layout", ["packed", "batched"])
 def test_sparse_indexer_scores(case, call, layout):
     g = gen(3)
@@ -355,6 +370,7 @@ def test_sparse_indexer_int64_indices(fast_case, call):
 # KL loss
 
 
+@pytest.mark.usefixtures("indexer_rows")
 @pytest.mark.parametrize("layout", ["packed", "batched"])
 def test_indexer_kl_loss(case, call, layout):
     g = gen(5)

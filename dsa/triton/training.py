@@ -78,7 +78,7 @@ def _target_kernel(
     IMPLICIT: tl.constexpr,
     LSE_PASS: tl.constexpr,
     PREC: tl.constexpr,
-    Q_RESIDENT: tl.constexpr = False,  # Q's D chunks loaded once, held in registers
+    Q_RESIDENT: tl.constexpr = False,  # Q's D chunks loaded once and kept on chip
 ):
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
@@ -172,6 +172,7 @@ def _sparse_indexer_fwd_kernel(
     HAS_LEN: tl.constexpr,
     KL: tl.constexpr,
     PREC: tl.constexpr,
+    KEYS_AS_ROWS: tl.constexpr = False,  # S^T = K Q^T: the head sum runs along the MMA's columns
 ):
     t = tl.program_id(0).to(tl.int64)
     o_h = tl.arange(0, BH)
@@ -195,11 +196,20 @@ def _sparse_indexer_fwd_kernel(
         m_k = o_k < length
         idx = tl.load(IDX + t * K + o_k, mask=m_k, other=-1)
         valid = m_k & (idx >= 0) & (idx < N)
-        b_kt = tl.load(
-            Kp + idx.to(tl.int64)[None, :] * D + o_d[:, None], mask=m_d[:, None] & valid[None, :], other=0.0
-        )  # [BD, BK]: K^T as the MMA's B operand, loaded in that shape so it is pipelined
-        b_s = tl.dot(b_q, b_kt, input_precision=PREC)  # [BH, BK]
-        b_lg = tl.sum(tl.maximum(b_s, 0.0) * b_w[:, None], 0)  # [BK]
+        if KEYS_AS_ROWS:
+            # keys on the MMA's rows: each thread sums its own columns (heads),
+            # then across the 4 threads of a row, instead of across warps
+            b_k = tl.load(
+                Kp + idx.to(tl.int64)[:, None] * D + o_d[None, :], mask=valid[:, None] & m_d[None, :], other=0.0
+            )  # [BK, BD]
+            b_st = tl.dot(b_k, tl.trans(b_q), input_precision=PREC)  # [BK, BH]
+            b_lg = tl.sum(tl.maximum(b_st, 0.0) * b_w[None, :], 1)  # [BK]
+        else:
+            b_kt = tl.load(
+                Kp + idx.to(tl.int64)[None, :] * D + o_d[:, None], mask=m_d[:, None] & valid[None, :], other=0.0
+            )  # [BD, BK]: K^T as the MMA's B operand, loaded in that shape so it is pipelined
+            b_s = tl.dot(b_q, b_kt, input_precision=PREC)  # [BH, BK]
+            b_lg = tl.sum(tl.maximum(b_s, 0.0) * b_w[:, None], 0)  # [BK]
         b_lg = tl.where(valid, b_lg, float("-inf"))
         if KL:
             b_t = tl.load(TGT + t * K + o_k, mask=valid, other=0.0)
@@ -238,7 +248,8 @@ class Config:
     BD: int  # head-dim chunk
     num_warps: int
     num_stages: int
-    q_resident: bool = False  # attention target: Q held in registers across slot blocks
+    q_resident: bool = False  # attention target: Q held across slot blocks
+    keys_as_rows: bool = False  # sparse indexer forward: slots as the MMA's rows
 
 
 # attention target, by query heads per program (MMA rows); BD 64 divides 576 and 512.
@@ -257,6 +268,7 @@ TARGET_CONFIGS = {
 # sparse indexer / KL forward, whole D_i row per tile. H200 bf16, T=4096, H_i=64, D_i=128, K=2048:
 # (BK, warps, stages) = (32,4,4) 0.97 ms; (32,4,3) 0.97; (32,4,5) 0.99; (64,4,3) 1.09; (16,4,4) 1.30;
 # (64,8,3) 1.62; (128,8,3) 1.92.
+# keys_as_rows=True (BK 64, 4 warps, 4 stages; offline sm_90a: 128 registers, no spills) is not yet timed.
 INDEXER_FWD_CONFIG = Config(BK=32, BD=0, num_warps=4, num_stages=4)
 
 
@@ -276,7 +288,7 @@ def target_config(M: int, D: int, K: int) -> Config:
 
 def indexer_fwd_config(D: int, K: int) -> Config:
     c = INDEXER_FWD_CONFIG
-    return Config(min(c.BK, _pow2(K)), _pow2(D), c.num_warps, c.num_stages)
+    return Config(min(c.BK, _pow2(K)), _pow2(D), c.num_warps, c.num_stages, keys_as_rows=c.keys_as_rows)
 
 
 # --------------------------------------------------------------------------
@@ -363,7 +375,7 @@ def _launch_indexer_fwd(a: SparseIndexerArgs, target, out, stats, *, kl: bool) -
     _sparse_indexer_fwd_kernel[(a.T,)](
         a.q, a.k, a.weights, a.indices, length, target, out, stats, a.sm_scale, a.N, a.K,
         H=a.H, BH=_pow2(a.H), D=a.D, BD=cfg.BD, BK=cfg.BK,
-        HAS_LEN=a.topk_length is not None, KL=kl, PREC=_prec(a.q.dtype),
+        HAS_LEN=a.topk_length is not None, KL=kl, PREC=_prec(a.q.dtype), KEYS_AS_ROWS=cfg.keys_as_rows,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -214,6 +214,13 @@ def on(case, *xs):
 # attention target
 
 
+def q_resident_configs():
+    """The Triton target kernel's configs with Q held across slot blocks."""
+    from dsa.triton import training as tt
+
+    return {m: tt.Config(c.BK, c.BD, 8, c.num_stages, q_resident=True) for m, c in tt.TARGET_CONFIGS.items()}
+
+
 @pytest.fixture(params=[False, True], ids=["q-streamed", "q-resident"])
 def target_q(request, case, monkeypatch):
     """The Triton target kernel both ways: Q re-read per slot block (the
@@ -223,8 +230,7 @@ def target_q(request, case, monkeypatch):
             pytest.skip("a Triton kernel option")
         from dsa.triton import training as tt
 
-        monkeypatch.setattr(tt, "TARGET_CONFIGS", {
-            m: tt.Config(c.BK, c.BD, 8, c.num_stages, q_resident=True) for m, c in tt.TARGET_CONFIGS.items()})
+        monkeypatch.setattr(tt, "TARGET_CONFIGS", q_resident_configs())
     return request.param
 
 
@@ -775,8 +781,7 @@ def test_gpu_bf16_model_shapes():
 
     default = dict(tt.TARGET_CONFIGS)
     try:  # the kernel with Q held across slot blocks (Config.q_resident)
-        tt.TARGET_CONFIGS.update({m: tt.Config(c.BK, c.BD, 8, c.num_stages, q_resident=True)
-                                  for m, c in default.items()})
+        tt.TARGET_CONFIGS.update(q_resident_configs())
         rel_close(dsa.attention_target(q, kv, idx, lse, topk_length=tl, backend="triton"), b, 2e-2, "target")
     finally:
         tt.TARGET_CONFIGS.update(default)

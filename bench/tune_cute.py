@@ -79,21 +79,26 @@ def main():
         rows = torch.linspace(0, a.T - 1, 6).long().tolist()
         eo, el = exact_rows(a, rows)
         tout, tlse = triton_sa.forward(a)
-        t0 = time.time()
-        torch.cuda.synchronize()
-        junk = torch.full((a.T, a.H, a.d_v), float("nan"), dtype=a.q.dtype, device="cuda")
-        del junk
-        out, lse = cute_sa.forward(a)
-        torch.cuda.synchronize()
-        first = time.time() - t0
-        e_out, _ = rel(out[rows], eo)
-        e_lse, inf_ok = rel(lse[rows], el)
-        d_tr = rel(out, tout)[0]
-        nan = bool(out.isnan().any() or lse.isnan().any())
-        print(f"{name}: first call (compile+run) {first:.1f}s; cute vs fp64 rows: out {e_out:.2e} lse {e_lse:.2e} "
-              f"inf-pattern {'ok' if inf_ok else 'DIFFERS'}; cute vs triton out {d_tr:.2e}; NaN {nan}", flush=True)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        configs = (("cute", cute_sa.Config()), ("cute-persistent", cute_sa.Config(ctas=sms)))
+        for cname, cfg in configs:
+            t0 = time.time()
+            torch.cuda.synchronize()
+            junk = torch.full((a.T, a.H, a.d_v), float("nan"), dtype=a.q.dtype, device="cuda")
+            del junk
+            out, lse = cute_sa.forward(a, cfg)
+            torch.cuda.synchronize()
+            first = time.time() - t0
+            e_out, _ = rel(out[rows], eo)
+            e_lse, inf_ok = rel(lse[rows], el)
+            d_tr = rel(out, tout)[0]
+            nan = bool(out.isnan().any() or lse.isnan().any())
+            print(f"{name} {cname}: first call (compile+run) {first:.1f}s; vs fp64 rows: out {e_out:.2e} "
+                  f"lse {e_lse:.2e} inf-pattern {'ok' if inf_ok else 'DIFFERS'}; vs triton out {d_tr:.2e}; "
+                  f"NaN {nan}", flush=True)
         res = {}
-        variants = (("cute", cute_sa.forward), ("triton", triton_sa.forward))
+        variants = [(cname, lambda x, c=cfg: cute_sa.forward(x, c)) for cname, cfg in configs]
+        variants.append(("triton", triton_sa.forward))
         for backend, fn in variants:
             inputs = [make(name, seed=s)[0] for s in range(1 if args.quick else 3)]
             it = iter(range(10**9))

@@ -173,12 +173,24 @@ def _check(dtype, q, kv, idx, **kw):
     return out, lse
 
 
+@pytest.fixture(params=[None, 1, 3], ids=["cta-per-tile", "persistent-1", "persistent-3"])
+def grid(request, monkeypatch):
+    """Every GPU test runs with one CTA per tile and on persistent grids of 1
+    and 3 CTAs (every tile of a call in one CTA; tiles of different lengths
+    in turn)."""
+    from dsa.cute import sparse_attention as cute_sa
+
+    monkeypatch.setattr(cute_sa, "DEFAULT", cute_sa.Config(ctas=request.param))
+    return request.param
+
+
 dtypes = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 gpu = pytest.mark.skipif(not (SM90 and HAVE_DSL), reason="needs an SM90 GPU and nvidia-cutlass-dsl")
 
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.usefixtures("grid")
 @dtypes
 @pytest.mark.parametrize("H,G,D,K,T", [
     (64, 1, 512, 128, 3),      # V4-flash heads
@@ -199,6 +211,7 @@ def test_cute_matches_bruteforce(dtype, H, G, D, K, T):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.usefixtures("grid")
 @dtypes
 def test_cute_validity_rules(dtype):
     """topk_length in every regime, indices -1 / N / far out of range,
@@ -231,6 +244,7 @@ def test_cute_validity_rules(dtype):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.usefixtures("grid")
 @dtypes
 @pytest.mark.parametrize("value", [INF, 2.4e38, -INF])
 def test_cute_sink_extremes(dtype, value):
@@ -246,6 +260,7 @@ def test_cute_sink_extremes(dtype, value):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.usefixtures("grid")
 @dtypes
 def test_cute_batched_layout_and_nan_propagation(dtype):
     gen = _gen(13)
@@ -262,6 +277,7 @@ def test_cute_batched_layout_and_nan_propagation(dtype):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.usefixtures("grid")
 def test_cute_writes_every_output_element():
     """Outputs come from torch.empty; poison the allocator's free memory with
     NaN first so that an unwritten element shows."""
@@ -280,6 +296,7 @@ def test_cute_writes_every_output_element():
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.usefixtures("grid")
 def test_cute_backward_is_declined_with_reason():
     gen = _gen(19)
     q = _rand((2, 64, 512), torch.bfloat16, gen).requires_grad_(True)
@@ -292,6 +309,7 @@ def test_cute_backward_is_declined_with_reason():
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.usefixtures("grid")
 def test_cute_unserved_shape_raises_with_reason():
     gen = _gen(23)
     q, kv = _rand((2, 32, 512), torch.bfloat16, gen), _rand((64, 512), torch.bfloat16, gen)
@@ -304,6 +322,7 @@ def test_cute_unserved_shape_raises_with_reason():
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.usefixtures("grid")
 def test_auto_follows_the_placement_table(monkeypatch):
     gen = _gen(29)
     T, H, D, K, N = 64, 128, 576, 512, 1024

@@ -9,6 +9,7 @@ kernel is ``sparse_attention_sm90.SparseAttnFwdSm90``.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -19,6 +20,21 @@ HEADS_PER_CTA = 64
 SERVED_D = (512, 576)
 SERVED_DV = 512
 
+
+@dataclass(frozen=True)
+class Config:
+    """ctas: None gives one CTA per tile (token, kv head, 64 query heads);
+    a number n gives a persistent grid of min(n, tiles) CTAs, each running
+    the tiles c, c + n, ... in turn, so that a tile's first gathers and Q
+    overlap the previous tile's final pair and epilogue (n = the SM count is
+    the intended use; tests take small n to run many tiles a CTA). The same
+    compiled kernel serves both. The persistent grid is not yet timed."""
+
+    ctas: Optional[int] = None
+
+
+# The configuration forward() runs when none is given.
+DEFAULT = Config()
 
 _COMPILED: Dict[tuple, object] = {}
 _ZEROS: Dict[tuple, torch.Tensor] = {}
@@ -101,8 +117,9 @@ def _ptr(t: torch.Tensor, dtype, align: int):
     return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
 
-def forward(a: SparseAttnArgs) -> Tuple[torch.Tensor, torch.Tensor]:
+def forward(a: SparseAttnArgs, config: Optional[Config] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """out [T, H, d_v] in q.dtype and lse [T, H] fp32 (sink excluded, +inf on empty rows)."""
+    cfg = config or DEFAULT
     import cuda.bindings.driver as cuda
     import cutlass
 
@@ -117,8 +134,9 @@ def forward(a: SparseAttnArgs) -> Tuple[torch.Tensor, torch.Tensor]:
         _ptr(length, cutlass.Int32, 4), _ptr(sink, cutlass.Float32, 4), _ptr(out, dt, 16),
         _ptr(lse, cutlass.Float32, 4), _ptr(_zeros(a), dt, 16),
     )
+    n_cta = 2**31 - 1 if cfg.ctas is None else cfg.ctas
     scalars = (cutlass.Int32(a.T), cutlass.Int32(a.N), cutlass.Int32(a.K),
-               cutlass.Float32(a.sm_scale * 1.4426950408889634))
+               cutlass.Float32(a.sm_scale * 1.4426950408889634), cutlass.Int32(n_cta))
     stream = cuda.CUstream(torch.cuda.current_stream(a.q.device).cuda_stream)
     with torch.cuda.device(a.q.device):
         _compiled(a, ptrs, scalars, stream)(*ptrs, *scalars, stream)
@@ -143,6 +161,7 @@ def compile_offline(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, h
 
     ptrs = (p(dt, 16), p(dt, 16), p(cutlass.Int32, 4), p(cutlass.Int32, 4), p(cutlass.Float32, 4),
             p(dt, 16), p(cutlass.Float32, 4), p(dt, 16))
-    scalars = (cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Float32(math.log2(math.e)))
+    scalars = (cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Float32(math.log2(math.e)),
+               cutlass.Int32(132))
     kernel = SparseAttnFwdSm90(dt, D, SERVED_DV, H, G, has_len, has_sink)
     return cute.compile(kernel, *ptrs, *scalars, cuda.CUstream(0), options="--keep-ptx" if keep_ptx else "")

@@ -96,7 +96,7 @@ class SparseAttnFwdSm90:
         self,
         q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, len_ptr: cute.Pointer,
         sink_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer, zero_ptr: cute.Pointer,
-        T: Int32, N: Int32, K: Int32, scale_log2: Float32, stream,
+        T: Int32, N: Int32, K: Int32, scale_log2: Float32, n_cta: Int32, stream,
     ):
         dt = self.dtype
         K_ = warpgroup.OperandMajorMode.K
@@ -128,21 +128,28 @@ class SparseAttnFwdSm90:
         @cute.struct
         class Smem:
             q_full: cute.struct.MemRange[Int64, 1]
+            q_empty: cute.struct.MemRange[Int64, 1]
             full: cute.struct.MemRange[Int64, 4]   # stage s, half h at 2 s + h (L = 0, R = 1)
             empty: cute.struct.MemRange[Int64, 4]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sq_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sk_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[dt, p_elems], 1024]
             sM: cute.struct.MemRange[Float32, 2 * BLOCK_H]
-            sL: cute.struct.MemRange[Float32, 2 * BLOCK_H]
+            sL: cute.struct.MemRange[Float32, 4 * BLOCK_H]  # row sums, by row parity and consumer
 
         self.smem = Smem
-        grid_x = T * self.G * (self.HG // BLOCK_H)
+        # Tiles (token, kv head, head block), head blocks fastest: the tiles
+        # of one (token, kv head) run side by side, so the second one's
+        # gathers hit the rows the first just pulled into L2.  CTA c runs the
+        # tiles c, c + n_cta, ...: n_cta = the tile count gives one tile a
+        # CTA, the SM count a persistent grid.
+        n_tiles = T * self.G * (self.HG // BLOCK_H)
         self.kernel(
             qk_mma, pv_mma, pv_mma_ss, sq_layout, sk_layout, sv_layout, sp_layout,
             q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr, zero_ptr,
-            N, K, scale_log2,
-        ).launch(grid=[grid_x, 1, 1], block=[THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
+            N, K, n_tiles, scale_log2,
+        ).launch(grid=[cutlass.min(n_cta, n_tiles), 1, 1], block=[THREADS, 1, 1], stream=stream,
+                 min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device
     @cute.kernel
@@ -152,115 +159,152 @@ class SparseAttnFwdSm90:
         sp_layout: cute.ComposedLayout,
         q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, len_ptr: cute.Pointer,
         sink_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer, zero_ptr: cute.Pointer,
-        N: Int32, K: Int32, scale_log2: Float32,
+        N: Int32, K: Int32, n_tiles: Int32, scale_log2: Float32,
     ):
-        G, HG = self.G, self.HG
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
-        HB = HG // BLOCK_H
-        pid = cta // HB  # t * G + g
-        hblk = cta - pid * HB
-        t = pid // G
-        g = pid - t * G
-        head0 = g * HG + hblk * BLOCK_H
+        n_cta, _, _ = cute.arch.grid_dim()
         wg = cute.arch.make_warp_uniform(tidx // 128)
 
         smem = cutlass.utils.SmemAllocator()
         st = smem.allocate(self.smem)
-        q_full = st.q_full.data_ptr()
-        full = st.full.data_ptr()
-        empty = st.empty.data_ptr()
+        bars = (st.q_full.data_ptr(), st.q_empty.data_ptr(), st.full.data_ptr(), st.empty.data_ptr())
+        q_full, q_empty, full, empty = bars
         sQ = st.sQ.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)
         sK = st.sK.get_tensor(sk_layout.outer, swizzle=sk_layout.inner)
 
         if tidx == 0:
-            cute.arch.mbarrier_init(q_full, 128)
+            cute.arch.mbarrier_init(q_full, 128)    # the producer's threads
+            cute.arch.mbarrier_init(q_empty, 256)   # both consumers, past their last S of a row
             for h in cutlass.range_constexpr(4):
                 cute.arch.mbarrier_init(full + h, 128)   # the producer's threads
                 cute.arch.mbarrier_init(empty + h, 128)  # the consumer reading that half as V
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        L = K
-        if const_expr(self.has_len):
-            L = _load(len_ptr, Int64(t))
-            L = cutlass.max(Int32(0), cutlass.min(L, K))
-        n_blocks = (L + BN - 1) // BN
-        idx_row = idx_ptr + Int64(pid) * Int64(K)
-
+        tiles = (cta, n_tiles, n_cta, idx_ptr, len_ptr, K)
         for mma in (qk_mma, pv_mma, pv_mma_ss):
             mma.set(warpgroup.Field.ACCUMULATE, True)
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            self.producer(tidx, sQ, sK, q_full, full, empty, q_ptr, kv_ptr, idx_row, zero_ptr,
-                          t, g, head0, L, N, n_blocks)
+            self.producer(tidx, sQ, sK, bars, tiles, q_ptr, kv_ptr, zero_ptr, N)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             args = (qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, tidx % 128, sQ, sK,
-                    st.sP.data_ptr(), st.sM.data_ptr(), st.sL.data_ptr(), q_full, full, empty, idx_row,
-                    sink_ptr, out_ptr, lse_ptr, t, head0, L, N, n_blocks, scale_log2)
+                    st.sP.data_ptr(), st.sM.data_ptr(), st.sL.data_ptr(), bars, tiles,
+                    sink_ptr, out_ptr, lse_ptr, N, scale_log2)
             if wg == 1:
                 self.consumer(0, *args)
             else:
                 self.consumer(1, *args)
 
     @cute.jit
-    def producer(self, tidx, sQ, sK, q_full, full, empty, q_ptr, kv_ptr, idx_row, zero_ptr,
-                 t, g, head0, L, N, n_blocks):
-        D = self.D
-        ES = self.dtype.width // 8
-        # 8 threads per row, 16 B each per copy: each row's 128-byte segments
-        # go out as full sectors; 16 rows per pass.
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                   self.dtype, num_bits_per_copy=128)
-        tiled = cute.make_tiled_copy_tv(atom, cute.make_ordered_layout((16, 8), order=(1, 0)),
-                                        cute.make_layout((1, 8)))
-        thr = tiled.get_slice(tidx)
-        row_in_pass = tidx // 8
-        col0 = (tidx % 8) * 8
-        CHUNKS = D // 64
+    def tile(self, tile_id, idx_ptr, len_ptr, K):
+        """Tile tile_id: (token t, kv head g, first query head head0, slots
+        [0, L) that may be valid, blocks holding them, the row's indices)."""
+        G, HG = self.G, self.HG
+        HB = HG // BLOCK_H
+        pid = tile_id // HB  # t * G + g
+        hblk = tile_id - pid * HB
+        t = pid // G
+        g = pid - t * G
+        head0 = g * HG + hblk * BLOCK_H
+        L = K
+        if const_expr(self.has_len):
+            L = _load(len_ptr, Int64(t))
+            L = cutlass.max(Int32(0), cutlass.min(L, K))
+        n_blocks = (L + BN - 1) // BN
+        return t, g, head0, L, n_blocks, idx_ptr + Int64(pid) * Int64(K)
 
-        tQs = thr.partition_D(sQ)
-        for m in cutlass.range_constexpr(BLOCK_H // 16):
-            row = head0 + row_in_pass + m * 16
-            addr = q_ptr.toint() + (Int64(t) * Int64(self.H) + Int64(row)) * Int64(D * ES) + col0 * ES
-            for c in cutlass.range_constexpr(CHUNKS):
-                src = cute.make_tensor(_aligned(self.dtype, addr + c * 64 * ES), cute.make_layout((8,)))
-                cute.copy(atom, src, tQs[None, m, c])
-        cute.arch.cp_async_mbarrier_arrive_noinc(q_full)
-
+    @cute.jit
+    def producer(self, tidx, sQ, sK, bars, tiles, q_ptr, kv_ptr, zero_ptr, N):
+        q_full, q_empty, full, empty = bars
+        cta, n_tiles, n_cta, idx_ptr, len_ptr, K = tiles
+        atom, thr, row_in_pass, col0 = self.copier(tidx)
+        tK0 = thr.partition_D(sK[None, None, 0])
+        tK1 = thr.partition_D(sK[None, None, 1])
         # kv-row byte offsets of the pair's two blocks (the zero row's for an
         # invalid slot), looked up while the previous pair's copies fly
         base0 = cute.make_rmem_tensor((BN // 16,), Int64)
         base1 = cute.make_rmem_tensor((BN // 16,), Int64)
-        self.row_addrs(base0, 0, idx_row, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0)
-        self.row_addrs(base1, 1, idx_row, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0)
-        n_pairs = (n_blocks + 1) // 2
-        tK0 = thr.partition_D(sK[None, None, 0])
-        tK1 = thr.partition_D(sK[None, None, 1])
-        for i in cutlass.range(n_pairs, unroll=1):
-            ph = (i + 1) % 2  # the phase the consumers completed one pair ago
-            has1 = 2 * i + 1 < n_blocks
-            if i > 0:
-                cute.arch.mbarrier_wait(empty + 0, ph)
-            self.copy_half(atom, base0, tK0, 0, L_CHUNKS)
-            cute.arch.cp_async_mbarrier_arrive_noinc(full + 0)
-            if has1:
-                if i > 0:
-                    cute.arch.mbarrier_wait(empty + 3, ph)
-                self.copy_half(atom, base1, tK1, L_CHUNKS, CHUNKS)
-                cute.arch.cp_async_mbarrier_arrive_noinc(full + 3)
-            if i > 0:
-                cute.arch.mbarrier_wait(empty + 1, ph)
-            self.copy_half(atom, base0, tK0, L_CHUNKS, CHUNKS)
-            cute.arch.cp_async_mbarrier_arrive_noinc(full + 1)
-            if has1:
-                if i > 0:
-                    cute.arch.mbarrier_wait(empty + 2, ph)
-                self.copy_half(atom, base1, tK1, 0, L_CHUNKS)
-                cute.arch.cp_async_mbarrier_arrive_noinc(full + 2)
-            self.row_addrs(base0, 2 * i + 2, idx_row, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0)
-            self.row_addrs(base1, 2 * i + 3, idx_row, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0)
+        u0 = Int32(0)  # uses of stage 0 / stage 1 by earlier tiles
+        u1 = Int32(0)
+        j = Int32(0)   # tiles done
+        for tile_id in cutlass.range(cta, n_tiles, n_cta, unroll=1):
+            t, g, head0, L, n_blocks, idx_row = self.tile(tile_id, idx_ptr, len_ptr, K)
+            rows = (idx_row, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0)
+            n_pairs = (n_blocks + 1) // 2
+            self.row_addrs(base0, 0, *rows)
+            self.row_addrs(base1, 1, *rows)
+            # The first pair's copies go out before Q's: its stages free up
+            # during the last tile's final pair, Q only after both consumers
+            # are past their last S of it.
+            if n_pairs > 0:
+                self.produce_pair(atom, base0, base1, tK0, tK1, full, empty, 0, n_blocks, u0, u1)
+                self.row_addrs(base0, 2, *rows)
+                self.row_addrs(base1, 3, *rows)
+            if j > 0:
+                cute.arch.mbarrier_wait(q_empty, (j + 1) % 2)
+            self.load_q(atom, thr, sQ, q_full, q_ptr, t, head0, row_in_pass, col0)
+            for i in cutlass.range(1, n_pairs, unroll=1):
+                self.produce_pair(atom, base0, base1, tK0, tK1, full, empty, i, n_blocks, u0, u1)
+                self.row_addrs(base0, 2 * i + 2, *rows)
+                self.row_addrs(base1, 2 * i + 3, *rows)
+            u0 = u0 + n_pairs
+            u1 = u1 + n_blocks // 2
+            j = j + 1
+
+    def copier(self, tidx):
+        """The producer's 16-byte cp.async atom and this thread's slice: 8
+        threads per row, so each row's 128-byte segments go out as full
+        sectors; 16 rows per pass."""
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                   self.dtype, num_bits_per_copy=128)
+        tiled = cute.make_tiled_copy_tv(atom, cute.make_ordered_layout((16, 8), order=(1, 0)),
+                                        cute.make_layout((1, 8)))
+        return atom, tiled.get_slice(tidx), tidx // 8, (tidx % 8) * 8
+
+    @cute.jit
+    def load_q(self, atom, thr, sQ, q_full, q_ptr, t, head0, row_in_pass, col0):
+        """Q: heads head0 .. head0 + 63 of token t, signalled on q_full."""
+        D = self.D
+        ES = self.dtype.width // 8
+        tQs = thr.partition_D(sQ)
+        for m in cutlass.range_constexpr(BLOCK_H // 16):
+            row = head0 + row_in_pass + m * 16
+            addr = q_ptr.toint() + (Int64(t) * Int64(self.H) + Int64(row)) * Int64(D * ES) + col0 * ES
+            for c in cutlass.range_constexpr(D // 64):
+                src = cute.make_tensor(_aligned(self.dtype, addr + c * 64 * ES), cute.make_layout((8,)))
+                cute.copy(atom, src, tQs[None, m, c])
+        cute.arch.cp_async_mbarrier_arrive_noinc(q_full)
+
+    @cute.jit
+    def produce_pair(self, atom, base0, base1, tK0, tK1, full, empty, i, n_blocks, u0, u1):
+        """The copies of pair i, half by half in the order the consumers free
+        them. u0 / u1: the uses of stage 0 / 1 by earlier tiles (every earlier
+        pair of this tile used both stages)."""
+        CHUNKS = self.D // 64
+        has1 = 2 * i + 1 < n_blocks
+        n0 = u0 + i
+        n1 = u1 + i
+        if n0 > 0:
+            cute.arch.mbarrier_wait(empty + 0, (n0 + 1) % 2)  # the phase completed one use ago
+        self.copy_half(atom, base0, tK0, 0, L_CHUNKS)
+        cute.arch.cp_async_mbarrier_arrive_noinc(full + 0)
+        if has1:
+            if n1 > 0:
+                cute.arch.mbarrier_wait(empty + 3, (n1 + 1) % 2)
+            self.copy_half(atom, base1, tK1, L_CHUNKS, CHUNKS)
+            cute.arch.cp_async_mbarrier_arrive_noinc(full + 3)
+        if n0 > 0:
+            cute.arch.mbarrier_wait(empty + 1, (n0 + 1) % 2)
+        self.copy_half(atom, base0, tK0, L_CHUNKS, CHUNKS)
+        cute.arch.cp_async_mbarrier_arrive_noinc(full + 1)
+        if has1:
+            if n1 > 0:
+                cute.arch.mbarrier_wait(empty + 2, (n1 + 1) % 2)
+            self.copy_half(atom, base1, tK1, 0, L_CHUNKS)
+            cute.arch.cp_async_mbarrier_arrive_noinc(full + 2)
 
     @cute.jit
     def row_addrs(self, base, b, idx_row, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0):
@@ -286,8 +330,9 @@ class SparseAttnFwdSm90:
 
     @cute.jit
     def consumer(self, w: cutlass.Constexpr, qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, wtid,
-                 sQ, sK, sP, sM, sL, q_full, full, empty, idx_row, sink_ptr, out_ptr, lse_ptr,
-                 t, head0, L, N, n_blocks, scale_log2):
+                 sQ, sK, sP, sM, sL, bars, tiles, sink_ptr, out_ptr, lse_ptr, N, scale_log2):
+        q_full, q_empty, full, empty = bars
+        cta, n_tiles, n_cta, idx_ptr, len_ptr, K = tiles
         D, dvh = self.D, self.dv_half
         lane = wtid % 32
         warp = wtid // 32
@@ -299,7 +344,6 @@ class SparseAttnFwdSm90:
         tSrK = qk_mma.make_fragment_B(thr_qk.partition_B(sK))   # (MMA, 1, D / 16, 2)
         acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((BLOCK_H, BN)), Float32)
         acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((BLOCK_H, dvh)), Float32)
-        acc_o.fill(0.0)
         r_p = cute.make_rmem_tensor(thr_pv.partition_shape_A((BLOCK_H, BN)), self.dtype)
 
         raw = cute.recast_ptr(sK.iterator, None)
@@ -326,29 +370,45 @@ class SparseAttnFwdSm90:
         col_lane = 2 * (lane % 4)
         m_run = cute.make_rmem_tensor((2,), Float32)
         l_run = cute.make_rmem_tensor((2,), Float32)
-        m_run.fill(-Float32.inf)
-        l_run.fill(0.0)
         valid = cute.make_rmem_tensor((cute.size(acc_s) // 4, 2), cutlass.Boolean)
 
-        cute.arch.mbarrier_wait(q_full, 0)
-        cs = (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, acc_s, acc_o, r_p, valid, m_run, l_run, m0, m1,
-              tPs_own, tOrV_own, tOrV_oth, tOrP_oth, full, empty, idx_row, L, N, row_lo, col_lane, lane,
-              scale_log2)
-        n_full = n_blocks // 2
-        if const_expr(w == 0):
-            if n_blocks > 0:
-                self.qk(cs, 0, 0, True)
-            for i in cutlass.range(n_full, unroll=1):
-                self.pair0(cs, i, n_blocks, True)
-            if n_blocks % 2 == 1:
-                self.pair0(cs, n_full, n_blocks, False)
-        else:
-            for i in cutlass.range(n_full, unroll=1):
-                self.pair1(cs, i, True)
-            if n_blocks % 2 == 1:
-                self.pair1(cs, n_full, False)
+        u0 = Int32(0)  # uses of stage 0 / stage 1 by earlier tiles
+        u1 = Int32(0)
+        j = Int32(0)   # tiles done
+        for tile_id in cutlass.range(cta, n_tiles, n_cta, unroll=1):
+            t, g, head0, L, n_blocks, idx_row = self.tile(tile_id, idx_ptr, len_ptr, K)
+            acc_o.fill(0.0)
+            m_run.fill(-Float32.inf)
+            l_run.fill(0.0)
+            cs = (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, acc_s, acc_o, r_p, valid, m_run, l_run, m0, m1,
+                  tPs_own, tOrV_own, tOrV_oth, tOrP_oth, full, empty, idx_row, L, N, row_lo, col_lane, lane,
+                  scale_log2)
+            n_full = n_blocks // 2
+            cute.arch.mbarrier_wait(q_full, j % 2)
+            if const_expr(w == 0):
+                if n_blocks > 0:
+                    self.qk(cs, 0, 0, u0 % 2, True)
+                for i in cutlass.range(n_full, unroll=1):
+                    self.pair0(cs, i, n_blocks, True, u0)
+                if n_blocks % 2 == 1:
+                    self.pair0(cs, n_full, n_blocks, False, u0)
+            else:
+                for i in cutlass.range(n_full, unroll=1):
+                    self.pair1(cs, i, True, u1)
+                if n_blocks % 2 == 1:
+                    self.pair1(cs, n_full, False, u1)
+            cute.arch.mbarrier_arrive(q_empty)  # Q may be refilled
+            self.tile_end(w, acc_o, m_run, l_run, sL + (j % 2) * (2 * BLOCK_H), lane, row_lo, col_lane,
+                          sink_ptr, out_ptr, lse_ptr, t, head0)
+            u0 = u0 + (n_blocks + 1) // 2
+            u1 = u1 + n_full
+            j = j + 1
 
-        # Row sums over the 4 threads of a row, then over both consumers.
+    @cute.jit
+    def tile_end(self, w: cutlass.Constexpr, acc_o, m_run, l_run, sL, lane, row_lo, col_lane,
+                 sink_ptr, out_ptr, lse_ptr, t, head0):
+        """Row sums over the 4 threads of a row, then over both consumers
+        (sL: this tile's buffer of 2 x 64); then the epilogue."""
         l_own = cute.make_tensor(sL + w * BLOCK_H, cute.make_layout((BLOCK_H,)))
         l_oth = cute.make_tensor(sL + (1 - w) * BLOCK_H, cute.make_layout((BLOCK_H,)))
         for r in cutlass.range_constexpr(2):
@@ -365,8 +425,8 @@ class SparseAttnFwdSm90:
 
     # -------------------------------------------------------- consumer steps
     @cute.jit
-    def qk(self, cs, stage: cutlass.Constexpr, i, first_l: cutlass.Constexpr):
-        """S = Q K^T of the block in ``stage`` for pair i (phase i % 2), its
+    def qk(self, cs, stage: cutlass.Constexpr, i, ph, first_l: cutlass.Constexpr):
+        """S = Q K^T of the block in ``stage`` for pair i (barrier phase ph), its
         L half first when first_l, then masked and scaled to the log2 domain.
         Consumer 0 calls it with its previous remote P V still in flight and
         releases stage 1's L half between the halves."""
@@ -375,7 +435,6 @@ class SparseAttnFwdSm90:
          scale_log2) = cs
         KD = self.D // 16
         KL = L_CHUNKS * 4
-        ph = i % 2
         first = 2 * stage + (0 if first_l else 1)
         acc_s.fill(0.0)
         cute.arch.mbarrier_wait(full + first, ph)
@@ -479,8 +538,10 @@ class SparseAttnFwdSm90:
         warpgroup.commit_group()
 
     @cute.jit
-    def pair0(self, cs, i, n_blocks, has1: cutlass.Constexpr):
-        """Consumer 0, pair i: S of block 2i is in acc_s (masked)."""
+    def pair0(self, cs, i, n_blocks, has1: cutlass.Constexpr, u0):
+        """Consumer 0, pair i: S of block 2i is in acc_s (masked). u0: uses of
+        stage 0 by earlier tiles. Every half it reads as V is released, so the
+        next tile finds the stages free."""
         (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, acc_s, acc_o, r_p, valid, m_run, l_run, m0, m1,
          tPs_own, tOrV_own, tOrV_oth, tOrP_oth, full, empty, idx_row, L, N, row_lo, col_lane, lane,
          scale_log2) = cs
@@ -495,8 +556,8 @@ class SparseAttnFwdSm90:
         self.softmax(cs, mx)
         self.pv(pv_mma, acc_o, r_p, tOrV_own)
         warpgroup.wait_group(0)
+        cute.arch.mbarrier_arrive(empty + 0)  # stage 0's L: no one reads it again this pair
         if const_expr(has1):
-            cute.arch.mbarrier_arrive(empty + 0)  # stage 0's L: no one reads it again this pair
             # the pair's maxima from consumer 1; P0 rescaled to them
             cute.arch.barrier(barrier_id=Barrier.MAX1, number_of_threads=PAIR_THREADS)
             sc = cute.make_rmem_tensor((2,), Float32)
@@ -513,23 +574,25 @@ class SparseAttnFwdSm90:
             cute.arch.barrier(barrier_id=Barrier.P1, number_of_threads=PAIR_THREADS)
             self.pv(pv_mma_ss, acc_o, tOrP_oth, tOrV_oth)
             if 2 * i + 2 < n_blocks:
-                self.qk(cs, 0, i + 1, True)  # releases stage 1's L once P1 V1 retires
+                self.qk(cs, 0, i + 1, (u0 + i + 1) % 2, True)  # releases stage 1's L once P1 V1 retires
             else:
                 warpgroup.wait_group(0)
+                cute.arch.mbarrier_arrive(empty + 2)
         else:
             # the last block, alone: its maxima are final, consumer 1 only needs P0
             self.store_p(r_p, acc_s, tPs_own)
             cute.arch.barrier_arrive(barrier_id=Barrier.P0, number_of_threads=PAIR_THREADS)
 
     @cute.jit
-    def pair1(self, cs, i, has1: cutlass.Constexpr):
-        """Consumer 1, pair i: S of block 2i + 1 when has1, then O over both."""
+    def pair1(self, cs, i, has1: cutlass.Constexpr, u1):
+        """Consumer 1, pair i: S of block 2i + 1 when has1, then O over both.
+        u1: uses of stage 1 by earlier tiles."""
         (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, acc_s, acc_o, r_p, valid, m_run, l_run, m0, m1,
          tPs_own, tOrV_own, tOrV_oth, tOrP_oth, full, empty, idx_row, L, N, row_lo, col_lane, lane,
          scale_log2) = cs
         mx = cute.make_rmem_tensor((2,), Float32)
         if const_expr(has1):
-            self.qk(cs, 1, i, False)
+            self.qk(cs, 1, i, (u1 + i) % 2, False)
             self.row_max(acc_s, mx)
         else:
             mx.fill(-Float32.inf)

@@ -79,8 +79,7 @@ def main():
         rows = torch.linspace(0, a.T - 1, 6).long().tolist()
         eo, el = exact_rows(a, rows)
         tout, tlse = triton_sa.forward(a)
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        configs = (("cute", cute_sa.Config()), ("cute-persistent", cute_sa.Config(ctas=sms)))
+        configs = (("cute", cute_sa.Config()), ("cute-per-tile", cute_sa.Config(persistent=False)))
         for cname, cfg in configs:
             t0 = time.time()
             torch.cuda.synchronize()

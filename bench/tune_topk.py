@@ -38,10 +38,11 @@ VARIANTS = {
     "interp_s": {"search": "interp", "vec_load": False},
     "guess": {"search": "guess"},
 }
-# (row length, variant, num_warps, maxnreg): 23 timed configs, the
+# (row length, variant, num_warps, maxnreg): 24 timed configs, the
 # default first for each length. maxnreg 128 at 4096 keys: 4 programs an
 # SM instead of 3 (168 registers), no spills (ptxas, sm_90a; 96 spills);
-# 32 warps at 16384 keys spill (64-register cap), so not timed.
+# 32 warps at 16384 keys spill (64-register cap), so not timed; 8 warps
+# capped at 128 registers give 2 programs an SM at 16384 keys.
 TIMED = [
     (4096, "interp", 4, 128),
     (4096, "bisect", 4, None), (4096, "bisect", 4, 128), (4096, "bisect", 8, None), (4096, "bisect_s", 4, None),
@@ -52,7 +53,7 @@ TIMED = [
     (16384, "interp", 16, None),
     (16384, "bisect", 16, None), (16384, "bisect", 8, None), (16384, "bisect_s", 16, None),
     (16384, "radix2", 16, None), (16384, "radix3", 16, None), (16384, "radix4", 16, None),
-    (16384, "interp", 8, None), (16384, "interp_s", 16, None),
+    (16384, "interp", 8, None), (16384, "interp", 8, 128), (16384, "interp_s", 16, None),
     (16384, "guess", 16, None),
 ]
 

@@ -173,14 +173,16 @@ def _check(dtype, q, kv, idx, **kw):
     return out, lse
 
 
-@pytest.fixture(params=[None, 1, 3], ids=["cta-per-tile", "persistent-1", "persistent-3"])
+@pytest.fixture(params=[(True, None), (False, None), (True, 1), (True, 3)],
+                ids=["persistent-sms", "cta-per-tile", "persistent-1", "persistent-3"])
 def grid(request, monkeypatch):
-    """Every GPU test runs with one CTA per tile and on persistent grids of 1
-    and 3 CTAs (every tile of a call in one CTA; tiles of different lengths
-    in turn)."""
+    """Every GPU test runs on the default grid (one CTA per SM), with one CTA
+    per tile, and on persistent grids of 1 and 3 CTAs (every tile of a call
+    in one CTA; tiles of different lengths in turn)."""
     from dsa.cute import sparse_attention as cute_sa
 
-    monkeypatch.setattr(cute_sa, "DEFAULT", cute_sa.Config(ctas=request.param))
+    persistent, ctas = request.param
+    monkeypatch.setattr(cute_sa, "DEFAULT", cute_sa.Config(persistent=persistent, ctas=ctas))
     return request.param
 
 

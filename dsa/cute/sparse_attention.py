@@ -23,14 +23,24 @@ SERVED_DV = 512
 
 @dataclass(frozen=True)
 class Config:
-    """ctas: None gives one CTA per tile (token, kv head, 64 query heads);
-    a number n gives a persistent grid of min(n, tiles) CTAs, each running
-    the tiles c, c + n, ... in turn, so that a tile's first gathers and Q
-    overlap the previous tile's final pair and epilogue (n = the SM count is
-    the intended use; tests take small n to run many tiles a CTA). The same
-    compiled kernel serves both. The persistent grid is not yet timed."""
+    """The launch grid. A tile is one (token, kv head, 64 query heads).
 
+    persistent: min(ctas, tiles) CTAs, each running the tiles c, c + ctas,
+    ... in turn, so that a tile's first gathers and Q overlap the previous
+    tile's final pair and epilogue; ctas None means the GPU's SM count (the
+    default; tests take small counts to run many tiles a CTA).
+    persistent False: one CTA per tile. The same compiled kernel serves both."""
+
+    persistent: bool = True
     ctas: Optional[int] = None
+
+    def grid(self, device: torch.device) -> int:
+        """The CTA count passed to the kernel (it launches min(count, tiles))."""
+        if not self.persistent:
+            return 2**31 - 1
+        if self.ctas is not None:
+            return self.ctas
+        return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # The configuration forward() runs when none is given.
@@ -134,7 +144,7 @@ def forward(a: SparseAttnArgs, config: Optional[Config] = None) -> Tuple[torch.T
         _ptr(length, cutlass.Int32, 4), _ptr(sink, cutlass.Float32, 4), _ptr(out, dt, 16),
         _ptr(lse, cutlass.Float32, 4), _ptr(_zeros(a), dt, 16),
     )
-    n_cta = 2**31 - 1 if cfg.ctas is None else cfg.ctas
+    n_cta = cfg.grid(a.q.device)
     scalars = (cutlass.Int32(a.T), cutlass.Int32(a.N), cutlass.Int32(a.K),
                cutlass.Float32(a.sm_scale * 1.4426950408889634), cutlass.Int32(n_cta))
     stream = cuda.CUstream(torch.cuda.current_stream(a.q.device).cuda_stream)

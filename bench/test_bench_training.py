@@ -208,8 +208,8 @@ def main(argv: List[str]) -> None:
     if sweep:
         C = training.Config
         configs += [C(64, 64, 4, 4), C(32, 64, 4, 3), C(64, 64, 4, 2), C(64, 64, 8, 3),
-                    # Q loaded once per row (not yet timed)
-                    C(64, 64, 8, 2, q_resident=True), C(32, 64, 8, 3, q_resident=True)]
+                    # Q loaded once per row
+                    C(32, 64, 8, 3, q_resident=True), C(32, 64, 8, 2, q_resident=True)]
     with torch.no_grad():
         ref = target_call(s, "triton")()
         for cfg in configs:
@@ -228,9 +228,10 @@ def main(argv: List[str]) -> None:
     fwd_cfgs = [training.INDEXER_FWD_CONFIG]
     bwd_cfgs = [indexer_bwd.BWD_CONFIG]
     if sweep:
-        fwd_cfgs += [training.Config(32, 0, 4, 3), training.Config(16, 0, 4, 4), training.Config(32, 0, 4, 5),
-                     # slots as the MMA's rows (not yet timed)
-                     training.Config(64, 0, 4, 4, keys_as_rows=True), training.Config(64, 0, 4, 3, keys_as_rows=True)]
+        fwd_cfgs += [training.Config(64, 0, 4, 4, keys_as_rows=True), training.Config(64, 0, 8, 3, keys_as_rows=True),
+                     training.Config(128, 0, 8, 3, keys_as_rows=True),
+                     # heads as the MMA's rows
+                     training.Config(32, 0, 4, 4), training.Config(32, 0, 4, 3)]
         bwd_cfgs += [indexer_bwd.Config(32, 4, 3), indexer_bwd.Config(16, 4, 2), indexer_bwd.Config(32, 4, 1)]
     import dsa
 

@@ -321,17 +321,17 @@ def layout_inputs(case, g, layout, T=8, H=3, D=16, N=19, K=20):
     return (q, k, w, idx, tl), packed
 
 
-@pytest.fixture(params=[False, True], ids=["heads-as-rows", "keys-as-rows"])
+@pytest.fixture(params=[True, False], ids=["keys-as-rows", "heads-as-rows"])
 def indexer_rows(request, case, monkeypatch):
-    """The Triton sparse-indexer forward both ways: query heads as the MMA's
-    rows (the default) and slots as its rows (``Config.keys_as_rows``)."""
-    if request.param:
+    """The Triton sparse-indexer forward both ways: slots as the MMA's rows
+    (the default, ``Config.keys_as_rows``) and query heads as its rows."""
+    if not request.param:
         if case.backend != "triton":
             pytest.skip("a Triton kernel option")
         from dsa.triton import training as tt
 
         c = tt.INDEXER_FWD_CONFIG
-        monkeypatch.setattr(tt, "INDEXER_FWD_CONFIG", tt.Config(64, c.BD, c.num_warps, c.num_stages, keys_as_rows=True))
+        monkeypatch.setattr(tt, "INDEXER_FWD_CONFIG", tt.Config(32, c.BD, c.num_warps, 4, keys_as_rows=False))
     return request.param
 
 

@@ -259,7 +259,8 @@ class Config:
 # (64,64,4,2) 3.98, (32,64,4,3) 8.96. The 64- and 32-head rows are not measured.
 # Offline (sm_90a) the default takes 255 registers and spills 1400 B; each slot block re-reads
 # Q (144 KB at H=128, D=576) besides its 72 KB of kv rows. q_resident=True loads Q once into
-# shared memory (8 warps, BK 64: 139 registers, no spills, 152 KB): not yet timed.
+# shared memory (8 warps, BK 32: 139 registers, no spills) but measures slower: (32,64,8,3) 4.73 ms
+# (262 TFLOP/s) against the default's 3.40 (364); (64,64,8,2) needs 297 KB of shared memory (RESULTS.md C16).
 TARGET_CONFIGS = {
     128: Config(BK=64, BD=64, num_warps=4, num_stages=3),
     64: Config(BK=64, BD=64, num_warps=4, num_stages=3),
@@ -268,8 +269,9 @@ TARGET_CONFIGS = {
 # sparse indexer / KL forward, whole D_i row per tile. H200 bf16, T=4096, H_i=64, D_i=128, K=2048:
 # (BK, warps, stages) = (32,4,4) 0.97 ms; (32,4,3) 0.97; (32,4,5) 0.99; (64,4,3) 1.09; (16,4,4) 1.30;
 # (64,8,3) 1.62; (128,8,3) 1.92.
-# keys_as_rows=True (BK 64, 4 warps, 4 stages; offline sm_90a: 128 registers, no spills) is not yet timed.
-INDEXER_FWD_CONFIG = Config(BK=32, BD=0, num_warps=4, num_stages=4)
+# keys_as_rows=True (slots as the MMA's 64 rows, heads as its columns): (64,4,3) and (64,4,4) 0.688 ms
+# in the KL forward against 0.976 for heads as rows at (32,4,4) (RESULTS.md C16).
+INDEXER_FWD_CONFIG = Config(BK=64, BD=0, num_warps=4, num_stages=3, keys_as_rows=True)
 
 
 def _pow2(x: int, low: int = 16) -> int:

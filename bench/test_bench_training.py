@@ -209,7 +209,11 @@ def main(argv: List[str]) -> None:
         C = training.Config
         configs += [C(64, 64, 4, 4), C(32, 64, 4, 3), C(64, 64, 4, 2), C(64, 64, 8, 3),
                     # Q loaded once per row
-                    C(32, 64, 8, 3, q_resident=True), C(32, 64, 8, 2, q_resident=True)]
+                    C(32, 64, 8, 3, q_resident=True),
+                    # slots as the MMA's rows
+                    C(64, 64, 4, 3, keys_as_rows=True), C(64, 64, 8, 3, keys_as_rows=True),
+                    C(64, 64, 8, 4, keys_as_rows=True), C(128, 64, 8, 3, keys_as_rows=True),
+                    C(64, 32, 4, 4, keys_as_rows=True), C(64, 64, 8, 1, q_resident=True, keys_as_rows=True)]
     with torch.no_grad():
         ref = target_call(s, "triton")()
         for cfg in configs:

@@ -214,23 +214,37 @@ def on(case, *xs):
 # attention target
 
 
-def q_resident_configs():
-    """The Triton target kernel's configs with Q held across slot blocks."""
+TARGET_VARIANTS = {  # the Triton target kernel's options: (q_resident, keys_as_rows)
+    "q-streamed": (False, False), "q-resident": (True, False),
+    "keys-as-rows": (False, True), "keys-as-rows-q-resident": (True, True),
+}
+
+
+def target_configs(q_resident: bool, keys_as_rows: bool):
+    """The Triton target kernel's configs with these options (Q held across
+    slot blocks takes 32-slot blocks and 8 warps: with 64 slots, Q and the kv
+    stages of H = 128, D = 576 pass the H200's 227 KB of shared memory)."""
     from dsa.triton import training as tt
 
-    return {m: tt.Config(c.BK, c.BD, 8, c.num_stages, q_resident=True) for m, c in tt.TARGET_CONFIGS.items()}
+    def one(c):
+        if q_resident:
+            return tt.Config(32, c.BD, 8, 3, q_resident=True, keys_as_rows=keys_as_rows)
+        return tt.Config(c.BK, c.BD, c.num_warps, c.num_stages, keys_as_rows=keys_as_rows)
+
+    return {m: one(c) for m, c in tt.TARGET_CONFIGS.items()}
 
 
-@pytest.fixture(params=[False, True], ids=["q-streamed", "q-resident"])
+@pytest.fixture(params=list(TARGET_VARIANTS))
 def target_q(request, case, monkeypatch):
-    """The Triton target kernel both ways: Q re-read per slot block (the
-    default) and Q loaded once (``Config.q_resident``)."""
-    if request.param:
-        if case.backend != "triton":
+    """The Triton target kernel in each of TARGET_VARIANTS; other backends
+    run once."""
+    if case.backend != "triton":
+        if request.param != next(iter(TARGET_VARIANTS)):
             pytest.skip("a Triton kernel option")
-        from dsa.triton import training as tt
+        return request.param
+    from dsa.triton import training as tt
 
-        monkeypatch.setattr(tt, "TARGET_CONFIGS", q_resident_configs())
+    monkeypatch.setattr(tt, "TARGET_CONFIGS", target_configs(*TARGET_VARIANTS[request.param]))
     return request.param
 
 
@@ -780,9 +794,10 @@ def test_gpu_bf16_model_shapes():
     from dsa.triton import training as tt
 
     default = dict(tt.TARGET_CONFIGS)
-    try:  # the kernel with Q held across slot blocks (Config.q_resident)
-        tt.TARGET_CONFIGS.update(q_resident_configs())
-        rel_close(dsa.attention_target(q, kv, idx, lse, topk_length=tl, backend="triton"), b, 2e-2, "target")
+    try:  # the kernel's other options
+        for name, opts in TARGET_VARIANTS.items():
+            tt.TARGET_CONFIGS.update(target_configs(*opts))
+            rel_close(dsa.attention_target(q, kv, idx, lse, topk_length=tl, backend="triton"), b, 2e-2, name)
     finally:
         tt.TARGET_CONFIGS.update(default)
     Hi, Di = 64, 128

@@ -79,13 +79,19 @@ def _target_kernel(
     LSE_PASS: tl.constexpr,
     PREC: tl.constexpr,
     Q_RESIDENT: tl.constexpr = False,  # Q's D chunks loaded once and kept on chip
+    KEYS_AS_ROWS: tl.constexpr = False,  # S^T = KV Q^T: slots on the MMA's rows, the head sum along its columns
 ):
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     o_m = tl.arange(0, BM)
     m_m = o_m < M
     o_bd = tl.arange(0, BD)
-    p_q = Q + t * (H * D) + (g * M + o_m)[:, None] * D  # [BM, 1]
+    # b_s is [heads, slots], or [slots, heads] with KEYS_AS_ROWS; the Q tile
+    # is [BM, BD], or Q^T's [BD, BM]
+    HEAD_AX: tl.constexpr = 1 if KEYS_AS_ROWS else 0
+    SLOT_AX: tl.constexpr = 1 - HEAD_AX
+    p_q = Q + t * (H * D) + tl.expand_dims((g * M + o_m) * D, SLOT_AX)
+    m_q = tl.expand_dims(m_m, SLOT_AX)
     length = K
     if HAS_LEN:
         length = tl.minimum(tl.maximum(tl.load(LEN + t), 0), K)
@@ -105,8 +111,8 @@ def _target_kernel(
         # then its kv rows only
         qs = ()
         for c in tl.static_range(NCH):
-            o_d = c * BD + o_bd
-            qs = qs + (tl.load(p_q + o_d[None, :], mask=m_m[:, None] & (o_d < D)[None, :], other=0.0),)
+            o_dq = tl.expand_dims(c * BD + o_bd, HEAD_AX)
+            qs = qs + (tl.load(p_q + o_dq, mask=m_q & (o_dq < D), other=0.0),)
     for k0 in range(0, length, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < length
@@ -117,34 +123,44 @@ def _target_kernel(
             idx = tl.load(IDX + (t * G + g) * K + o_k, mask=m_k, other=-1)
             valid = m_k & (idx >= 0) & (idx < N)
             rows = idx.to(tl.int64)
-        p_kv = KV + (rows * G + g) * D  # [BK]
-        b_s = tl.zeros([BM, BK], tl.float32)
+        # the kv tile is K^T's [BD, BK] (not a transposed [BK, BD]) so the
+        # pipeliner feeds the MMA directly, or K's [BK, BD] with KEYS_AS_ROWS
+        p_kv = KV + tl.expand_dims((rows * G + g) * D, HEAD_AX)
+        m_kv = tl.expand_dims(valid, HEAD_AX)
+        if KEYS_AS_ROWS:
+            b_s = tl.zeros([BK, BM], tl.float32)
+        else:
+            b_s = tl.zeros([BM, BK], tl.float32)
         if Q_RESIDENT:
             for c in tl.static_range(NCH):
-                o_d = c * BD + o_bd
-                m_d = o_d < D
-                b_kt = tl.load(p_kv[None, :] + o_d[:, None], mask=m_d[:, None] & valid[None, :], other=0.0)
-                b_s = tl.dot(qs[c], b_kt, b_s, input_precision=PREC)  # [BM, BK]
+                o_dk = tl.expand_dims(c * BD + o_bd, SLOT_AX)
+                b_k = tl.load(p_kv + o_dk, mask=m_kv & (o_dk < D), other=0.0)
+                if KEYS_AS_ROWS:
+                    b_s = tl.dot(b_k, qs[c], b_s, input_precision=PREC)
+                else:
+                    b_s = tl.dot(qs[c], b_k, b_s, input_precision=PREC)
         else:
             # the D reduction as a dynamic loop: its loads are software-pipelined
             for d0 in range(0, D, BD):
-                o_d = d0 + o_bd
-                m_d = o_d < D
-                b_q = tl.load(p_q + o_d[None, :], mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BM, BD]
-                # K^T loaded as [BD, BK] (not a transposed [BK, BD]) so the pipeliner feeds the MMA directly
-                b_kt = tl.load(p_kv[None, :] + o_d[:, None], mask=m_d[:, None] & valid[None, :], other=0.0)
-                b_s = tl.dot(b_q, b_kt, b_s, input_precision=PREC)  # [BM, BK]
+                o_dq = tl.expand_dims(d0 + o_bd, HEAD_AX)
+                o_dk = tl.expand_dims(d0 + o_bd, SLOT_AX)
+                b_q = tl.load(p_q + o_dq, mask=m_q & (o_dq < D), other=0.0)
+                b_k = tl.load(p_kv + o_dk, mask=m_kv & (o_dk < D), other=0.0)
+                if KEYS_AS_ROWS:
+                    b_s = tl.dot(b_k, b_q, b_s, input_precision=PREC)
+                else:
+                    b_s = tl.dot(b_q, b_k, b_s, input_precision=PREC)
         b_s = b_s * qk_scale
         if LSE_PASS:
-            b_s = tl.where(valid[None, :], b_s, float("-inf"))
-            b_mn = tl.maximum(b_m, tl.max(b_s, 1))
+            b_s = tl.where(m_kv, b_s, float("-inf"))
+            b_mn = tl.maximum(b_m, tl.max(b_s, SLOT_AX))
             b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)  # no valid key yet: avoid -inf - -inf
-            b_l = b_l * tl.exp2(b_m - b_ms) + tl.sum(tl.exp2(b_s - b_ms[:, None]), 1)
+            b_l = b_l * tl.exp2(b_m - b_ms) + tl.sum(tl.exp2(b_s - tl.expand_dims(b_ms, SLOT_AX)), SLOT_AX)
             b_m = b_mn
         else:
-            b_p = tl.exp2(b_s - b_lse[:, None])
-            b_p = tl.where(m_m[:, None] & valid[None, :], b_p, 0.0)
-            tl.store(OUT + (t * G + g) * K + o_k, tl.sum(b_p, 0) / M, mask=m_k)
+            b_p = tl.exp2(b_s - tl.expand_dims(b_lse, SLOT_AX))
+            b_p = tl.where(m_q & m_kv, b_p, 0.0)
+            tl.store(OUT + (t * G + g) * K + o_k, tl.sum(b_p, HEAD_AX) / M, mask=m_k)
     if LSE_PASS:
         # natural-log lse; +inf on a row with no visible key (sparse attention's convention)
         lse = tl.where(b_l > 0, (b_m + tl.log2(b_l)) / 1.4426950408889634, float("inf"))
@@ -249,7 +265,7 @@ class Config:
     num_warps: int
     num_stages: int
     q_resident: bool = False  # attention target: Q held across slot blocks
-    keys_as_rows: bool = False  # sparse indexer forward: slots as the MMA's rows
+    keys_as_rows: bool = False  # attention target, sparse indexer forward: slots as the MMA's rows
 
 
 # attention target, by query heads per program (MMA rows); BD 64 divides 576 and 512.
@@ -285,7 +301,8 @@ def _prec(dtype: torch.dtype) -> str:
 
 def target_config(M: int, D: int, K: int) -> Config:
     cfg = TARGET_CONFIGS[128 if M > 64 else (64 if M > 32 else 0)]
-    return Config(min(cfg.BK, _pow2(K)), min(cfg.BD, _pow2(D)), cfg.num_warps, cfg.num_stages, cfg.q_resident)
+    return Config(min(cfg.BK, _pow2(K)), min(cfg.BD, _pow2(D)), cfg.num_warps, cfg.num_stages, cfg.q_resident,
+                  cfg.keys_as_rows)
 
 
 def indexer_fwd_config(D: int, K: int) -> Config:
@@ -341,6 +358,7 @@ def _launch_target(q, kv, idx, length, base, lse, out, sm_scale, N, K, G, *, has
         q, kv, idx, length, base, lse, out, sm_scale, N, K,
         H=H, G=G, M=M, BM=_pow2(M), D=D, BD=cfg.BD, BK=cfg.BK,
         HAS_LEN=has_len, IMPLICIT=implicit, LSE_PASS=lse_pass, PREC=_prec(q.dtype), Q_RESIDENT=cfg.q_resident,
+        KEYS_AS_ROWS=cfg.keys_as_rows,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -207,13 +207,14 @@ def main(argv: List[str]) -> None:
     configs = [orig[128]]
     if sweep:
         C = training.Config
-        configs += [C(64, 64, 4, 4), C(32, 64, 4, 3), C(64, 64, 4, 2), C(64, 64, 8, 3),
+        configs += [  # slots as the MMA's rows, like the default
+                    C(128, 64, 8, 2, keys_as_rows=True), C(128, 64, 8, 4, keys_as_rows=True),
+                    C(128, 32, 8, 4, keys_as_rows=True), C(64, 64, 4, 3, keys_as_rows=True),
+                    C(64, 64, 8, 3, keys_as_rows=True),
+                    # heads as the MMA's rows
+                    C(64, 64, 4, 3), C(64, 64, 4, 4), C(64, 64, 8, 3),
                     # Q loaded once per row
-                    C(32, 64, 8, 3, q_resident=True),
-                    # slots as the MMA's rows
-                    C(64, 64, 4, 3, keys_as_rows=True), C(64, 64, 8, 3, keys_as_rows=True),
-                    C(64, 64, 8, 4, keys_as_rows=True), C(128, 64, 8, 3, keys_as_rows=True),
-                    C(64, 32, 4, 4, keys_as_rows=True), C(64, 64, 8, 1, q_resident=True, keys_as_rows=True)]
+                    C(32, 64, 8, 3, q_resident=True), C(64, 64, 8, 1, q_resident=True, keys_as_rows=True)]
     with torch.no_grad():
         ref = target_call(s, "triton")()
         for cfg in configs:
@@ -232,8 +233,7 @@ def main(argv: List[str]) -> None:
     fwd_cfgs = [training.INDEXER_FWD_CONFIG]
     bwd_cfgs = [indexer_bwd.BWD_CONFIG]
     if sweep:
-        fwd_cfgs += [training.Config(64, 0, 4, 4, keys_as_rows=True), training.Config(64, 0, 8, 3, keys_as_rows=True),
-                     training.Config(128, 0, 8, 3, keys_as_rows=True),
+        fwd_cfgs += [training.Config(64, 0, 4, 4, keys_as_rows=True), training.Config(128, 0, 8, 3, keys_as_rows=True),
                      # heads as the MMA's rows
                      training.Config(32, 0, 4, 4), training.Config(32, 0, 4, 3)]
         bwd_cfgs += [indexer_bwd.Config(32, 4, 3), indexer_bwd.Config(16, 4, 2), indexer_bwd.Config(32, 4, 1)]

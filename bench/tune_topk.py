@@ -50,10 +50,10 @@ TIMED = [
     (4096, "interp", 4, None), (4096, "interp", 8, None),
     (4096, "interp_s", 4, None), (4096, "interp_s", 4, 128),
     (4096, "guess", 4, None),
-    (16384, "interp", 16, None),
+    (16384, "interp", 8, 128), (16384, "interp", 16, None),
     (16384, "bisect", 16, None), (16384, "bisect", 8, None), (16384, "bisect_s", 16, None),
     (16384, "radix2", 16, None), (16384, "radix3", 16, None), (16384, "radix4", 16, None),
-    (16384, "interp", 8, None), (16384, "interp", 8, 128), (16384, "interp_s", 16, None),
+    (16384, "interp", 8, None), (16384, "interp_s", 16, None),
     (16384, "guess", 16, None),
 ]
 

@@ -554,7 +554,11 @@ def _resident_config(block_s: int) -> ResidentConfig:
     # every variant exact against the reference first): interp beats the
     # early-exit bisection at 4096 keys (4 warps, 128 registers: 0.115 ms
     # against 0.123) and at 16384 (16 warps: 0.526 ms against 0.738; 8 warps
-    # 0.623). radix (2-4 bits) and guess were slower at 4096 keys.
+    # 0.623; 8 warps capped at 128 registers, 2 programs an SM: 0.512 in a
+    # second run where 16 warps took 0.527). radix (2-4 bits) and guess were
+    # slower at 4096 keys.
+    if block_s == 16384:
+        return ResidentConfig(num_warps=8, search="interp", maxnreg=128)
     warps = max(4, min(16, block_s // 1024))
     return ResidentConfig(num_warps=warps, search="interp", maxnreg=128 if block_s == 4096 else None)
 

@@ -236,7 +236,11 @@ def main(argv: List[str]) -> None:
         fwd_cfgs += [training.Config(64, 0, 4, 4, keys_as_rows=True), training.Config(128, 0, 8, 3, keys_as_rows=True),
                      # heads as the MMA's rows
                      training.Config(32, 0, 4, 4), training.Config(32, 0, 4, 3)]
-        bwd_cfgs += [indexer_bwd.Config(32, 4, 3), indexer_bwd.Config(16, 4, 2), indexer_bwd.Config(32, 4, 1)]
+        B = indexer_bwd.Config
+        bwd_cfgs += [B(32, 4, 1), B(32, 4, 3),
+                     # slots as the MMAs' rows
+                     B(64, 4, 2, True), B(64, 4, 1, True), B(64, 4, 3, True), B(64, 8, 2, True), B(128, 8, 2, True),
+                     B(32, 4, 2, True)]
     import dsa
 
     leaves = [s[n].detach().clone().requires_grad_() for n in ("q_i", "k_i", "weights")]

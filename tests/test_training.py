@@ -336,16 +336,22 @@ def layout_inputs(case, g, layout, T=8, H=3, D=16, N=19, K=20):
 
 
 @pytest.fixture(params=[True, False], ids=["keys-as-rows", "heads-as-rows"])
-def indexer_rows(request, case, monkeypatch):
-    """The Triton sparse-indexer forward both ways: slots as the MMA's rows
-    (the default, ``Config.keys_as_rows``) and query heads as its rows."""
-    if not request.param:
-        if case.backend != "triton":
+def indexer_rows(request, monkeypatch):
+    """The Triton sparse-indexer forward and backward kernels both ways:
+    slots as the MMAs' rows (``keys_as_rows``) and query heads as their rows;
+    other backends run once."""
+    case = request.getfixturevalue("case" if "case" in request.fixturenames else "fast_case")
+    if case.backend != "triton":
+        if not request.param:
             pytest.skip("a Triton kernel option")
-        from dsa.triton import training as tt
+        return request.param
+    from dsa.triton import indexer_bwd as tb
+    from dsa.triton import training as tt
 
-        c = tt.INDEXER_FWD_CONFIG
-        monkeypatch.setattr(tt, "INDEXER_FWD_CONFIG", tt.Config(32, c.BD, c.num_warps, 4, keys_as_rows=False))
+    kar = request.param
+    c, b = tt.INDEXER_FWD_CONFIG, tb.BWD_CONFIG
+    monkeypatch.setattr(tt, "INDEXER_FWD_CONFIG", tt.Config(64 if kar else 32, c.BD, 4, 3 if kar else 4, keys_as_rows=kar))
+    monkeypatch.setattr(tb, "BWD_CONFIG", tb.Config(64 if kar else 32, 4, 2, keys_as_rows=kar))
     return request.param
 
 
@@ -485,6 +491,7 @@ def _scores_bwd(case, a, dscores):
     )
 
 
+@pytest.mark.usefixtures("indexer_rows")
 @pytest.mark.parametrize("name", ["batched-causal-r2", "packed-varlen", "not-causal"])
 def test_indexer_scores_backward(case, call, name):
     """The backward op of dsa::indexer_scores on this backend (forward independent of it)."""
@@ -688,6 +695,7 @@ def test_empty_problems(fast_case, call):
     assert tgt.shape == (0, 4)
 
 
+@pytest.mark.usefixtures("indexer_rows")
 @pytest.mark.parametrize("fn_name", ["sparse_indexer_scores", "indexer_kl_loss"])
 def test_deterministic_is_bitwise_repeatable(fast_case, call, fn_name):
     case = fast_case

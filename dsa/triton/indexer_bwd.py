@@ -78,7 +78,12 @@ def _indexer_bwd_kernel(
     DK_MODE: tl.constexpr,  # 0: atomics into DK, 1: per-slot rows into the workspace, 2: no dk
     SPLIT: tl.constexpr,  # one slot block per program (axis 1), dk only: no dq / dweights
     PREC: tl.constexpr,
+    KEYS_AS_ROWS: tl.constexpr = False,  # s^T = K Q^T and dq^T = K^T ds^T: slots on the MMAs' rows
 ):
+    # the [heads, slots] tiles (s, ds) and the dq accumulator are transposed
+    # with KEYS_AS_ROWS; HEAD_AX is the axis that runs over heads
+    HEAD_AX: tl.constexpr = 1 if KEYS_AS_ROWS else 0
+    SLOT_AX: tl.constexpr = 1 - HEAD_AX
     t = t_start + tl.program_id(0).to(tl.int64)
     o_h = tl.arange(0, BH)
     m_h = o_h < H
@@ -95,7 +100,10 @@ def _indexer_bwd_kernel(
     if MODE == 1:
         lse = tl.load(STATS + t * 4 + 1)
         tsum = tl.load(STATS + t * 4 + 2)
-    b_dq = tl.zeros([BH, BD], tl.float32)
+    if KEYS_AS_ROWS:
+        b_dq = tl.zeros([BD, BH], tl.float32)
+    else:
+        b_dq = tl.zeros([BH, BD], tl.float32)
     b_dw = tl.zeros([BH], tl.float32)
     k_lo = 0
     if SPLIT:
@@ -112,21 +120,32 @@ def _indexer_bwd_kernel(
             valid = m_k & (idx >= 0) & (idx < N)
             rows = idx.to(tl.int64)
         b_k = tl.load(Kp + rows[:, None] * D + o_d[None, :], mask=valid[:, None] & m_d[None, :], other=0.0)
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)  # [BH, BK]
-        b_relu = tl.where(valid[None, :], tl.maximum(b_s, 0.0), 0.0)
+        if KEYS_AS_ROWS:
+            b_s = tl.dot(b_k, tl.trans(b_q), input_precision=PREC)  # [BK, BH]
+        else:
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)  # [BH, BK]
+        m_s = tl.expand_dims(valid, HEAD_AX)
+        b_wsx = tl.expand_dims(b_ws, SLOT_AX)
+        b_relu = tl.where(m_s, tl.maximum(b_s, 0.0), 0.0)
         if MODE == 1:
-            b_lg = tl.sum(b_relu * b_ws[:, None], 0)
+            b_lg = tl.sum(b_relu * b_wsx, HEAD_AX)
             b_t = tl.load(GIN + t * stride_g + o_k, mask=valid, other=0.0)
             b_g = tl.exp(b_lg - lse) * tsum - b_t  # [BK], unscaled (see the module header)
         else:
             b_g = tl.load(GIN + t * stride_g + o_k, mask=valid, other=0.0)
-        b_g = tl.where(valid, b_g, 0.0)
-        b_ds = tl.where((b_s > 0.0) & valid[None, :], b_g[None, :] * b_ws[:, None], 0.0)  # [BH, BK]
+        b_g = tl.expand_dims(tl.where(valid, b_g, 0.0), HEAD_AX)
+        b_ds = tl.where((b_s > 0.0) & m_s, b_g * b_wsx, 0.0)
         if not SPLIT:
-            b_dw += tl.sum(b_relu * b_g[None, :], 1)
-            b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, b_dq, input_precision=PREC)  # [BH, BD]
+            b_dw += tl.sum(b_relu * b_g, SLOT_AX)
+            if KEYS_AS_ROWS:
+                b_dq = tl.dot(tl.trans(b_k), b_ds.to(b_k.dtype), b_dq, input_precision=PREC)  # [BD, BH]
+            else:
+                b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, b_dq, input_precision=PREC)  # [BH, BD]
         if DK_MODE != 2:
-            b_dk = tl.dot(tl.trans(b_ds).to(b_q.dtype), b_q, input_precision=PREC)  # [BK, BD]
+            if KEYS_AS_ROWS:
+                b_dk = tl.dot(b_ds.to(b_q.dtype), b_q, input_precision=PREC)  # [BK, BD]
+            else:
+                b_dk = tl.dot(tl.trans(b_ds).to(b_q.dtype), b_q, input_precision=PREC)  # [BK, BD]
             if MODE == 1:
                 b_dk = b_dk * tl.load(SCALE)
             m_kd = valid[:, None] & m_d[None, :]
@@ -140,7 +159,9 @@ def _indexer_bwd_kernel(
             scale = tl.load(SCALE)
             b_dq = b_dq * scale
             b_dw = b_dw * scale
-        tl.store(DQ + t * (H * D) + o_h[:, None] * D + o_d[None, :], b_dq.to(DQ.dtype.element_ty), mask=m_hd)
+        p_dq = DQ + t * (H * D) + tl.expand_dims(o_h * D, SLOT_AX) + tl.expand_dims(o_d, HEAD_AX)
+        m_dq = tl.expand_dims(m_h, SLOT_AX) & tl.expand_dims(m_d, HEAD_AX)
+        tl.store(p_dq, b_dq.to(DQ.dtype.element_ty), mask=m_dq)
         tl.store(DW + t * H + o_h, (b_dw * sm_scale).to(DW.dtype.element_ty), mask=m_h)
 
 
@@ -180,6 +201,7 @@ class Config:
     BK: int
     num_warps: int
     num_stages: int
+    keys_as_rows: bool = False  # slots on the MMAs' rows (see the kernel's KEYS_AS_ROWS)
 
 
 # H_i = 64, D_i = 128: dq [64, 128] fp32 accumulates in registers across the row. H200 bf16,
@@ -190,7 +212,8 @@ SEGMENT_BP = 16
 
 
 def bwd_config(K: int) -> Config:
-    return Config(min(BWD_CONFIG.BK, _pow2(K)), BWD_CONFIG.num_warps, BWD_CONFIG.num_stages)
+    c = BWD_CONFIG
+    return Config(min(c.BK, _pow2(K)), c.num_warps, c.num_stages, c.keys_as_rows)
 
 
 def supports(args) -> Optional[str]:
@@ -236,6 +259,7 @@ def _launch(p: _Problem, dq, dw, dk, t_start: int, rows: int, dk_mode: int, spli
         dq, dk, dw, p.sm_scale, p.k.shape[0], p.K, p.grad_in.stride(0), t_start,
         H=H, BH=_pow2(H), D=D, BD=_pow2(D), BK=cfg.BK,
         HAS_LEN=p.length is not None, MODE=p.mode, DK_MODE=dk_mode, SPLIT=split, PREC=_prec(p.q.dtype),
+        KEYS_AS_ROWS=cfg.keys_as_rows,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

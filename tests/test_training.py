@@ -349,7 +349,7 @@ def indexer_rows(request, monkeypatch):
     from dsa.triton import training as tt
 
     kar = request.param
-    c, b = tt.INDEXER_FWD_CONFIG, tb.BWD_CONFIG
+    c = tt.INDEXER_FWD_CONFIG
     monkeypatch.setattr(tt, "INDEXER_FWD_CONFIG", tt.Config(64 if kar else 32, c.BD, 4, 3 if kar else 4, keys_as_rows=kar))
     monkeypatch.setattr(tb, "BWD_CONFIG", tb.Config(64 if kar else 32, 4, 2, keys_as_rows=kar))
     return request.param

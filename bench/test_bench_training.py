@@ -208,7 +208,7 @@ def main(argv: List[str]) -> None:
     if sweep:
         C = training.Config
         configs += [  # slots as the MMA's rows, like the default
-                    C(128, 64, 8, 2, keys_as_rows=True), C(128, 64, 8, 4, keys_as_rows=True),
+                    C(128, 64, 8, 3, keys_as_rows=True),
                     C(128, 32, 8, 4, keys_as_rows=True), C(64, 64, 4, 3, keys_as_rows=True),
                     C(64, 64, 8, 3, keys_as_rows=True),
                     # heads as the MMA's rows
@@ -237,10 +237,9 @@ def main(argv: List[str]) -> None:
                      # heads as the MMA's rows
                      training.Config(32, 0, 4, 4), training.Config(32, 0, 4, 3)]
         B = indexer_bwd.Config
-        bwd_cfgs += [B(32, 4, 1), B(32, 4, 3),
-                     # slots as the MMAs' rows
-                     B(64, 4, 2, True), B(64, 4, 1, True), B(64, 4, 3, True), B(64, 8, 2, True), B(128, 8, 2, True),
-                     B(32, 4, 2, True)]
+        bwd_cfgs += [B(64, 4, 2, True), B(128, 4, 1, True), B(128, 8, 1, True),
+                     # heads as the MMAs' rows
+                     B(32, 4, 1), B(32, 4, 2)]
     import dsa
 
     leaves = [s[n].detach().clone().requires_grad_() for n in ("q_i", "k_i", "weights")]

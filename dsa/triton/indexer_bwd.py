@@ -207,7 +207,7 @@ class Config:
 # H_i = 64, D_i = 128: dq [64, 128] fp32 accumulates in registers across the row. H200 bf16,
 # KL backward at T=4096, K=2048: (BK, warps, stages) = (32,4,2) 2.98 ms; (32,4,1) 2.93; (32,4,3) 3.06;
 # (16,4,2) 3.24; (64,8,2) 4.52; (32,8,2) 6.01; (32,8,3) 6.17 (one warpgroup: 2 CTAs per SM).
-# keys_as_rows (every product a wgmma with 64 slot rows; RESULTS.md C17): (64,4,1) 2.15 ms; (64,4,2) 2.27;
+# keys_as_rows (every product a wgmma with 64 slot rows; RESULTS.md C18): (64,4,1) 2.15 ms; (64,4,2) 2.27;
 # (64,4,3) 2.32; (128,8,2) 2.81; (32,4,2) 3.05; (64,8,2) 3.65; heads as rows (32,4,1) 2.95 in the same run.
 BWD_CONFIG = Config(BK=64, num_warps=4, num_stages=1, keys_as_rows=True)
 SEGMENT_BP = 16

@@ -555,7 +555,7 @@ def _resident_config(block_s: int) -> ResidentConfig:
     # early-exit bisection at 4096 keys (4 warps, 128 registers: 0.115 ms
     # against 0.123) and at 16384 (16 warps: 0.526 ms against 0.738; 8 warps
     # 0.623; 8 warps capped at 128 registers, 2 programs an SM: 0.512 in a
-    # second run where 16 warps took 0.527). radix (2-4 bits) and guess were
+    # second run where 16 warps took 0.527, RESULTS.md C17). radix (2-4 bits) and guess were
     # slower at 4096 keys.
     if block_s == 16384:
         return ResidentConfig(num_warps=8, search="interp", maxnreg=128)

@@ -277,8 +277,8 @@ class Config:
 # Q (144 KB at H=128, D=576) besides its 72 KB of kv rows. q_resident=True loads Q once into
 # shared memory (8 warps, BK 32: 139 registers, no spills) but measures slower: (32,64,8,3) 4.73 ms
 # (262 TFLOP/s) against the default's 3.40 (364); (64,64,8,2) needs 297 KB of shared memory (RESULTS.md C16).
-# keys_as_rows=True (S^T = KV Q^T, the head sum within each thread's row), same step (RESULTS.md C16,
-# C17): (128,64,8,4) 2.82 ms (438 TFLOP/s); (128,64,8,3) 2.98-2.99; (128,32,8,4) 3.16; (64,64,4,3) 3.19;
+# keys_as_rows=True (S^T = KV Q^T, the head sum within each thread's row), same step (RESULTS.md C17,
+# C18, C19): (128,64,8,4) 2.76-2.82 ms (449-438 TFLOP/s); (128,64,8,3) 2.98-2.99; (128,32,8,4) 3.16; (64,64,4,3) 3.19;
 # (64,64,8,3) 3.25; (64,64,8,4) 3.33; (128,64,8,2) 4.62; (64,32,4,4) 5.78; with q_resident (64,64,8,1) 5.50;
 # heads as rows (64,64,4,3) 3.39-3.40 in the same runs.
 TARGET_CONFIGS = {

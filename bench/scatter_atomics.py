@@ -23,19 +23,23 @@ def _values(r, c):
 
 
 @triton.jit
-def _scalar_kernel(DK, IDX, R, D: tl.constexpr, BK: tl.constexpr):
+def _block(IDX, R, BK: tl.constexpr):
+    """This program's slot rows, their mask and their key rows (0 past R)."""
     r = tl.program_id(0) * BK + tl.arange(0, BK)
     m = r < R
-    n = tl.load(IDX + r, mask=m, other=0)
+    return r, m, tl.load(IDX + r, mask=m, other=0)
+
+
+@triton.jit
+def _scalar_kernel(DK, IDX, R, D: tl.constexpr, BK: tl.constexpr):
+    r, m, n = _block(IDX, R, BK)
     c = tl.arange(0, D)
     tl.atomic_add(DK + n[:, None] * D + c[None, :], _values(r, c), mask=m[:, None], sem="relaxed")
 
 
 @triton.jit
 def _vec4_kernel(DK, IDX, R, D: tl.constexpr, BK: tl.constexpr):
-    r = tl.program_id(0) * BK + tl.arange(0, BK)
-    m = r < R
-    n = tl.load(IDX + r, mask=m, other=0)
+    r, m, n = _block(IDX, R, BK)
     c = tl.arange(0, D)
     v = tl.where(m[:, None], _values(r, c), 0.0)  # rows past R add zeros to key 0
     a, b = tl.split(tl.reshape(v, (BK, D // 4, 2, 2)))

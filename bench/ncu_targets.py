@@ -1,0 +1,59 @@
+"""One workload a call, for Nsight Compute: the kernels behind the missed targets.
+
+    python bench/ncu_targets.py {topk|cute|klbwd}      (CUDA)
+
+* topk: the resident top-k kernel on 4096 x 16384 fp32 torch.randn rows, k = 2048;
+* cute: the CuTe SM90 sparse attention forward at V3.2 (bench/tune_cute.py's inputs);
+* klbwd: the indexer KL loss backward at the V3.2 training step
+  (bench/test_bench_training.py's inputs).
+
+Each runs its kernel three times (twice for klbwd), so that
+``ncu --clock-control none --launch-skip 1 --launch-count 1 -k regex:NAME``
+profiles a launch after the first. The kernel names: ``_topk_resident_kernel``,
+``SparseAttnFwdSm90`` (within the CuTe DSL's name), ``_indexer_bwd_kernel``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def topk() -> None:
+    from dsa.triton import topk as tk
+
+    x = torch.randn(4096, 16384, device="cuda")
+    i = torch.empty(4096, 2048, dtype=torch.int32, device="cuda")
+    n = torch.empty(4096, dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        tk.launch(x, 2048, i, n)
+
+
+def cute() -> None:
+    import tune_cute as tc
+
+    a, _ = tc.make("V3.2")
+    for _ in range(3):
+        tc.cute_sa.forward(a)
+
+
+def klbwd() -> None:
+    import test_bench_training as tb
+
+    import dsa
+
+    shape = tb.TRAINING[0]
+    s = tb.make_set(shape, torch.device("cuda"))
+    leaves = [s[n].detach().clone().requires_grad_() for n in ("q_i", "k_i", "weights")]
+    loss = dsa.indexer_kl_loss(*leaves, s["indices"], s["target"], sm_scale=shape.D_i**-0.5, backend="triton")
+    for _ in range(2):
+        torch.autograd.grad(loss, leaves, retain_graph=True)
+
+
+if __name__ == "__main__":
+    {"topk": topk, "cute": cute, "klbwd": klbwd}[sys.argv[1]]()
+    torch.cuda.synchronize()

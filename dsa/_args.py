@@ -72,6 +72,17 @@ class SparseAttnArgs:
     def K(self) -> int:
         return self.indices.shape[2]
 
+    def kernel_dtype_reason(self) -> Optional[str]:
+        """Why the dtypes the kernels read directly (int32 indices and
+        topk_length, fp32 sink) do not hold (None if they do)."""
+        if self.indices.dtype != torch.int32:
+            return f"indices dtype {self.indices.dtype} is not int32"
+        if self.topk_length is not None and self.topk_length.dtype != torch.int32:
+            return f"topk_length dtype {self.topk_length.dtype} is not int32"
+        if self.sink is not None and self.sink.dtype != torch.float32:
+            return f"sink dtype {self.sink.dtype} is not fp32"
+        return None
+
 
 @dataclass(frozen=True)
 class IndexerArgs:

@@ -76,12 +76,9 @@ def supports(a: SparseAttnArgs) -> Optional[str]:
     hg = a.H // a.G
     if hg % HEADS_PER_CTA:
         return f"{hg} query heads per kv head: the cute kernel needs a multiple of {HEADS_PER_CTA}"
-    if a.indices.dtype != torch.int32:
-        return f"indices dtype {a.indices.dtype} is not int32"
-    if a.topk_length is not None and a.topk_length.dtype != torch.int32:
-        return f"topk_length dtype {a.topk_length.dtype} is not int32"
-    if a.sink is not None and a.sink.dtype != torch.float32:
-        return f"sink dtype {a.sink.dtype} is not fp32"
+    why = a.kernel_dtype_reason()
+    if why:
+        return why
     if a.T * a.H // HEADS_PER_CTA >= 2**31 or a.N * a.G >= 2**31 or a.K >= 2**31:
         return "T * H / 64 (the grid), N * H_kv and K must fit in int32"
     for name in ("q", "kv"):

@@ -70,12 +70,9 @@ def supports(a: SparseAttnArgs) -> Optional[str]:
         return f"d_v={a.d_v} must be in (0, D={a.D}]"
     if a.kv.shape[2] != a.D or a.H % a.G:
         return f"H={a.H} is not a multiple of G={a.G}, or kv's D differs from q's"
-    if a.indices.dtype != torch.int32:
-        return f"indices dtype {a.indices.dtype} is not int32"
-    if a.topk_length is not None and a.topk_length.dtype != torch.int32:
-        return f"topk_length dtype {a.topk_length.dtype} is not int32"
-    if a.sink is not None and a.sink.dtype != torch.float32:
-        return f"sink dtype {a.sink.dtype} is not fp32"
+    why = a.kernel_dtype_reason()
+    if why:
+        return why
     if a.q.device.type == "cpu" and a.q.dtype == torch.bfloat16:
         return "the Triton interpreter does not compute bf16 correctly on CPU"
     return None

@@ -3,6 +3,8 @@ argument: one test per bad-input class of DESIGN.md's "Errors" section."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -341,3 +343,18 @@ def test_errors_are_not_asserts():
 
     for module in (dsa._checks, dsa.api):
         assert "assert " not in inspect.getsource(module), module.__name__
+
+
+def test_kernel_dtype_reason_names_each_dtype():
+    """The dtypes the kernels read directly, stated once for the cute and Triton supports()."""
+    from dsa._args import SparseAttnArgs
+
+    q, kv = torch.zeros(2, 4, 16), torch.zeros(8, 1, 16)
+    idx, length, sink = torch.zeros(2, 1, 4, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), torch.zeros(4)
+    ok = SparseAttnArgs(q, kv, idx, length, sink, 1.0, 16)
+    assert ok.kernel_dtype_reason() is None
+    cases = {"indices": {"indices": idx.long()}, "topk_length": {"topk_length": length.long()},
+             "sink": {"sink": sink.half()}}
+    for name, change in cases.items():
+        why = dataclasses.replace(ok, **change).kernel_dtype_reason()
+        assert why is not None and why.startswith(name), why

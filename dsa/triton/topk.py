@@ -9,7 +9,8 @@ Method: every score becomes a uint32 *order key* (the fp32 bit pattern mapped
 so that unsigned order is value order, -0.0 folded onto +0.0, NaN and -inf
 mapped to 0, below every selectable value). The k-th largest key ``thr`` is
 found exactly, then one prefix scan emits, in position order, every key
-``> thr`` and the first ``k - count(> thr)`` keys ``== thr``.
+``> thr`` and the first ``k - count(> thr)`` keys ``== thr`` (a scan of one
+flag when the cut splits no tie, the usual case: see ``_emit_gt``).
 
 * Resident kernel (S <= RESIDENT_MAX): one program per row holds the whole
   row in registers (read from memory once) and finds ``thr`` with one of the
@@ -138,7 +139,7 @@ def _upper_normal_quantile(p):
 
 @triton.jit
 def _store_i32(ptr, val, mask, ASM: tl.constexpr):
-    """tl.store(ptr, val, mask) for int32 ``val``. With ASM (CUDA only) it is a
+    """tl.store(ptr, val, mask) for int32 ``val``. With ASM (NVIDIA only) it is a
     predicated ``st.global`` per element: an elementwise op keeps its operands'
     layout, where tl.store of scattered addresses is given a one-element-a-
     thread layout and the whole emit a shared-memory layout conversion
@@ -586,13 +587,13 @@ class ResidentConfig:
 
 
 def _resident_config(block_s: int) -> ResidentConfig:
-    # H200, fp32 rows, k=2048, 4096 rows (bench/tune_topk.py, RESULTS.md C10;
-    # every variant exact against the reference first): interp beats the
-    # early-exit bisection at 4096 keys (4 warps, 128 registers: 0.115 ms
-    # against 0.123) and at 16384 (16 warps: 0.526 ms against 0.738; 8 warps
-    # 0.623; 8 warps capped at 128 registers, 2 programs an SM: 0.512 in a
-    # second run where 16 warps took 0.527, RESULTS.md C17). radix (2-4 bits) and guess were
-    # slower at 4096 keys.
+    # H200, fp32 rows, k=2048, 4096 rows (bench/tune_topk.py, RESULTS.md C10,
+    # C17, C22; every variant exact against the reference first): interp beats
+    # the early-exit bisection, radix (2-4 bits) and guess at both lengths.
+    # With the one-flag emit (C22): 4096 keys, 4 warps capped at 128
+    # registers 0.082 ms (uncapped 0.123, 8 warps 0.096); 16384 keys, 8 warps
+    # capped at 128 registers (2 programs an SM) 0.335 ms, 16 warps capped at
+    # 64 0.333 (a tie), 16 warps 0.400, 32 warps 0.461, 8 warps uncapped 0.480.
     if block_s == 16384:
         return ResidentConfig(num_warps=8, search="interp", maxnreg=128)
     warps = max(4, min(16, block_s // 1024))
@@ -610,6 +611,12 @@ def supports(a: TopkArgs) -> Optional[str]:
     return None
 
 
+def _ptx_store(t: torch.Tensor) -> bool:
+    """Whether _store_i32 may use its inline PTX: an NVIDIA GPU (not the
+    interpreter's CPU tensors, not ROCm)."""
+    return t.is_cuda and torch.version.hip is None
+
+
 def launch(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: torch.Tensor,
            resident_max: int = RESIDENT_MAX, chunk: int = STREAM_CHUNK,
            config: Optional[ResidentConfig] = None) -> None:
@@ -625,7 +632,7 @@ def launch(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: torch.T
         kernel[(R,)](
             scores, indices, lengths, S, k, scores.stride(0), indices.stride(0),
             BLOCK_S=block_s, FILL=_FILL_BLOCK, num_warps=cfg.num_warps, **cfg.constexprs(scores.dtype),
-            ASM_STORE=scores.is_cuda, **opts,
+            ASM_STORE=_ptx_store(scores), **opts,
         )
     else:
         _topk_stream_kernel[(R,)](

@@ -10,7 +10,8 @@ so that unsigned order is value order, -0.0 folded onto +0.0, NaN and -inf
 mapped to 0, below every selectable value). The k-th largest key ``thr`` is
 found exactly, then one prefix scan emits, in position order, every key
 ``> thr`` and the first ``k - count(> thr)`` keys ``== thr`` (a scan of one
-flag when the cut splits no tie, the usual case: see ``_emit_gt``).
+flag when the cut splits no tie, the usual case: see ``_emit_gt``). The
+stores keep the load's layout (``dsa.triton.ptx``).
 
 * Resident kernel (S <= RESIDENT_MAX): one program per row holds the whole
   row in registers (read from memory once) and finds ``thr`` with one of the
@@ -55,6 +56,7 @@ import triton
 import triton.language as tl
 
 from dsa._args import TopkArgs
+from dsa.triton import ptx
 
 # Longest row held in registers (BLOCK_S = next_pow2(S)); beyond this the
 # streaming kernel runs. 32768 spills registers even at 16 warps (ptxas,
@@ -138,29 +140,13 @@ def _upper_normal_quantile(p):
 
 
 @triton.jit
-def _store_i32(ptr, val, mask, ASM: tl.constexpr):
-    """tl.store(ptr, val, mask) for int32 ``val``. With ASM (NVIDIA only) it is a
-    predicated ``st.global`` per element: an elementwise op keeps its operands'
-    layout, where tl.store of scattered addresses is given a one-element-a-
-    thread layout and the whole emit a shared-memory layout conversion
-    (sm_90a, 16384 keys, 8 warps: 744 -> 108 spilled bytes, 37 -> 13
-    barriers)."""
-    if ASM:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }",
-            "=r,l,r,r", [ptr, val, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.store(ptr, val, mask=mask)
-
-
-@triton.jit
 def _emit_gt(idx_row_ptr, key, pos, thr, K, ASM: tl.constexpr):
     """_emit_block of a whole row when no key == thr is taken (need == 0, the
     usual case: the search stops on an exact count): one flag, one scan.
     Keys past the row are 0 and thr >= 0, so they are never > thr."""
     gt = (key > thr).to(tl.int32)
     slot = tl.cumsum(gt, axis=0) - gt
-    _store_i32(idx_row_ptr + slot, pos, (gt != 0) & (slot < K), ASM)
+    ptx.store_i32(idx_row_ptr + slot, pos, (gt != 0) & (slot < K), ASM)
     return tl.sum(gt, axis=0)
 
 
@@ -184,7 +170,7 @@ def _emit_block(idx_row_ptr, key, pos, m, thr, need, gt_run, eq_run, K, ONE_SUM:
     eq_before = eq_run + (excl >> 16)
     sel = gt | (eq & (eq_before < need))
     slot = gt_before + tl.minimum(eq_before, need)
-    _store_i32(idx_row_ptr + slot, pos, sel & (slot < K), ASM)
+    ptx.store_i32(idx_row_ptr + slot, pos, sel & (slot < K), ASM)
     if ONE_SUM:  # both counts from one reduction of the packed flags
         n = tl.sum(packed, axis=0)
         return n & 0xFFFF, (n >> 16) & 0xFFFF
@@ -443,7 +429,7 @@ def _topk_resident_kernel(
     ASM_STORE: tl.constexpr = False,
 ):
     # SEARCH: index in SEARCHES; LOW_BITS: key bits below the input's precision;
-    # ASM_STORE: see _store_i32 (CUDA tensors)
+    # ASM_STORE: ptx.store_i32 may emit PTX (dsa/triton/ptx.py)
     r = tl.program_id(0).to(tl.int64)
     o_s = tl.arange(0, BLOCK_S)
     m_s = o_s < S
@@ -611,12 +597,6 @@ def supports(a: TopkArgs) -> Optional[str]:
     return None
 
 
-def _ptx_store(t: torch.Tensor) -> bool:
-    """Whether _store_i32 may use its inline PTX: an NVIDIA GPU (not the
-    interpreter's CPU tensors, not ROCm)."""
-    return t.is_cuda and torch.version.hip is None
-
-
 def launch(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: torch.Tensor,
            resident_max: int = RESIDENT_MAX, chunk: int = STREAM_CHUNK,
            config: Optional[ResidentConfig] = None) -> None:
@@ -632,7 +612,7 @@ def launch(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: torch.T
         kernel[(R,)](
             scores, indices, lengths, S, k, scores.stride(0), indices.stride(0),
             BLOCK_S=block_s, FILL=_FILL_BLOCK, num_warps=cfg.num_warps, **cfg.constexprs(scores.dtype),
-            ASM_STORE=_ptx_store(scores), **opts,
+            ASM_STORE=ptx.enabled(scores), **opts,
         )
     else:
         _topk_stream_kernel[(R,)](

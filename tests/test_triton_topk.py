@@ -195,3 +195,51 @@ def test_gpu_contract(R, S, k, dtype):
     ref_idx, ref_len = topk_contract(x, k)
     assert torch.equal(lens, ref_len)
     assert torch.equal(idx, ref_idx)
+
+
+# Compiled for sm_90a without a GPU, outside the interpreter: the resident
+# kernel's default at 16384 keys, with and without the PTX store.
+_AOT = r"""
+import json, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dsa.triton import topk as tk
+sig = {"s_ptr": "*fp32", "idx_ptr": "*i32", "len_ptr": "*i32", "S": "i32", "K": "i32", "stride_s": "i32",
+       "stride_i": "i32"}
+attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6)}  # as a launch on 16384 keys
+cfg = tk._resident_config(16384)
+out = {}
+for asm in (True, False):
+    const = dict(BLOCK_S=16384, FILL=1024, ASM_STORE=asm, **cfg.constexprs(torch.float32))
+    c = triton.compile(ASTSource(tk._topk_resident_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=cfg.num_warps, maxnreg=cfg.maxnreg))
+    out[str(asm)] = dict(converts=c.asm["ttgir"].count("ttg.convert_layout"), shared=c.metadata.shared,
+                         st=c.asm["ptx"].count("st.global.b32"))
+print(json.dumps(out))
+"""
+
+
+def test_ptx_store_keeps_the_load_layout():
+    """With the PTX store the emit runs in the row load's layout: no layout
+    conversion through shared memory (only the reductions' scratch); with
+    tl.store the compiler converts (what ptx.store_i32 exists to avoid)."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=root)
+    proc = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["True"]["converts"] == 0 and got["True"]["shared"] <= 1024, got
+    assert got["True"]["st"] >= 64, got  # one predicated store for each of a thread's 64 keys
+    assert got["False"]["converts"] > 0 and got["False"]["shared"] > got["True"]["shared"], got
+
+
+def test_ptx_enabled_only_on_nvidia():
+    from dsa.triton import ptx
+
+    assert not ptx.enabled(torch.zeros(1))
+    if torch.cuda.is_available():
+        assert ptx.enabled(torch.zeros(1, device="cuda")) == (torch.version.hip is None)

@@ -444,11 +444,6 @@ def _topk_resident_kernel(
         if n_valid > K:  # else every valid key is taken (rows of early causal queries)
             thr, need = _search_bisect(b_key, n_valid, K, EARLY_EXIT)
         # thr == 0 when every valid key is taken: "key > 0" is exactly "valid".
-        if need == 0:
-            length = _emit_gt(idx_row, b_key, o_s, thr, K, ASM_STORE)
-        else:
-            n_gt, n_eq = _emit_block(idx_row, b_key, o_s, m_s, thr, need, 0, 0, K, True, ASM_STORE)
-            length = n_gt + tl.minimum(n_eq, need)
     else:
         if SEARCH == 1:
             n_valid = tl.sum((b_key != 0).to(tl.int32), axis=0)
@@ -466,11 +461,11 @@ def _topk_resident_kernel(
                 thr, need = _search_radix(b_key, K, RADIX_BITS, LOW_BITS)
             else:
                 thr, need = _search_interp(b_key, n_valid, (n_packed >> 16) & 0xFFFF, s1, s2, K, SEARCH == 2)
-        if need == 0:  # the cut splits no tie
-            length = _emit_gt(idx_row, b_key, o_s, thr, K, ASM_STORE)
-        else:
-            n_gt, n_eq = _emit_block(idx_row, b_key, o_s, m_s, thr, need, 0, 0, K, True, ASM_STORE)
-            length = n_gt + tl.minimum(n_eq, need)
+    if need == 0:  # the cut splits no tie
+        length = _emit_gt(idx_row, b_key, o_s, thr, K, ASM_STORE)
+    else:
+        n_gt, n_eq = _emit_block(idx_row, b_key, o_s, m_s, thr, need, 0, 0, K, True, ASM_STORE)
+        length = n_gt + tl.minimum(n_eq, need)
     tl.store(len_ptr + r, length)
     _pad_row(idx_row, length, K, FILL)
 

@@ -318,8 +318,10 @@ def indexer_args(
         if (cu_seqlens_q is None) != (cu_seqlens_k is None):
             raise ValueError("cu_seqlens_q/cu_seqlens_k: give both or neither (neither means one sequence)")
         if cu_seqlens_q is None:
-            cu_q = torch.tensor([0, Tq], device=device, dtype=torch.int32)
-            cu_k = torch.tensor([0, Tk], device=device, dtype=torch.int32)
+            # Built on the device: torch.tensor(..., device=cuda) is a
+            # blocking copy that would stall the host behind queued kernels.
+            cu_q = torch.arange(2, device=device, dtype=torch.int32) * Tq
+            cu_k = torch.arange(2, device=device, dtype=torch.int32) * Tk
             lens_k = [Tk]
         else:
             cu_q, _ = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, Tq, device)

@@ -1,0 +1,77 @@
+"""The GPU paths never make the host wait for the device.
+
+A call that synchronises (a blocking host-to-device copy, ``.item()``, a
+data-dependent shape) stalls the host behind every queued kernel, so the
+next launch starts late and short kernels become host-bound. Under
+``torch.cuda.set_sync_debug_mode("error")`` any such operation raises.
+
+Only the calls that must read device values are exempt: explicit
+``cu_seqlens`` are validated on the host (DESIGN.md's errors), so the packed
+calls here use the one-sequence form, which needs no such read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import dsa
+
+pytestmark = pytest.mark.gpu
+
+
+@contextlib.contextmanager
+def no_sync():
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _twice(fn):
+    fn()  # compiles and autotunes outside the checked region
+    with no_sync():
+        fn()
+
+
+def _indexer_inputs(T=256, H=16, D=64, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(T, H, D, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(T, D, device="cuda", dtype=dtype, generator=g)
+    w = torch.randn(T, H, device="cuda", dtype=torch.float32, generator=g)
+    return q, k, w
+
+
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_indexer_calls_do_not_sync(backend):
+    q, k, w = _indexer_inputs()
+    _twice(lambda: dsa.indexer_scores(q, k, w, ratio=2, backend=backend))
+    _twice(lambda: dsa.indexer_scores(q.view(2, 128, *q.shape[1:]), k.view(2, 128, -1), w.view(2, 128, -1),
+                                      backend=backend))
+    _twice(lambda: dsa.indexer_topk(q, k, w, 64, return_lengths=True, backend=backend))
+    s = torch.randn(64, 1000, device="cuda")
+    _twice(lambda: dsa.topk_indices(s, 100, return_lengths=True, backend=backend))
+
+
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_sparse_attention_does_not_sync(backend):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    T, N, H, D, d_v, K = 64, 300, 16, 192, 128, 96
+    q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    kv = torch.randn(N, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    idx = torch.randint(-5, N + 5, (T, K), device="cuda", dtype=torch.int32, generator=g)
+    lens = torch.randint(0, K + 1, (T,), device="cuda", dtype=torch.int32, generator=g)
+    sink = torch.randn(H, device="cuda", generator=g).requires_grad_()
+    dout = torch.randn(T, H, d_v, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def step():
+        out, lse = dsa.sparse_attention(q, kv, idx, d_v=d_v, sink=sink, topk_length=lens, return_lse=True,
+                                        backend=backend)
+        torch.autograd.backward(out, dout)
+        return lse
+
+    _twice(step)

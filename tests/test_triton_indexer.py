@@ -141,6 +141,22 @@ def test_single_sequence_and_wide_columns():
     check_scores(ix.scores(a), scores_f64(a), a, 1e-5)
 
 
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_single_sequence_chunks(chunk, monkeypatch):
+    """One sequence (its kernel has no block table) with a query offset,
+    ratio 2 and query chunks that do not divide it."""
+    if chunk is not None:
+        monkeypatch.setattr(ix, "chunk_rows", lambda Tq, S, k: chunk)
+    a = make_args([13], [9], [3], H=4, D=16, dtype=torch.float32, w_dtype=torch.float32, ratio=2, causal=True,
+                  integer=True, sm_scale=0.5, seed=7)
+    ref = scores_f64(a)
+    assert torch.equal(ix.scores(a).double(), ref)
+    for k in (3, 10):
+        idx, lens = ix.indexer_topk(a, k)
+        ref_idx, ref_len = topk_contract(ref, k)
+        assert torch.equal(lens, ref_len) and torch.equal(idx, ref_idx), k
+
+
 def test_many_sequences(monkeypatch):
     """More sequences than one step of the block-table kernel (carry across steps)."""
     monkeypatch.setattr(ix, "_TABLE_BLOCK", 16)

@@ -106,21 +106,31 @@ def _indexer_scores_kernel(
     stride_qt, stride_qh, stride_kt, stride_wt, stride_ot,
     H, D,
     CAUSAL: tl.constexpr, BQ: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
-    BN: tl.constexpr, PRECISION: tl.constexpr,
+    BN: tl.constexpr, PRECISION: tl.constexpr, SINGLE: tl.constexpr,
 ):
     # Blocks are taken last-first: in a causal batch the late query blocks
     # have the most keys, and starting them first evens out the tail.
-    total = tl.load(blk_cum_ptr + n_seq)
+    # SINGLE (one sequence): the blocks are those of [row_begin, row_end),
+    # no block table.
+    if SINGLE:
+        total = tl.cdiv(row_end - row_begin, BQ)
+    else:
+        total = tl.load(blk_cum_ptr + n_seq)
     blk = total - 1 - tl.program_id(0)
     if blk < 0:
         return
-    b = _find_block(blk_cum_ptr, blk, n_seq, n_iter)
+    if SINGLE:
+        b = 0
+        blk_first = 0
+    else:
+        b = _find_block(blk_cum_ptr, blk, n_seq, n_iter)
+        blk_first = tl.load(blk_cum_ptr + b)
     q_seq0 = tl.load(cu_q_ptr + b)
     q_lo = tl.maximum(q_seq0, row_begin)
     q_hi = tl.minimum(tl.load(cu_q_ptr + b + 1), row_end)
     k_seq0 = tl.load(cu_k_ptr + b)
     s_k = tl.load(cu_k_ptr + b + 1) - k_seq0
-    t0 = q_lo + (blk - tl.load(blk_cum_ptr + b)) * BQ
+    t0 = q_lo + (blk - blk_first) * BQ
 
     # Per-query visible key count.
     o_bq = tl.arange(0, BQ)
@@ -223,9 +233,12 @@ def supports(a: IndexerArgs) -> Optional[str]:
     return None
 
 
-def _block_tables(a: IndexerArgs, BQ: int, rows_per_chunk: int, n_chunks: int) -> torch.Tensor:
-    """[n_chunks, B+1] int32 cumulative block counts (see _block_table_kernel)."""
+def _block_tables(a: IndexerArgs, BQ: int, rows_per_chunk: int, n_chunks: int) -> Optional[torch.Tensor]:
+    """[n_chunks, B+1] int32 cumulative block counts (see _block_table_kernel);
+    None for one sequence, whose kernel needs no table (one launch less)."""
     B = a.batch
+    if B == 1:
+        return None
     out = torch.empty((n_chunks, B + 1), dtype=torch.int32, device=a.q.device)
     _block_table_kernel[(n_chunks,)](
         a.cu_seqlens_q, out, B, a.q.shape[0], rows_per_chunk,
@@ -234,21 +247,23 @@ def _block_tables(a: IndexerArgs, BQ: int, rows_per_chunk: int, n_chunks: int) -
     return out
 
 
-def _launch_scores(a: IndexerArgs, out: torch.Tensor, blk_cum: torch.Tensor, row_begin: int, row_end: int) -> None:
+def _launch_scores(a: IndexerArgs, out: torch.Tensor, blk_cum: Optional[torch.Tensor], row_begin: int,
+                   row_end: int) -> None:
     """Score rows [row_begin, row_end) of the packed queries into out[0 : row_end - row_begin]."""
     cfg = _config(a)
     BQ, HP, DP = _dims(a, cfg)
     H, D = a.q.shape[1], a.q.shape[2]
     B = a.batch
-    grid = (triton.cdiv(row_end - row_begin, BQ) + B,)  # >= the block count; spare programs exit
+    # >= the block count; spare programs exit
+    grid = (triton.cdiv(row_end - row_begin, BQ) + (0 if blk_cum is None else B),)
     _indexer_scores_kernel[grid](
         a.q, a.k, a.weights, out,
-        a.cu_seqlens_q, a.cu_seqlens_k, a.q_offsets, blk_cum,
+        a.cu_seqlens_q, a.cu_seqlens_k, a.q_offsets, a.cu_seqlens_q if blk_cum is None else blk_cum,
         row_begin, row_end, B, max(0, (B - 1).bit_length()), a.max_seqlen_k, a.ratio, float(a.sm_scale),
         a.q.stride(0), a.q.stride(1), a.k.stride(0), a.weights.stride(0), out.stride(0),
         H, D,
         CAUSAL=bool(a.causal), BQ=BQ, HP=HP, DP=DP, BN=cfg.BN,
-        PRECISION="ieee" if a.q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if a.q.dtype == torch.float32 else "tf32", SINGLE=blk_cum is None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -258,7 +273,8 @@ def scores(a: IndexerArgs) -> torch.Tensor:
     Tq = a.q.shape[0]
     out = torch.empty((Tq, a.max_seqlen_k), dtype=torch.float32, device=a.q.device)
     BQ, _, _ = _dims(a, _config(a))
-    _launch_scores(a, out, _block_tables(a, BQ, Tq, 1)[0], 0, Tq)
+    table = _block_tables(a, BQ, Tq, 1)
+    _launch_scores(a, out, None if table is None else table[0], 0, Tq)
     return out
 
 
@@ -282,6 +298,6 @@ def indexer_topk(a: IndexerArgs, topk: int) -> Tuple[torch.Tensor, torch.Tensor]
     scratch = torch.empty((min(rows, Tq), S), dtype=torch.float32, device=dev)
     for c, r0 in enumerate(starts):
         r1 = min(r0 + rows, Tq)
-        _launch_scores(a, scratch, tables[c], r0, r1)
+        _launch_scores(a, scratch, None if tables is None else tables[c], r0, r1)
         _topk.launch(scratch[: r1 - r0], topk, indices[r0:r1], lengths[r0:r1])
     return indices, lengths

@@ -11,6 +11,7 @@ out while compiling (``max_seqlen_k`` must then be given).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -243,6 +244,27 @@ class IndexerLayout:
         return x.view(self.batch, self.seqlen_q, *x.shape[1:])
 
 
+@functools.lru_cache(maxsize=64)
+def _uniform_cached(device: torch.device, B: int, Sq: int, Sk: int) -> Tuple[torch.Tensor, ...]:
+    # One blocking copy per new key, so the tensors are complete before any
+    # stream reads them; never written afterwards.
+    cu = torch.tensor([b * Sq for b in range(B + 1)] + [b * Sk for b in range(B + 1)], dtype=torch.int32,
+                      device=device)
+    return cu[: B + 1], cu[B + 1 :], torch.tensor([0] * B, dtype=torch.int64, device=device)
+
+
+def _uniform_offsets(device: torch.device, B: int, Sq: int, Sk: int) -> Tuple[torch.Tensor, ...]:
+    """(cu_seqlens_q, cu_seqlens_k) int32 [B+1] of B sequences of Sq / Sk
+    rows, and zero q_offsets int64 [B]. Cached for small B: otherwise five
+    tiny launches a call, a large part of the host time of a short kernel.
+    Not cached while tracing or capturing a CUDA graph."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if B <= 64 and not capturing and not torch.compiler.is_compiling():
+        return _uniform_cached(device, B, Sq, Sk)
+    base = torch.arange(B + 1, device=device, dtype=torch.int32)
+    return base * Sq, base * Sk, torch.zeros(B, device=device, dtype=torch.int64)
+
+
 def _cu_seqlens(name: str, cu, total: int, device: torch.device) -> Tuple[torch.Tensor, list]:
     cu = _tensor(name, cu, dtypes=INT_DTYPES)
     _rank(name, cu, (1,), "a 1-D tensor [B+1]")
@@ -304,8 +326,7 @@ def indexer_args(
         _shape("weights", weights, (B, Sq, H), "[B, S_q, H_i]")
         if max_seqlen_k is not None and _int("max_seqlen_k", max_seqlen_k) != Sk:
             raise ValueError(f"max_seqlen_k: expected S_k={Sk} for batched k, got {max_seqlen_k}")
-        cu_q = torch.arange(B + 1, device=device, dtype=torch.int32) * Sq
-        cu_k = torch.arange(B + 1, device=device, dtype=torch.int32) * Sk
+        cu_q, cu_k, zero_offsets = _uniform_offsets(device, B, Sq, Sk)
         Tq, Tk, max_k = B * Sq, B * Sk, Sk
         layout = IndexerLayout(batch=B, seqlen_q=Sq)
     else:
@@ -318,12 +339,10 @@ def indexer_args(
         if (cu_seqlens_q is None) != (cu_seqlens_k is None):
             raise ValueError("cu_seqlens_q/cu_seqlens_k: give both or neither (neither means one sequence)")
         if cu_seqlens_q is None:
-            # Built on the device: torch.tensor(..., device=cuda) is a
-            # blocking copy that would stall the host behind queued kernels.
-            cu_q = torch.arange(2, device=device, dtype=torch.int32) * Tq
-            cu_k = torch.arange(2, device=device, dtype=torch.int32) * Tk
+            cu_q, cu_k, zero_offsets = _uniform_offsets(device, 1, Tq, Tk)
             lens_k = [Tk]
         else:
+            zero_offsets = None
             cu_q, _ = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, Tq, device)
             cu_k, vk = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, Tk, device)
             if cu_k.shape[0] != cu_q.shape[0]:
@@ -346,7 +365,7 @@ def indexer_args(
         raise ValueError(f"k: expected head dim {D} (that of q), got {k.shape[-1]}")
 
     if q_offsets is None:
-        q_offsets = torch.zeros(B, device=device, dtype=torch.int64)
+        q_offsets = zero_offsets if zero_offsets is not None else torch.zeros(B, device=device, dtype=torch.int64)
     else:
         q_offsets = _tensor("q_offsets", q_offsets, dtypes=INT_DTYPES)
         _shape("q_offsets", q_offsets, (B,), "one offset per sequence [B]")

@@ -61,8 +61,9 @@ def sparse_attention(
     ``deterministic=True`` makes the gradients bitwise reproducible.
     """
     a, layout = _sparse_call(q, kv, indices, sm_scale, d_v, sink, topk_length, return_lse, deterministic, backend)
-    out, lse = ops.sparse_attention_fwd(
-        a.q, a.kv, a.indices, a.topk_length, a.sink, a.sm_scale, a.d_v, a.deterministic, backend
+    out, lse = ops.call(
+        ops.sparse_attention_fwd, a.q, a.kv, a.indices, a.topk_length, a.sink, a.sm_scale, a.d_v, a.deterministic,
+        backend,
     )
     out = layout.unpack(out)
     return (out, layout.unpack(lse)) if return_lse else out
@@ -121,7 +122,7 @@ def indexer_scores(
     a, layout = _indexer_call(
         q, k, weights, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, backend
     )
-    return layout.unpack(ops.indexer_scores(*_indexer_tensors(a), backend))
+    return layout.unpack(ops.call(ops.indexer_scores, *_indexer_tensors(a), backend))
 
 
 def _topk_call(scores, k, return_lengths, backend):
@@ -142,7 +143,7 @@ def topk_indices(
     int32, the count of valid entries, ready to pass as ``topk_length``.
     """
     a, lead = _topk_call(scores, k, return_lengths, backend)
-    idx, lengths = ops.topk(a.scores, a.k, backend)
+    idx, lengths = ops.call(ops.topk, a.scores, a.k, backend)
     idx, lengths = idx.view(*lead, a.k), lengths.view(lead)
     return (idx, lengths) if return_lengths else idx
 
@@ -176,7 +177,7 @@ def indexer_topk(
         q, k, weights, topk, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
         global_indices, return_lengths, backend,
     )
-    idx, lengths = ops.indexer_topk(*_indexer_tensors(a), topk, backend)
+    idx, lengths = ops.call(ops.indexer_topk, *_indexer_tensors(a), topk, backend)
     if global_indices:
         seq = torch.repeat_interleave(
             torch.arange(a.batch, device=idx.device), torch.diff(a.cu_seqlens_q).long(), output_size=idx.shape[0]

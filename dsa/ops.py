@@ -13,10 +13,45 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+import torch.utils._python_dispatch
 from torch import Tensor
 
 from dsa._args import IndexerArgs, SparseAttnArgs, TopkArgs
 from dsa.selector import select
+
+# op -> its Python body, for calls that need nothing from the dispatcher
+_BODIES = {}
+
+
+def _op(name: str):
+    """torch.library.custom_op(name), keeping the body for :func:`call`."""
+
+    def wrap(fn):
+        op = torch.library.custom_op(name, mutates_args=())(fn)
+        _BODIES[op] = fn
+        return op
+
+    return wrap
+
+
+def call(op, *args):
+    """``op(*args)``, or its body directly when the dispatcher has nothing to
+    add: no tracing or compiling, no dispatch mode or functorch transform, no
+    tensor subclass, and no autograd (grad mode off or no input requiring
+    grad). Same body, same result; it saves the dispatcher's host time
+    (tens of microseconds a call), which short kernels would otherwise wait
+    on."""
+    if (
+        torch.compiler.is_compiling()
+        or torch._C._are_functorch_transforms_active()
+        or torch.utils._python_dispatch._get_current_dispatch_mode() is not None
+    ):
+        return op(*args)
+    grad = torch.is_grad_enabled()
+    for x in args:
+        if isinstance(x, Tensor) and (type(x) is not Tensor or (grad and x.requires_grad)):
+            return op(*args)
+    return _BODIES[op](*args)
 
 
 def _acc_dtype(q: Tensor) -> torch.dtype:
@@ -35,7 +70,7 @@ def _sparse_empty(a: SparseAttnArgs) -> bool:
 # sparse attention
 
 
-@torch.library.custom_op("dsa::sparse_attention_fwd", mutates_args=())
+@_op("dsa::sparse_attention_fwd")
 def sparse_attention_fwd(
     q: Tensor,
     kv: Tensor,
@@ -119,7 +154,7 @@ def indexer_args(q, k, weights, cu_q, cu_k, q_offsets, max_seqlen_k, ratio, caus
     return IndexerArgs(q, k, weights, cu_q, cu_k, q_offsets, max_seqlen_k, ratio, causal, sm_scale)
 
 
-@torch.library.custom_op("dsa::indexer_scores", mutates_args=())
+@_op("dsa::indexer_scores")
 def indexer_scores(
     q: Tensor,
     k: Tensor,
@@ -151,7 +186,7 @@ def _no_selection(rows: int, k: int, device) -> Tuple[Tensor, Tensor]:
     )
 
 
-@torch.library.custom_op("dsa::indexer_topk", mutates_args=())
+@_op("dsa::indexer_topk")
 def indexer_topk(
     q: Tensor,
     k: Tensor,
@@ -182,7 +217,7 @@ def _(q, k, weights, cu_seqlens_q, cu_seqlens_k, q_offsets, max_seqlen_k, ratio,
 # top-k
 
 
-@torch.library.custom_op("dsa::topk", mutates_args=())
+@_op("dsa::topk")
 def topk(scores: Tensor, k: int, backend: str) -> Tuple[Tensor, Tensor]:
     R, S = scores.shape
     if R == 0 or S == 0 or k == 0:

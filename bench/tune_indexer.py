@@ -1,6 +1,6 @@
 """GPU tuning run for dsa/triton/indexer.py and dsa/triton/topk.py (one call).
 
-    PYTHONPATH=$PWD python bench/tune_indexer.py [--quick] [--skip-scores]
+    PYTHONPATH=$PWD python bench/tune_indexer.py [--quick] [--skip-scores | --scores-only] [--configs A,B]
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python bench/tune_indexer.py --smoke   # CPU dry run
 
 Times tile configs of the scores kernel and variants of the top-k kernel on
@@ -81,9 +81,15 @@ def section_scores(quick):
         "BN64_NC256_w4_s2": ix.IndexerConfig(64, 256, 4, 2),
         "BN128_NC64_w4_s3": ix.IndexerConfig(128, 64, 4, 3),
         "BN64_NC64_w4_s3": ix.IndexerConfig(64, 64, 4, 3),
+        # 48 KB of shared memory and <= 128 registers: 4 programs an SM
+        "BN64_NC128_w4_s1_r128": ix.IndexerConfig(64, 128, 4, 1, maxnreg=128),
+        "BN64_NC64_w4_s2_r128": ix.IndexerConfig(64, 64, 4, 2, maxnreg=128),
     }
     if quick:
         cfgs = dict(list(cfgs.items())[:2])
+    if "--configs" in sys.argv:  # --configs NAME,NAME
+        keep = sys.argv[sys.argv.index("--configs") + 1].split(",")
+        cfgs = {n: c for n, c in cfgs.items() if n in keep}
     default = ix._CONFIGS["mma"]
     totals = {}
     for S_q, S_k, ratio in shapes:
@@ -232,6 +238,8 @@ def main():
     sections = (section_scores, section_topk, section_fused)
     if "--skip-scores" in sys.argv:
         sections = sections[1:]
+    if "--scores-only" in sys.argv:
+        sections = sections[:1]
     for sec in sections:
         try:
             sec(quick)

@@ -185,6 +185,7 @@ class IndexerConfig:
     NCOLS: int  # BQ * HP, the MMA's N
     num_warps: int
     num_stages: int
+    maxnreg: Optional[int] = None  # ptxas register cap (None: its choice)
 
 
 # Chosen per dtype class only (never per Tq or S_k): indexer_topk's chunked
@@ -264,7 +265,7 @@ def _launch_scores(a: IndexerArgs, out: torch.Tensor, blk_cum: Optional[torch.Te
         H, D,
         CAUSAL=bool(a.causal), BQ=BQ, HP=HP, DP=DP, BN=cfg.BN,
         PRECISION="ieee" if a.q.dtype == torch.float32 else "tf32", SINGLE=blk_cum is None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )
 
 

@@ -17,6 +17,7 @@ Order under ``backend="auto"``:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ class Choice:
         return "\n".join(lines)
 
 
+@functools.lru_cache(maxsize=None)
 def _hook(name: str) -> Callable[..., Callable[..., Any]]:
     module = {"reference": "dsa.reference", "triton": "dsa.triton", "cute": "dsa.cute"}[name]
     return importlib.import_module(module).backend_op

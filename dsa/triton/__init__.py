@@ -7,6 +7,7 @@ serve the canonical ``args``, else the reason) and the op functions named in
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from typing import Any, Callable, Optional
@@ -56,9 +57,15 @@ def backend_op(op: str, args: Any, auto: bool = False) -> Callable[..., Any]:
         first = args.scores
     why = device_reason(first)
     if why is None:
-        module_name, fn_name = _OPS[op]
-        module = importlib.import_module(f"{__name__}.{module_name}")
+        module, fn_name = _module(op)
         why = module.supports(args)
         if why is None:
             return getattr(module, fn_name)
     raise Unsupported(why)
+
+
+@functools.lru_cache(maxsize=None)
+def _module(op: str):
+    """(the op's module, its function name); imported on first use."""
+    module_name, fn_name = _OPS[op]
+    return importlib.import_module(f"{__name__}.{module_name}"), fn_name

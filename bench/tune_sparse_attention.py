@@ -34,6 +34,19 @@ FWD_VARIANTS = {
     "bh64-bn64-cw256-s2": C(64, 64, 256, 8, 2),
     "bh64-bn64-cw128-s1": C(64, 64, 128, 8, 1),
     "skew-bh64-bn32-cw128-s1": C(64, 32, 128, 8, 1, True),
+    # d_v split over two programs (each recomputes S; one warpgroup a program)
+    "vsplit2-w4-bn64-s2": C(64, 64, 128, 4, 2, vsplit=2),
+    "vsplit2-w4-bn32-s2": C(64, 32, 128, 4, 2, vsplit=2),
+    "vsplit2-w4-bn32-s1": C(64, 32, 128, 4, 1, vsplit=2),
+    "vsplit2-w8-bn64-s2": C(64, 64, 128, 8, 2, vsplit=2),
+    "prefetch": C(64, 64, 128, 8, 2, prefetch=True),
+}
+# timed on the half-valid rows too (topk_length uniform in [0, K])
+HALF_VARIANTS = {
+    "tail": C(64, 64, 128, 8, 2, tail=True),
+    "lpt": C(64, 64, 128, 8, 2, lpt=True),
+    "tail-lpt": C(64, 64, 128, 8, 2, tail=True, lpt=True),
+    "tail-lpt-prefetch": C(64, 64, 128, 8, 2, tail=True, lpt=True, prefetch=True),
 }
 BWD_VARIANTS = {
     "bh64-bn32-cw128-s1": C(64, 32, 128, 8, 1),
@@ -76,6 +89,8 @@ def main():
     ap.add_argument("--shapes", default="V3.2,V4-pro")
     ap.add_argument("--fwd", default="", help="comma list of FWD_VARIANTS names")
     ap.add_argument("--bwd", default="", help="comma list of BWD_VARIANTS names")
+    ap.add_argument("--half", default="", help="comma list of HALF_VARIANTS names")
+    ap.add_argument("--no-bwd", action="store_true", help="forward only")
     ap.add_argument("--no-det", action="store_true", help="skip the deterministic backward")
     args = ap.parse_args()
     rows = []
@@ -107,6 +122,8 @@ def main():
                 print(shape, "fwd", name, "FAILED", type(e).__name__, str(e)[:300], flush=True)
         out, lse = ref_out, ref_lse
         bv = {"default": None} if args.quick else {"default": None, **BWD_VARIANTS}
+        if args.no_bwd:
+            bv = {}
         if args.bwd:
             bv = {"default": None, **{k: BWD_VARIANTS[k] for k in args.bwd.split(",")}}
         ref_g = grads = None
@@ -125,11 +142,23 @@ def main():
         del grads, ref_g
         # half-valid rows (topk_length uniform in [0, K]): time relative to full rows
         full_f = next(r["ms"] for r in rows if r["shape"] == shape and r["pass_"] == "fwd")
-        full_b = next(r["ms"] for r in rows if r["shape"] == shape and r["pass_"] == "bwd")
         ah, douth, slots_h = make(shape, half=True, seed=1)
         outh, lseh = sa.forward(ah)
         ms = bench(lambda: sa.forward(ah))
         report(shape, "fwd", "default half-valid", ms, 2 * slots_h * (D + d_v), f"ratio {ms / full_f:.3f}")
+        for name in filter(None, args.half.split(",")):
+            cfg = HALF_VARIANTS[name]
+            o, _ = sa.forward(ah, cfg)
+            err = f"d_out {rel(o, outh):.1e}"
+            o, _ = sa.forward(a, cfg)
+            ms_full = bench(lambda: sa.forward(a, cfg))
+            report(shape, "fwd", name, ms_full, f_fwd, f"d_out {rel(o, ref_out):.1e}")
+            ms = bench(lambda: sa.forward(ah, cfg))
+            report(shape, "fwd", name + " half-valid", ms, 2 * slots_h * (D + d_v),
+                   f"ratio {ms / full_f:.3f} (own full {ms / ms_full:.3f}) {err}")
+        if args.no_bwd:
+            continue
+        full_b = next(r["ms"] for r in rows if r["shape"] == shape and r["pass_"] == "bwd")
         ms = bench(lambda: sa.backward(ah, outh, lseh, douth))
         report(shape, "bwd", "default half-valid", ms, 2 * slots_h * (3 * D + 2 * d_v), f"ratio {ms / full_b:.3f}")
         del ah, douth, outh, lseh

@@ -47,6 +47,9 @@ HALF_VARIANTS = {
     "lpt": C(64, 64, 128, 8, 2, lpt=True),
     "tail-lpt": C(64, 64, 128, 8, 2, tail=True, lpt=True),
     "tail-lpt-prefetch": C(64, 64, 128, 8, 2, tail=True, lpt=True, prefetch=True),
+    "prefetch": C(64, 64, 128, 8, 2, prefetch=True),
+    "prefetch-tail": C(64, 64, 128, 8, 2, prefetch=True, tail=True),
+    "prefetch-lpt": C(64, 64, 128, 8, 2, prefetch=True, lpt=True),
 }
 BWD_VARIANTS = {
     "bh64-bn32-cw128-s1": C(64, 32, 128, 8, 1),

@@ -34,22 +34,11 @@ FWD_VARIANTS = {
     "bh64-bn64-cw256-s2": C(64, 64, 256, 8, 2),
     "bh64-bn64-cw128-s1": C(64, 64, 128, 8, 1),
     "skew-bh64-bn32-cw128-s1": C(64, 32, 128, 8, 1, True),
-    # d_v split over two programs (each recomputes S; one warpgroup a program)
-    "vsplit2-w4-bn64-s2": C(64, 64, 128, 4, 2, vsplit=2),
-    "vsplit2-w4-bn32-s2": C(64, 32, 128, 4, 2, vsplit=2),
-    "vsplit2-w4-bn32-s1": C(64, 32, 128, 4, 1, vsplit=2),
-    "vsplit2-w8-bn64-s2": C(64, 64, 128, 8, 2, vsplit=2),
-    "prefetch": C(64, 64, 128, 8, 2, prefetch=True),
+    "no-prefetch": C(64, 64, 128, 8, 2, prefetch=False),
 }
 # timed on the half-valid rows too (topk_length uniform in [0, K])
 HALF_VARIANTS = {
-    "tail": C(64, 64, 128, 8, 2, tail=True),
-    "lpt": C(64, 64, 128, 8, 2, lpt=True),
-    "tail-lpt": C(64, 64, 128, 8, 2, tail=True, lpt=True),
-    "tail-lpt-prefetch": C(64, 64, 128, 8, 2, tail=True, lpt=True, prefetch=True),
-    "prefetch": C(64, 64, 128, 8, 2, prefetch=True),
-    "prefetch-tail": C(64, 64, 128, 8, 2, prefetch=True, tail=True),
-    "prefetch-lpt": C(64, 64, 128, 8, 2, prefetch=True, lpt=True),
+    "no-prefetch": C(64, 64, 128, 8, 2, prefetch=False),
 }
 BWD_VARIANTS = {
     "bh64-bn32-cw128-s1": C(64, 32, 128, 8, 1),
@@ -58,6 +47,8 @@ BWD_VARIANTS = {
     "bh64-bn64-cw128-s1": C(64, 64, 128, 8, 1),
     "bh16-bn32-cw128-w4-s1": C(16, 32, 128, 4, 1),
     "bh16-bn64-cw128-w8-s1": C(16, 64, 128, 8, 1),
+    "bh64-bn32-cw128-s1-no-prefetch": C(64, 32, 128, 8, 1, prefetch=False),
+    "bh64-bn64-cw128-s1-no-prefetch": C(64, 64, 128, 8, 1, prefetch=False),
 }
 
 

@@ -196,9 +196,11 @@ def test_matches_reference(dtype, T, H, G, N, K, D, d_v, lengths, sink):
 @pytest.mark.parametrize("cfg", [
     sa.TileConfig(BH=16, BN=16, CW=16, num_warps=4, num_stages=1, skew=True),
     sa.TileConfig(BH=16, BN=32, CW=32, num_warps=4, num_stages=1, skew=False),
+    sa.TileConfig(BH=16, BN=16, CW=32, num_warps=4, num_stages=1, prefetch=False),
 ])
 def test_tile_configs(cfg):
-    """Other tilings (chunk width, block, skewed forward loop) on the same math."""
+    """Other tilings (chunk width, block, skewed forward loop, indices loaded in
+    the block that uses them) on the same math."""
     T, H, G, N, K, D, d_v = 3, 4, 2, 13, 37, 80, 48
     q, kv, idx, L, s, dout = make_inputs(T, H, G, N, K, D, d_v, torch.float32, lengths=True, sink=True)
     L[0] = K

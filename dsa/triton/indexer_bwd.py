@@ -31,7 +31,7 @@ dots and the workspace traffic (the workspace is bounded, 64 MiB).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -79,7 +79,6 @@ def _indexer_bwd_kernel(
     SPLIT: tl.constexpr,  # one slot block per program (axis 1), dk only: no dq / dweights
     PREC: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr = False,  # s^T = K Q^T and dq^T = K^T ds^T: slots on the MMAs' rows
-    SB: tl.constexpr = 1,  # SPLIT: slot blocks a program
 ):
     # the [heads, slots] tiles (s, ds) and the dq accumulator are transposed
     # with KEYS_AS_ROWS; HEAD_AX is the axis that runs over heads
@@ -108,8 +107,8 @@ def _indexer_bwd_kernel(
     b_dw = tl.zeros([BH], tl.float32)
     k_lo = 0
     if SPLIT:
-        k_lo = tl.program_id(1) * (BK * SB)
-        length = tl.minimum(length, k_lo + BK * SB)
+        k_lo = tl.program_id(1) * BK
+        length = tl.minimum(length, k_lo + BK)
     for k0 in range(k_lo, length, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < length
@@ -203,12 +202,6 @@ class Config:
     num_warps: int
     num_stages: int
     keys_as_rows: bool = False  # slots on the MMAs' rows (see the kernel's KEYS_AS_ROWS)
-    # dk in a pass of its own (recomputing the dots), one program per (row, dk_blocks slot
-    # blocks) with dk_warps warps; 0: dk in the row pass. dk_stream: the two passes run
-    # on two streams, so the dk atomics overlap the dq / dweights MMAs.
-    dk_blocks: int = 0
-    dk_warps: int = 4
-    dk_stream: bool = False
 
 
 # H_i = 64, D_i = 128: dq [64, 128] fp32 accumulates in registers across the row. H200 bf16,
@@ -222,7 +215,7 @@ SEGMENT_BP = 16
 
 def bwd_config(K: int) -> Config:
     c = BWD_CONFIG
-    return replace(c, BK=min(c.BK, _pow2(K)))
+    return Config(min(c.BK, _pow2(K)), c.num_warps, c.num_stages, c.keys_as_rows)
 
 
 def supports(args) -> Optional[str]:
@@ -253,12 +246,11 @@ class _Problem:
     mode: int
 
 
-def _launch(p: _Problem, dq, dw, dk, t_start: int, rows: int, dk_mode: int, split: bool, sb: int = 1) -> None:
+def _launch(p: _Problem, dq, dw, dk, t_start: int, rows: int, dk_mode: int, split: bool) -> None:
     T, H, D = p.q.shape
     cfg = bwd_config(p.K)
     dummy = p.indices
-    grid = (rows, triton.cdiv(p.K, cfg.BK * sb)) if split else (rows,)
-    warps = cfg.dk_warps if split and sb > 1 else cfg.num_warps
+    grid = (rows, triton.cdiv(p.K, cfg.BK)) if split else (rows,)
     _indexer_bwd_kernel[grid](
         p.q, p.k, p.weights, p.indices,
         dummy if p.length is None else p.length,
@@ -269,18 +261,9 @@ def _launch(p: _Problem, dq, dw, dk, t_start: int, rows: int, dk_mode: int, spli
         dq, dk, dw, p.sm_scale, p.k.shape[0], p.K, p.grad_in.stride(0), t_start,
         H=H, BH=_pow2(H), D=D, BD=_pow2(D), BK=cfg.BK,
         HAS_LEN=p.length is not None, MODE=p.mode, DK_MODE=dk_mode, SPLIT=split, PREC=_prec(p.q.dtype),
-        KEYS_AS_ROWS=cfg.keys_as_rows, SB=sb,
-        num_warps=warps, num_stages=cfg.num_stages,
+        KEYS_AS_ROWS=cfg.keys_as_rows,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-
-
-_SIDE: dict = {}
-
-
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    if device not in _SIDE:
-        _SIDE[device] = torch.cuda.Stream(device)
-    return _SIDE[device]
 
 
 def _chunk_keys(p: _Problem, t0: int, t1: int) -> torch.Tensor:
@@ -298,20 +281,7 @@ def _backward(p: _Problem, deterministic: bool) -> Tuple[torch.Tensor, torch.Ten
     dw = torch.empty_like(p.weights)
     dk = torch.zeros(N, D, device=p.k.device, dtype=torch.float32)
     if not deterministic:
-        cfg = bwd_config(p.K)
-        if not cfg.dk_blocks:
-            _launch(p, dq, dw, dk, 0, T, DK_ATOMIC, False)
-        elif not cfg.dk_stream:
-            _launch(p, dq, dw, dk, 0, T, DK_NONE, False)
-            _launch(p, dq, dw, dk, 0, T, DK_ATOMIC, True, cfg.dk_blocks)
-        else:
-            main = torch.cuda.current_stream(p.q.device)
-            side = _side_stream(p.q.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                _launch(p, dq, dw, dk, 0, T, DK_NONE, False)
-            _launch(p, dq, dw, dk, 0, T, DK_ATOMIC, True, cfg.dk_blocks)
-            main.wait_stream(side)
+        _launch(p, dq, dw, dk, 0, T, DK_ATOMIC, False)
         return dq, dk.to(p.k.dtype), dw
     # dq and dweights: one program per row, as above, without dk
     _launch(p, dq, dw, dk, 0, T, DK_NONE, False)

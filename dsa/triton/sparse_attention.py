@@ -48,10 +48,7 @@ class TileConfig:
     num_warps: int
     num_stages: int
     skew: bool = False
-    vsplit: int = 1  # programs sharing a row's V columns (each recomputes S)
-    prefetch: bool = False  # load the next block's indices one block ahead
-    tail: bool = False  # a last block of <= BN / 2 valid slots at half width
-    lpt: bool = False  # with topk_length: rows longest first
+    prefetch: bool = True  # indices one block ahead (see sparse_attention_fwd)
 
 
 # ----------------------------------------------------------------------------
@@ -203,23 +200,14 @@ def forward(a: SparseAttnArgs, config: Optional[TileConfig] = None) -> Tuple[tor
     grid = (T * G, triton.cdiv(H // G, cfg.BH))
     flags = dict(HAS_LEN=a.topk_length is not None, HAS_SINK=a.sink is not None, PREC=_prec(a))
 
-    order = None
-    if cfg.lpt and a.topk_length is not None:
-        order = torch.argsort(a.topk_length, descending=True).to(torch.int32)
-
     def launch(c: TileConfig) -> None:
-        chunks = ColumnChunks.of(a.D, a.d_v, c.CW)
-        nvp = chunks.NV // c.vsplit if c.vsplit > 1 else 0
-        for part in range(c.vsplit):
-            sparse_attn_fwd_kernel[grid](
-                a.q, a.kv, a.indices, a.topk_length, a.sink, out, lse,
-                a.N, K, a.sm_scale * LOG2E,
-                H=H, G=G, D=a.D, D_V=a.d_v, **chunks.kernel_args(),
-                BH=c.BH, BN=c.BN, SKEW=c.skew, **flags,
-                order_ptr=order, V_LO=part * nvp, NVP=nvp,
-                PREFETCH=c.prefetch, TAIL=c.tail, ORDERED=order is not None,
-                num_warps=c.num_warps, num_stages=c.num_stages,
-            )
+        sparse_attn_fwd_kernel[grid](
+            a.q, a.kv, a.indices, a.topk_length, a.sink, out, lse,
+            a.N, K, a.sm_scale * LOG2E,
+            H=H, G=G, D=a.D, D_V=a.d_v, **ColumnChunks.of(a.D, a.d_v, c.CW).kernel_args(),
+            BH=c.BH, BN=c.BN, SKEW=c.skew, PREFETCH=c.prefetch, **flags,
+            num_warps=c.num_warps, num_stages=c.num_stages,
+        )
 
     _launch_fitting(("fwd", a.q.dtype, H // G, a.D, a.d_v, tuple(flags.items())), cfg, launch)
     return out, lse
@@ -255,7 +243,7 @@ def _launch_bwd(a, cfg, dout, lg2den, delta, dq, dkv_buf, t0, tc, store_slots):
             a.q, a.kv, a.indices, a.topk_length, dout, lg2den, delta, dq, dkv_buf,
             t0, a.N, a.K, a.sm_scale * LOG2E, a.sm_scale,
             H=a.H, G=a.G, D=a.D, D_V=a.d_v, **ColumnChunks.of(a.D, a.d_v, c.CW).kernel_args(),
-            BH=c.BH, BN=c.BN, **flags,
+            BH=c.BH, BN=c.BN, PREFETCH=c.prefetch, **flags,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
 

@@ -47,8 +47,6 @@ BWD_VARIANTS = {
     "bh64-bn64-cw128-s1": C(64, 64, 128, 8, 1),
     "bh16-bn32-cw128-w4-s1": C(16, 32, 128, 4, 1),
     "bh16-bn64-cw128-w8-s1": C(16, 64, 128, 8, 1),
-    "bh64-bn32-cw128-s1-no-prefetch": C(64, 32, 128, 8, 1, prefetch=False),
-    "bh64-bn64-cw128-s1-no-prefetch": C(64, 64, 128, 8, 1, prefetch=False),
 }
 
 

@@ -39,8 +39,9 @@ class TileConfig:
     """One launch configuration of the forward or backward kernel.
 
     BH: query heads per program (the gathered kv tile is shared by them);
-    BN: slots per loop step; CW: widest column chunk; skew: forward only, see
-    sparse_attention_fwd; num_warps / num_stages as in Triton."""
+    BN: slots per loop step; CW: widest column chunk; skew and prefetch:
+    forward only, see sparse_attention_fwd; num_warps / num_stages as in
+    Triton."""
 
     BH: int
     BN: int
@@ -48,7 +49,7 @@ class TileConfig:
     num_warps: int
     num_stages: int
     skew: bool = False
-    prefetch: bool = True  # indices one block ahead (see sparse_attention_fwd)
+    prefetch: bool = True  # forward only: indices one block ahead (see sparse_attention_fwd)
 
 
 # ----------------------------------------------------------------------------
@@ -153,8 +154,10 @@ def _warps(BH: int, acc_cols: int) -> int:
 
 
 # Tile choices, measured on an H200 (bench/notes_sparse_attention.md):
-# forward  BH=64 BN=64 CW=128 2 stages: 277-282 TFLOP/s at V3.2 / V4-pro
-#          (BN=32: 191-194; BN=64 with CW=256: 264-274; one stage: 249-254);
+# forward  BH=64 BN=64 CW=128 2 stages, indices one block ahead: 280-294
+#          TFLOP/s at V3.2 / V4-pro (without the prefetch 277-282; BN=32:
+#          191-194; BN=64 with CW=256: 264-274; one stage: 249-254; d_v split
+#          over two programs: 137-217);
 # backward BH=64 BN=64 1 stage where it fits (D=512: 188-190 TFLOP/s at
 #          V4-pro), else BN=32 (D=576: 116-119 at V3.2); BN=32 with 2 stages:
 #          131 at V4-pro, BN=16: 73-83; for BH=16 (H=16) 8 warps and BN=64:
@@ -243,7 +246,7 @@ def _launch_bwd(a, cfg, dout, lg2den, delta, dq, dkv_buf, t0, tc, store_slots):
             a.q, a.kv, a.indices, a.topk_length, dout, lg2den, delta, dq, dkv_buf,
             t0, a.N, a.K, a.sm_scale * LOG2E, a.sm_scale,
             H=a.H, G=a.G, D=a.D, D_V=a.d_v, **ColumnChunks.of(a.D, a.d_v, c.CW).kernel_args(),
-            BH=c.BH, BN=c.BN, PREFETCH=c.prefetch, **flags,
+            BH=c.BH, BN=c.BN, **flags,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
 

@@ -83,7 +83,6 @@ def sparse_attn_bwd_kernel(
     OFFS: tl.constexpr, WS: tl.constexpr, NV: tl.constexpr,
     BH: tl.constexpr, BN: tl.constexpr,
     HAS_LEN: tl.constexpr, STORE_SLOTS: tl.constexpr, PREC: tl.constexpr,
-    PREFETCH: tl.constexpr = True,
 ):
     """STORE_SLOTS=False: dkv_ptr is the fp32 [N, G, D] accumulator (atomics).
     STORE_SLOTS=True: dkv_ptr is the fp32 [HB, Tc, G, K, D] per-slot buffer of
@@ -114,13 +113,8 @@ def sparse_attn_bwd_kernel(
     for c in tl.static_range(NC):
         b_dqs = b_dqs + (tl.zeros(b_qs[c].shape, tl.float32),)
 
-    if PREFETCH:
-        idx, valid = slot_block(p_idx, 0, L, N, BN)
     for start in range(0, L, BN):
-        if PREFETCH:  # as in the forward
-            idx_n, valid_n = slot_block(p_idx, start + BN, L, N, BN)
-        else:
-            idx, valid = slot_block(p_idx, start, L, N, BN)
+        idx, valid = slot_block(p_idx, start, L, N, BN)
         b_ks = load_chunks(p_kv + idx * (G * D), valid, OFFS, WS, 0, NC)  # [BN, w] each
         b_s = scores(b_qs, b_ks, NC, PREC)  # [BH, BN]
         b_dp = scores(b_dos, b_ks, NV, PREC)  # [BH, BN]
@@ -152,8 +146,6 @@ def sparse_attn_bwd_kernel(
         for c in tl.static_range(NC):
             new = new + (tl.dot(b_dsc, b_ks[c], b_dqs[c], input_precision=PREC),)  # [BH, w]
         b_dqs = new
-        if PREFETCH:
-            idx, valid = idx_n, valid_n
 
     b_dq = ()
     for c in tl.static_range(NC):

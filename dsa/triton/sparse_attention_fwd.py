@@ -14,8 +14,9 @@ softmax runs online in the log2 domain (exp2 with log2(e) folded into the
 scale).  The loop stops at the last block of valid slots, so a row with
 topk_length L costs about L / K of a full row.  PREFETCH loads a block's
 indices one iteration ahead, so the gather's addresses are ready when the
-block starts (on an H200 5% faster on full rows, and half-valid rows drop
-from 0.56 to 0.52-0.54 of a full row's time).
+block starts (on an H200 1-5% faster on full rows, and half-valid rows drop
+from 0.56 to 0.52-0.54 of a full row's time; the backward is 4-9% slower
+with it, so it loads them in the block that uses them).
 
 SKEW: Triton lays out a dot whose result feeds another dot with all warps
 along M; with BH = 64 rows and 8 warps both warpgroups would then compute the

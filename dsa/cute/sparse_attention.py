@@ -97,16 +97,16 @@ def _zeros(a: SparseAttnArgs) -> torch.Tensor:
     return z
 
 
-def _compiled(a: SparseAttnArgs, ptrs, scalars, stream):
+def _compiled(a: SparseAttnArgs, ptrs, scalars, stream, profile: bool = False):
     import cutlass.cute as cute
 
     from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
 
-    key = (a.q.dtype, a.D, a.d_v, a.H, a.G, a.topk_length is not None, a.sink is not None)
+    key = (a.q.dtype, a.D, a.d_v, a.H, a.G, a.topk_length is not None, a.sink is not None, profile)
     fn = _COMPILED.get(key)
     if fn is None:
         kernel = SparseAttnFwdSm90(_cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G,
-                                   a.topk_length is not None, a.sink is not None)
+                                   a.topk_length is not None, a.sink is not None, profile)
         fn = _COMPILED[key] = cute.compile(kernel, *ptrs, *scalars, stream)
     return fn
 
@@ -124,8 +124,13 @@ def _ptr(t: torch.Tensor, dtype, align: int):
     return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
 
-def forward(a: SparseAttnArgs, config: Optional[Config] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """out [T, H, d_v] in q.dtype and lse [T, H] fp32 (sink excluded, +inf on empty rows)."""
+def forward(a: SparseAttnArgs, config: Optional[Config] = None,
+            profile: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """out [T, H, d_v] in q.dtype and lse [T, H] fp32 (sink excluded, +inf on empty rows).
+
+    profile: an int64 tensor of at least CTAs x 12 x 8 elements runs the
+    kernel built with cycle counters (``sparse_attention_sm90.PROF_*``) and
+    receives them, [CTA, warp, counter]."""
     cfg = config or DEFAULT
     import cuda.bindings.driver as cuda
     import cutlass
@@ -140,18 +145,20 @@ def forward(a: SparseAttnArgs, config: Optional[Config] = None) -> Tuple[torch.T
         _ptr(a.q, dt, 16), _ptr(a.kv, dt, 16), _ptr(a.indices, cutlass.Int32, 4),
         _ptr(length, cutlass.Int32, 4), _ptr(sink, cutlass.Float32, 4), _ptr(out, dt, 16),
         _ptr(lse, cutlass.Float32, 4), _ptr(_zeros(a), dt, 16),
+        # written only by the profiling build
+        _ptr(profile if profile is not None else lse, cutlass.Int64, 4),
     )
     n_cta = cfg.grid(a.q.device)
     scalars = (cutlass.Int32(a.T), cutlass.Int32(a.N), cutlass.Int32(a.K),
                cutlass.Float32(a.sm_scale * 1.4426950408889634), cutlass.Int32(n_cta))
     stream = cuda.CUstream(torch.cuda.current_stream(a.q.device).cuda_stream)
     with torch.cuda.device(a.q.device):
-        _compiled(a, ptrs, scalars, stream)(*ptrs, *scalars, stream)
+        _compiled(a, ptrs, scalars, stream, profile is not None)(*ptrs, *scalars, stream)
     return out, lse
 
 
 def compile_offline(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, has_sink: bool,
-                    keep_ptx: bool = True):
+                    keep_ptx: bool = True, profile: bool = False):
     """Compile the kernel without a GPU (``CUTE_DSL_ARCH=sm_90a``), for CI and
     inspection; returns the compiled object (its PTX is kept when asked)."""
     import cuda.bindings.driver as cuda
@@ -167,8 +174,8 @@ def compile_offline(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, h
         return make_ptr(ty, align * 64, cute.AddressSpace.gmem, assumed_align=align)
 
     ptrs = (p(dt, 16), p(dt, 16), p(cutlass.Int32, 4), p(cutlass.Int32, 4), p(cutlass.Float32, 4),
-            p(dt, 16), p(cutlass.Float32, 4), p(dt, 16))
+            p(dt, 16), p(cutlass.Float32, 4), p(dt, 16), p(cutlass.Int64, 4))
     scalars = (cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Float32(math.log2(math.e)),
                cutlass.Int32(132))
-    kernel = SparseAttnFwdSm90(dt, D, SERVED_DV, H, G, has_len, has_sink)
+    kernel = SparseAttnFwdSm90(dt, D, SERVED_DV, H, G, has_len, has_sink, profile)
     return cute.compile(kernel, *ptrs, *scalars, cuda.CUstream(0), options="--keep-ptx" if keep_ptx else "")

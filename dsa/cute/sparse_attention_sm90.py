@@ -55,6 +55,15 @@ BN = 64        # slots per block and stage; two stages
 L_CHUNKS = 4   # 64-column chunks of an L half (the value columns of consumer 0)
 
 
+# Profile counters (cycles, per warp; SparseAttnFwdSm90(profile=True)):
+# consumers: the tile loop, stage-full waits, hand-off barrier waits, wgmma
+# waits, the Q wait, the row-sum exchange and epilogue; the producer: the
+# tile loop, stage-empty waits, kv-row lookups, copy issue, the Q-empty wait.
+PROF_TOTAL, PROF_FULL, PROF_BAR, PROF_WGMMA, PROF_Q, PROF_EPI = range(6)
+PROF_EMPTY, PROF_LOOKUP, PROF_ISSUE = PROF_FULL, PROF_BAR, PROF_WGMMA
+PROF_N = 8
+
+
 class Barrier(enum.IntEnum):
     """Named barriers between the consumers: one side arrives, the other waits."""
 
@@ -80,7 +89,8 @@ def _shift(m):
 class SparseAttnFwdSm90:
     """Host-side builder of the kernel for one static configuration."""
 
-    def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, has_sink: bool):
+    def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, has_sink: bool,
+                 profile: bool = False):
         # shared memory holds Q and two 64-slot stages up to D = 576
         if D not in (512, 576) or d_v != 512 or (H // G) % BLOCK_H:
             raise ValueError("SparseAttnFwdSm90 needs D in (512, 576), d_v == 512, (H / G) % 64 == 0")
@@ -89,6 +99,7 @@ class SparseAttnFwdSm90:
         self.HG = H // G
         self.dv_half = d_v // 2
         self.has_len, self.has_sink = has_len, has_sink
+        self.profile = profile  # per-warp cycle counters into prof_ptr (PROF_*)
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -96,6 +107,7 @@ class SparseAttnFwdSm90:
         self,
         q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, len_ptr: cute.Pointer,
         sink_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer, zero_ptr: cute.Pointer,
+        prof_ptr: cute.Pointer,
         T: Int32, N: Int32, K: Int32, scale_log2: Float32, n_cta: Int32, stream,
     ):
         dt = self.dtype
@@ -146,7 +158,7 @@ class SparseAttnFwdSm90:
         n_tiles = T * self.G * (self.HG // BLOCK_H)
         self.kernel(
             qk_mma, pv_mma, pv_mma_ss, sq_layout, sk_layout, sv_layout, sp_layout,
-            q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr, zero_ptr,
+            q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr, zero_ptr, prof_ptr,
             N, K, n_tiles, scale_log2,
         ).launch(grid=[cutlass.min(n_cta, n_tiles), 1, 1], block=[THREADS, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
@@ -159,6 +171,7 @@ class SparseAttnFwdSm90:
         sp_layout: cute.ComposedLayout,
         q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, len_ptr: cute.Pointer,
         sink_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer, zero_ptr: cute.Pointer,
+        prof_ptr: cute.Pointer,
         N: Int32, K: Int32, n_tiles: Int32, scale_log2: Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -187,16 +200,52 @@ class SparseAttnFwdSm90:
             mma.set(warpgroup.Field.ACCUMULATE, True)
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            self.prof_start()
             self.producer(tidx, sQ, sK, bars, tiles, q_ptr, kv_ptr, zero_ptr, N)
+            self.prof_store(prof_ptr, tidx)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             args = (qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, tidx % 128, sQ, sK,
                     st.sP.data_ptr(), st.sM.data_ptr(), st.sL.data_ptr(), bars, tiles,
                     sink_ptr, out_ptr, lse_ptr, N, scale_log2)
+            self.prof_start()
             if wg == 1:
                 self.consumer(0, *args)
             else:
                 self.consumer(1, *args)
+            self.prof_store(prof_ptr, tidx)
+
+    # -------------------------------------------------------------- profile
+    @cute.jit
+    def prof_start(self):
+        if const_expr(self.profile):
+            self._prof = cute.make_rmem_tensor((PROF_N,), Int64)
+            self._prof.fill(0)
+            self._prof_t0 = cute.arch.clock64()
+
+    @cute.jit
+    def tick(self):
+        t = Int64(0)
+        if const_expr(self.profile):
+            t = cute.arch.clock64()
+        return t
+
+    @cute.jit
+    def tock(self, cat: cutlass.Constexpr, t0):
+        if const_expr(self.profile):
+            self._prof[cat] = self._prof[cat] + (cute.arch.clock64() - t0)
+
+    @cute.jit
+    def prof_store(self, prof_ptr, tidx):
+        """Lane 0 of each warp writes its counters: prof[cta, warp, PROF_N]."""
+        if const_expr(self.profile):
+            self._prof[PROF_TOTAL] = cute.arch.clock64() - self._prof_t0
+            cta, _, _ = cute.arch.block_idx()
+            if tidx % 32 == 0:
+                base = (Int64(cta) * Int64(THREADS // 32) + Int64(tidx // 32)) * Int64(PROF_N)
+                out = cute.make_tensor(prof_ptr + base, cute.make_layout((PROF_N,)))
+                for c in cutlass.range_constexpr(PROF_N):
+                    out[c] = self._prof[c]
 
     @cute.jit
     def tile(self, tile_id, idx_ptr, len_ptr, K):
@@ -244,7 +293,9 @@ class SparseAttnFwdSm90:
                 self.row_addrs(base0, 2, *rows)
                 self.row_addrs(base1, 3, *rows)
             if j > 0:
+                t0 = self.tick()
                 cute.arch.mbarrier_wait(q_empty, (j + 1) % 2)
+                self.tock(PROF_Q, t0)
             self.load_q(atom, thr, sQ, q_full, q_ptr, t, head0, row_in_pass, col0)
             for i in cutlass.range(1, n_pairs, unroll=1):
                 self.produce_pair(atom, base0, base1, tK0, tK1, full, empty, i, n_blocks, u0, u1)
@@ -288,21 +339,29 @@ class SparseAttnFwdSm90:
         n0 = u0 + i
         n1 = u1 + i
         if n0 > 0:
-            cute.arch.mbarrier_wait(empty + 0, (n0 + 1) % 2)  # the phase completed one use ago
+            t0 = self.tick()
+            cute.arch.mbarrier_wait(empty + 0, (n0 + 1) % 2)
+            self.tock(PROF_EMPTY, t0)  # the phase completed one use ago
         self.copy_half(atom, base0, tK0, 0, L_CHUNKS)
         cute.arch.cp_async_mbarrier_arrive_noinc(full + 0)
         if has1:
             if n1 > 0:
+                t0 = self.tick()
                 cute.arch.mbarrier_wait(empty + 3, (n1 + 1) % 2)
+                self.tock(PROF_EMPTY, t0)
             self.copy_half(atom, base1, tK1, L_CHUNKS, CHUNKS)
             cute.arch.cp_async_mbarrier_arrive_noinc(full + 3)
         if n0 > 0:
+            t0 = self.tick()
             cute.arch.mbarrier_wait(empty + 1, (n0 + 1) % 2)
+            self.tock(PROF_EMPTY, t0)
         self.copy_half(atom, base0, tK0, L_CHUNKS, CHUNKS)
         cute.arch.cp_async_mbarrier_arrive_noinc(full + 1)
         if has1:
             if n1 > 0:
+                t0 = self.tick()
                 cute.arch.mbarrier_wait(empty + 2, (n1 + 1) % 2)
+                self.tock(PROF_EMPTY, t0)
             self.copy_half(atom, base1, tK1, 0, L_CHUNKS)
             cute.arch.cp_async_mbarrier_arrive_noinc(full + 2)
 
@@ -310,6 +369,7 @@ class SparseAttnFwdSm90:
     def row_addrs(self, base, b, idx_row, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0):
         """base[m]: the address this thread copies from for slot b * 64 +
         row_in_pass + 16 m (the zero row when the slot is not valid)."""
+        t0 = self.tick()
         ES = self.dtype.width // 8
         for m in cutlass.range_constexpr(BN // 16):
             slot = b * BN + row_in_pass + m * 16
@@ -319,14 +379,21 @@ class SparseAttnFwdSm90:
                 if n >= 0 and n < N:
                     addr = kv_ptr.toint() + (Int64(n) * Int64(self.G) + Int64(g)) * Int64(self.D * ES)
             base[m] = addr + col0 * ES
+        if const_expr(self.profile):
+            # consume the addresses here, so the lookup's latency is counted here
+            for m in cutlass.range_constexpr(BN // 16):
+                t0 = t0 + (base[m] & Int64(0))
+        self.tock(PROF_LOOKUP, t0)
 
     @cute.jit
     def copy_half(self, atom, base, tKs, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr):
+        t0 = self.tick()
         ES = self.dtype.width // 8
         for m in cutlass.range_constexpr(BN // 16):
             for c in cutlass.range_constexpr(c_hi - c_lo):
                 src = cute.make_tensor(_aligned(self.dtype, base[m] + (c_lo + c) * 64 * ES), cute.make_layout((8,)))
                 cute.copy(atom, src, tKs[None, m, c_lo + c])
+        self.tock(PROF_ISSUE, t0)
 
     @cute.jit
     def consumer(self, w: cutlass.Constexpr, qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, wtid,
@@ -384,7 +451,9 @@ class SparseAttnFwdSm90:
                   tPs_own, tOrV_own, tOrV_oth, tOrP_oth, full, empty, idx_row, L, N, row_lo, col_lane, lane,
                   scale_log2)
             n_full = n_blocks // 2
+            t0 = self.tick()
             cute.arch.mbarrier_wait(q_full, j % 2)
+            self.tock(PROF_Q, t0)
             if const_expr(w == 0):
                 if n_blocks > 0:
                     self.qk(cs, 0, 0, u0 % 2, True)
@@ -398,8 +467,10 @@ class SparseAttnFwdSm90:
                 if n_blocks % 2 == 1:
                     self.pair1(cs, n_full, False, u1)
             cute.arch.mbarrier_arrive(q_empty)  # Q may be refilled
+            t0 = self.tick()
             self.tile_end(w, acc_o, m_run, l_run, sL + (j % 2) * (2 * BLOCK_H), lane, row_lo, col_lane,
                           sink_ptr, out_ptr, lse_ptr, t, head0)
+            self.tock(PROF_EPI, t0)
             u0 = u0 + (n_blocks + 1) // 2
             u1 = u1 + n_full
             j = j + 1
@@ -437,7 +508,9 @@ class SparseAttnFwdSm90:
         KL = L_CHUNKS * 4
         first = 2 * stage + (0 if first_l else 1)
         acc_s.fill(0.0)
+        t0 = self.tick()
         cute.arch.mbarrier_wait(full + first, ph)
+        self.tock(PROF_FULL, t0)
         warpgroup.fence()
         if const_expr(first_l):
             for k in cutlass.range_constexpr(KL):
@@ -449,9 +522,13 @@ class SparseAttnFwdSm90:
         if const_expr(stage == 0):
             if i > 0:
                 # consumer 0's P1 V1 of the last pair has retired: stage 1's L is free
+                t0 = self.tick()
                 warpgroup.wait_group(1)
+                self.tock(PROF_WGMMA, t0)
                 cute.arch.mbarrier_arrive(empty + 2)
+        t0 = self.tick()
         cute.arch.mbarrier_wait(full + (2 * stage + (1 if first_l else 0)), ph)
+        self.tock(PROF_FULL, t0)
         warpgroup.fence()
         if const_expr(first_l):
             for k in cutlass.range_constexpr(KD - KL):
@@ -472,7 +549,9 @@ class SparseAttnFwdSm90:
                     n = _load(idx_row, Int64(slot))
                     ok = n >= 0 and n < N
                 valid[j, e] = ok
+        t0 = self.tick()
         warpgroup.wait_group(0)
+        self.tock(PROF_WGMMA, t0)
         for j in cutlass.range_constexpr(NS // 4):
             for r in cutlass.range_constexpr(2):
                 for e in cutlass.range_constexpr(2):
@@ -555,11 +634,15 @@ class SparseAttnFwdSm90:
         cute.arch.barrier_arrive(barrier_id=Barrier.MAX0, number_of_threads=PAIR_THREADS)
         self.softmax(cs, mx)
         self.pv(pv_mma, acc_o, r_p, tOrV_own)
+        t0 = self.tick()
         warpgroup.wait_group(0)
+        self.tock(PROF_WGMMA, t0)
         cute.arch.mbarrier_arrive(empty + 0)  # stage 0's L: no one reads it again this pair
         if const_expr(has1):
             # the pair's maxima from consumer 1; P0 rescaled to them
+            t0 = self.tick()
             cute.arch.barrier(barrier_id=Barrier.MAX1, number_of_threads=PAIR_THREADS)
+            self.tock(PROF_BAR, t0)
             sc = cute.make_rmem_tensor((2,), Float32)
             for r in cutlass.range_constexpr(2):
                 mp = m1[row_lo + 8 * r]
@@ -571,12 +654,16 @@ class SparseAttnFwdSm90:
             self.store_p(r_p, acc_s, tPs_own)
             cute.arch.barrier_arrive(barrier_id=Barrier.P0, number_of_threads=PAIR_THREADS)
             self.rescale_o(acc_o, sc)
+            t0 = self.tick()
             cute.arch.barrier(barrier_id=Barrier.P1, number_of_threads=PAIR_THREADS)
+            self.tock(PROF_BAR, t0)
             self.pv(pv_mma_ss, acc_o, tOrP_oth, tOrV_oth)
             if 2 * i + 2 < n_blocks:
                 self.qk(cs, 0, i + 1, (u0 + i + 1) % 2, True)  # releases stage 1's L once P1 V1 retires
             else:
+                t0 = self.tick()
                 warpgroup.wait_group(0)
+                self.tock(PROF_WGMMA, t0)
                 cute.arch.mbarrier_arrive(empty + 2)
         else:
             # the last block, alone: its maxima are final, consumer 1 only needs P0
@@ -596,7 +683,9 @@ class SparseAttnFwdSm90:
             self.row_max(acc_s, mx)
         else:
             mx.fill(-Float32.inf)
+        t0 = self.tick()
         cute.arch.barrier(barrier_id=Barrier.MAX0, number_of_threads=PAIR_THREADS)
+        self.tock(PROF_BAR, t0)
         for r in cutlass.range_constexpr(2):
             # consumer 0's maxima already hold every earlier block's
             mx[r] = cute.arch.fmax(mx[r], m0[row_lo + 8 * r])
@@ -615,13 +704,19 @@ class SparseAttnFwdSm90:
                 l_run[r] = l_run[r] * alpha[r]
                 m_run[r] = mx[r]
             self.rescale_o(acc_o, alpha)
+        t0 = self.tick()
         cute.arch.barrier(barrier_id=Barrier.P0, number_of_threads=PAIR_THREADS)
+        self.tock(PROF_BAR, t0)
         self.pv(pv_mma_ss, acc_o, tOrP_oth, tOrV_oth)
         if const_expr(has1):
             cute.arch.barrier_arrive(barrier_id=Barrier.P1, number_of_threads=PAIR_THREADS)
+            t0 = self.tick()
             warpgroup.wait_group(1)
+            self.tock(PROF_WGMMA, t0)
             cute.arch.mbarrier_arrive(empty + 3)  # stage 1's R
+        t0 = self.tick()
         warpgroup.wait_group(0)
+        self.tock(PROF_WGMMA, t0)
         cute.arch.mbarrier_arrive(empty + 1)      # stage 0's R (and P0 with it)
 
     @cute.jit

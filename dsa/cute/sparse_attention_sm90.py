@@ -63,6 +63,9 @@ PROF_TOTAL, PROF_FULL, PROF_BAR, PROF_WGMMA, PROF_Q, PROF_EPI = range(6)
 PROF_EMPTY, PROF_LOOKUP, PROF_ISSUE = PROF_FULL, PROF_BAR, PROF_WGMMA
 PROF_N = 8
 
+# Experiment switches (read when a kernel is built).
+OPTIONS = {"fetch_ahead": True, "flat_valid": True}
+
 
 class Barrier(enum.IntEnum):
     """Named barriers between the consumers: one side arrives, the other waits."""
@@ -100,6 +103,8 @@ class SparseAttnFwdSm90:
         self.dv_half = d_v // 2
         self.has_len, self.has_sink = has_len, has_sink
         self.profile = profile  # per-warp cycle counters into prof_ptr (PROF_*)
+        self.fetch_ahead = OPTIONS["fetch_ahead"]
+        self.flat_valid = OPTIONS["flat_valid"]
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -273,34 +278,57 @@ class SparseAttnFwdSm90:
         tK0 = thr.partition_D(sK[None, None, 0])
         tK1 = thr.partition_D(sK[None, None, 1])
         # kv-row byte offsets of the pair's two blocks (the zero row's for an
-        # invalid slot), looked up while the previous pair's copies fly
+        # invalid slot); their indices are loaded a pair ahead (ns0, ns1)
         base0 = cute.make_rmem_tensor((BN // 16,), Int64)
         base1 = cute.make_rmem_tensor((BN // 16,), Int64)
+        ns0 = cute.make_rmem_tensor((BN // 16,), Int32)
+        ns1 = cute.make_rmem_tensor((BN // 16,), Int32)
         u0 = Int32(0)  # uses of stage 0 / stage 1 by earlier tiles
         u1 = Int32(0)
         j = Int32(0)   # tiles done
         for tile_id in cutlass.range(cta, n_tiles, n_cta, unroll=1):
             t, g, head0, L, n_blocks, idx_row = self.tile(tile_id, idx_ptr, len_ptr, K)
-            rows = (idx_row, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0)
+            rows = (kv_ptr, zero_ptr, g, L, N, row_in_pass, col0)
             n_pairs = (n_blocks + 1) // 2
-            self.row_addrs(base0, 0, *rows)
-            self.row_addrs(base1, 1, *rows)
+            if const_expr(self.fetch_ahead):
+                self.fetch_rows(ns0, 0, idx_row, L, row_in_pass)
+                self.fetch_rows(ns1, 1, idx_row, L, row_in_pass)
+                self.resolve_rows(base0, ns0, 0, *rows)
+                self.resolve_rows(base1, ns1, 1, *rows)
+            else:
+                self.row_addrs(base0, 0, idx_row, *rows)
+                self.row_addrs(base1, 1, idx_row, *rows)
             # The first pair's copies go out before Q's: its stages free up
             # during the last tile's final pair, Q only after both consumers
             # are past their last S of it.
             if n_pairs > 0:
+                if const_expr(self.fetch_ahead):
+                    self.fetch_rows(ns0, 2, idx_row, L, row_in_pass)
+                    self.fetch_rows(ns1, 3, idx_row, L, row_in_pass)
                 self.produce_pair(atom, base0, base1, tK0, tK1, full, empty, 0, n_blocks, u0, u1)
-                self.row_addrs(base0, 2, *rows)
-                self.row_addrs(base1, 3, *rows)
+                if const_expr(self.fetch_ahead):
+                    self.resolve_rows(base0, ns0, 2, *rows)
+                    self.resolve_rows(base1, ns1, 3, *rows)
+                else:
+                    self.row_addrs(base0, 2, idx_row, *rows)
+                    self.row_addrs(base1, 3, idx_row, *rows)
             if j > 0:
                 t0 = self.tick()
                 cute.arch.mbarrier_wait(q_empty, (j + 1) % 2)
                 self.tock(PROF_Q, t0)
             self.load_q(atom, thr, sQ, q_full, q_ptr, t, head0, row_in_pass, col0)
             for i in cutlass.range(1, n_pairs, unroll=1):
+                # the next pair's indices load while this pair's copies wait and go out
+                if const_expr(self.fetch_ahead):
+                    self.fetch_rows(ns0, 2 * i + 2, idx_row, L, row_in_pass)
+                    self.fetch_rows(ns1, 2 * i + 3, idx_row, L, row_in_pass)
                 self.produce_pair(atom, base0, base1, tK0, tK1, full, empty, i, n_blocks, u0, u1)
-                self.row_addrs(base0, 2 * i + 2, *rows)
-                self.row_addrs(base1, 2 * i + 3, *rows)
+                if const_expr(self.fetch_ahead):
+                    self.resolve_rows(base0, ns0, 2 * i + 2, *rows)
+                    self.resolve_rows(base1, ns1, 2 * i + 3, *rows)
+                else:
+                    self.row_addrs(base0, 2 * i + 2, idx_row, *rows)
+                    self.row_addrs(base1, 2 * i + 3, idx_row, *rows)
             u0 = u0 + n_pairs
             u1 = u1 + n_blocks // 2
             j = j + 1
@@ -367,8 +395,6 @@ class SparseAttnFwdSm90:
 
     @cute.jit
     def row_addrs(self, base, b, idx_row, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0):
-        """base[m]: the address this thread copies from for slot b * 64 +
-        row_in_pass + 16 m (the zero row when the slot is not valid)."""
         t0 = self.tick()
         ES = self.dtype.width // 8
         for m in cutlass.range_constexpr(BN // 16):
@@ -379,10 +405,35 @@ class SparseAttnFwdSm90:
                 if n >= 0 and n < N:
                     addr = kv_ptr.toint() + (Int64(n) * Int64(self.G) + Int64(g)) * Int64(self.D * ES)
             base[m] = addr + col0 * ES
-        if const_expr(self.profile):
-            # consume the addresses here, so the lookup's latency is counted here
+        self.tock(PROF_LOOKUP, t0)
+
+    @cute.jit
+    def fetch_rows(self, ns, b, idx_row, L, row_in_pass):
+        """ns[m] <- the index of slot b * 64 + row_in_pass + 16 m, issued
+        without a branch between the loads so that they fly together; a slot
+        past L reads slot L - 1 instead (nothing past topk_length is read) and
+        is dropped by resolve_rows; nothing is read when L == 0."""
+        t0 = self.tick()
+        if L > 0:
             for m in cutlass.range_constexpr(BN // 16):
-                t0 = t0 + (base[m] & Int64(0))
+                slot = b * BN + row_in_pass + m * 16
+                ns[m] = _load(idx_row, Int64(cutlass.min(slot, L - 1)))
+        self.tock(PROF_LOOKUP, t0)
+
+    @cute.jit
+    def resolve_rows(self, base, ns, b, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0):
+        """base[m]: the address this thread copies from for slot b * 64 +
+        row_in_pass + 16 m (the zero row when the slot is not valid)."""
+        t0 = self.tick()
+        ES = self.dtype.width // 8
+        for m in cutlass.range_constexpr(BN // 16):
+            slot = b * BN + row_in_pass + m * 16
+            addr = zero_ptr.toint()
+            if slot < L:
+                n = ns[m]
+                if n >= 0 and n < N:
+                    addr = kv_ptr.toint() + (Int64(n) * Int64(self.G) + Int64(g)) * Int64(self.D * ES)
+            base[m] = addr + col0 * ES
         self.tock(PROF_LOOKUP, t0)
 
     @cute.jit
@@ -541,13 +592,25 @@ class SparseAttnFwdSm90:
         # element 4j + 2r + e sits at row row_lo + 8r, column 8j + col_lane + e.
         b = 2 * i + stage
         NS = cute.size(acc_s)
+        # the loads first, with no branch between them (slots past L read
+        # slot L - 1 and are dropped below), so that they fly together
+        nv = cute.make_rmem_tensor((NS // 4, 2), Int32)
+        if const_expr(self.flat_valid):
+            if L > 0:
+                for j in cutlass.range_constexpr(NS // 4):
+                    for e in cutlass.range_constexpr(2):
+                        nv[j, e] = _load(idx_row, Int64(cutlass.min(b * BN + 8 * j + col_lane + e, L - 1)))
         for j in cutlass.range_constexpr(NS // 4):
             for e in cutlass.range_constexpr(2):
                 slot = b * BN + 8 * j + col_lane + e
                 ok = slot < L
                 if ok:
-                    n = _load(idx_row, Int64(slot))
-                    ok = n >= 0 and n < N
+                    if const_expr(self.flat_valid):
+                        n = nv[j, e]
+                        ok = n >= 0 and n < N
+                    else:
+                        n = _load(idx_row, Int64(slot))
+                        ok = n >= 0 and n < N
                 valid[j, e] = ok
         t0 = self.tick()
         warpgroup.wait_group(0)

@@ -26,8 +26,8 @@ from bench.tune_cute import SHAPES, make
 from dsa.cute import sparse_attention as cute_sa
 from dsa.cute import sparse_attention_sm90 as k
 
-CONSUMER = {"stage-full waits": k.PROF_FULL, "hand-off barriers": k.PROF_BAR,
-            "wgmma waits": k.PROF_WGMMA, "Q wait": k.PROF_Q, "row sums + epilogue": k.PROF_EPI}
+CONSUMER = {"stage-full waits": k.PROF_FULL, "hand-off and row-sum barriers": k.PROF_BAR,
+            "wgmma waits": k.PROF_WGMMA, "Q wait": k.PROF_Q, "epilogue": k.PROF_EPI}
 PRODUCER = {"stage-empty waits": k.PROF_EMPTY, "kv-row lookups": k.PROF_LOOKUP,
             "copy issue": k.PROF_ISSUE, "Q-empty wait": k.PROF_Q}
 
@@ -73,8 +73,10 @@ def sampled(fn, seconds: float = 3.0):
 
 VARIANTS = {  # sparse_attention_sm90.OPTIONS
     "default": {},
-    "lookups-in-branches": {"fetch_ahead": False, "flat_valid": False},
-    "producer-ahead-only": {"fetch_ahead": True, "flat_valid": False},
+    "lookups-in-branches": {"fetch_ahead": False, "flat_valid": False, "early_release": False},
+    "producer-ahead-only": {"fetch_ahead": True, "flat_valid": False, "early_release": False},
+    "lookups-ahead": {"early_release": False},
+    "consumer-loads-only": {"fetch_ahead": False, "early_release": False},
 }
 
 

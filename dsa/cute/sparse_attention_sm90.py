@@ -64,7 +64,7 @@ PROF_EMPTY, PROF_LOOKUP, PROF_ISSUE = PROF_FULL, PROF_BAR, PROF_WGMMA
 PROF_N = 8
 
 # Experiment switches (read when a kernel is built).
-OPTIONS = {"fetch_ahead": True, "flat_valid": True}
+OPTIONS = {"fetch_ahead": True, "flat_valid": True, "early_release": True}
 
 
 class Barrier(enum.IntEnum):
@@ -105,6 +105,7 @@ class SparseAttnFwdSm90:
         self.profile = profile  # per-warp cycle counters into prof_ptr (PROF_*)
         self.fetch_ahead = OPTIONS["fetch_ahead"]
         self.flat_valid = OPTIONS["flat_valid"]
+        self.early_release = OPTIONS["early_release"]
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -518,10 +519,8 @@ class SparseAttnFwdSm90:
                 if n_blocks % 2 == 1:
                     self.pair1(cs, n_full, False, u1)
             cute.arch.mbarrier_arrive(q_empty)  # Q may be refilled
-            t0 = self.tick()
             self.tile_end(w, acc_o, m_run, l_run, sL + (j % 2) * (2 * BLOCK_H), lane, row_lo, col_lane,
                           sink_ptr, out_ptr, lse_ptr, t, head0)
-            self.tock(PROF_EPI, t0)
             u0 = u0 + (n_blocks + 1) // 2
             u1 = u1 + n_full
             j = j + 1
@@ -540,10 +539,14 @@ class SparseAttnFwdSm90:
             l_run[r] = l
             if lane % 4 == 0:
                 l_own[row_lo + 8 * r] = l
+        t0 = self.tick()
         cute.arch.barrier(barrier_id=Barrier.ROW_SUMS, number_of_threads=PAIR_THREADS)
+        self.tock(PROF_BAR, t0)
         for r in cutlass.range_constexpr(2):
             l_run[r] = l_run[r] + l_oth[row_lo + 8 * r]
+        t0 = self.tick()
         self.epilogue(acc_o, m_run, l_run, w, lane, row_lo, col_lane, sink_ptr, out_ptr, lse_ptr, t, head0)
+        self.tock(PROF_EPI, t0)
 
     # -------------------------------------------------------- consumer steps
     @cute.jit
@@ -760,6 +763,13 @@ class SparseAttnFwdSm90:
             self.softmax(cs, mx)
             self.pv(pv_mma, acc_o, r_p, tOrV_own)
             self.store_p(r_p, acc_s, tPs_own)
+            if const_expr(self.early_release):
+                # P1 is stored: consumer 0 may use it; stage 1's R is free once P1 V1 retires
+                cute.arch.barrier_arrive(barrier_id=Barrier.P1, number_of_threads=PAIR_THREADS)
+                t0 = self.tick()
+                warpgroup.wait_group(0)
+                self.tock(PROF_WGMMA, t0)
+                cute.arch.mbarrier_arrive(empty + 3)
         else:
             alpha = cute.make_rmem_tensor((2,), Float32)
             for r in cutlass.range_constexpr(2):
@@ -771,7 +781,7 @@ class SparseAttnFwdSm90:
         cute.arch.barrier(barrier_id=Barrier.P0, number_of_threads=PAIR_THREADS)
         self.tock(PROF_BAR, t0)
         self.pv(pv_mma_ss, acc_o, tOrP_oth, tOrV_oth)
-        if const_expr(has1):
+        if const_expr(has1 and not self.early_release):
             cute.arch.barrier_arrive(barrier_id=Barrier.P1, number_of_threads=PAIR_THREADS)
             t0 = self.tick()
             warpgroup.wait_group(1)

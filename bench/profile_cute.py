@@ -71,21 +71,10 @@ def sampled(fn, seconds: float = 3.0):
     return ms, mhz[len(mhz) // 2], watts[len(watts) // 2]
 
 
-VARIANTS = {  # sparse_attention_sm90.OPTIONS
-    "default": {},
-    "lookups-in-branches": {"fetch_ahead": False, "flat_valid": False, "early_release": False},
-    "producer-ahead-only": {"fetch_ahead": True, "flat_valid": False, "early_release": False},
-    "lookups-ahead": {"early_release": False},
-    "consumer-loads-only": {"fetch_ahead": False, "early_release": False},
-}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="V3.2")
-    ap.add_argument("--variants", default="default")
     args = ap.parse_args()
-    base_options = dict(k.OPTIONS)
     print(f"device: {torch.cuda.get_device_name()}", flush=True)
     x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -95,19 +84,12 @@ def main() -> None:
     del x, y
     for name in args.shapes.split(","):
         a, flops = make(name)
-        first = None
-        for v in args.variants.split(","):
-            k.OPTIONS.clear()
-            k.OPTIONS.update(base_options, **VARIANTS[v])
-            print(f"{name} {v}:", flush=True)
-            report(counters(a))
-            out, _ = cute_sa.forward(a)
-            first = out if first is None else first
-            ms, mhz, w = sampled(lambda: cute_sa.forward(a))
-            print(f"  plain build: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s at {mhz:.0f} MHz, {w:.0f} W; "
-                  f"out {'equal to' if torch.equal(out, first) else 'differs from'} the first variant's",
-                  flush=True)
-        del a, first, out
+        print(f"{name}:", flush=True)
+        report(counters(a))
+        ms, mhz, w = sampled(lambda: cute_sa.forward(a))
+        print(f"  plain build: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s at {mhz:.0f} MHz, {w:.0f} W",
+              flush=True)
+        del a
         torch.cuda.empty_cache()
 
 

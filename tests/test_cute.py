@@ -45,20 +45,22 @@ _AOT = r"""
 import json, os, sys, torch
 from dsa.cute.sparse_attention import compile_offline
 res = {}
-for name, dt, D, H, G, has_len, has_sink in json.loads(sys.argv[1]):
-    c = compile_offline(getattr(torch, dt), D, H, G, has_len, has_sink)
+for name, dt, D, H, G, has_len, has_sink, profile in json.loads(sys.argv[1]):
+    c = compile_offline(getattr(torch, dt), D, H, G, has_len, has_sink, profile=profile)
     ptx = c.artifacts.PTX
     if len(ptx) < 4096 and os.path.exists(ptx):  # with a dump directory: the file's path
         ptx = open(ptx).read()
     res[name] = {k: ptx.count(k) for k in (
         "wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc",
-        "setmaxnreg.inc", "setmaxnreg.dec", "mbarrier.try_wait", "mbarrier.arrive.shared", "bar.arrive")}
+        "setmaxnreg.inc", "setmaxnreg.dec", "mbarrier.try_wait", "mbarrier.arrive.shared", "bar.arrive",
+        "%clock64")}
 print("RESULT" + json.dumps(res))
 """
 
 _CONFIGS = [
-    ("v32_bf16", "bfloat16", 576, 128, 1, True, True),
-    ("v4_fp16_gqa", "float16", 512, 128, 2, False, False),
+    ("v32_bf16", "bfloat16", 576, 128, 1, True, True, False),
+    ("v4_fp16_gqa", "float16", 512, 128, 2, False, False, False),
+    ("v32_bf16_profile", "bfloat16", 576, 128, 1, True, False, True),  # bench/profile_cute.py's build
 ]
 
 
@@ -69,8 +71,10 @@ def test_sm90_kernel_compiles_offline_with_hopper_instructions(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
-    for name, dt, D, H, G, has_len, has_sink in _CONFIGS:
+    for name, dt, D, H, G, has_len, has_sink, profile in _CONFIGS:
         r = res[name]
+        # the cycle counters exist only in the profiling build
+        assert (r["%clock64"] > 0) == profile, (name, r)
         # S = Q K^T: D / 16 wgmma per block; O += P V: 4 per block and stage.
         assert r["wgmma.mma_async"] >= D // 16 + 4, (name, r)
         assert r["cp.async.cg.shared.global"] >= D // 64 * 4, (name, r)  # the gather
@@ -294,6 +298,32 @@ def test_cute_writes_every_output_element():
         del junk
         out, lse = dsa.sparse_attention(q, kv, idx, topk_length=tl, return_lse=True, backend="cute")
         assert not out.isnan().any() and not lse.isnan().any()
+
+
+@pytest.mark.gpu
+@gpu
+def test_cute_profile_build_matches_and_counts():
+    """The profiling build (bench/profile_cute.py) gives the plain build's
+    bits, and its counters are consistent: every part within its loop."""
+    from dsa.cute import sparse_attention as cute_sa
+    from dsa.cute import sparse_attention_sm90 as k
+
+    gen = _gen(19)
+    T, H, D, K, N = 7, 128, 576, 300, 500
+    q, kv = _rand((T, H, D), torch.bfloat16, gen), _rand((N, 1, D), torch.bfloat16, gen)
+    idx = _indices(T, 1, K, N, gen).cuda()
+    tl = torch.tensor([K, 0, 1, 64, 65, 299, 1000], dtype=torch.int32, device="cuda")
+    a = SparseAttnArgs(q, kv, idx, tl, None, D ** -0.5, 512, False)
+    cfg = cute_sa.Config(ctas=3)  # several tiles a CTA
+    out, lse = cute_sa.forward(a, cfg)
+    prof = torch.zeros(3, k.THREADS // 32, k.PROF_N, dtype=torch.int64, device="cuda")
+    out2, lse2 = cute_sa.forward(a, cfg, profile=prof)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    total = prof[:, :, k.PROF_TOTAL]
+    assert (total > 0).all()
+    consumer = prof[:, 4:, k.PROF_FULL:k.PROF_EPI + 1].sum(-1)
+    producer = prof[:, :4, k.PROF_EMPTY:k.PROF_Q + 1].sum(-1)
+    assert (prof >= 0).all() and (consumer <= total[:, 4:]).all() and (producer <= total[:, :4]).all()
 
 
 @pytest.mark.gpu

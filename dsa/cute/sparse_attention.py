@@ -102,10 +102,7 @@ def _compiled(a: SparseAttnArgs, ptrs, scalars, stream, profile: bool = False):
 
     from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
 
-    from dsa.cute.sparse_attention_sm90 import OPTIONS
-
-    key = (a.q.dtype, a.D, a.d_v, a.H, a.G, a.topk_length is not None, a.sink is not None, profile,
-           tuple(sorted(OPTIONS.items())))
+    key = (a.q.dtype, a.D, a.d_v, a.H, a.G, a.topk_length is not None, a.sink is not None, profile)
     fn = _COMPILED.get(key)
     if fn is None:
         kernel = SparseAttnFwdSm90(_cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G,

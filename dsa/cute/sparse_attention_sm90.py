@@ -9,8 +9,10 @@ One CTA per (token t, kv head g, block of 64 query heads), three warpgroups:
   stage is two halves with barriers of their own: L, the columns [0, 256),
   and R, the columns [256, D); the producer fills them in the order the
   consumers free them (L of stage 0, R of stage 1, R of stage 0, L of
-  stage 1), signalling each with ``cp.async.mbarrier.arrive``, and looks up
-  the next pair's kv rows while the copies fly.
+  stage 1), signalling each with ``cp.async.mbarrier.arrive``.  The kv-row
+  indices of a pair are loaded a pair ahead, all of a thread's loads issued
+  before any is used, so their latency hides behind the previous pair's
+  waits and copies.
 * warpgroups 1 and 2, the consumers, work on pairs of blocks (2i, 2i + 1):
   consumer w computes S = Q K^T (wgmma, both operands in shared memory) of
   block 2i + w, from stage w, and accumulates O for the value columns
@@ -56,15 +58,12 @@ L_CHUNKS = 4   # 64-column chunks of an L half (the value columns of consumer 0)
 
 
 # Profile counters (cycles, per warp; SparseAttnFwdSm90(profile=True)):
-# consumers: the tile loop, stage-full waits, hand-off barrier waits, wgmma
-# waits, the Q wait, the row-sum exchange and epilogue; the producer: the
-# tile loop, stage-empty waits, kv-row lookups, copy issue, the Q-empty wait.
+# consumers: the tile loop, stage-full waits, hand-off and row-sum barrier
+# waits, wgmma waits, the Q wait, the epilogue; the producer: the tile loop,
+# stage-empty waits, kv-row lookups, copy issue, the Q-empty wait.
 PROF_TOTAL, PROF_FULL, PROF_BAR, PROF_WGMMA, PROF_Q, PROF_EPI = range(6)
 PROF_EMPTY, PROF_LOOKUP, PROF_ISSUE = PROF_FULL, PROF_BAR, PROF_WGMMA
 PROF_N = 8
-
-# Experiment switches (read when a kernel is built).
-OPTIONS = {"fetch_ahead": True, "flat_valid": True, "early_release": True}
 
 
 class Barrier(enum.IntEnum):
@@ -103,9 +102,6 @@ class SparseAttnFwdSm90:
         self.dv_half = d_v // 2
         self.has_len, self.has_sink = has_len, has_sink
         self.profile = profile  # per-warp cycle counters into prof_ptr (PROF_*)
-        self.fetch_ahead = OPTIONS["fetch_ahead"]
-        self.flat_valid = OPTIONS["flat_valid"]
-        self.early_release = OPTIONS["early_release"]
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -291,28 +287,19 @@ class SparseAttnFwdSm90:
             t, g, head0, L, n_blocks, idx_row = self.tile(tile_id, idx_ptr, len_ptr, K)
             rows = (kv_ptr, zero_ptr, g, L, N, row_in_pass, col0)
             n_pairs = (n_blocks + 1) // 2
-            if const_expr(self.fetch_ahead):
-                self.fetch_rows(ns0, 0, idx_row, L, row_in_pass)
-                self.fetch_rows(ns1, 1, idx_row, L, row_in_pass)
-                self.resolve_rows(base0, ns0, 0, *rows)
-                self.resolve_rows(base1, ns1, 1, *rows)
-            else:
-                self.row_addrs(base0, 0, idx_row, *rows)
-                self.row_addrs(base1, 1, idx_row, *rows)
+            self.fetch_rows(ns0, 0, idx_row, L, row_in_pass)
+            self.fetch_rows(ns1, 1, idx_row, L, row_in_pass)
+            self.resolve_rows(base0, ns0, 0, *rows)
+            self.resolve_rows(base1, ns1, 1, *rows)
             # The first pair's copies go out before Q's: its stages free up
             # during the last tile's final pair, Q only after both consumers
             # are past their last S of it.
             if n_pairs > 0:
-                if const_expr(self.fetch_ahead):
-                    self.fetch_rows(ns0, 2, idx_row, L, row_in_pass)
-                    self.fetch_rows(ns1, 3, idx_row, L, row_in_pass)
+                self.fetch_rows(ns0, 2, idx_row, L, row_in_pass)
+                self.fetch_rows(ns1, 3, idx_row, L, row_in_pass)
                 self.produce_pair(atom, base0, base1, tK0, tK1, full, empty, 0, n_blocks, u0, u1)
-                if const_expr(self.fetch_ahead):
-                    self.resolve_rows(base0, ns0, 2, *rows)
-                    self.resolve_rows(base1, ns1, 3, *rows)
-                else:
-                    self.row_addrs(base0, 2, idx_row, *rows)
-                    self.row_addrs(base1, 3, idx_row, *rows)
+                self.resolve_rows(base0, ns0, 2, *rows)
+                self.resolve_rows(base1, ns1, 3, *rows)
             if j > 0:
                 t0 = self.tick()
                 cute.arch.mbarrier_wait(q_empty, (j + 1) % 2)
@@ -320,16 +307,11 @@ class SparseAttnFwdSm90:
             self.load_q(atom, thr, sQ, q_full, q_ptr, t, head0, row_in_pass, col0)
             for i in cutlass.range(1, n_pairs, unroll=1):
                 # the next pair's indices load while this pair's copies wait and go out
-                if const_expr(self.fetch_ahead):
-                    self.fetch_rows(ns0, 2 * i + 2, idx_row, L, row_in_pass)
-                    self.fetch_rows(ns1, 2 * i + 3, idx_row, L, row_in_pass)
+                self.fetch_rows(ns0, 2 * i + 2, idx_row, L, row_in_pass)
+                self.fetch_rows(ns1, 2 * i + 3, idx_row, L, row_in_pass)
                 self.produce_pair(atom, base0, base1, tK0, tK1, full, empty, i, n_blocks, u0, u1)
-                if const_expr(self.fetch_ahead):
-                    self.resolve_rows(base0, ns0, 2 * i + 2, *rows)
-                    self.resolve_rows(base1, ns1, 2 * i + 3, *rows)
-                else:
-                    self.row_addrs(base0, 2 * i + 2, idx_row, *rows)
-                    self.row_addrs(base1, 2 * i + 3, idx_row, *rows)
+                self.resolve_rows(base0, ns0, 2 * i + 2, *rows)
+                self.resolve_rows(base1, ns1, 2 * i + 3, *rows)
             u0 = u0 + n_pairs
             u1 = u1 + n_blocks // 2
             j = j + 1
@@ -393,20 +375,6 @@ class SparseAttnFwdSm90:
                 self.tock(PROF_EMPTY, t0)
             self.copy_half(atom, base1, tK1, 0, L_CHUNKS)
             cute.arch.cp_async_mbarrier_arrive_noinc(full + 2)
-
-    @cute.jit
-    def row_addrs(self, base, b, idx_row, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0):
-        t0 = self.tick()
-        ES = self.dtype.width // 8
-        for m in cutlass.range_constexpr(BN // 16):
-            slot = b * BN + row_in_pass + m * 16
-            addr = zero_ptr.toint()
-            if slot < L:
-                n = _load(idx_row, Int64(slot))
-                if n >= 0 and n < N:
-                    addr = kv_ptr.toint() + (Int64(n) * Int64(self.G) + Int64(g)) * Int64(self.D * ES)
-            base[m] = addr + col0 * ES
-        self.tock(PROF_LOOKUP, t0)
 
     @cute.jit
     def fetch_rows(self, ns, b, idx_row, L, row_in_pass):
@@ -598,22 +566,17 @@ class SparseAttnFwdSm90:
         # the loads first, with no branch between them (slots past L read
         # slot L - 1 and are dropped below), so that they fly together
         nv = cute.make_rmem_tensor((NS // 4, 2), Int32)
-        if const_expr(self.flat_valid):
-            if L > 0:
-                for j in cutlass.range_constexpr(NS // 4):
-                    for e in cutlass.range_constexpr(2):
-                        nv[j, e] = _load(idx_row, Int64(cutlass.min(b * BN + 8 * j + col_lane + e, L - 1)))
+        if L > 0:
+            for j in cutlass.range_constexpr(NS // 4):
+                for e in cutlass.range_constexpr(2):
+                    nv[j, e] = _load(idx_row, Int64(cutlass.min(b * BN + 8 * j + col_lane + e, L - 1)))
         for j in cutlass.range_constexpr(NS // 4):
             for e in cutlass.range_constexpr(2):
                 slot = b * BN + 8 * j + col_lane + e
                 ok = slot < L
                 if ok:
-                    if const_expr(self.flat_valid):
-                        n = nv[j, e]
-                        ok = n >= 0 and n < N
-                    else:
-                        n = _load(idx_row, Int64(slot))
-                        ok = n >= 0 and n < N
+                    n = nv[j, e]
+                    ok = n >= 0 and n < N
                 valid[j, e] = ok
         t0 = self.tick()
         warpgroup.wait_group(0)
@@ -763,13 +726,6 @@ class SparseAttnFwdSm90:
             self.softmax(cs, mx)
             self.pv(pv_mma, acc_o, r_p, tOrV_own)
             self.store_p(r_p, acc_s, tPs_own)
-            if const_expr(self.early_release):
-                # P1 is stored: consumer 0 may use it; stage 1's R is free once P1 V1 retires
-                cute.arch.barrier_arrive(barrier_id=Barrier.P1, number_of_threads=PAIR_THREADS)
-                t0 = self.tick()
-                warpgroup.wait_group(0)
-                self.tock(PROF_WGMMA, t0)
-                cute.arch.mbarrier_arrive(empty + 3)
         else:
             alpha = cute.make_rmem_tensor((2,), Float32)
             for r in cutlass.range_constexpr(2):
@@ -781,7 +737,7 @@ class SparseAttnFwdSm90:
         cute.arch.barrier(barrier_id=Barrier.P0, number_of_threads=PAIR_THREADS)
         self.tock(PROF_BAR, t0)
         self.pv(pv_mma_ss, acc_o, tOrP_oth, tOrV_oth)
-        if const_expr(has1 and not self.early_release):
+        if const_expr(has1):
             cute.arch.barrier_arrive(barrier_id=Barrier.P1, number_of_threads=PAIR_THREADS)
             t0 = self.tick()
             warpgroup.wait_group(1)

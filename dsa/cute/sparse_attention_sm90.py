@@ -774,14 +774,38 @@ class SparseAttnFwdSm90:
             inv[r] = iv
 
         out_base = out_ptr + (Int64(t) * Int64(self.H) + Int64(head0)) * Int64(self.d_v) + half * dvh
-        for j in cutlass.range_constexpr(NO // 4):
+        # Element 4j + 2r + e sits at row row_lo + 8r, column 8j + col_lane + e:
+        # a thread holds 4 bytes of each 16-byte chunk j of its rows, the quad
+        # the chunk.  Two butterfly exchanges transpose each group of 4 chunks
+        # across the quad, so that every thread stores one whole chunk with a
+        # 16-byte store: a quarter of the store instructions, each writing
+        # 64 contiguous bytes of a row instead of 16.
+        ob = cute.make_rmem_tensor((NO,), self.dtype)
+        for i_ in cutlass.range_constexpr(NO):
+            ob[i_] = (acc_o[i_] * inv[(i_ // 2) % 2]).to(self.dtype)
+        ow = cute.recast_tensor(ob, Int32)  # word 2j + r: the 2 columns of chunk j, row r
+        q = lane % 4
+        masks = (Int32(0) - (q & 1), Int32(0) - ((q >> 1) & 1))  # all ones where the lane bit is 1
+        w4 = cute.make_rmem_tensor((4,), Int32)
+        for g in cutlass.range_constexpr(NO // 16):
             for r in cutlass.range_constexpr(2):
+                w = [ow[2 * (4 * g + jj) + r] for jj in range(4)]
+                for bit in cutlass.range_constexpr(2):
+                    m = masks[bit]
+                    nm = Int32(-1) - m
+                    for lo in ((0, 2) if bit == 0 else (0, 1)):
+                        hi = lo + (1 << bit)
+                        # the lane keeps the slot whose bit matches its own and
+                        # swaps the other with its partner's
+                        send = (w[lo] & m) | (w[hi] & nm)
+                        recv = cute.arch.shuffle_sync_bfly(send, 1 << bit)
+                        w[lo], w[hi] = (recv & m) | (w[lo] & nm), (w[hi] & m) | (recv & nm)
+                for p_ in cutlass.range_constexpr(4):  # now the columns 8c + 2p_ + {0, 1} of chunk c = 4g + q
+                    w4[p_] = w[p_]
                 row = row_lo + 8 * r
-                col = 8 * j + col_lane
-                p = out_base + Int64(row) * Int64(self.d_v) + col
-                o = cute.make_tensor(p, cute.make_layout((2,)))
-                o[0] = (acc_o[4 * j + 2 * r] * inv[r]).to(self.dtype)
-                o[1] = (acc_o[4 * j + 2 * r + 1] * inv[r]).to(self.dtype)
+                off = Int64(row) * Int64(self.d_v) + 8 * (4 * g + q)
+                dst = cute.make_ptr(Int32, (out_base + off).toint(), cute.AddressSpace.gmem, assumed_align=16)
+                cute.autovec_copy(w4, cute.make_tensor(dst, cute.make_layout((4,))))
 
         if half == 0 and lane % 4 == 0:
             for r in cutlass.range_constexpr(2):

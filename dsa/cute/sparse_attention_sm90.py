@@ -238,6 +238,24 @@ class SparseAttnFwdSm90:
             self._prof[cat] = self._prof[cat] + (cute.arch.clock64() - t0)
 
     @cute.jit
+    def mbar_wait(self, bar, phase, cat: cutlass.Constexpr):
+        t0 = self.tick()
+        cute.arch.mbarrier_wait(bar, phase)
+        self.tock(cat, t0)
+
+    @cute.jit
+    def wgmma_wait(self, n: cutlass.Constexpr):
+        t0 = self.tick()
+        warpgroup.wait_group(n)
+        self.tock(PROF_WGMMA, t0)
+
+    @cute.jit
+    def bar_wait(self, barrier_id: cutlass.Constexpr):
+        t0 = self.tick()
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=PAIR_THREADS)
+        self.tock(PROF_BAR, t0)
+
+    @cute.jit
     def prof_store(self, prof_ptr, tidx):
         """Lane 0 of each warp writes its counters: prof[cta, warp, PROF_N]."""
         if const_expr(self.profile):
@@ -301,9 +319,7 @@ class SparseAttnFwdSm90:
                 self.resolve_rows(base0, ns0, 2, *rows)
                 self.resolve_rows(base1, ns1, 3, *rows)
             if j > 0:
-                t0 = self.tick()
-                cute.arch.mbarrier_wait(q_empty, (j + 1) % 2)
-                self.tock(PROF_Q, t0)
+                self.mbar_wait(q_empty, (j + 1) % 2, PROF_Q)
             self.load_q(atom, thr, sQ, q_full, q_ptr, t, head0, row_in_pass, col0)
             for i in cutlass.range(1, n_pairs, unroll=1):
                 # the next pair's indices load while this pair's copies wait and go out
@@ -350,29 +366,21 @@ class SparseAttnFwdSm90:
         n0 = u0 + i
         n1 = u1 + i
         if n0 > 0:
-            t0 = self.tick()
-            cute.arch.mbarrier_wait(empty + 0, (n0 + 1) % 2)
-            self.tock(PROF_EMPTY, t0)  # the phase completed one use ago
+            self.mbar_wait(empty + 0, (n0 + 1) % 2, PROF_EMPTY)  # the phase completed one use ago
         self.copy_half(atom, base0, tK0, 0, L_CHUNKS)
         cute.arch.cp_async_mbarrier_arrive_noinc(full + 0)
         if has1:
             if n1 > 0:
-                t0 = self.tick()
-                cute.arch.mbarrier_wait(empty + 3, (n1 + 1) % 2)
-                self.tock(PROF_EMPTY, t0)
+                self.mbar_wait(empty + 3, (n1 + 1) % 2, PROF_EMPTY)
             self.copy_half(atom, base1, tK1, L_CHUNKS, CHUNKS)
             cute.arch.cp_async_mbarrier_arrive_noinc(full + 3)
         if n0 > 0:
-            t0 = self.tick()
-            cute.arch.mbarrier_wait(empty + 1, (n0 + 1) % 2)
-            self.tock(PROF_EMPTY, t0)
+            self.mbar_wait(empty + 1, (n0 + 1) % 2, PROF_EMPTY)
         self.copy_half(atom, base0, tK0, L_CHUNKS, CHUNKS)
         cute.arch.cp_async_mbarrier_arrive_noinc(full + 1)
         if has1:
             if n1 > 0:
-                t0 = self.tick()
-                cute.arch.mbarrier_wait(empty + 2, (n1 + 1) % 2)
-                self.tock(PROF_EMPTY, t0)
+                self.mbar_wait(empty + 2, (n1 + 1) % 2, PROF_EMPTY)
             self.copy_half(atom, base1, tK1, 0, L_CHUNKS)
             cute.arch.cp_async_mbarrier_arrive_noinc(full + 2)
 
@@ -471,9 +479,7 @@ class SparseAttnFwdSm90:
                   tPs_own, tOrV_own, tOrV_oth, tOrP_oth, full, empty, idx_row, L, N, row_lo, col_lane, lane,
                   scale_log2)
             n_full = n_blocks // 2
-            t0 = self.tick()
-            cute.arch.mbarrier_wait(q_full, j % 2)
-            self.tock(PROF_Q, t0)
+            self.mbar_wait(q_full, j % 2, PROF_Q)
             if const_expr(w == 0):
                 if n_blocks > 0:
                     self.qk(cs, 0, 0, u0 % 2, True)
@@ -507,9 +513,7 @@ class SparseAttnFwdSm90:
             l_run[r] = l
             if lane % 4 == 0:
                 l_own[row_lo + 8 * r] = l
-        t0 = self.tick()
-        cute.arch.barrier(barrier_id=Barrier.ROW_SUMS, number_of_threads=PAIR_THREADS)
-        self.tock(PROF_BAR, t0)
+        self.bar_wait(Barrier.ROW_SUMS)
         for r in cutlass.range_constexpr(2):
             l_run[r] = l_run[r] + l_oth[row_lo + 8 * r]
         t0 = self.tick()
@@ -530,9 +534,7 @@ class SparseAttnFwdSm90:
         KL = L_CHUNKS * 4
         first = 2 * stage + (0 if first_l else 1)
         acc_s.fill(0.0)
-        t0 = self.tick()
-        cute.arch.mbarrier_wait(full + first, ph)
-        self.tock(PROF_FULL, t0)
+        self.mbar_wait(full + first, ph, PROF_FULL)
         warpgroup.fence()
         if const_expr(first_l):
             for k in cutlass.range_constexpr(KL):
@@ -544,13 +546,9 @@ class SparseAttnFwdSm90:
         if const_expr(stage == 0):
             if i > 0:
                 # consumer 0's P1 V1 of the last pair has retired: stage 1's L is free
-                t0 = self.tick()
-                warpgroup.wait_group(1)
-                self.tock(PROF_WGMMA, t0)
+                self.wgmma_wait(1)
                 cute.arch.mbarrier_arrive(empty + 2)
-        t0 = self.tick()
-        cute.arch.mbarrier_wait(full + (2 * stage + (1 if first_l else 0)), ph)
-        self.tock(PROF_FULL, t0)
+        self.mbar_wait(full + (2 * stage + (1 if first_l else 0)), ph, PROF_FULL)
         warpgroup.fence()
         if const_expr(first_l):
             for k in cutlass.range_constexpr(KD - KL):
@@ -578,9 +576,7 @@ class SparseAttnFwdSm90:
                     n = nv[j, e]
                     ok = n >= 0 and n < N
                 valid[j, e] = ok
-        t0 = self.tick()
-        warpgroup.wait_group(0)
-        self.tock(PROF_WGMMA, t0)
+        self.wgmma_wait(0)
         for j in cutlass.range_constexpr(NS // 4):
             for r in cutlass.range_constexpr(2):
                 for e in cutlass.range_constexpr(2):
@@ -663,15 +659,11 @@ class SparseAttnFwdSm90:
         cute.arch.barrier_arrive(barrier_id=Barrier.MAX0, number_of_threads=PAIR_THREADS)
         self.softmax(cs, mx)
         self.pv(pv_mma, acc_o, r_p, tOrV_own)
-        t0 = self.tick()
-        warpgroup.wait_group(0)
-        self.tock(PROF_WGMMA, t0)
+        self.wgmma_wait(0)
         cute.arch.mbarrier_arrive(empty + 0)  # stage 0's L: no one reads it again this pair
         if const_expr(has1):
             # the pair's maxima from consumer 1; P0 rescaled to them
-            t0 = self.tick()
-            cute.arch.barrier(barrier_id=Barrier.MAX1, number_of_threads=PAIR_THREADS)
-            self.tock(PROF_BAR, t0)
+            self.bar_wait(Barrier.MAX1)
             sc = cute.make_rmem_tensor((2,), Float32)
             for r in cutlass.range_constexpr(2):
                 mp = m1[row_lo + 8 * r]
@@ -683,16 +675,12 @@ class SparseAttnFwdSm90:
             self.store_p(r_p, acc_s, tPs_own)
             cute.arch.barrier_arrive(barrier_id=Barrier.P0, number_of_threads=PAIR_THREADS)
             self.rescale_o(acc_o, sc)
-            t0 = self.tick()
-            cute.arch.barrier(barrier_id=Barrier.P1, number_of_threads=PAIR_THREADS)
-            self.tock(PROF_BAR, t0)
+            self.bar_wait(Barrier.P1)
             self.pv(pv_mma_ss, acc_o, tOrP_oth, tOrV_oth)
             if 2 * i + 2 < n_blocks:
                 self.qk(cs, 0, i + 1, (u0 + i + 1) % 2, True)  # releases stage 1's L once P1 V1 retires
             else:
-                t0 = self.tick()
-                warpgroup.wait_group(0)
-                self.tock(PROF_WGMMA, t0)
+                self.wgmma_wait(0)
                 cute.arch.mbarrier_arrive(empty + 2)
         else:
             # the last block, alone: its maxima are final, consumer 1 only needs P0
@@ -712,9 +700,7 @@ class SparseAttnFwdSm90:
             self.row_max(acc_s, mx)
         else:
             mx.fill(-Float32.inf)
-        t0 = self.tick()
-        cute.arch.barrier(barrier_id=Barrier.MAX0, number_of_threads=PAIR_THREADS)
-        self.tock(PROF_BAR, t0)
+        self.bar_wait(Barrier.MAX0)
         for r in cutlass.range_constexpr(2):
             # consumer 0's maxima already hold every earlier block's
             mx[r] = cute.arch.fmax(mx[r], m0[row_lo + 8 * r])
@@ -733,19 +719,13 @@ class SparseAttnFwdSm90:
                 l_run[r] = l_run[r] * alpha[r]
                 m_run[r] = mx[r]
             self.rescale_o(acc_o, alpha)
-        t0 = self.tick()
-        cute.arch.barrier(barrier_id=Barrier.P0, number_of_threads=PAIR_THREADS)
-        self.tock(PROF_BAR, t0)
+        self.bar_wait(Barrier.P0)
         self.pv(pv_mma_ss, acc_o, tOrP_oth, tOrV_oth)
         if const_expr(has1):
             cute.arch.barrier_arrive(barrier_id=Barrier.P1, number_of_threads=PAIR_THREADS)
-            t0 = self.tick()
-            warpgroup.wait_group(1)
-            self.tock(PROF_WGMMA, t0)
+            self.wgmma_wait(1)
             cute.arch.mbarrier_arrive(empty + 3)  # stage 1's R
-        t0 = self.tick()
-        warpgroup.wait_group(0)
-        self.tock(PROF_WGMMA, t0)
+        self.wgmma_wait(0)
         cute.arch.mbarrier_arrive(empty + 1)      # stage 0's R (and P0 with it)
 
     @cute.jit

@@ -36,10 +36,6 @@ FWD_VARIANTS = {
     "skew-bh64-bn32-cw128-s1": C(64, 32, 128, 8, 1, True),
     "no-prefetch": C(64, 64, 128, 8, 2, prefetch=False),
 }
-# timed on the half-valid rows too (topk_length uniform in [0, K])
-HALF_VARIANTS = {
-    "no-prefetch": C(64, 64, 128, 8, 2, prefetch=False),
-}
 BWD_VARIANTS = {
     "bh64-bn32-cw128-s1": C(64, 32, 128, 8, 1),
     "bh64-bn32-cw128-s2": C(64, 32, 128, 8, 2),
@@ -81,7 +77,7 @@ def main():
     ap.add_argument("--shapes", default="V3.2,V4-pro")
     ap.add_argument("--fwd", default="", help="comma list of FWD_VARIANTS names")
     ap.add_argument("--bwd", default="", help="comma list of BWD_VARIANTS names")
-    ap.add_argument("--half", default="", help="comma list of HALF_VARIANTS names")
+    ap.add_argument("--half", default="", help="comma list of FWD_VARIANTS names to time on half-valid rows too")
     ap.add_argument("--no-bwd", action="store_true", help="forward only")
     ap.add_argument("--no-det", action="store_true", help="skip the deterministic backward")
     args = ap.parse_args()
@@ -139,7 +135,7 @@ def main():
         ms = bench(lambda: sa.forward(ah))
         report(shape, "fwd", "default half-valid", ms, 2 * slots_h * (D + d_v), f"ratio {ms / full_f:.3f}")
         for name in filter(None, args.half.split(",")):
-            cfg = HALF_VARIANTS[name]
+            cfg = FWD_VARIANTS[name]
             o, _ = sa.forward(ah, cfg)
             err = f"d_out {rel(o, outh):.1e}"
             o, _ = sa.forward(a, cfg)

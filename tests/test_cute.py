@@ -45,8 +45,8 @@ _AOT = r"""
 import json, os, sys, torch
 from dsa.cute.sparse_attention import compile_offline
 res = {}
-for name, dt, D, H, G, has_len, has_sink, profile in json.loads(sys.argv[1]):
-    c = compile_offline(getattr(torch, dt), D, H, G, has_len, has_sink, profile=profile)
+for name, dt, D, H, G, has_len, has_sink, profile, refill in json.loads(sys.argv[1]):
+    c = compile_offline(getattr(torch, dt), D, H, G, has_len, has_sink, profile=profile, refill=refill)
     ptx = c.artifacts.PTX
     if len(ptx) < 4096 and os.path.exists(ptx):  # with a dump directory: the file's path
         ptx = open(ptx).read()
@@ -58,9 +58,11 @@ print("RESULT" + json.dumps(res))
 """
 
 _CONFIGS = [
-    ("v32_bf16", "bfloat16", 576, 128, 1, True, True, False),
-    ("v4_fp16_gqa", "float16", 512, 128, 2, False, False, False),
-    ("v32_bf16_profile", "bfloat16", 576, 128, 1, True, False, True),  # bench/profile_cute.py's build
+    ("v32_bf16", "bfloat16", 576, 128, 1, True, True, False, True),
+    ("v4_fp16_gqa", "float16", 512, 128, 2, False, False, False, True),
+    # bench/profile_cute.py's builds: cycle counters; each stage gathered once
+    ("v32_bf16_profile", "bfloat16", 576, 128, 1, True, False, True, True),
+    ("v32_bf16_norefill", "bfloat16", 576, 128, 1, False, False, False, False),
 ]
 
 
@@ -71,7 +73,7 @@ def test_sm90_kernel_compiles_offline_with_hopper_instructions(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
-    for name, dt, D, H, G, has_len, has_sink, profile in _CONFIGS:
+    for name, dt, D, H, G, has_len, has_sink, profile, refill in _CONFIGS:
         r = res[name]
         # the cycle counters exist only in the profiling build
         assert (r["%clock64"] > 0) == profile, (name, r)
@@ -80,7 +82,8 @@ def test_sm90_kernel_compiles_offline_with_hopper_instructions(tmp_path):
         assert r["cp.async.cg.shared.global"] >= D // 64 * 4, (name, r)  # the gather
         # Q, then each of the four half stages (L and R of two stages) signalled on its own
         assert r["cp.async.mbarrier.arrive.noinc"] >= 5, (name, r)
-        assert r["mbarrier.arrive.shared"] >= 4, (name, r)  # the consumers free each half
+        # the consumers free each half and Q; the producer publishes each stage's mask
+        assert r["mbarrier.arrive.shared"] >= 4 + 1 + 2, (name, r)
         assert r["bar.arrive"] >= 4, (name, r)  # the staggered hand-offs: maxima and P, both ways
         assert r["setmaxnreg.inc"] >= 1 and r["setmaxnreg.dec"] >= 1, (name, r)
         assert r["mbarrier.try_wait"] >= 2, (name, r)

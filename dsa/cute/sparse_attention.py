@@ -97,16 +97,16 @@ def _zeros(a: SparseAttnArgs) -> torch.Tensor:
     return z
 
 
-def _compiled(a: SparseAttnArgs, ptrs, scalars, stream, profile: bool = False):
+def _compiled(a: SparseAttnArgs, ptrs, scalars, stream, profile: bool = False, refill: bool = True):
     import cutlass.cute as cute
 
     from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
 
-    key = (a.q.dtype, a.D, a.d_v, a.H, a.G, a.topk_length is not None, a.sink is not None, profile)
+    key = (a.q.dtype, a.D, a.d_v, a.H, a.G, a.topk_length is not None, a.sink is not None, profile, refill)
     fn = _COMPILED.get(key)
     if fn is None:
         kernel = SparseAttnFwdSm90(_cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G,
-                                   a.topk_length is not None, a.sink is not None, profile)
+                                   a.topk_length is not None, a.sink is not None, profile, refill)
         fn = _COMPILED[key] = cute.compile(kernel, *ptrs, *scalars, stream)
     return fn
 
@@ -125,12 +125,14 @@ def _ptr(t: torch.Tensor, dtype, align: int):
 
 
 def forward(a: SparseAttnArgs, config: Optional[Config] = None,
-            profile: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+            profile: Optional[torch.Tensor] = None, refill: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """out [T, H, d_v] in q.dtype and lse [T, H] fp32 (sink excluded, +inf on empty rows).
 
     profile: an int64 tensor of at least CTAs x 12 x 8 elements runs the
     kernel built with cycle counters (``sparse_attention_sm90.PROF_*``) and
-    receives them, [CTA, warp, counter]."""
+    receives them, [CTA, warp, counter].  refill False runs the timing build
+    that gathers each stage once (``bench/profile_cute.py``); its out is not
+    the attention."""
     cfg = config or DEFAULT
     import cuda.bindings.driver as cuda
     import cutlass
@@ -153,12 +155,12 @@ def forward(a: SparseAttnArgs, config: Optional[Config] = None,
                cutlass.Float32(a.sm_scale * 1.4426950408889634), cutlass.Int32(n_cta))
     stream = cuda.CUstream(torch.cuda.current_stream(a.q.device).cuda_stream)
     with torch.cuda.device(a.q.device):
-        _compiled(a, ptrs, scalars, stream, profile is not None)(*ptrs, *scalars, stream)
+        _compiled(a, ptrs, scalars, stream, profile is not None, refill)(*ptrs, *scalars, stream)
     return out, lse
 
 
 def compile_offline(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, has_sink: bool,
-                    keep_ptx: bool = True, profile: bool = False):
+                    keep_ptx: bool = True, profile: bool = False, refill: bool = True):
     """Compile the kernel without a GPU (``CUTE_DSL_ARCH=sm_90a``), for CI and
     inspection; returns the compiled object (its PTX is kept when asked)."""
     import cuda.bindings.driver as cuda
@@ -177,5 +179,5 @@ def compile_offline(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, h
             p(dt, 16), p(cutlass.Float32, 4), p(dt, 16), p(cutlass.Int64, 4))
     scalars = (cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Float32(math.log2(math.e)),
                cutlass.Int32(132))
-    kernel = SparseAttnFwdSm90(dt, D, SERVED_DV, H, G, has_len, has_sink, profile)
+    kernel = SparseAttnFwdSm90(dt, D, SERVED_DV, H, G, has_len, has_sink, profile, refill)
     return cute.compile(kernel, *ptrs, *scalars, cuda.CUstream(0), options="--keep-ptx" if keep_ptx else "")

@@ -12,7 +12,9 @@ One CTA per (token t, kv head g, block of 64 query heads), three warpgroups:
   stage 1), signalling each with ``cp.async.mbarrier.arrive``.  The kv-row
   indices of a pair are loaded a pair ahead, all of a thread's loads issued
   before any is used, so their latency hides behind the previous pair's
-  waits and copies.
+  waits and copies.  The producer is the one place that decides validity:
+  with the first half of each stage it publishes the block's mask (0 or
+  -inf by slot) in shared memory, and the consumers add it to S.
 * warpgroups 1 and 2, the consumers, work on pairs of blocks (2i, 2i + 1):
   consumer w computes S = Q K^T (wgmma, both operands in shared memory) of
   block 2i + w, from stage w, and accumulates O for the value columns
@@ -54,6 +56,7 @@ THREADS = 384  # producer + two consumer warpgroups
 PRODUCER_REGS = 56   # 56 + 2 * 224 registers a thread fill the register file
 CONSUMER_REGS = 224
 BN = 64        # slots per block and stage; two stages
+MASK_WRITERS = 16  # producer threads that write a stage's mask: one per row of a copy pass
 L_CHUNKS = 4   # 64-column chunks of an L half (the value columns of consumer 0)
 
 
@@ -92,7 +95,7 @@ class SparseAttnFwdSm90:
     """Host-side builder of the kernel for one static configuration."""
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, has_sink: bool,
-                 profile: bool = False):
+                 profile: bool = False, refill: bool = True):
         # shared memory holds Q and two 64-slot stages up to D = 576
         if D not in (512, 576) or d_v != 512 or (H // G) % BLOCK_H:
             raise ValueError("SparseAttnFwdSm90 needs D in (512, 576), d_v == 512, (H / G) % 64 == 0")
@@ -102,6 +105,10 @@ class SparseAttnFwdSm90:
         self.dv_half = d_v // 2
         self.has_len, self.has_sink = has_len, has_sink
         self.profile = profile  # per-warp cycle counters into prof_ptr (PROF_*)
+        # refill False: a timing build whose producer gathers each stage on
+        # its first use only and afterwards just signals it, so the consumers
+        # never wait for a gather's round trip; its out is not the attention.
+        self.refill = refill
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -150,6 +157,8 @@ class SparseAttnFwdSm90:
             sP: cute.struct.Align[cute.struct.MemRange[dt, p_elems], 1024]
             sM: cute.struct.MemRange[Float32, 2 * BLOCK_H]
             sL: cute.struct.MemRange[Float32, 4 * BLOCK_H]  # row sums, by row parity and consumer
+            # the mask of the block in each stage, by slot: 0 (valid) or -inf
+            sOk: cute.struct.MemRange[Float32, 2 * BN]
 
         self.smem = Smem
         # Tiles (token, kv head, head block), head blocks fastest: the tiles
@@ -192,7 +201,9 @@ class SparseAttnFwdSm90:
             cute.arch.mbarrier_init(q_full, 128)    # the producer's threads
             cute.arch.mbarrier_init(q_empty, 256)   # both consumers, past their last S of a row
             for h in cutlass.range_constexpr(4):
-                cute.arch.mbarrier_init(full + h, 128)   # the producer's threads
+                # the producer's threads; the first half filled of a stage (L
+                # of 0, R of 1) also carries its mask, from one thread a row
+                cute.arch.mbarrier_init(full + h, 128 + (MASK_WRITERS if h in (0, 3) else 0))
                 cute.arch.mbarrier_init(empty + h, 128)  # the consumer reading that half as V
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -203,13 +214,13 @@ class SparseAttnFwdSm90:
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.prof_start()
-            self.producer(tidx, sQ, sK, bars, tiles, q_ptr, kv_ptr, zero_ptr, N)
+            self.producer(tidx, sQ, sK, st.sOk.data_ptr(), bars, tiles, q_ptr, kv_ptr, zero_ptr, N)
             self.prof_store(prof_ptr, tidx)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             args = (qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, tidx % 128, sQ, sK,
-                    st.sP.data_ptr(), st.sM.data_ptr(), st.sL.data_ptr(), bars, tiles,
-                    sink_ptr, out_ptr, lse_ptr, N, scale_log2)
+                    st.sP.data_ptr(), st.sM.data_ptr(), st.sL.data_ptr(), st.sOk.data_ptr(), bars, tiles,
+                    sink_ptr, out_ptr, lse_ptr, scale_log2)
             self.prof_start()
             if wg == 1:
                 self.consumer(0, *args)
@@ -286,7 +297,7 @@ class SparseAttnFwdSm90:
         return t, g, head0, L, n_blocks, idx_ptr + Int64(pid) * Int64(K)
 
     @cute.jit
-    def producer(self, tidx, sQ, sK, bars, tiles, q_ptr, kv_ptr, zero_ptr, N):
+    def producer(self, tidx, sQ, sK, sOk, bars, tiles, q_ptr, kv_ptr, zero_ptr, N):
         q_full, q_empty, full, empty = bars
         cta, n_tiles, n_cta, idx_ptr, len_ptr, K = tiles
         atom, thr, row_in_pass, col0 = self.copier(tidx)
@@ -296,6 +307,11 @@ class SparseAttnFwdSm90:
         # invalid slot); their indices are loaded a pair ahead (ns0, ns1)
         base0 = cute.make_rmem_tensor((BN // 16,), Int64)
         base1 = cute.make_rmem_tensor((BN // 16,), Int64)
+        # their masks (0 or -inf), written to sOk with the stage's first half
+        mk0 = cute.make_rmem_tensor((BN // 16,), Float32)
+        mk1 = cute.make_rmem_tensor((BN // 16,), Float32)
+        ok = cute.make_tensor(sOk, cute.make_layout((2, BN), stride=(BN, 1)))
+        masks = (mk0, mk1, ok, col0 == 0, row_in_pass)
         ns0 = cute.make_rmem_tensor((BN // 16,), Int32)
         ns1 = cute.make_rmem_tensor((BN // 16,), Int32)
         u0 = Int32(0)  # uses of stage 0 / stage 1 by earlier tiles
@@ -307,17 +323,17 @@ class SparseAttnFwdSm90:
             n_pairs = (n_blocks + 1) // 2
             self.fetch_rows(ns0, 0, idx_row, L, row_in_pass)
             self.fetch_rows(ns1, 1, idx_row, L, row_in_pass)
-            self.resolve_rows(base0, ns0, 0, *rows)
-            self.resolve_rows(base1, ns1, 1, *rows)
+            self.resolve_rows(base0, mk0, ns0, 0, *rows)
+            self.resolve_rows(base1, mk1, ns1, 1, *rows)
             # The first pair's copies go out before Q's: its stages free up
             # during the last tile's final pair, Q only after both consumers
             # are past their last S of it.
             if n_pairs > 0:
                 self.fetch_rows(ns0, 2, idx_row, L, row_in_pass)
                 self.fetch_rows(ns1, 3, idx_row, L, row_in_pass)
-                self.produce_pair(atom, base0, base1, tK0, tK1, full, empty, 0, n_blocks, u0, u1)
-                self.resolve_rows(base0, ns0, 2, *rows)
-                self.resolve_rows(base1, ns1, 3, *rows)
+                self.produce_pair(atom, base0, base1, masks, tK0, tK1, full, empty, 0, n_blocks, u0, u1)
+                self.resolve_rows(base0, mk0, ns0, 2, *rows)
+                self.resolve_rows(base1, mk1, ns1, 3, *rows)
             if j > 0:
                 self.mbar_wait(q_empty, (j + 1) % 2, PROF_Q)
             self.load_q(atom, thr, sQ, q_full, q_ptr, t, head0, row_in_pass, col0)
@@ -325,9 +341,9 @@ class SparseAttnFwdSm90:
                 # the next pair's indices load while this pair's copies wait and go out
                 self.fetch_rows(ns0, 2 * i + 2, idx_row, L, row_in_pass)
                 self.fetch_rows(ns1, 2 * i + 3, idx_row, L, row_in_pass)
-                self.produce_pair(atom, base0, base1, tK0, tK1, full, empty, i, n_blocks, u0, u1)
-                self.resolve_rows(base0, ns0, 2 * i + 2, *rows)
-                self.resolve_rows(base1, ns1, 2 * i + 3, *rows)
+                self.produce_pair(atom, base0, base1, masks, tK0, tK1, full, empty, i, n_blocks, u0, u1)
+                self.resolve_rows(base0, mk0, ns0, 2 * i + 2, *rows)
+                self.resolve_rows(base1, mk1, ns1, 2 * i + 3, *rows)
             u0 = u0 + n_pairs
             u1 = u1 + n_blocks // 2
             j = j + 1
@@ -357,31 +373,34 @@ class SparseAttnFwdSm90:
         cute.arch.cp_async_mbarrier_arrive_noinc(q_full)
 
     @cute.jit
-    def produce_pair(self, atom, base0, base1, tK0, tK1, full, empty, i, n_blocks, u0, u1):
+    def produce_pair(self, atom, base0, base1, masks, tK0, tK1, full, empty, i, n_blocks, u0, u1):
         """The copies of pair i, half by half in the order the consumers free
-        them. u0 / u1: the uses of stage 0 / 1 by earlier tiles (every earlier
-        pair of this tile used both stages)."""
+        them, and the two blocks' masks with the first half of each stage.
+        u0 / u1: the uses of stage 0 / 1 by earlier tiles (every earlier pair
+        of this tile used both stages)."""
         CHUNKS = self.D // 64
         has1 = 2 * i + 1 < n_blocks
         n0 = u0 + i
         n1 = u1 + i
         if n0 > 0:
             self.mbar_wait(empty + 0, (n0 + 1) % 2, PROF_EMPTY)  # the phase completed one use ago
-        self.copy_half(atom, base0, tK0, 0, L_CHUNKS)
+        self.fill(atom, base0, tK0, 0, L_CHUNKS, n0)
         cute.arch.cp_async_mbarrier_arrive_noinc(full + 0)
+        self.publish_mask(masks, 0, full + 0)
         if has1:
             if n1 > 0:
                 self.mbar_wait(empty + 3, (n1 + 1) % 2, PROF_EMPTY)
-            self.copy_half(atom, base1, tK1, L_CHUNKS, CHUNKS)
+            self.fill(atom, base1, tK1, L_CHUNKS, CHUNKS, n1)
             cute.arch.cp_async_mbarrier_arrive_noinc(full + 3)
+            self.publish_mask(masks, 1, full + 3)
         if n0 > 0:
             self.mbar_wait(empty + 1, (n0 + 1) % 2, PROF_EMPTY)
-        self.copy_half(atom, base0, tK0, L_CHUNKS, CHUNKS)
+        self.fill(atom, base0, tK0, L_CHUNKS, CHUNKS, n0)
         cute.arch.cp_async_mbarrier_arrive_noinc(full + 1)
         if has1:
             if n1 > 0:
                 self.mbar_wait(empty + 2, (n1 + 1) % 2, PROF_EMPTY)
-            self.copy_half(atom, base1, tK1, 0, L_CHUNKS)
+            self.fill(atom, base1, tK1, 0, L_CHUNKS, n1)
             cute.arch.cp_async_mbarrier_arrive_noinc(full + 2)
 
     @cute.jit
@@ -398,20 +417,48 @@ class SparseAttnFwdSm90:
         self.tock(PROF_LOOKUP, t0)
 
     @cute.jit
-    def resolve_rows(self, base, ns, b, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0):
+    def resolve_rows(self, base, mk, ns, b, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0):
         """base[m]: the address this thread copies from for slot b * 64 +
-        row_in_pass + 16 m (the zero row when the slot is not valid)."""
+        row_in_pass + 16 m (the zero row when the slot is not valid), mk[m]
+        its mask: 0 when valid, else -inf.  The one place the kernel decides
+        validity: slot < topk_length and 0 <= index < N."""
         t0 = self.tick()
         ES = self.dtype.width // 8
         for m in cutlass.range_constexpr(BN // 16):
             slot = b * BN + row_in_pass + m * 16
             addr = zero_ptr.toint()
+            mask = -Float32.inf
             if slot < L:
                 n = ns[m]
                 if n >= 0 and n < N:
                     addr = kv_ptr.toint() + (Int64(n) * Int64(self.G) + Int64(g)) * Int64(self.D * ES)
+                    mask = Float32(0.0)
             base[m] = addr + col0 * ES
+            mk[m] = mask
         self.tock(PROF_LOOKUP, t0)
+
+    @cute.jit
+    def publish_mask(self, masks, stage: cutlass.Constexpr, bar):
+        """One thread a row writes its slots' masks of the block in ``stage``
+        and arrives on ``bar`` (release: the consumer that waits on bar sees
+        them).  The stage's earlier mask is dead: its reader released this
+        half after masking its S."""
+        mk0, mk1, ok, writer, row_in_pass = masks
+        mk = mk0 if stage == 0 else mk1
+        if writer:
+            for m in cutlass.range_constexpr(BN // 16):
+                ok[stage, row_in_pass + 16 * m] = mk[m]
+            cute.arch.mbarrier_arrive(bar)
+
+    @cute.jit
+    def fill(self, atom, base, tKs, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr, n):
+        """The copies of a half stage on its use n (the no-refill build: on
+        the first use only)."""
+        if const_expr(self.refill):
+            self.copy_half(atom, base, tKs, c_lo, c_hi)
+        else:
+            if n == 0:
+                self.copy_half(atom, base, tKs, c_lo, c_hi)
 
     @cute.jit
     def copy_half(self, atom, base, tKs, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr):
@@ -425,7 +472,7 @@ class SparseAttnFwdSm90:
 
     @cute.jit
     def consumer(self, w: cutlass.Constexpr, qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, wtid,
-                 sQ, sK, sP, sM, sL, bars, tiles, sink_ptr, out_ptr, lse_ptr, N, scale_log2):
+                 sQ, sK, sP, sM, sL, sOk, bars, tiles, sink_ptr, out_ptr, lse_ptr, scale_log2):
         q_full, q_empty, full, empty = bars
         cta, n_tiles, n_cta, idx_ptr, len_ptr, K = tiles
         D, dvh = self.D, self.dv_half
@@ -459,13 +506,14 @@ class SparseAttnFwdSm90:
         tOrV_oth = pv_mma_ss.make_fragment_B(thr_ss.partition_B(v_oth))
         tOrP_oth = pv_mma_ss.make_fragment_A(thr_ss.partition_A(p_oth))
         m0 = cute.make_tensor(sM, cute.make_layout((BLOCK_H,)))
+        ok = cute.make_tensor(sOk, cute.make_layout((2, BN), stride=(BN, 1)))
         m1 = cute.make_tensor(sM + BLOCK_H, cute.make_layout((BLOCK_H,)))
 
         row_lo = warp * 16 + lane // 4
         col_lane = 2 * (lane % 4)
         m_run = cute.make_rmem_tensor((2,), Float32)
         l_run = cute.make_rmem_tensor((2,), Float32)
-        valid = cute.make_rmem_tensor((cute.size(acc_s) // 4, 2), cutlass.Boolean)
+        mask = cute.make_rmem_tensor((cute.size(acc_s) // 4, 2), Float32)
 
         u0 = Int32(0)  # uses of stage 0 / stage 1 by earlier tiles
         u1 = Int32(0)
@@ -475,8 +523,8 @@ class SparseAttnFwdSm90:
             acc_o.fill(0.0)
             m_run.fill(-Float32.inf)
             l_run.fill(0.0)
-            cs = (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, acc_s, acc_o, r_p, valid, m_run, l_run, m0, m1,
-                  tPs_own, tOrV_own, tOrV_oth, tOrP_oth, full, empty, idx_row, L, N, row_lo, col_lane, lane,
+            cs = (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, acc_s, acc_o, r_p, mask, m_run, l_run, m0, m1,
+                  tPs_own, tOrV_own, tOrV_oth, tOrP_oth, full, empty, ok, row_lo, col_lane, lane,
                   scale_log2)
             n_full = n_blocks // 2
             self.mbar_wait(q_full, j % 2, PROF_Q)
@@ -527,8 +575,8 @@ class SparseAttnFwdSm90:
         L half first when first_l, then masked and scaled to the log2 domain.
         Consumer 0 calls it with its previous remote P V still in flight and
         releases stage 1's L half between the halves."""
-        (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, acc_s, acc_o, r_p, valid, m_run, l_run, m0, m1,
-         tPs_own, tOrV_own, tOrV_oth, tOrP_oth, full, empty, idx_row, L, N, row_lo, col_lane, lane,
+        (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, acc_s, acc_o, r_p, mask, m_run, l_run, m0, m1,
+         tPs_own, tOrV_own, tOrV_oth, tOrP_oth, full, empty, ok, row_lo, col_lane, lane,
          scale_log2) = cs
         KD = self.D // 16
         KL = L_CHUNKS * 4
@@ -557,40 +605,25 @@ class SparseAttnFwdSm90:
             for k in cutlass.range_constexpr(KL):
                 cute.gemm(qk_mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_s)
         warpgroup.commit_group()
-        # Validity of this thread's columns while the wgmma runs: accumulator
-        # element 4j + 2r + e sits at row row_lo + 8r, column 8j + col_lane + e.
-        b = 2 * i + stage
+        # The mask of this thread's columns (the producer's, published with
+        # the stage) while the wgmma runs: accumulator element 4j + 2r + e
+        # sits at row row_lo + 8r, column 8j + col_lane + e.
         NS = cute.size(acc_s)
-        # the loads first, with no branch between them (slots past L read
-        # slot L - 1 and are dropped below), so that they fly together
-        nv = cute.make_rmem_tensor((NS // 4, 2), Int32)
-        if L > 0:
-            for j in cutlass.range_constexpr(NS // 4):
-                for e in cutlass.range_constexpr(2):
-                    nv[j, e] = _load(idx_row, Int64(cutlass.min(b * BN + 8 * j + col_lane + e, L - 1)))
         for j in cutlass.range_constexpr(NS // 4):
             for e in cutlass.range_constexpr(2):
-                slot = b * BN + 8 * j + col_lane + e
-                ok = slot < L
-                if ok:
-                    n = nv[j, e]
-                    ok = n >= 0 and n < N
-                valid[j, e] = ok
+                mask[j, e] = ok[stage, 8 * j + col_lane + e]
         self.wgmma_wait(0)
         for j in cutlass.range_constexpr(NS // 4):
             for r in cutlass.range_constexpr(2):
                 for e in cutlass.range_constexpr(2):
-                    v = acc_s[4 * j + 2 * r + e] * scale_log2
-                    if not valid[j, e]:
-                        v = -Float32.inf
-                    acc_s[4 * j + 2 * r + e] = v
+                    acc_s[4 * j + 2 * r + e] = acc_s[4 * j + 2 * r + e] * scale_log2 + mask[j, e]
 
     @cute.jit
     def softmax(self, cs, m_new):
         """acc_s <- exp2(S - m_new) in place, r_p its 16-bit copy; l and O
         rescaled from the running maximum to m_new, which becomes it."""
-        (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, acc_s, acc_o, r_p, valid, m_run, l_run, m0, m1,
-         tPs_own, tOrV_own, tOrV_oth, tOrP_oth, full, empty, idx_row, L, N, row_lo, col_lane, lane,
+        (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, acc_s, acc_o, r_p, mask, m_run, l_run, m0, m1,
+         tPs_own, tOrV_own, tOrV_oth, tOrP_oth, full, empty, ok, row_lo, col_lane, lane,
          scale_log2) = cs
         NS = cute.size(acc_s)
         alpha = cute.make_rmem_tensor((2,), Float32)
@@ -646,8 +679,8 @@ class SparseAttnFwdSm90:
         """Consumer 0, pair i: S of block 2i is in acc_s (masked). u0: uses of
         stage 0 by earlier tiles. Every half it reads as V is released, so the
         next tile finds the stages free."""
-        (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, acc_s, acc_o, r_p, valid, m_run, l_run, m0, m1,
-         tPs_own, tOrV_own, tOrV_oth, tOrP_oth, full, empty, idx_row, L, N, row_lo, col_lane, lane,
+        (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, acc_s, acc_o, r_p, mask, m_run, l_run, m0, m1,
+         tPs_own, tOrV_own, tOrV_oth, tOrP_oth, full, empty, ok, row_lo, col_lane, lane,
          scale_log2) = cs
         NS = cute.size(acc_s)
         mx = cute.make_rmem_tensor((2,), Float32)
@@ -691,8 +724,8 @@ class SparseAttnFwdSm90:
     def pair1(self, cs, i, has1: cutlass.Constexpr, u1):
         """Consumer 1, pair i: S of block 2i + 1 when has1, then O over both.
         u1: uses of stage 1 by earlier tiles."""
-        (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, acc_s, acc_o, r_p, valid, m_run, l_run, m0, m1,
-         tPs_own, tOrV_own, tOrV_oth, tOrP_oth, full, empty, idx_row, L, N, row_lo, col_lane, lane,
+        (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, acc_s, acc_o, r_p, mask, m_run, l_run, m0, m1,
+         tPs_own, tOrV_own, tOrV_oth, tOrP_oth, full, empty, ok, row_lo, col_lane, lane,
          scale_log2) = cs
         mx = cute.make_rmem_tensor((2,), Float32)
         if const_expr(has1):

@@ -80,21 +80,6 @@ class Barrier(enum.IntEnum):
 
 
 PAIR_THREADS = 256
-RESCALE_LOG2 = 8.0  # see _keep; None rescales on every new maximum
-
-
-@cute.jit
-def _keep(m_old, m_new):
-    """The row maximum to use: m_old unless the new one exceeds it by more
-    than RESCALE_LOG2.  O and l only need one common reference, not the true
-    maximum, and probabilities up to 2^RESCALE_LOG2 are safe in fp32 sums and
-    in 16-bit P; keeping it lets most blocks skip rescaling O.  A row still
-    at -inf takes the new maximum (the NaN difference compares false)."""
-    m = m_new
-    if const_expr(RESCALE_LOG2 is not None):
-        if m_new - m_old <= RESCALE_LOG2:
-            m = m_old
-    return m
 
 
 @cute.jit
@@ -654,21 +639,12 @@ class SparseAttnFwdSm90:
                     rs = rs + p
             l_run[r] = l_run[r] * alpha[r] + rs
             m_run[r] = m_new[r]
-        # the O rescale (a branch) first: conversions placed before it are
-        # sunk past it, in among the P V wgmma, which ptxas then serialises
-        self.rescale_o(acc_o, alpha)
         for i_ in cutlass.range_constexpr(NS):
             r_p[i_] = acc_s[i_].to(self.dtype)
+        self.rescale_o(acc_o, alpha)
 
     @cute.jit
     def rescale_o(self, acc_o, alpha):
-        """O *= alpha by row, skipped by a warp whose factors are all 1 (each
-        is <= 1, so their product is 1 only when both are)."""
-        if cute.arch.vote_any_sync(alpha[0] * alpha[1] != Float32(1.0)):
-            self.scale_o(acc_o, alpha)
-
-    @cute.jit
-    def scale_o(self, acc_o, alpha):
         for i_ in cutlass.range(cute.size(acc_o), unroll_full=True):
             acc_o[i_] = acc_o[i_] * alpha[(i_ // 2) % 2]
 
@@ -710,7 +686,7 @@ class SparseAttnFwdSm90:
         mx = cute.make_rmem_tensor((2,), Float32)
         self.row_max(acc_s, mx)
         for r in cutlass.range_constexpr(2):
-            mx[r] = _keep(m_run[r], cute.arch.fmax(mx[r], m_run[r]))
+            mx[r] = cute.arch.fmax(mx[r], m_run[r])
             if lane % 4 == 0:
                 m0[row_lo + 8 * r] = mx[r]
         cute.arch.barrier_arrive(barrier_id=Barrier.MAX0, number_of_threads=PAIR_THREADS)
@@ -727,10 +703,8 @@ class SparseAttnFwdSm90:
                 sc[r] = cute.math.exp2(m_run[r] - _shift(mp), fastmath=True)
                 m_run[r] = mp
                 l_run[r] = l_run[r] * sc[r]
-            if cute.arch.vote_any_sync(sc[0] * sc[1] != Float32(1.0)):
-                # otherwise r_p already holds P0 at these maxima
-                for i_ in cutlass.range_constexpr(NS):
-                    r_p[i_] = (acc_s[i_] * sc[(i_ // 2) % 2]).to(self.dtype)
+            for i_ in cutlass.range_constexpr(NS):
+                r_p[i_] = (acc_s[i_] * sc[(i_ // 2) % 2]).to(self.dtype)
             self.store_p(r_p, acc_s, tPs_own)
             cute.arch.barrier_arrive(barrier_id=Barrier.P0, number_of_threads=PAIR_THREADS)
             self.rescale_o(acc_o, sc)
@@ -762,8 +736,7 @@ class SparseAttnFwdSm90:
         self.bar_wait(Barrier.MAX0)
         for r in cutlass.range_constexpr(2):
             # consumer 0's maxima already hold every earlier block's
-            mo = m0[row_lo + 8 * r]
-            mx[r] = _keep(mo, cute.arch.fmax(mx[r], mo))
+            mx[r] = cute.arch.fmax(mx[r], m0[row_lo + 8 * r])
         if const_expr(has1):
             for r in cutlass.range_constexpr(2):
                 if lane % 4 == 0:

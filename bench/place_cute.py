@@ -14,9 +14,8 @@
 
 Timing: every kernel configuration is compiled before anything is timed
 (an idle GPU during a compile lowers its clocks, and the next small shape
-would be timed slow), the GPU is kept busy for a second, the first four
-shapes are timed once and the figures dropped, then each shape is timed
-twice per backend, alternating, with triton.testing.do_bench (median,
+would be timed slow), the GPU is kept busy for a second, then each shape is
+timed twice per backend, alternating, with triton.testing.do_bench (median,
 warmup 25 ms, rep 60 ms) on fresh random inputs, and the lower median kept.
 bf16 or fp16, kv rows drawn uniformly from [0, N).  Shapes whose calls are
 a few tens of microseconds are launch-bound: their ranking moved between the
@@ -134,11 +133,6 @@ def main():
 
     compile_all(TRAIN + HOLDOUT)
     keep_busy()
-    # In the study of e7fe833 the first four shapes timed 2-5x slow on both
-    # backends (host-bound calls, right after the compiles): a first pass over
-    # them is timed and dropped.
-    for shape in TRAIN[:4]:
-        time_both(shape)
     entries = []
     for shape in TRAIN:
         t = time_both(shape)
@@ -163,8 +157,8 @@ def main():
     print(f"holdout regret (geomean over {len(rows)} shapes): {geo:.4f}", flush=True)
     doc = dict(
         device=torch.cuda.get_device_name(), date=str(datetime.date.today()), commit=args.commit,
-        timing="compile first, GPU kept busy 1 s, the first four shapes timed once and dropped, then per "
-               "shape the lower of two do_bench medians (warmup 25 ms, rep 60 ms) per backend; forward only",
+        timing="compile first, GPU kept busy 1 s, then per shape the lower of two do_bench medians "
+               "(warmup 25 ms, rep 60 ms) per backend; forward only",
         features="exact dtype and D; nearest in log2 of HG, K, T",
         entries=entries, holdout=dict(regret_geomean=round(geo, 4), shapes=rows),
     )

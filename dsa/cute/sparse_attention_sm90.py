@@ -506,8 +506,8 @@ class SparseAttnFwdSm90:
         tOrV_oth = pv_mma_ss.make_fragment_B(thr_ss.partition_B(v_oth))
         tOrP_oth = pv_mma_ss.make_fragment_A(thr_ss.partition_A(p_oth))
         m0 = cute.make_tensor(sM, cute.make_layout((BLOCK_H,)))
-        ok = cute.make_tensor(sOk, cute.make_layout((2, BN), stride=(BN, 1)))
         m1 = cute.make_tensor(sM + BLOCK_H, cute.make_layout((BLOCK_H,)))
+        ok = cute.make_tensor(sOk, cute.make_layout((2, BN), stride=(BN, 1)))  # the producer's masks
 
         row_lo = warp * 16 + lane // 4
         col_lane = 2 * (lane % 4)

@@ -23,6 +23,10 @@ from typing import Optional
 import torch
 
 
+class Unsupported(Exception):
+    """Raised by a backend's hook when it cannot serve a call; the message says why."""
+
+
 @dataclass(frozen=True)
 class SparseAttnArgs:
     """Sparse attention (MLA in MQA/GQA form) in the canonical packed layout.
@@ -72,6 +76,11 @@ class SparseAttnArgs:
     def K(self) -> int:
         return self.indices.shape[2]
 
+    @property
+    def empty(self) -> bool:
+        """No row, slot, key or head: answered without a kernel."""
+        return self.T == 0 or self.K == 0 or self.N == 0 or self.H == 0
+
     def kernel_dtype_reason(self) -> Optional[str]:
         """Why the dtypes the kernels read directly (int32 indices and
         topk_length, fp32 sink) do not hold (None if they do)."""
@@ -118,6 +127,11 @@ class IndexerArgs:
     def batch(self) -> int:
         return self.cu_seqlens_q.shape[0] - 1
 
+    @property
+    def empty(self) -> bool:
+        """No query row, key, column or head: answered without a kernel."""
+        return self.q.shape[0] == 0 or self.k.shape[0] == 0 or self.max_seqlen_k == 0 or self.q.shape[1] == 0
+
 
 @dataclass(frozen=True)
 class TopkArgs:
@@ -129,6 +143,11 @@ class TopkArgs:
 
     scores: torch.Tensor
     k: int
+
+    @property
+    def empty(self) -> bool:
+        """No row, column or slot: answered without a kernel."""
+        return self.scores.shape[0] == 0 or self.scores.shape[1] == 0 or self.k == 0
 
 
 @dataclass(frozen=True)
@@ -177,6 +196,11 @@ class SparseIndexerArgs:
     def K(self) -> int:
         return self.indices.shape[1]
 
+    @property
+    def empty(self) -> bool:
+        """No row, slot, key or head: answered without a kernel."""
+        return self.T == 0 or self.K == 0 or self.N == 0 or self.H == 0
+
 
 @dataclass(frozen=True)
 class DenseTargetArgs:
@@ -204,3 +228,8 @@ class DenseTargetArgs:
     @property
     def batch(self) -> int:
         return self.cu_seqlens_q.shape[0] - 1
+
+    @property
+    def empty(self) -> bool:
+        """No query row, key, column or head: answered without a kernel."""
+        return self.q.shape[0] == 0 or self.kv.shape[0] == 0 or self.max_seqlen_k == 0 or self.q.shape[1] == 0

@@ -23,7 +23,7 @@ import torch
 
 from dsa import reference_training
 from dsa._args import IndexerArgs, SparseAttnArgs, TopkArgs
-from dsa.selector import Unsupported
+from dsa._args import Unsupported
 
 # elements of the largest per-chunk intermediate (fp32: 128 MiB)
 _CHUNK_ELEMS = 1 << 25

@@ -23,11 +23,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Tuple
 
+from dsa._args import Unsupported
+
 BACKENDS = ("reference", "triton", "cute")
-
-
-class Unsupported(Exception):
-    """Raised by a backend hook: the backend cannot serve this call."""
 
 
 @dataclass

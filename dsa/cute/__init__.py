@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from dsa.selector import Unsupported
+from dsa._args import Unsupported
 
 
 class _Chosen:

@@ -12,7 +12,7 @@ import importlib
 import os
 from typing import Any, Callable, Optional
 
-from dsa.selector import Unsupported
+from dsa._args import Unsupported
 
 # op name -> (module in this package, function name)
 _OPS = {

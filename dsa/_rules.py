@@ -1,0 +1,72 @@
+"""The contract's rules that every backend's host code applies, stated once.
+
+``docs/semantics.md`` is the contract; these are its pieces that host code
+(the reference backend, the op layer, the Triton and CuTe launchers) needs:
+
+* the accumulation dtype: fp32, or fp64 for fp64 inputs;
+* ``LOG2E``: kernels work in base 2, so natural-log scales are multiplied by it;
+* slot validity: slot j of a row is valid iff ``j < clamp(topk_length, 0, K)``
+  and ``0 <= index < N``;
+* the indexer's dense rows: the keys a packed query row sees
+  (``j < clamp((q_offset + i + 1) // ratio, 0, S_k)`` when causal);
+* empty calls: a problem with no rows, slots or keys is answered without a
+  kernel (each argument dataclass of :mod:`dsa._args` has ``empty``).
+
+Device code states the same rules once per tier: ``dsa/triton/rules.py`` and
+``dsa/cute/rules.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+LOG2E = 1.4426950408889634
+
+
+def acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype results are accumulated and returned in: fp64 for fp64, else fp32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def row_lengths(topk_length: Optional[torch.Tensor], K: int) -> Optional[torch.Tensor]:
+    """clamp(topk_length, 0, K) as int64, or None (every slot in range)."""
+    return None if topk_length is None else topk_length.long().clamp(0, K)
+
+
+def slot_validity(
+    indices: torch.Tensor, topk_length: Optional[torch.Tensor], n: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """valid [R, ..., K] bool and the indices with invalid slots set to 0 (int64).
+
+    indices [R, ..., K] int (any value), topk_length [R] or None, n the number
+    of rows an index may address.
+    """
+    idx = indices.long()
+    K = idx.shape[-1]
+    valid = (idx >= 0) & (idx < n)
+    length = row_lengths(topk_length, K)
+    if length is not None:
+        valid &= torch.arange(K, device=idx.device) < length.view(-1, *([1] * (idx.dim() - 1)))
+    return valid, torch.where(valid, idx, 0)
+
+
+def dense_rows(a) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per packed query row: (global row of its sequence's first key, number of visible keys), int32.
+
+    ``a`` is an IndexerArgs or DenseTargetArgs; key j (local) of query row i is
+    visible iff j < limit[i], the indexer's causal rule.
+    """
+    Tq = a.q.shape[0]
+    dev = a.q.device
+    lens_q = torch.diff(a.cu_seqlens_q).long()
+    seq = torch.repeat_interleave(torch.arange(a.batch, device=dev), lens_q, output_size=Tq)
+    local = torch.arange(Tq, device=dev) - a.cu_seqlens_q.long()[seq]
+    s_k = torch.diff(a.cu_seqlens_k).long()[seq]
+    if a.causal:
+        pos = a.q_offsets.long()[seq] + local + 1
+        limit = torch.minimum(torch.div(pos, a.ratio, rounding_mode="floor").clamp_min(0), s_k)
+    else:
+        limit = s_k
+    return a.cu_seqlens_k.long()[seq].to(torch.int32), limit.to(torch.int32)

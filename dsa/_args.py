@@ -138,16 +138,16 @@ class TopkArgs:
     """Top-k over the last dim of a 2-D score matrix.
 
     scores: [R, S] fp32 / bf16 / fp16, contiguous
-    k:      number of slots per row (may exceed S; the row is padded with -1)
+    topk:   number of slots per row (may exceed S; the row is padded with -1)
     """
 
     scores: torch.Tensor
-    k: int
+    topk: int
 
     @property
     def empty(self) -> bool:
         """No row, column or slot: answered without a kernel."""
-        return self.scores.shape[0] == 0 or self.scores.shape[1] == 0 or self.k == 0
+        return self.scores.shape[0] == 0 or self.scores.shape[1] == 0 or self.topk == 0
 
 
 @dataclass(frozen=True)

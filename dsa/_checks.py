@@ -401,7 +401,7 @@ def topk_args(scores, k) -> Tuple[TopkArgs, Tuple[int, ...]]:
     lead = tuple(scores.shape[:-1])
     S = scores.shape[-1]
     rows = math.prod(lead)  # not reshape(-1, S): ambiguous when S == 0
-    return TopkArgs(scores=scores.reshape(rows, S).contiguous(), k=k), lead
+    return TopkArgs(scores=scores.reshape(rows, S).contiguous(), topk=k), lead
 
 
 def topk_value(name: str, topk) -> int:

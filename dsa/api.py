@@ -143,8 +143,8 @@ def topk_indices(
     int32, the count of valid entries, ready to pass as ``topk_length``.
     """
     a, lead = _topk_call(scores, k, return_lengths, backend)
-    idx, lengths = ops.call(ops.topk, a.scores, a.k, backend)
-    idx, lengths = idx.view(*lead, a.k), lengths.view(lead)
+    idx, lengths = ops.call(ops.topk, a.scores, a.topk, backend)
+    idx, lengths = idx.view(*lead, a.topk), lengths.view(lead)
     return (idx, lengths) if return_lengths else idx
 
 

@@ -217,12 +217,12 @@ def _topk_rows(scores: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor
 def topk(a: TopkArgs) -> Tuple[torch.Tensor, torch.Tensor]:
     """-> indices [R, k] int32 (selected positions ascending, then -1), lengths [R] int32."""
     R, S = a.scores.shape
-    idx = torch.empty((R, a.k), device=a.scores.device, dtype=torch.int32)
+    idx = torch.empty((R, a.topk), device=a.scores.device, dtype=torch.int32)
     lengths = torch.empty(R, device=a.scores.device, dtype=torch.int32)
     step = _row_chunk(4 * S)
     for r0 in range(0, R, step):
         r1 = min(R, r0 + step)
-        idx[r0:r1], lengths[r0:r1] = _topk_rows(a.scores[r0:r1], a.k)
+        idx[r0:r1], lengths[r0:r1] = _topk_rows(a.scores[r0:r1], a.topk)
     return idx, lengths
 
 

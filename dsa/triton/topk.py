@@ -587,7 +587,7 @@ def supports(a: TopkArgs) -> Optional[str]:
         return f"triton top-k takes fp32/fp16/bf16 scores, got {s.dtype}"
     if s.dim() != 2:
         return f"triton top-k takes a 2-D score matrix, got {s.dim()} dims"
-    if s.shape[1] >= 2**31 or a.k >= 2**31:
+    if s.shape[1] >= 2**31 or a.topk >= 2**31:
         return "triton top-k: row length and k must fit in int32"
     return None
 
@@ -619,7 +619,7 @@ def launch(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: torch.T
 def topk(a: TopkArgs) -> Tuple[torch.Tensor, torch.Tensor]:
     """scores [R, S] -> (indices [R, k] int32, lengths [R] int32)."""
     R = a.scores.shape[0]
-    indices = torch.empty((R, a.k), dtype=torch.int32, device=a.scores.device)
+    indices = torch.empty((R, a.topk), dtype=torch.int32, device=a.scores.device)
     lengths = torch.empty((R,), dtype=torch.int32, device=a.scores.device)
-    launch(a.scores, a.k, indices, lengths)
+    launch(a.scores, a.topk, indices, lengths)
     return indices, lengths

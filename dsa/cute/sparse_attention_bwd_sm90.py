@@ -1,0 +1,477 @@
+"""Sparse attention backward for Hopper (SM90) in CuTe DSL.
+
+One CTA per (token t, kv head g, block of 64 query heads), three warpgroups:
+
+* warpgroup 0, the producer, loads Q [64, D] and dO [64, d_v] of the tile
+  once, then gathers the kv rows of each block of 64 slots by index with
+  16-byte cp.async into one swizzled stage [64, D], signalled on ``full``
+  with ``cp.async.mbarrier.arrive``.  An invalid slot copies a row of zeros,
+  so whatever is stored in kv rows no valid slot names is never read; the
+  producer publishes the block's mask (0 or -inf by slot) with the stage.
+* warpgroups 1 and 2, the consumers.  Both compute S = Q K^T (wgmma, both
+  operands in shared memory) and P = exp2(S log2e scale - log2 den) (masked);
+  consumer 0 also computes dP = dO V^T and dS = P (dP - Delta) sm_scale.
+  Consumer 0 stores dS, consumer 1 P, both [64 heads, 64 slots] K-major in
+  shared memory.  Then each consumer owns a set of 64-column chunks of D
+  (consumer 0: [0, 256), consumer 1: [256, D)):
+    dQ[:, own] += dS K[:, own]        (register accumulator, the whole loop)
+  after which the stage is released to the producer, and per own chunk c
+    dKV_c = dS^T Q[:, c] (+ P^T dO[:, c] for value columns)   [64 slots, 64]
+  added with ``red.global.add.v2.f32`` into dkv[idx] (fp32), or stored per
+  (token, slot) for the deterministic reduction.  V is the K tile itself
+  (its first d_v columns); transposed operands are the same shared-memory
+  bytes read MN-major, as in the forward.
+* Two named barriers order the dS / P buffers between the consumers: FREE
+  (both finished reading the previous block's) and READY (both written).
+
+The loop stops after the last block holding a valid slot (topk_length), so a
+row of length L costs about L / K of a full row.  Compiled per (dtype, D,
+H, G, topk_length?, deterministic?) and cached by
+``dsa.cute.sparse_attention_bwd``.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import dsl_user_op
+
+BLOCK_H = 64   # query heads per CTA: the M of one wgmma
+BN = 64        # slots per block
+THREADS = 384  # producer + two consumer warpgroups
+PRODUCER_REGS = 40
+CONSUMER_REGS = 232
+MASK_WRITERS = 16  # producer threads that write a block's mask: one per row of a copy pass
+PAIR_THREADS = 256
+BAR_FREE = 1   # both consumers are done reading the dS / P buffers
+BAR_READY = 2  # dS and P of the block are in shared memory
+DQ_N = 256     # columns of consumer 0's dQ tile; consumer 1 holds [256, D)
+
+
+@dsl_user_op
+def _red_add_v2(addr: Int64, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
+    """Two adjacent fp32 atomic adds at global address addr (8-byte aligned)."""
+    llvm.inline_asm(
+        None,
+        [Int64(addr).ir_value(loc=loc, ip=ip), Float32(a).ir_value(loc=loc, ip=ip),
+         Float32(b).ir_value(loc=loc, ip=ip)],
+        "red.relaxed.gpu.global.add.v2.f32 [$0], {$1, $2};",
+        "l,f,f",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
+def _store_v2(addr: Int64, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
+    """Two adjacent fp32 stores at global address addr (8-byte aligned)."""
+    llvm.inline_asm(
+        None,
+        [Int64(addr).ir_value(loc=loc, ip=ip), Float32(a).ir_value(loc=loc, ip=ip),
+         Float32(b).ir_value(loc=loc, ip=ip)],
+        "st.global.v2.f32 [$0], {$1, $2};",
+        "l,f,f",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip,
+    )
+
+
+class SparseAttnBwdSm90:
+    """Host-side builder of the backward kernel for one static configuration.
+
+    deterministic False: dkv_ptr is the fp32 [N, G, D] accumulator (atomics).
+    deterministic True: dkv_ptr is the fp32 slot buffer [HB, T_chunk, G, K, D]
+    (HB = H / G / 64) of the tokens [t0, t0 + T_chunk); every valid slot's row
+    is stored, invalid ones are left untouched (the reduction never reads
+    them)."""
+
+    def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, deterministic: bool):
+        if D not in (512, 576) or d_v != 512 or (H // G) % BLOCK_H:
+            raise ValueError("SparseAttnBwdSm90 needs D in (512, 576), d_v == 512, (H / G) % 64 == 0")
+        self.dtype = dtype
+        self.D, self.d_v, self.H, self.G = D, d_v, H, G
+        self.HG = H // G
+        self.has_len, self.deterministic = has_len, deterministic
+        # 64-column chunks of D owned by each consumer (dQ and dkv)
+        self.chunks = ((0, 1, 2, 3), tuple(range(4, D // 64)))
+
+    # ------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(
+        self,
+        q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, len_ptr: cute.Pointer,
+        dout_ptr: cute.Pointer, lg2den_ptr: cute.Pointer, delta_ptr: cute.Pointer,
+        dq_ptr: cute.Pointer, dkv_ptr: cute.Pointer, zero_ptr: cute.Pointer,
+        T: Int32, t0: Int32, N: Int32, K: Int32, scale_log2: Float32, sm_scale: Float32, stream,
+    ):
+        dt = self.dtype
+        K_ = warpgroup.OperandMajorMode.K
+        MN = warpgroup.OperandMajorMode.MN
+        S_ = warpgroup.OperandSource.SMEM
+
+        def mma(n, a_major, b_major):
+            return cute.make_tiled_mma(cute.make_mma_atom(warpgroup.MmaF16BF16Op(
+                dt, Float32, (BLOCK_H, n, 16), S_, a_major, b_major)), (1, 1, 1))
+
+        s_mma = mma(BN, K_, K_)              # S = Q K^T, dP = dO V^T
+        dq_mma = mma(DQ_N, K_, MN)           # dQ += dS K (K read MN-major), 256 columns
+        dq1_mma = mma(64, K_, MN)            # and the RoPE columns [512, 576)
+        kv_mma = mma(64, MN, MN)             # dKV_c = dS^T Q_c + P^T dO_c
+        # K-major 128B-swizzled atoms of 8 rows x 64 columns, rows first; the
+        # MN-major views (64 columns x 8 rows atoms, rows first) are the same
+        # bytes.
+        k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, dt)
+        mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, dt)
+        sq_layout = cute.tile_to_shape(k_atom, (BLOCK_H, self.D), order=(0, 1))
+        sdo_layout = cute.tile_to_shape(k_atom, (BLOCK_H, self.d_v), order=(0, 1))
+        sk_layout = cute.tile_to_shape(k_atom, (BN, self.D), order=(0, 1))
+        sp_layout = cute.tile_to_shape(k_atom, (BLOCK_H, BN), order=(0, 1))
+        kt0_layout = cute.tile_to_shape(mn_atom, (DQ_N, BN), order=(1, 0))
+        kt1_layout = cute.tile_to_shape(mn_atom, (64, BN), order=(1, 0))
+        # [64 slots, 64 heads] (dS^T, P^T) and [64 columns, 64 heads] (a chunk of Q, dO)
+        t64_layout = cute.tile_to_shape(mn_atom, (64, 64), order=(1, 0))
+
+        @cute.struct
+        class Smem:
+            q_full: cute.struct.MemRange[Int64, 1]
+            full: cute.struct.MemRange[Int64, 1]
+            empty: cute.struct.MemRange[Int64, 1]
+            sOk: cute.struct.MemRange[Float32, BN]  # the block's mask by slot: 0 or -inf
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sq_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdo_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sk_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sp_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sp_layout)], 1024]
+
+        self.smem = Smem
+        n_tiles = T * self.G * (self.HG // BLOCK_H)
+        self.kernel(
+            s_mma, dq_mma, dq1_mma, kv_mma,
+            sq_layout, sdo_layout, sk_layout, sp_layout, kt0_layout, kt1_layout, t64_layout,
+            q_ptr, kv_ptr, idx_ptr, len_ptr, dout_ptr, lg2den_ptr, delta_ptr, dq_ptr, dkv_ptr, zero_ptr,
+            T, t0, N, K, scale_log2, sm_scale,
+        ).launch(grid=[n_tiles, 1, 1], block=[THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ---------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(
+        self, s_mma: cute.TiledMma, dq_mma: cute.TiledMma, dq1_mma: cute.TiledMma, kv_mma: cute.TiledMma,
+        sq_layout: cute.ComposedLayout, sdo_layout: cute.ComposedLayout, sk_layout: cute.ComposedLayout,
+        sp_layout: cute.ComposedLayout, kt0_layout: cute.ComposedLayout, kt1_layout: cute.ComposedLayout,
+        t64_layout: cute.ComposedLayout,
+        q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, len_ptr: cute.Pointer,
+        dout_ptr: cute.Pointer, lg2den_ptr: cute.Pointer, delta_ptr: cute.Pointer,
+        dq_ptr: cute.Pointer, dkv_ptr: cute.Pointer, zero_ptr: cute.Pointer,
+        T: Int32, t0: Int32, N: Int32, K: Int32, scale_log2: Float32, sm_scale: Float32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        tile_id, _, _ = cute.arch.block_idx()
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+
+        smem = cutlass.utils.SmemAllocator()
+        st = smem.allocate(self.smem)
+        bars = (st.q_full.data_ptr(), st.full.data_ptr(), st.empty.data_ptr())
+        sQ = st.sQ.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)
+        sdO = st.sdO.get_tensor(sdo_layout.outer, swizzle=sdo_layout.inner)
+        sK = st.sK.get_tensor(sk_layout.outer, swizzle=sk_layout.inner)
+
+        if tidx == 0:
+            cute.arch.mbarrier_init(bars[0], 128)                  # the producer's threads
+            cute.arch.mbarrier_init(bars[1], 128 + MASK_WRITERS)   # copies, then the mask writers
+            cute.arch.mbarrier_init(bars[2], PAIR_THREADS)         # both consumers, past their dQ
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        tile = self.tile(tile_id, t0, idx_ptr, len_ptr, K)
+        for m_ in (s_mma, dq_mma, dq1_mma, kv_mma):
+            m_.set(warpgroup.Field.ACCUMULATE, True)
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            self.producer(tidx, sQ, sdO, sK, st.sOk.data_ptr(), bars, tile, q_ptr, dout_ptr, kv_ptr,
+                          zero_ptr, N)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            raw_p = cute.recast_ptr(st.sP.data_ptr(), None)
+            raw_ds = cute.recast_ptr(st.sdS.data_ptr(), None)
+            args = (s_mma, dq_mma, dq1_mma, kv_mma, sp_layout, kt0_layout, kt1_layout, t64_layout,
+                    tidx % 128, sQ, sdO, sK, raw_ds, raw_p, st.sOk.data_ptr(), bars, tile,
+                    idx_ptr, lg2den_ptr, delta_ptr, dq_ptr, dkv_ptr, T, t0, N, K, scale_log2, sm_scale)
+            if wg == 1:
+                self.consumer(0, *args)
+            else:
+                self.consumer(1, *args)
+
+    @cute.jit
+    def tile(self, tile_id, t0, idx_ptr, len_ptr, K):
+        """Tile tile_id of this launch: (local token tl, token t, kv head g,
+        head block hb, first query head head0, slots [0, L) that may be
+        valid, blocks holding them, the row's indices)."""
+        G, HG = self.G, self.HG
+        HB = HG // BLOCK_H
+        pid = tile_id // HB        # tl * G + g
+        hb = tile_id - pid * HB
+        tl = pid // G
+        g = pid - tl * G
+        t = tl + t0
+        head0 = g * HG + hb * BLOCK_H
+        L = K
+        if const_expr(self.has_len):
+            L = _load(len_ptr, Int64(t))
+            L = cutlass.max(Int32(0), cutlass.min(L, K))
+        n_blocks = (L + BN - 1) // BN
+        return tl, t, g, hb, head0, L, n_blocks, idx_ptr + (Int64(t) * Int64(G) + Int64(g)) * Int64(K)
+
+    # -------------------------------------------------------------- producer
+    @cute.jit
+    def producer(self, tidx, sQ, sdO, sK, sOk, bars, tile, q_ptr, dout_ptr, kv_ptr, zero_ptr, N):
+        q_full, full, empty = bars
+        tl, t, g, hb, head0, L, n_blocks, idx_row = tile
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                   self.dtype, num_bits_per_copy=128)
+        # 8 threads per row (its 128-byte segments as full sectors), 16 rows a pass
+        tiled = cute.make_tiled_copy_tv(atom, cute.make_ordered_layout((16, 8), order=(1, 0)),
+                                        cute.make_layout((1, 8)))
+        thr = tiled.get_slice(tidx)
+        row_in_pass = tidx // 8
+        col0 = (tidx % 8) * 8
+        ES = self.dtype.width // 8
+        self.load_rows(atom, thr.partition_D(sQ), q_ptr, t, head0, self.D, row_in_pass, col0)
+        self.load_rows(atom, thr.partition_D(sdO), dout_ptr, t, head0, self.d_v, row_in_pass, col0)
+        cute.arch.cp_async_mbarrier_arrive_noinc(q_full)
+
+        tK = thr.partition_D(sK)
+        ok = cute.make_tensor(sOk, cute.make_layout((BN,)))
+        ns = cute.make_rmem_tensor((BN // 16,), Int32)
+        base = cute.make_rmem_tensor((BN // 16,), Int64)
+        mk = cute.make_rmem_tensor((BN // 16,), Float32)
+        for i in cutlass.range(n_blocks, unroll=1):
+            # indices first, all loads in flight together; a slot past L reads
+            # slot L - 1 instead (nothing past topk_length is read) and is dropped
+            for m in cutlass.range_constexpr(BN // 16):
+                slot = i * BN + row_in_pass + m * 16
+                ns[m] = _load(idx_row, Int64(cutlass.min(slot, L - 1)))
+            for m in cutlass.range_constexpr(BN // 16):
+                slot = i * BN + row_in_pass + m * 16
+                addr = zero_ptr.toint()
+                mask = -Float32.inf
+                if slot < L:
+                    n = ns[m]
+                    if n >= 0 and n < N:
+                        addr = kv_ptr.toint() + (Int64(n) * Int64(self.G) + Int64(g)) * Int64(self.D * ES)
+                        mask = Float32(0.0)
+                base[m] = addr + col0 * ES
+                mk[m] = mask
+            if i > 0:
+                cute.arch.mbarrier_wait(empty, (i + 1) % 2)  # both consumers past block i - 1's dQ
+            for m in cutlass.range_constexpr(BN // 16):
+                for c in cutlass.range_constexpr(self.D // 64):
+                    src = cute.make_tensor(_aligned(self.dtype, base[m] + c * 64 * ES), cute.make_layout((8,)))
+                    cute.copy(atom, src, tK[None, m, c])
+            cute.arch.cp_async_mbarrier_arrive_noinc(full)
+            if col0 == 0:
+                for m in cutlass.range_constexpr(BN // 16):
+                    ok[row_in_pass + 16 * m] = mk[m]
+                cute.arch.mbarrier_arrive(full)
+
+    @cute.jit
+    def load_rows(self, atom, tS, ptr, t, head0, width: cutlass.Constexpr, row_in_pass, col0):
+        """Rows head0 .. head0 + 63 of token t of a [T, H, width] tensor into tS."""
+        ES = self.dtype.width // 8
+        for m in cutlass.range_constexpr(BLOCK_H // 16):
+            row = head0 + row_in_pass + m * 16
+            addr = ptr.toint() + (Int64(t) * Int64(self.H) + Int64(row)) * Int64(width * ES) + col0 * ES
+            for c in cutlass.range_constexpr(width // 64):
+                src = cute.make_tensor(_aligned(self.dtype, addr + c * 64 * ES), cute.make_layout((8,)))
+                cute.copy(atom, src, tS[None, m, c])
+
+    # -------------------------------------------------------------- consumer
+    @cute.jit
+    def consumer(self, w: cutlass.Constexpr, s_mma, dq_mma, dq1_mma, kv_mma, sp_layout, kt0_layout,
+                 kt1_layout, t64_layout, wtid, sQ, sdO, sK, raw_ds, raw_p, sOk, bars, tile,
+                 idx_ptr, lg2den_ptr, delta_ptr, dq_ptr, dkv_ptr, T, t0, N, K, scale_log2, sm_scale):
+        q_full, full, empty = bars
+        tl, t, g, hb, head0, L, n_blocks, idx_row = tile
+        lane = wtid % 32
+        row_lo = (wtid // 32) * 16 + lane // 4
+        col_lane = 2 * (lane % 4)
+
+        thr_s = s_mma.get_slice(wtid)
+        tSrQ = s_mma.make_fragment_A(thr_s.partition_A(sQ))     # (MMA, 1, D / 16)
+        tSrK = s_mma.make_fragment_B(thr_s.partition_B(sK))     # (MMA, 1, D / 16)
+        tSrdO = s_mma.make_fragment_A(thr_s.partition_A(sdO))   # (MMA, 1, d_v / 16)
+        acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((BLOCK_H, BN)), Float32)
+        NS = cute.size(acc_s)
+        # consumer 0 writes dS, consumer 1 P: [64 heads, 64 slots] K-major
+        own = cute.make_tensor(cute.recast_ptr(raw_ds if w == 0 else raw_p, sp_layout.inner), sp_layout.outer)
+        tPs = thr_s.partition_C(own)
+        r_out = cute.make_rmem_tensor(thr_s.partition_shape_C((BLOCK_H, BN)), self.dtype)
+
+        # dQ: A = dS [heads, slots] K-major, B = the K tile's columns read
+        # MN-major; consumer w holds [256 w, 256 w + 256), consumer 1 also
+        # the RoPE columns [512, D)
+        sdS_k = cute.make_tensor(cute.recast_ptr(raw_ds, sp_layout.inner), sp_layout.outer)
+        raw_k = cute.recast_ptr(sK.iterator, None)
+        thr_q = dq_mma.get_slice(wtid)
+        kt = cute.make_tensor(cute.recast_ptr(raw_k + w * BN * DQ_N, kt0_layout.inner), kt0_layout.outer)
+        tQrdS = dq_mma.make_fragment_A(thr_q.partition_A(sdS_k))
+        tQrK = dq_mma.make_fragment_B(thr_q.partition_B(kt))
+        acc_dq = cute.make_rmem_tensor(thr_q.partition_shape_C((BLOCK_H, DQ_N)), Float32)
+        acc_dq.fill(0.0)
+        rope = w == 1 and self.D > self.d_v
+        thr_r = dq1_mma.get_slice(wtid)
+        ktr = cute.make_tensor(cute.recast_ptr(raw_k + BN * self.d_v, kt1_layout.inner), kt1_layout.outer)
+        tRrdS = dq1_mma.make_fragment_A(thr_r.partition_A(sdS_k))
+        tRrK = dq1_mma.make_fragment_B(thr_r.partition_B(ktr))
+        acc_dqr = cute.make_rmem_tensor(thr_r.partition_shape_C((BLOCK_H, 64)), Float32)
+        acc_dqr.fill(0.0)
+        acc_dp = cute.make_rmem_tensor(thr_s.partition_shape_C((BLOCK_H, BN)), Float32)
+
+        ok = cute.make_tensor(sOk, cute.make_layout((BN,)))
+        mask = cute.make_rmem_tensor((NS // 4, 2), Float32)
+        lg2 = cute.make_rmem_tensor((2,), Float32)
+        dl = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
+            off = Int64(t) * Int64(self.H) + Int64(head0 + row_lo + 8 * r)
+            lg2[r] = _load(lg2den_ptr, off)
+            dl[r] = _load(delta_ptr, off)
+        rows = cute.make_rmem_tensor((2,), Int64)   # dkv byte address of this thread's two slots
+        rok = cute.make_rmem_tensor((2,), Int32)
+
+        cute.arch.mbarrier_wait(q_full, 0)
+        for i in cutlass.range(n_blocks, unroll=1):
+            self.slot_rows(rows, rok, i, row_lo, tile, idx_row, dkv_ptr, T, N, K)
+            cute.arch.mbarrier_wait(full, i % 2)
+            # S (and dP on consumer 0), both operands in shared memory
+            acc_s.fill(0.0)
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(self.D // 16):
+                cute.gemm(s_mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+            warpgroup.commit_group()
+            if const_expr(w == 0):
+                acc_dp.fill(0.0)
+                for k in cutlass.range_constexpr(self.d_v // 16):
+                    cute.gemm(s_mma, acc_dp, tSrdO[None, None, k], tSrK[None, None, k], acc_dp)
+                warpgroup.commit_group()
+            # accumulator element 4j + 2r + e sits at row row_lo + 8r, column 8j + col_lane + e
+            for j in cutlass.range_constexpr(NS // 4):
+                for e in cutlass.range_constexpr(2):
+                    mask[j, e] = ok[8 * j + col_lane + e]
+            warpgroup.wait_group(0)
+            for i_ in cutlass.range_constexpr(NS):
+                j, r, e = i_ // 4, (i_ // 2) % 2, i_ % 2
+                p = cute.math.exp2(acc_s[i_] * scale_log2 + mask[j, e] - lg2[r], fastmath=True)
+                if const_expr(w == 0):
+                    r_out[i_] = (p * (acc_dp[i_] - dl[r]) * sm_scale).to(self.dtype)
+                else:
+                    r_out[i_] = p.to(self.dtype)
+            cute.arch.barrier(barrier_id=BAR_FREE, number_of_threads=PAIR_THREADS)
+            cute.autovec_copy(r_out, tPs)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=BAR_READY, number_of_threads=PAIR_THREADS)
+            # dQ += dS K over this consumer's columns; then the stage is free
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(BN // 16):
+                cute.gemm(dq_mma, acc_dq, tQrdS[None, None, k], tQrK[None, None, k], acc_dq)
+            if const_expr(rope):
+                for k in cutlass.range_constexpr(BN // 16):
+                    cute.gemm(dq1_mma, acc_dqr, tRrdS[None, None, k], tRrK[None, None, k], acc_dqr)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            cute.arch.mbarrier_arrive(empty)
+            self.dkv_block(w, kv_mma, t64_layout, wtid, sQ, sdO, raw_ds, raw_p, rows, rok, col_lane)
+        self.store_dq(acc_dq, w * DQ_N, t, head0, row_lo, col_lane, dq_ptr)
+        if const_expr(rope):
+            self.store_dq(acc_dqr, self.d_v, t, head0, row_lo, col_lane, dq_ptr)
+
+    @cute.jit
+    def slot_rows(self, rows, rok, i, row_lo, tile, idx_row, dkv_ptr, T, N, K):
+        """For this thread's two slots of block i (rows row_lo + 8 r of a dKV
+        tile): whether each is valid and the byte address of its dkv row."""
+        tl, t, g, hb, head0, L, n_blocks, _ = tile
+        for r in cutlass.range_constexpr(2):
+            slot = i * BN + row_lo + 8 * r
+            n = Int32(-1)
+            if slot < L:
+                n = _load(idx_row, Int64(slot))
+            v = Int32(0)
+            row = Int64(0)
+            if n >= 0 and n < N:
+                v = Int32(1)
+                if const_expr(self.deterministic):
+                    row = ((Int64(hb) * Int64(T) + Int64(tl)) * Int64(self.G) + Int64(g)) * Int64(K) + Int64(slot)
+                else:
+                    row = Int64(n) * Int64(self.G) + Int64(g)
+            rok[r] = v
+            rows[r] = dkv_ptr.toint() + row * Int64(self.D * 4)
+
+    @cute.jit
+    def dkv_block(self, w: cutlass.Constexpr, kv_mma, t64_layout, wtid, sQ, sdO, raw_ds, raw_p, rows, rok,
+                  col_lane):
+        """dKV of this block for the consumer's own chunks, added to (or stored
+        at) the slots' rows; dS^T and P^T are the dS / P buffers read MN-major."""
+        thr = kv_mma.get_slice(wtid)
+        dst = cute.make_tensor(cute.recast_ptr(raw_ds, t64_layout.inner), t64_layout.outer)
+        pt = cute.make_tensor(cute.recast_ptr(raw_p, t64_layout.inner), t64_layout.outer)
+        tArdS = kv_mma.make_fragment_A(thr.partition_A(dst))
+        tArP = kv_mma.make_fragment_A(thr.partition_A(pt))
+        raw_q = cute.recast_ptr(sQ.iterator, None)
+        raw_do = cute.recast_ptr(sdO.iterator, None)
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((BN, 64)), Float32)
+        for c in cutlass.range_constexpr(len(self.chunks[w])):
+            ch = self.chunks[w][c]
+            qc = cute.make_tensor(cute.recast_ptr(raw_q + ch * BLOCK_H * 64, t64_layout.inner), t64_layout.outer)
+            tBrQ = kv_mma.make_fragment_B(thr.partition_B(qc))
+            acc.fill(0.0)
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(BLOCK_H // 16):
+                cute.gemm(kv_mma, acc, tArdS[None, None, k], tBrQ[None, None, k], acc)
+            if const_expr(ch * 64 < self.d_v):
+                doc = cute.make_tensor(cute.recast_ptr(raw_do + ch * BLOCK_H * 64, t64_layout.inner),
+                                       t64_layout.outer)
+                tBrdO = kv_mma.make_fragment_B(thr.partition_B(doc))
+                for k in cutlass.range_constexpr(BLOCK_H // 16):
+                    cute.gemm(kv_mma, acc, tArP[None, None, k], tBrdO[None, None, k], acc)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            for r in cutlass.range_constexpr(2):
+                if rok[r] != 0:
+                    for j in cutlass.range_constexpr(cute.size(acc) // 4):
+                        addr = rows[r] + (ch * 64 + 8 * j + col_lane) * 4
+                        if const_expr(self.deterministic):
+                            _store_v2(addr, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1])
+                        else:
+                            _red_add_v2(addr, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1])
+
+    @cute.jit
+    def store_dq(self, acc_dq, c0: cutlass.Constexpr, t, head0, row_lo, col_lane, dq_ptr):
+        """dq[t, head0 + row, c0 + tile column] in q's dtype, two columns a 32-bit store."""
+        NO = cute.size(acc_dq)
+        ob = cute.make_rmem_tensor((NO,), self.dtype)
+        for i_ in cutlass.range_constexpr(NO):
+            ob[i_] = acc_dq[i_].to(self.dtype)
+        ow = cute.recast_tensor(ob, Int32)  # word 2j + r: columns 8j + col_lane + {0, 1} of row r
+        ES = self.dtype.width // 8
+        base = dq_ptr.toint() + (Int64(t) * Int64(self.H) + Int64(head0)) * Int64(self.D * ES)
+        for j in cutlass.range_constexpr(NO // 4):
+            for r in cutlass.range_constexpr(2):
+                col = c0 + 8 * j + col_lane
+                addr = base + (Int64(row_lo + 8 * r) * Int64(self.D) + col) * ES
+                dst = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4)
+                cute.make_tensor(dst, cute.make_layout((1,)))[0] = ow[2 * j + r]
+
+
+@cute.jit
+def _aligned(dtype, addr: Int64) -> cute.Pointer:
+    # Row starts are 16-byte aligned (D % 64 == 0, 16-byte aligned bases).
+    return cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=16)
+
+
+@cute.jit
+def _load(ptr: cute.Pointer, off: Int64):
+    """ptr[off], one element of global memory."""
+    return cute.make_tensor(ptr + off, cute.make_layout((1,)))[0]

@@ -1,0 +1,304 @@
+"""The CuTe DSL SM90 sparse attention backward.
+
+* CPU (CI): the kernel compiles ahead of time for sm_90a with no GPU
+  (``CUTE_DSL_ARCH=sm_90a``) in a subprocess, with wgmma, the cp.async
+  gather and the dkv reduction (fp32 vector atomics, or plain stores in the
+  deterministic build) in its PTX; the host logic (what it serves, the
+  per-row terms, the inverse index) is checked against float64.
+* GPU (``-m gpu``, an SM90 device): dq, dkv and dsink against the float64
+  reference at V3.2-like and V4-like shapes, GQA, every sink case, random
+  topk_length (0, negative, past K), hostile indices, NaN in kv rows no valid
+  slot reads; deterministic mode bitwise repeatable.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import bruteforce as bf
+from dsa import reference as ref
+from dsa._args import SparseAttnArgs
+from dsa.cute import sparse_attention_bwd as cbwd
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INF = float("inf")
+
+try:
+    import cutlass  # noqa: F401
+
+    HAVE_DSL = True
+except Exception:  # not installed, or no usable install
+    HAVE_DSL = False
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+# --------------------------------------------------------------------------
+# ahead-of-time compilation (CPU)
+
+_AOT = r"""
+import json, os, sys, torch
+from dsa.cute.sparse_attention_bwd import compile_offline_backward
+res = {}
+for name, dt, D, H, G, has_len, det in json.loads(sys.argv[1]):
+    c = compile_offline_backward(getattr(torch, dt), D, H, G, has_len, det)
+    ptx = c.artifacts.PTX
+    if len(ptx) < 4096 and os.path.exists(ptx):  # with a dump directory: the file's path
+        ptx = open(ptx).read()
+    res[name] = {k: ptx.count(k) for k in (
+        "wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc",
+        "red.relaxed.gpu.global.add.v2.f32", "st.global.v2.f32", "setmaxnreg.inc", "setmaxnreg.dec",
+        "mbarrier.try_wait", "bar.sync")}
+print("RESULT" + json.dumps(res))
+"""
+
+_CONFIGS = [
+    ("v32_bf16_len", "bfloat16", 576, 128, 1, True, False),
+    ("fp16_d512_h64", "float16", 512, 64, 1, False, False),
+    ("v32_bf16_det", "bfloat16", 576, 128, 1, True, True),
+]
+
+
+@pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl is not installed")
+def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_DUMP_DIR=str(tmp_path), PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", _AOT, json.dumps(_CONFIGS)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout.split("RESULT", 1)[1])
+    for name, dt, D, H, G, has_len, det in _CONFIGS:
+        r = res[name]
+        # per block: S (D / 16) on both consumers, dP (d_v / 16), dQ (4 a tile),
+        # on each consumer, dkv (8 per value chunk, 4 per RoPE chunk)
+        n_wgmma = 2 * D // 16 + 512 // 16 + 2 * 4 + 4 * (D > 512) + 8 * 8 + 4 * (D > 512)
+        assert r["wgmma.mma_async"] == n_wgmma, (name, r)
+        assert r["cp.async.cg.shared.global"] >= D // 64 * 4, (name, r)  # the gather
+        assert r["cp.async.mbarrier.arrive.noinc"] >= 2, (name, r)       # Q and dO; each block
+        # 16 two-float adds (or stores) per thread, slot row and 64-column chunk
+        n_out = 2 * 8 * (D // 64)
+        assert r["red.relaxed.gpu.global.add.v2.f32"] == (0 if det else n_out), (name, r)
+        assert r["st.global.v2.f32"] == (n_out if det else 0), (name, r)
+        assert r["setmaxnreg.inc"] >= 1 and r["setmaxnreg.dec"] >= 1, (name, r)
+        assert r["mbarrier.try_wait"] >= 3, (name, r)
+        assert r["bar.sync"] >= 2, (name, r)  # the dS / P hand-off between the consumers
+
+
+# --------------------------------------------------------------------------
+# host logic (CPU)
+
+
+def _args(T=4, N=32, H=64, G=1, D=576, K=64, dtype=torch.bfloat16, sink=False, length=False,
+          device="cpu", deterministic=False, gen=None):
+    gen = gen or torch.Generator().manual_seed(0)
+    q = torch.randn(T, H, D, generator=gen).to(dtype)
+    kv = torch.randn(N, G, D, generator=gen).to(dtype)
+    idx = torch.randint(0, N, (T, G, K), generator=gen, dtype=torch.int32)
+    tl = torch.randint(-3, K + 5, (T,), generator=gen, dtype=torch.int32) if length else None
+    s = torch.randn(H, generator=gen) if sink else None
+    a = SparseAttnArgs(q.to(device), kv.to(device), idx.to(device), None if tl is None else tl.to(device),
+                       None if s is None else s.to(device), 1.0 / math.sqrt(D), 512, deterministic)
+    return a
+
+
+def test_supports_backward_reasons():
+    assert "CUDA" in cbwd.supports_backward(_args())
+    assert cbwd.shape_reason(_args()) is None
+    assert cbwd.shape_reason(_args(D=512, H=128, G=2)) is None
+    assert "bf16 or fp16" in cbwd.shape_reason(_args(dtype=torch.float32))
+    assert "D=256" in cbwd.shape_reason(_args(D=256))
+    assert "multiple of 64" in cbwd.shape_reason(_args(H=32))
+    assert "multiple of 64" in cbwd.shape_reason(_args(H=128, G=4))
+    a = _args()
+    mixed = SparseAttnArgs(a.q, a.kv.half(), a.indices, None, None, a.sm_scale, 512)
+    assert "differs" in cbwd.shape_reason(mixed)
+    short = SparseAttnArgs(a.q, a.kv, a.indices, None, None, a.sm_scale, 448)
+    assert "d_v=448" in cbwd.shape_reason(short)
+    with pytest.raises(ValueError, match="CUDA"):
+        cbwd.backward(a, torch.zeros(4, 64, 512), torch.zeros(4, 64), torch.zeros(4, 64, 512))
+
+
+@pytest.mark.parametrize("sink", [False, True])
+def test_row_terms_match_float64(sink):
+    a = _args(T=6, H=64, dtype=torch.float32, sink=sink)
+    gen = torch.Generator().manual_seed(1)
+    out = torch.randn(6, 64, 512, generator=gen)
+    dout = torch.randn(6, 64, 512, generator=gen)
+    lse = torch.randn(6, 64, generator=gen)
+    lse[0, :5] = INF  # empty rows
+    if sink:
+        a.sink[:4] = torch.tensor([INF, -INF, 1e30, 3.4e38])
+    delta, lg2, dsink = cbwd.row_terms(a, out, lse, dout)
+    d64 = (out.double() * dout.double()).sum(-1)
+    torch.testing.assert_close(delta.double(), d64, rtol=1e-5, atol=1e-4)
+    l64 = torch.where(torch.isposinf(lse), -INF, lse).double()
+    if sink:
+        l64 = torch.logaddexp(l64, a.sink.double()[None])
+        ps = torch.exp(a.sink.double()[None] - l64)
+        ps = torch.where(torch.isposinf(a.sink.double())[None], 1.0, ps)
+        ps = torch.where(torch.isneginf(a.sink.double())[None], 0.0, ps)
+        torch.testing.assert_close(dsink.double(), -(ps * d64).sum(0), rtol=1e-5, atol=1e-4)
+        assert torch.isfinite(dsink).all()
+    else:
+        assert dsink is None
+    # in fp32: log2 den of a sink near the fp32 maximum overflows to +inf
+    exp = torch.where(torch.isneginf(l64), INF, l64 * 1.4426950408889634).float().double()
+    # every row whose probabilities are all 0 has +inf, nothing is NaN
+    assert not torch.isnan(lg2).any()
+    assert torch.equal(torch.isposinf(lg2), torch.isposinf(exp))
+    fin = torch.isfinite(exp)
+    torch.testing.assert_close(lg2.double()[fin], exp[fin], rtol=1e-6, atol=1e-5)
+
+
+def test_inverse_index_groups_valid_slots_by_row():
+    a = _args(T=5, N=16, H=128, G=2, D=512, K=24, length=True)
+    a.indices[0, 0, :3] = torch.tensor([-5, 16, 2**30], dtype=torch.int32)
+    a.indices[1, 1, :4] = 7  # duplicates
+    t0, tc = 1, 3
+    order, rowptr = cbwd.inverse_index(a, t0, tc)
+    assert rowptr.dtype == torch.int32 and rowptr.shape == (a.N * a.G + 1,)
+    G, K = a.G, a.K
+    L = a.topk_length.clamp(0, K)
+    expect = {}
+    for t in range(t0, t0 + tc):
+        for g in range(G):
+            for j in range(K):
+                n = int(a.indices[t, g, j])
+                if j < int(L[t]) and 0 <= n < a.N:
+                    expect.setdefault(n * G + g, []).append(((t - t0) * G + g) * K + j)
+    for row in range(a.N * G):
+        got = order[rowptr[row]:rowptr[row + 1]].tolist()
+        assert got == expect.get(row, []), row
+    assert int(rowptr[-1]) == sum(len(v) for v in expect.values())
+
+
+# --------------------------------------------------------------------------
+# GPU
+
+gpu = pytest.mark.skipif(not (SM90 and HAVE_DSL), reason="needs an SM90 GPU and nvidia-cutlass-dsl")
+
+
+def _poison(nbytes: int) -> None:
+    """Leave NaN in freed blocks of the caching allocator, so that an output
+    the kernel fails to write shows up as NaN."""
+    x = torch.full((nbytes // 4 + 1,), float("nan"), device="cuda")
+    del x
+
+
+def _case(T, N, H, G, D, K, dtype, sink=None, lengths=None, hostile=False, nan_rows=False, seed=0,
+          deterministic=False):
+    """Arguments at a given shape.  Valid slots name rows of the first half
+    of kv; with nan_rows the second half is NaN and every slot past
+    topk_length names one of them.  hostile: out-of-range and duplicate
+    indices among the slots."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, H, D, generator=gen).to(dtype)
+    kv = torch.randn(N, G, D, generator=gen).to(dtype)
+    clean = N // 2 if nan_rows else N
+    idx = torch.randint(0, clean, (T, G, K), generator=gen, dtype=torch.int32)
+    if hostile:
+        idx[..., 8:24] = idx[..., 1:2]  # duplicates within a row
+        idx[..., 0::7] = -5
+        idx[..., 3::11] = N
+        idx[..., 5::13] = 2**30
+    tl = None
+    if lengths is not None:
+        tl = lengths.to(torch.int32)
+        if nan_rows:
+            past = torch.arange(K)[None, None, :] >= tl.clamp(0, K)[:, None, None]
+            idx = torch.where(past, torch.randint(clean, N, (T, G, K), generator=gen, dtype=torch.int32), idx)
+    if nan_rows:
+        kv[clean:] = float("nan")
+    s = None
+    if sink is not None:
+        s = torch.randn(H, generator=gen)
+        for i, v in enumerate(sink):
+            s[i] = v
+    dev = "cuda"
+    return SparseAttnArgs(q.to(dev), kv.to(dev), idx.to(dev), None if tl is None else tl.to(dev),
+                          None if s is None else s.to(dev), 1.0 / math.sqrt(D), 512, deterministic)
+
+
+def _f64(a: SparseAttnArgs) -> SparseAttnArgs:
+    return SparseAttnArgs(a.q.double(), a.kv.double(), a.indices, a.topk_length,
+                          None if a.sink is None else a.sink.double(), a.sm_scale, a.d_v)
+
+
+def _run_and_check(a: SparseAttnArgs, seed=0):
+    a64 = _f64(a)
+    out64, lse64 = ref.sparse_attention_fwd(a64)
+    gen = torch.Generator().manual_seed(seed + 100)
+    dout = torch.randn(a.T, a.H, a.d_v, generator=gen).to(a.q.dtype).cuda()
+    exp = ref.sparse_attention_bwd(a64, out64, lse64, dout.double())
+    _poison(4 * (a.T * a.H * a.D + a.N * a.G * a.D))
+    dq, dkv, dsink = cbwd.backward(a, out64.to(a.q.dtype), lse64.float(), dout)
+    torch.cuda.synchronize()
+    assert dq.dtype == a.q.dtype and dkv.dtype == a.kv.dtype
+    bf.assert_close(dq, exp[0], a.q.dtype, "dq")
+    bf.assert_close(dkv, exp[1], a.q.dtype, "dkv")
+    assert not torch.isnan(dq).any() and not torch.isnan(dkv).any()
+    if a.sink is not None:
+        assert dsink is not None and dsink.dtype == torch.float32
+        bf.assert_close(dsink, exp[2], a.q.dtype, "dsink")
+    else:
+        assert dsink is None
+    return dq, dkv, dsink, out64.to(a.q.dtype), lse64.float(), dout
+
+
+def _lengths(T, K, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    L = torch.randint(0, K + 1, (T,), generator=gen)
+    L[0], L[1], L[2], L[3], L[4] = 0, -7, K + 100, 1, 65
+    return L
+
+
+@pytest.mark.gpu
+@gpu
+def test_v32_shape_sinks_lengths_hostile_nan():
+    T, K = 64, 2048
+    a = _case(T, 4096, 128, 1, 576, K, torch.bfloat16, sink=[INF, -INF, 1e30, 3.4e38],
+              lengths=_lengths(T, K), hostile=True, nan_rows=True)
+    _run_and_check(a)
+
+
+@pytest.mark.gpu
+@gpu
+def test_v32_shape_full_rows_no_sink():
+    a = _case(32, 4096, 128, 1, 576, 2048, torch.bfloat16)
+    _run_and_check(a)
+
+
+@pytest.mark.gpu
+@gpu
+def test_fp16_d512_h64_sink():
+    a = _case(48, 2048, 64, 1, 512, 640, torch.float16, sink=[0.5, -INF])
+    _run_and_check(a)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gqa_two_kv_heads_lengths_hostile():
+    T, K = 40, 1152
+    a = _case(T, 2048, 128, 2, 512, K, torch.bfloat16, sink=[INF], lengths=_lengths(T, K, 5), hostile=True,
+              nan_rows=True)
+    _run_and_check(a)
+
+
+@pytest.mark.gpu
+@gpu
+def test_deterministic_bitwise_over_runs(monkeypatch):
+    # a small slot budget: several token chunks a call
+    monkeypatch.setattr(cbwd, "DETERMINISTIC_SLOT_BYTES", 5 * 2 * 2048 * 576 * 4)
+    T, K = 24, 2048
+    a = _case(T, 1024, 128, 1, 576, K, torch.bfloat16, sink=[1.0], lengths=_lengths(T, K, 7), hostile=True,
+              deterministic=True)
+    dq, dkv, dsink, out, lse, dout = _run_and_check(a)
+    for _ in range(9):
+        dq2, dkv2, dsink2 = cbwd.backward(a, out, lse, dout)
+        assert torch.equal(dq2, dq) and torch.equal(dkv2, dkv) and torch.equal(dsink2, dsink)

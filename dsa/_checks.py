@@ -5,14 +5,18 @@ for a wrong type and ``ValueError`` for a wrong value, always naming the
 argument, the expectation and what was given) and reduces the call to the
 canonical form of :mod:`dsa._args`. Checks on shapes, dtypes and devices are
 free of host synchronisation so that ``torch.compile`` traces them; only the
-packed indexer's ``cu_seqlens`` checks read values back, and they are left
-out while compiling (``max_seqlen_k`` must then be given).
+packed indexer's ``cu_seqlens`` checks read values back. They are left out
+while compiling, and run on the device (``torch._assert_async``) while a
+CUDA graph is being captured; both need ``max_seqlen_k`` given.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import numbers
+import operator
 import re
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
@@ -20,6 +24,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from dsa._args import DenseTargetArgs, IndexerArgs, SparseAttnArgs, SparseIndexerArgs, TopkArgs
+from dsa._rules import acc_dtype
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INT_DTYPES = (torch.int32, torch.int64)
@@ -54,9 +59,21 @@ def _same_device(ref_name: str, ref: torch.Tensor, **others: Optional[torch.Tens
 _INT64_MAX = 2**63 - 1
 
 
+def _is_bool(v) -> bool:
+    # bool, numpy's bool and a bool tensor are flags, never counts or scales
+    return isinstance(v, bool) or type(v).__name__ in ("bool_", "bool") or (
+        isinstance(v, torch.Tensor) and v.dtype == torch.bool
+    )
+
+
 def _int(name: str, v, *, low: int = None) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+    """An int, a numpy integer or a one-element integer tensor, as a Python int."""
+    try:
+        if _is_bool(v):
+            raise TypeError
+        v = operator.index(v)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {type(v).__name__}") from None
     if low is not None and v < low:
         raise ValueError(f"{name}: expected an int >= {low}, got {v}")
     if v > _INT64_MAX:
@@ -85,7 +102,9 @@ def backend_arg(backend) -> str:
 
 
 def _float(name: str, v) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    """A real number (int, float, numpy scalar or 0-dim tensor), as a Python float."""
+    zero_dim = isinstance(v, torch.Tensor) and v.dim() == 0 and not v.is_complex()
+    if _is_bool(v) or not (isinstance(v, numbers.Real) or zero_dim):
         raise TypeError(f"{name}: expected a float, got {type(v).__name__}")
     try:
         return float(v)
@@ -128,31 +147,10 @@ class SparseAttnLayout:
         return x.view(self.batch, self.seqlen, *x.shape[1:])
 
 
-def sparse_attention_args(
-    q,
-    kv,
-    indices,
-    *,
-    sm_scale,
-    d_v,
-    sink,
-    topk_length,
-    deterministic,
-) -> Tuple[SparseAttnArgs, SparseAttnLayout]:
-    q = _tensor("q", q, dtypes=FLOAT_DTYPES)
-    kv = _tensor("kv", kv, dtypes=FLOAT_DTYPES)
-    indices = _tensor("indices", indices, dtypes=INT_DTYPES)
-    _rank("q", q, (3, 4), "[T, H, D] (packed) or [B, S, H, D] (batched)")
+def _sparse_shapes(q, kv, indices):
+    """-> (B or None, S, H, D, N, G, K) of a sparse-attention call, its shapes checked."""
     batched = q.dim() == 4
     lead = 1 if batched else 0  # leading batch axis
-    if kv.dtype != q.dtype:
-        raise ValueError(f"kv: expected dtype {q.dtype} (that of q), got {kv.dtype}")
-    if sink is not None:
-        _tensor("sink", sink, dtypes=(torch.float32, torch.float64))
-    if topk_length is not None:
-        _tensor("topk_length", topk_length, dtypes=INT_DTYPES)
-    _same_device("q", q, kv=kv, indices=indices, sink=sink, topk_length=topk_length)
-
     if batched:
         B, S, H, D = q.shape
         _rank("kv", kv, (3, 4), "[B, N, D] or [B, N, H_kv, D] for batched q")
@@ -162,9 +160,10 @@ def sparse_attention_args(
         S, H, D = q.shape
         B = None
         _rank("kv", kv, (2, 3), "[N, D] or [N, H_kv, D] for packed q")
-    gqa = kv.dim() == 3 + lead
+    if D == 0:
+        raise ValueError(f"q: expected head dim D >= 1 (the last dim), got shape {tuple(q.shape)}")
     N = kv.shape[lead]
-    G = kv.shape[lead + 1] if gqa else 1
+    G = kv.shape[lead + 1] if kv.dim() == 3 + lead else 1
     if kv.shape[-1] != D:
         raise ValueError(f"kv: expected head dim {D} (that of q), got {kv.shape[-1]}")
     if G < 1 or H % G != 0:
@@ -185,30 +184,46 @@ def sparse_attention_args(
         raise ValueError(
             f"indices: expected leading dims {tuple(row_shape)} (those of q), got {tuple(indices.shape)}"
         )
-    K = indices.shape[-1]
+    return B, S, H, D, N, G, indices.shape[-1]
 
-    if d_v is None:
-        d_v = min(D, 512)
-    d_v = _int("d_v", d_v, low=1)
+
+def _row_shape(B: Optional[int], S: int) -> Tuple[Tuple[int, ...], str]:
+    return ((B, S), "[B, S]") if B is not None else ((S,), "[T]")
+
+
+def sparse_attention_args(
+    q, kv, indices, sm_scale, d_v, sink, topk_length, deterministic
+) -> Tuple[SparseAttnArgs, SparseAttnLayout]:
+    q = _tensor("q", q, dtypes=FLOAT_DTYPES)
+    kv = _tensor("kv", kv, dtypes=FLOAT_DTYPES)
+    indices = _tensor("indices", indices, dtypes=INT_DTYPES)
+    _rank("q", q, (3, 4), "[T, H, D] (packed) or [B, S, H, D] (batched)")
+    if kv.dtype != q.dtype:
+        raise ValueError(f"kv: expected dtype {q.dtype} (that of q), got {kv.dtype}")
+    if sink is not None:
+        _tensor("sink", sink, dtypes=(torch.float32, torch.float64))
+    if topk_length is not None:
+        _tensor("topk_length", topk_length, dtypes=INT_DTYPES)
+    _same_device("q", q, kv=kv, indices=indices, sink=sink, topk_length=topk_length)
+    B, S, H, D, N, G, K = _sparse_shapes(q, kv, indices)
+
+    d_v = _int("d_v", min(D, 512) if d_v is None else d_v, low=1)
     if d_v > D:
         raise ValueError(f"d_v: expected d_v <= D={D}, got {d_v}")
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else _float("sm_scale", sm_scale)
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
-
+    flag("deterministic", deterministic)
     if sink is not None:
         _shape("sink", sink, (H,), "one value per query head")
         if q.dtype != torch.float64 and sink.dtype != torch.float32:
             raise TypeError(f"sink: expected dtype float32, got {sink.dtype}")
         sink = sink.contiguous()
+    row_shape, rows = _row_shape(B, S)
     if topk_length is not None:
         _shape("topk_length", topk_length, row_shape, f"one length per query row {rows}")
 
-    T = S * (B if batched else 1)
-    qc = q.reshape(T, H, D).contiguous()
-    kvc = kv.reshape((B * N if batched else N), G, D).contiguous()
+    T = S * B if B is not None else S
     idx = indices.reshape(T, G, K)
-    if batched:
+    if B is not None:
         base = (torch.arange(B, device=idx.device, dtype=idx.dtype) * N).view(B, 1, 1, 1)
         idx = _safe_indices(indices.reshape(B, S, G, K), N, base).view(T, G, K)
     elif idx.dtype != torch.int32:
@@ -216,16 +231,9 @@ def sparse_attention_args(
     if topk_length is not None:
         # clamp before the cast so int64 lengths past 2**31 cannot wrap negative
         topk_length = _int32(topk_length.reshape(T).clamp(-1, K)).contiguous()
-    args = SparseAttnArgs(
-        q=qc,
-        kv=kvc,
-        indices=idx.contiguous(),
-        topk_length=topk_length,
-        sink=sink,
-        sm_scale=sm_scale,
-        d_v=d_v,
-        deterministic=deterministic,
-    )
+    kvc = kv.reshape(N * B if B is not None else N, G, D).contiguous()
+    args = SparseAttnArgs(q.reshape(T, H, D).contiguous(), kvc, idx.contiguous(), topk_length, sink, sm_scale, d_v,
+                          deterministic)
     return args, SparseAttnLayout(batch=B, seqlen=S)
 
 
@@ -265,15 +273,20 @@ def _uniform_offsets(device: torch.device, B: int, Sq: int, Sk: int) -> Tuple[to
     return base * Sq, base * Sk, torch.zeros(B, device=device, dtype=torch.int64)
 
 
-def _cu_seqlens(name: str, cu, total: int, device: torch.device) -> Tuple[torch.Tensor, list]:
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on the current stream: no value may be read back then."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _cu_seqlens(name: str, cu, total: int, device: torch.device, read: bool) -> Tuple[torch.Tensor, list]:
+    """cu_seqlens as int32, and its values when ``read`` (checked on the host), else None."""
     cu = _tensor(name, cu, dtypes=INT_DTYPES)
     _rank(name, cu, (1,), "a 1-D tensor [B+1]")
     if cu.shape[0] < 1:
         raise ValueError(f"{name}: expected at least one entry [B+1], got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name}: expected device {device} (that of q), got {cu.device}")
-    if torch.compiler.is_compiling():
-        # reading values back would break the graph; the caller gives max_seqlen_k
+    if not read:
         return _int32(cu).contiguous(), None
     vals = cu.tolist()
     if vals[0] != 0:
@@ -285,18 +298,82 @@ def _cu_seqlens(name: str, cu, total: int, device: torch.device) -> Tuple[torch.
     return _int32(cu).contiguous(), vals
 
 
+def cu_seqlens_on_device(name: str, cu: torch.Tensor, total: int, max_len: Optional[int] = None) -> None:
+    """The value checks of cu_seqlens, run on the device: nothing is read back.
+
+    Used while a CUDA graph is captured (the check is captured with the call
+    and runs at every replay). With ``max_len``, every sequence must also be
+    at most that long (max_seqlen_k).
+    """
+    lens = cu[1:] - cu[:-1]
+    ok = (cu[0] == 0) & (cu[-1] == total) & (lens >= 0).all()
+    what = f"start at 0, be non-decreasing and end at {total}"
+    if max_len is not None:
+        ok &= (lens <= max_len).all()
+        what += f", with no sequence longer than max_seqlen_k={max_len}"
+    torch._assert_async(ok, f"{name}: expected to {what}")
+
+
+def _packed_sequences(cu_seqlens_q, cu_seqlens_k, Tq: int, Tk: int, max_seqlen_k, device):
+    """-> (cu_q, cu_k, zero q_offsets or None, max_k) of the packed layout."""
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("cu_seqlens_q/cu_seqlens_k: give both or neither (neither means one sequence)")
+    if max_seqlen_k is not None:
+        max_seqlen_k = _int("max_seqlen_k", max_seqlen_k, low=0)
+    if cu_seqlens_q is None:
+        cu_q, cu_k, zero_offsets = _uniform_offsets(device, 1, Tq, Tk)
+        longest = Tk
+    else:
+        zero_offsets = None
+        capturing = _capturing(device)
+        if max_seqlen_k is None and (capturing or torch.compiler.is_compiling()):
+            raise ValueError("max_seqlen_k: required for the packed layout under torch.compile or CUDA-graph capture")
+        read = not (capturing or torch.compiler.is_compiling())
+        cu_q, _ = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, Tq, device, read)
+        cu_k, vk = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, Tk, device, read)
+        if cu_k.shape[0] != cu_q.shape[0]:
+            raise ValueError(
+                f"cu_seqlens_k: expected {cu_q.shape[0]} entries (that of cu_seqlens_q), got {cu_k.shape[0]}"
+            )
+        if capturing:
+            cu_seqlens_on_device("cu_seqlens_q", cu_q, Tq)
+            cu_seqlens_on_device("cu_seqlens_k", cu_k, Tk, max_seqlen_k)
+        longest = None if vk is None else max((b - a for a, b in zip(vk, vk[1:])), default=0)
+    if max_seqlen_k is None:
+        return cu_q, cu_k, zero_offsets, longest
+    if longest is not None and max_seqlen_k < longest:
+        raise ValueError(f"max_seqlen_k: expected >= the longest key sequence {longest}, got {max_seqlen_k}")
+    return cu_q, cu_k, zero_offsets, max_seqlen_k
+
+
+def _batched_sequences(q, k, weights, max_seqlen_k):
+    """-> (Tq, Tk, cu_q, cu_k, zero q_offsets, max_k) of the batched layout, shapes checked."""
+    B, Sq, H, _ = q.shape
+    _rank("k", k, (3, 4), "[B, S_k, D_i] or [B, S_k, 1, D_i] for batched q")
+    if k.dim() == 4 and k.shape[2] != 1:
+        raise ValueError(f"k: expected a single shared key head [B, S_k, 1, D_i], got {tuple(k.shape)}")
+    if k.shape[0] != B:
+        raise ValueError(f"k: expected batch size {B} (that of q), got {k.shape[0]}")
+    Sk = k.shape[1]
+    _shape("weights", weights, (B, Sq, H), "[B, S_q, H_i]")
+    if max_seqlen_k is not None and _int("max_seqlen_k", max_seqlen_k) != Sk:
+        raise ValueError(f"max_seqlen_k: expected S_k={Sk} for batched k, got {max_seqlen_k}")
+    return (B * Sq, B * Sk) + _uniform_offsets(q.device, B, Sq, Sk) + (Sk,)
+
+
+def _q_offsets(q_offsets, B: int, Tq: int, ratio: int, max_k: int) -> torch.Tensor:
+    q_offsets = _tensor("q_offsets", q_offsets, dtypes=INT_DTYPES)
+    _shape("q_offsets", q_offsets, (B,), "one offset per sequence [B]")
+    # int64, clamped to a range that gives every query the same visible keys
+    # (at or below -(Tq + 1) nothing is visible, at or above ratio * max_k
+    # everything is) and in which q_offsets + i + 1 cannot overflow; an int32
+    # cast would wrap offsets past 2**31 into different (valid) ones.
+    hi = min(ratio * max_k, _INT64_MAX - Tq - 1)
+    return q_offsets.long().clamp(-(Tq + 1), hi).contiguous()
+
+
 def indexer_args(
-    q,
-    k,
-    weights,
-    *,
-    ratio,
-    sm_scale,
-    causal,
-    q_offsets,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_k,
+    q, k, weights, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k
 ) -> Tuple[IndexerArgs, IndexerLayout]:
     q = _tensor("q", q, dtypes=FLOAT_DTYPES)
     k = _tensor("k", k, dtypes=FLOAT_DTYPES)
@@ -309,85 +386,31 @@ def indexer_args(
     _same_device("q", q, k=k, weights=weights, q_offsets=q_offsets)
     ratio = _int("ratio", ratio, low=1)
     sm_scale = _float("sm_scale", sm_scale)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    device = q.device
+    flag("causal", causal)
+    H, D = q.shape[-2], q.shape[-1]
 
     if q.dim() == 4:
         if cu_seqlens_q is not None or cu_seqlens_k is not None:
             raise ValueError("cu_seqlens_q/cu_seqlens_k: only for the packed layout (q [T_q, H_i, D_i]); q is batched")
-        B, Sq, H, D = q.shape
-        _rank("k", k, (3, 4), "[B, S_k, D_i] or [B, S_k, 1, D_i] for batched q")
-        if k.dim() == 4 and k.shape[2] != 1:
-            raise ValueError(f"k: expected a single shared key head [B, S_k, 1, D_i], got {tuple(k.shape)}")
-        if k.shape[0] != B:
-            raise ValueError(f"k: expected batch size {B} (that of q), got {k.shape[0]}")
-        Sk = k.shape[1]
-        _shape("weights", weights, (B, Sq, H), "[B, S_q, H_i]")
-        if max_seqlen_k is not None and _int("max_seqlen_k", max_seqlen_k) != Sk:
-            raise ValueError(f"max_seqlen_k: expected S_k={Sk} for batched k, got {max_seqlen_k}")
-        cu_q, cu_k, zero_offsets = _uniform_offsets(device, B, Sq, Sk)
-        Tq, Tk, max_k = B * Sq, B * Sk, Sk
-        layout = IndexerLayout(batch=B, seqlen_q=Sq)
+        Tq, Tk, cu_q, cu_k, zero_offsets, max_k = _batched_sequences(q, k, weights, max_seqlen_k)
+        layout = IndexerLayout(batch=q.shape[0], seqlen_q=q.shape[1])
     else:
-        Tq, H, D = q.shape
+        Tq, Tk = q.shape[0], k.shape[0]
         _rank("k", k, (2, 3), "[T_k, D_i] or [T_k, 1, D_i] for packed q")
         if k.dim() == 3 and k.shape[1] != 1:
             raise ValueError(f"k: expected a single shared key head [T_k, 1, D_i], got {tuple(k.shape)}")
-        Tk = k.shape[0]
         _shape("weights", weights, (Tq, H), "[T_q, H_i]")
-        if (cu_seqlens_q is None) != (cu_seqlens_k is None):
-            raise ValueError("cu_seqlens_q/cu_seqlens_k: give both or neither (neither means one sequence)")
-        if cu_seqlens_q is None:
-            cu_q, cu_k, zero_offsets = _uniform_offsets(device, 1, Tq, Tk)
-            lens_k = [Tk]
-        else:
-            zero_offsets = None
-            cu_q, _ = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, Tq, device)
-            cu_k, vk = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, Tk, device)
-            if cu_k.shape[0] != cu_q.shape[0]:
-                raise ValueError(
-                    f"cu_seqlens_k: expected {cu_q.shape[0]} entries (that of cu_seqlens_q), got {cu_k.shape[0]}"
-                )
-            lens_k = None if vk is None else [b - a for a, b in zip(vk, vk[1:])]
-        B = cu_q.shape[0] - 1
-        if max_seqlen_k is None:
-            if lens_k is None:
-                raise ValueError("max_seqlen_k: required for the packed layout under torch.compile")
-            max_k = max(lens_k, default=0)
-        else:
-            max_k = _int("max_seqlen_k", max_seqlen_k, low=0)
-            longest = max(lens_k, default=0) if lens_k is not None else 0
-            if max_k < longest:
-                raise ValueError(f"max_seqlen_k: expected >= the longest key sequence {longest}, got {max_k}")
+        cu_q, cu_k, zero_offsets, max_k = _packed_sequences(cu_seqlens_q, cu_seqlens_k, Tq, Tk, max_seqlen_k, q.device)
         layout = IndexerLayout(batch=None, seqlen_q=Tq)
     if k.shape[-1] != D:
         raise ValueError(f"k: expected head dim {D} (that of q), got {k.shape[-1]}")
-
-    if q_offsets is None:
-        q_offsets = zero_offsets if zero_offsets is not None else torch.zeros(B, device=device, dtype=torch.int64)
+    B = cu_q.shape[0] - 1
+    if q_offsets is not None:
+        q_offsets = _q_offsets(q_offsets, B, Tq, ratio, max_k)
     else:
-        q_offsets = _tensor("q_offsets", q_offsets, dtypes=INT_DTYPES)
-        _shape("q_offsets", q_offsets, (B,), "one offset per sequence [B]")
-        # int64, clamped to a range that gives every query the same visible keys
-        # (at or below -(Tq + 1) nothing is visible, at or above ratio * max_k
-        # everything is) and in which q_offsets + i + 1 cannot overflow; an int32
-        # cast would wrap offsets past 2**31 into different (valid) ones.
-        hi = min(ratio * max_k, _INT64_MAX - Tq - 1)
-        q_offsets = q_offsets.long().clamp(-(Tq + 1), hi).contiguous()
-    args = IndexerArgs(
-        q=q.reshape(Tq, H, D).contiguous(),
-        k=k.reshape(Tk, D).contiguous(),
-        weights=weights.reshape(Tq, H).contiguous(),
-        cu_seqlens_q=cu_q,
-        cu_seqlens_k=cu_k,
-        q_offsets=q_offsets,
-        max_seqlen_k=max_k,
-        ratio=ratio,
-        causal=causal,
-        sm_scale=sm_scale,
-    )
-    return args, layout
+        q_offsets = zero_offsets if zero_offsets is not None else torch.zeros(B, device=q.device, dtype=torch.int64)
+    qc, kc, wc = q.reshape(Tq, H, D).contiguous(), k.reshape(Tk, D).contiguous(), weights.reshape(Tq, H).contiguous()
+    return IndexerArgs(qc, kc, wc, cu_q, cu_k, q_offsets, max_k, ratio, causal, sm_scale), layout
 
 
 # --------------------------------------------------------------------------
@@ -426,12 +449,8 @@ def _renamed(renames, fn, *args, **kwargs):
         raise type(e)(pattern.sub(lambda m: renames[m.group(1)], str(e))) from None
 
 
-def _acc(q: torch.Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
 def attention_target_args(
-    q, kv, indices, lse, *, sm_scale, d_v, sink, topk_length
+    q, kv, indices, lse, sm_scale, d_v, sink, topk_length
 ) -> Tuple[SparseAttnArgs, torch.Tensor, SparseAttnLayout, bool]:
     """-> (canonical args, lse [T, H], layout, whether indices carry an H_kv axis).
 
@@ -439,18 +458,16 @@ def attention_target_args(
     change nothing); lse is [T, H] / [B, S, H] float32 from
     ``sparse_attention(..., return_lse=True)``.
     """
-    a, layout = sparse_attention_args(
-        q, kv, indices, sm_scale=sm_scale, d_v=d_v, sink=sink, topk_length=topk_length, deterministic=False
-    )
+    a, layout = sparse_attention_args(q, kv, indices, sm_scale, d_v, sink, topk_length, False)
     lse = _tensor("lse", lse, dtypes=(torch.float32, torch.float64))
     _shape("lse", lse, tuple(q.shape[:-1]), "one value per query row and head, as sparse_attention(..., return_lse=True) gives")
     _same_device("q", q, lse=lse)
-    lse = lse.reshape(a.T, a.H).to(_acc(q)).contiguous()
+    lse = lse.reshape(a.T, a.H).to(acc_dtype(q)).contiguous()
     return a, lse, layout, indices.dim() == q.dim()
 
 
 def sparse_indexer_args(
-    q_i, k_i, weights, indices, *, sm_scale, topk_length, deterministic
+    q_i, k_i, weights, indices, sm_scale, topk_length, deterministic
 ) -> Tuple[SparseIndexerArgs, SparseAttnLayout]:
     """The indexer on sparse-attention slots: packed q_i [T, H_i, D_i], k_i [N, D_i],
     weights [T, H_i], indices [T, K] (global rows of k_i), or batched q_i
@@ -465,30 +482,14 @@ def sparse_indexer_args(
     else:
         _rank("k_i", k_i, (2,), "one shared key [N, D_i] for packed q_i")
     sm_scale = _float("sm_scale", sm_scale)
-    a, layout = _renamed(
-        {"q": "q_i", "kv": "k_i"},
-        sparse_attention_args,
-        q_i,
-        k_i,
-        indices,
-        sm_scale=sm_scale,
-        d_v=None,
-        sink=None,
-        topk_length=topk_length,
-        deterministic=deterministic,
-    )
+    renames = {"q": "q_i", "kv": "k_i"}
+    a, layout = _renamed(renames, sparse_attention_args, q_i, k_i, indices, sm_scale, None, None, topk_length,
+                         deterministic)
     _shape("weights", weights, tuple(q_i.shape[:-1]), "one weight per query row and head")
     _same_device("q_i", q_i, weights=weights)
-    args = SparseIndexerArgs(
-        q=a.q,
-        k=a.kv.view(a.N, a.D),
-        weights=weights.reshape(a.T, a.H).contiguous(),
-        indices=a.indices.view(a.T, a.K),
-        topk_length=a.topk_length,
-        sm_scale=a.sm_scale,
-        deterministic=a.deterministic,
-    )
-    return args, layout
+    wc = weights.reshape(a.T, a.H).contiguous()
+    k = a.kv.view(a.N, a.D)
+    return SparseIndexerArgs(a.q, k, wc, a.indices.view(a.T, a.K), a.topk_length, a.sm_scale, a.deterministic), layout
 
 
 def kl_target_arg(target, a: SparseIndexerArgs, indices_shape: Tuple[int, ...]) -> torch.Tensor:
@@ -496,11 +497,11 @@ def kl_target_arg(target, a: SparseIndexerArgs, indices_shape: Tuple[int, ...]) 
     target = _tensor("target", target, dtypes=FLOAT_DTYPES)
     _shape("target", target, tuple(indices_shape), "one value per slot, the shape of indices")
     _same_device("q_i", a.q, target=target)
-    return target.reshape(a.T, a.K).to(_acc(a.q)).contiguous()
+    return target.reshape(a.T, a.K).to(acc_dtype(a.q)).contiguous()
 
 
 def dense_target_args(
-    q, kv, *, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k
+    q, kv, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k
 ) -> Tuple[DenseTargetArgs, IndexerLayout]:
     """Dense attention target: the indexer's layouts and visibility with kv
     [B, S_k, D] / packed [T_k, D] in place of the indexer key and no weights."""
@@ -512,29 +513,10 @@ def dense_target_args(
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else _float("sm_scale", sm_scale)
     # indexer_args wants head weights; a broadcast of ones stands in (never read)
     ones = torch.ones((), device=q.device, dtype=torch.float32).expand(q.shape[:-1])
-    ia, layout = _renamed(
-        {"k": "kv"},
-        indexer_args,
-        q,
-        kv,
-        ones,
-        ratio=ratio,
-        sm_scale=sm_scale,
-        causal=causal,
-        q_offsets=q_offsets,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_k=max_seqlen_k,
-    )
-    args = DenseTargetArgs(
-        q=ia.q,
-        kv=ia.k,
-        cu_seqlens_q=ia.cu_seqlens_q,
-        cu_seqlens_k=ia.cu_seqlens_k,
-        q_offsets=ia.q_offsets,
-        max_seqlen_k=ia.max_seqlen_k,
-        ratio=ia.ratio,
-        causal=ia.causal,
-        sm_scale=ia.sm_scale,
-    )
-    return args, layout
+    ia, layout = _renamed({"k": "kv"}, indexer_args, q, kv, ones, ratio, sm_scale, causal, q_offsets, cu_seqlens_q,
+                          cu_seqlens_k, max_seqlen_k)
+    # the same fields but the weights, which the target has not
+    values = {f.name: getattr(ia, f.name) for f in dataclasses.fields(ia)}
+    values["kv"] = values.pop("k")
+    del values["weights"]
+    return DenseTargetArgs(**values), layout

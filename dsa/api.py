@@ -3,27 +3,29 @@
 Every function checks its input once (:mod:`dsa._checks`), reduces the layout
 to the canonical one of :mod:`dsa._args`, and calls a ``torch.library``
 custom op (:mod:`dsa.ops`) that picks the backend (:mod:`dsa.selector`).
+:func:`explain` checks the same arguments the same way and reports the
+selector's choice instead of running it.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from dsa import _checks, ops, training
+from dsa._args import IndexerArgs, SparseAttnArgs, SparseIndexerArgs, TopkArgs
 from dsa.selector import select
 
 Backend = str  # "auto" | "reference" | "triton" | "cute"
 
 
-def _sparse_call(q, kv, indices, sm_scale, d_v, sink, topk_length, return_lse, deterministic, backend):
+def _sparse(q, kv, indices, sm_scale, d_v, sink, topk_length, return_lse, deterministic, backend):
     _checks.flag("return_lse", return_lse)
     _checks.backend_arg(backend)
-    return _checks.sparse_attention_args(
-        q, kv, indices, sm_scale=sm_scale, d_v=d_v, sink=sink, topk_length=topk_length, deterministic=deterministic
-    )
+    return _checks.sparse_attention_args(q, kv, indices, sm_scale, d_v, sink, topk_length, deterministic)
 
 
 def sparse_attention(
@@ -60,33 +62,16 @@ def sparse_attention(
     slot; lse carries no gradient). Differentiable in q, kv and sink;
     ``deterministic=True`` makes the gradients bitwise reproducible.
     """
-    a, layout = _sparse_call(q, kv, indices, sm_scale, d_v, sink, topk_length, return_lse, deterministic, backend)
-    out, lse = ops.call(
-        ops.sparse_attention_fwd, a.q, a.kv, a.indices, a.topk_length, a.sink, a.sm_scale, a.d_v, a.deterministic,
-        backend,
-    )
+    a, layout = _sparse(q, kv, indices, sm_scale, d_v, sink, topk_length, return_lse, deterministic, backend)
+    out, lse = ops.call(ops.sparse_attention_fwd, a, backend)
     out = layout.unpack(out)
     return (out, layout.unpack(lse)) if return_lse else out
 
 
-def _indexer_call(q, k, weights, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, backend):
+def _indexer(q, k, weights, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, backend):
     _checks.backend_arg(backend)
-    return _checks.indexer_args(
-        q,
-        k,
-        weights,
-        ratio=ratio,
-        sm_scale=sm_scale,
-        causal=causal,
-        q_offsets=q_offsets,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_k=max_seqlen_k,
-    )
-
-
-def _indexer_tensors(a):
-    return (a.q, a.k, a.weights, a.cu_seqlens_q, a.cu_seqlens_k, a.q_offsets, a.max_seqlen_k, a.ratio, a.causal, a.sm_scale)
+    return _checks.indexer_args(q, k, weights, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k,
+                                max_seqlen_k)
 
 
 def indexer_scores(
@@ -119,13 +104,12 @@ def indexer_scores(
     q, k: bf16/fp16 (fp32 on reference and Triton); weights bf16/fp16/fp32;
     q_offsets int [B].
     """
-    a, layout = _indexer_call(
-        q, k, weights, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, backend
-    )
-    return layout.unpack(ops.call(ops.indexer_scores, *_indexer_tensors(a), backend))
+    a, layout = _indexer(q, k, weights, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k,
+                         max_seqlen_k, backend)
+    return layout.unpack(ops.call(ops.indexer_scores, a, backend))
 
 
-def _topk_call(scores, k, return_lengths, backend):
+def _topk(scores, k, return_lengths, backend):
     _checks.flag("return_lengths", return_lengths)
     _checks.backend_arg(backend)
     return _checks.topk_args(scores, k)
@@ -142,10 +126,31 @@ def topk_indices(
     position; k may exceed S. With ``return_lengths`` also lengths [...]
     int32, the count of valid entries, ready to pass as ``topk_length``.
     """
-    a, lead = _topk_call(scores, k, return_lengths, backend)
-    idx, lengths = ops.call(ops.topk, a.scores, a.topk, backend)
+    a, lead = _topk(scores, k, return_lengths, backend)
+    idx, lengths = ops.call(ops.topk, a, backend)
     idx, lengths = idx.view(*lead, a.topk), lengths.view(lead)
     return (idx, lengths) if return_lengths else idx
+
+
+def _indexer_topk(q, k, weights, topk, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k,
+                  max_seqlen_k, global_indices, return_lengths, backend):
+    topk = _checks.topk_value("topk", topk)
+    _checks.flag("global_indices", global_indices)
+    _checks.flag("return_lengths", return_lengths)
+    a, layout = _indexer(q, k, weights, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k,
+                         max_seqlen_k, backend)
+    if global_indices and layout.batch is not None:
+        raise ValueError("global_indices: only for the packed layout (q [T_q, H_i, D_i]); q is batched")
+    return a, layout, topk
+
+
+def _global_rows(a: IndexerArgs, idx: Tensor) -> Tensor:
+    """Local key positions -> global kv rows (cu_seqlens_k[b] added to every valid index)."""
+    seq = torch.repeat_interleave(
+        torch.arange(a.batch, device=idx.device), torch.diff(a.cu_seqlens_q).long(), output_size=idx.shape[0]
+    )
+    base = a.cu_seqlens_k[:-1][seq].view(-1, 1)
+    return torch.where(idx >= 0, idx + base, idx)
 
 
 def indexer_topk(
@@ -173,76 +178,42 @@ def indexer_topk(
     ``global_indices=True`` (packed layout) adds cu_seqlens_k[b] to every
     valid index so the result feeds a packed ``sparse_attention`` directly.
     """
-    a, layout, topk = _indexer_topk_call(
-        q, k, weights, topk, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
-        global_indices, return_lengths, backend,
-    )
-    idx, lengths = ops.call(ops.indexer_topk, *_indexer_tensors(a), topk, backend)
+    a, layout, topk = _indexer_topk(q, k, weights, topk, ratio, sm_scale, causal, q_offsets, cu_seqlens_q,
+                                    cu_seqlens_k, max_seqlen_k, global_indices, return_lengths, backend)
+    idx, lengths = ops.call(ops.indexer_topk, a, topk, backend)
     if global_indices:
-        seq = torch.repeat_interleave(
-            torch.arange(a.batch, device=idx.device), torch.diff(a.cu_seqlens_q).long(), output_size=idx.shape[0]
-        )
-        base = a.cu_seqlens_k[:-1][seq].view(-1, 1)
-        idx = torch.where(idx >= 0, idx + base, idx)
+        idx = _global_rows(a, idx)
     idx, lengths = layout.unpack(idx), layout.unpack(lengths)
     return (idx, lengths) if return_lengths else idx
 
 
-def _indexer_topk_call(q, k, weights, topk, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k,
-                       max_seqlen_k, global_indices, return_lengths, backend):
-    topk = _checks.topk_value("topk", topk)
-    _checks.flag("global_indices", global_indices)
-    _checks.flag("return_lengths", return_lengths)
-    a, layout = _indexer_call(
-        q, k, weights, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, backend
-    )
-    if global_indices and layout.batch is not None:
-        raise ValueError("global_indices: only for the packed layout (q [T_q, H_i, D_i]); q is batched")
-    return a, layout, topk
-
-
 # --------------------------------------------------------------------------
-# explain: each takes exactly the arguments of its op and checks them the same way
+# explain: the arguments are bound to the public function's signature, then
+# checked by the same preparation the call uses
 
 
-def _explain_sparse(q, kv, indices, *, sm_scale=None, d_v=None, sink=None, topk_length=None,
-                    return_lse=False, deterministic=False, backend="auto"):
-    a, _ = _sparse_call(q, kv, indices, sm_scale, d_v, sink, topk_length, return_lse, deterministic, backend)
-    shape = f"T={a.T} H={a.H} H_kv={a.G} D={a.D} d_v={a.d_v} K={a.K} N={a.N} {str(a.q.dtype).replace('torch.', '')}"
-    parts = [f"sparse_attention [{shape}]"]
-    for op in ("sparse_attention_fwd", "sparse_attention_bwd"):
-        parts.append(select(op, a, backend).describe(op))
-    return "\n".join(parts)
+def _dtype(t: Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
 
 
-def _explain_indexer_scores(q, k, weights, *, ratio=1, sm_scale=1.0, causal=True, q_offsets=None,
-                            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_k=None, backend="auto"):
-    a, _ = _indexer_call(
-        q, k, weights, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, backend
-    )
-    return select("indexer_scores", a, backend).describe("indexer_scores")
+def shape_line(a) -> str:
+    """The canonical problem size of an argument dataclass, for explain()."""
+    if isinstance(a, SparseAttnArgs):
+        return f"T={a.T} H={a.H} H_kv={a.G} D={a.D} d_v={a.d_v} K={a.K} N={a.N} {_dtype(a.q)}"
+    if isinstance(a, SparseIndexerArgs):
+        return f"T={a.T} H_i={a.H} D_i={a.D} K={a.K} N={a.N} {_dtype(a.q)}"
+    if isinstance(a, TopkArgs):
+        return f"R={a.scores.shape[0]} S={a.scores.shape[1]} k={a.topk} {_dtype(a.scores)}"
+    T_q, H, D = a.q.shape
+    return f"B={a.batch} T_q={T_q} H={H} D={D} max_seqlen_k={a.max_seqlen_k} {_dtype(a.q)}"
 
 
-def _explain_indexer_topk(q, k, weights, topk, *, ratio=1, sm_scale=1.0, causal=True, q_offsets=None,
-                          cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_k=None, global_indices=False,
-                          return_lengths=False, backend="auto"):
-    a, _, _ = _indexer_topk_call(
-        q, k, weights, topk, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
-        global_indices, return_lengths, backend,
-    )
-    return select("indexer_topk", a, backend).describe("indexer_topk")
-
-
-def _explain_topk(scores, k, *, return_lengths=False, backend="auto"):
-    a, _ = _topk_call(scores, k, return_lengths, backend)
-    return select("topk", a, backend).describe("topk")
-
-
+# public name -> (the public function, its preparation, the ops it runs)
 _EXPLAIN = {
-    "sparse_attention": _explain_sparse,
-    "indexer_scores": _explain_indexer_scores,
-    "indexer_topk": _explain_indexer_topk,
-    "topk_indices": _explain_topk,
+    "sparse_attention": (sparse_attention, _sparse, ("sparse_attention_fwd", "sparse_attention_bwd")),
+    "indexer_scores": (indexer_scores, _indexer, ("indexer_scores",)),
+    "indexer_topk": (indexer_topk, _indexer_topk, ("indexer_topk",)),
+    "topk_indices": (topk_indices, _topk, ("topk",)),
     **training.EXPLAIN,  # attention_target, sparse_indexer_scores, indexer_kl_loss, dense_attention_target
 }
 
@@ -257,4 +228,12 @@ def explain(op: Union[str, Callable], *args, **kwargs) -> str:
     name = op if isinstance(op, str) else getattr(op, "__name__", repr(op))
     if name not in _EXPLAIN:
         raise ValueError(f"op: expected one of {sorted(_EXPLAIN)}, got {name!r}")
-    return _EXPLAIN[name](*args, **kwargs)
+    fn, prepare, op_names = _EXPLAIN[name]
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError as e:  # what the call itself would say: a missing or unexpected argument
+        raise TypeError(f"{name}(): {e}") from None
+    bound.apply_defaults()
+    a = prepare(**bound.arguments)[0]
+    backend = bound.arguments["backend"]
+    return "\n".join([f"{name} [{shape_line(a)}]"] + [select(o, a, backend).describe(o) for o in op_names])

@@ -1,4 +1,4 @@
-"""ops.call: the public API skips the torch.library dispatcher only where it
+"""ops.call: the public API (forward and training ops) skips the torch.library dispatcher only where it
 adds nothing (no autograd, tracing or dispatch mode), with the same result;
 and the cached offsets of uniform sequences."""
 
@@ -10,42 +10,64 @@ import dsa
 from dsa import _checks, ops
 
 
-def _count_bodies(monkeypatch, op):
+def _count_dispatches(monkeypatch, op):
+    """Count the calls of ``op`` that go through the torch.library dispatcher."""
     calls = []
-    body = ops._BODIES[op]
+    through = op.op
 
     def counted(*args):
         calls.append(1)
-        return body(*args)
+        return through(*args)
 
-    monkeypatch.setitem(ops._BODIES, op, counted)
+    monkeypatch.setattr(op, "op", counted)
     return calls
 
 
 def test_direct_body_without_autograd(monkeypatch):
-    calls = _count_bodies(monkeypatch, ops.topk)
+    calls = _count_dispatches(monkeypatch, ops.topk)
     s = torch.randn(3, 10)
     idx = dsa.topk_indices(s, 4, backend="reference")
-    assert calls == [1]
-    via_op, _ = ops.topk(s, 4, "reference")  # the dispatcher: same body, same result
+    assert calls == []
+    via_op, _ = ops.topk(_checks.topk_args(s, 4)[0], "reference")  # the dispatcher: same body, same result
     assert calls == [1] and torch.equal(idx, via_op)
 
 
 def test_dispatcher_when_autograd_needs_it(monkeypatch):
-    calls = _count_bodies(monkeypatch, ops.sparse_attention_fwd)
+    calls = _count_dispatches(monkeypatch, ops.sparse_attention_fwd)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(3, 2, 16, generator=g, dtype=torch.float64)
     kv = torch.randn(5, 16, generator=g, dtype=torch.float64)
     idx = torch.tensor([[0, 1], [2, 3], [4, -1]], dtype=torch.int32)
     with torch.no_grad():
         ref = dsa.sparse_attention(q, kv, idx, backend="reference")
-    assert calls == [1]
+    assert calls == []
     q.requires_grad_()
     out = dsa.sparse_attention(q, kv, idx, backend="reference")
     assert calls == [1]  # through the op: autograd recorded
     assert out.grad_fn is not None and torch.equal(out.detach(), ref)
     out.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_training_ops_take_the_fast_path(monkeypatch):
+    """The training ops skip the dispatcher like the forward ops, and use it under autograd."""
+    g = torch.Generator().manual_seed(1)
+    q, kv = torch.randn(3, 2, 8, generator=g), torch.randn(5, 8, generator=g)
+    w, idx = torch.randn(3, 2, generator=g), torch.tensor([[0, 1], [2, 3], [4, -1]], dtype=torch.int32)
+    _, lse = dsa.sparse_attention(q, kv, idx, return_lse=True, backend="reference")
+    counts = {op: _count_dispatches(monkeypatch, op) for op in
+              (ops.attention_target, ops.sparse_indexer_fwd, ops.indexer_kl_fwd, ops.dense_attention_target)}
+    target = dsa.attention_target(q, kv, idx, lse, backend="reference")
+    logits = dsa.sparse_indexer_scores(q, kv, w, idx, backend="reference")
+    loss = dsa.indexer_kl_loss(q, kv, w, idx, target, backend="reference")
+    dense = dsa.dense_attention_target(q, kv, backend="reference")
+    assert all(c == [] for c in counts.values())
+    ql = q.clone().requires_grad_()
+    loss_g = dsa.indexer_kl_loss(ql, kv, w, idx, target, backend="reference")
+    logits_g = dsa.sparse_indexer_scores(ql, kv, w, idx, backend="reference")
+    assert counts[ops.indexer_kl_fwd] == [1] and counts[ops.sparse_indexer_fwd] == [1]
+    assert torch.equal(loss_g.detach(), loss) and torch.equal(logits_g.detach(), logits)
+    assert dense.shape == (3, 5) and torch.isfinite(target).all()
 
 
 def test_uniform_offsets_cached():

@@ -22,7 +22,7 @@ import importlib.util  # noqa: E402
 import pytest  # noqa: E402
 
 import dsa  # noqa: E402
-from dsa import _checks, training  # noqa: E402
+from dsa import _checks, ops  # noqa: E402
 
 NEG_INF = float("-inf")
 
@@ -485,10 +485,7 @@ def test_dense_attention_target(case, call, name):
 
 
 def _scores_bwd(case, a, dscores):
-    return training._indexer_scores_bwd(
-        a.q, a.k, a.weights, a.cu_seqlens_q, a.cu_seqlens_k, a.q_offsets, a.max_seqlen_k, a.ratio, a.causal,
-        a.sm_scale, dscores, case.backend,
-    )
+    return ops.indexer_scores_bwd(a, dscores, case.backend)
 
 
 @pytest.mark.usefixtures("indexer_rows")

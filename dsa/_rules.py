@@ -10,7 +10,10 @@
 * the indexer's dense rows: the keys a packed query row sees
   (``j < clamp((q_offset + i + 1) // ratio, 0, S_k)`` when causal);
 * empty calls: a problem with no rows, slots or keys is answered without a
-  kernel (each argument dataclass of :mod:`dsa._args` has ``empty``).
+  kernel (each argument dataclass of :mod:`dsa._args` has ``empty``);
+* deterministic gradients: duplicate destinations are summed in a fixed
+  order (``segment_sum``);
+* the boolean environment flags (``env_flag``): 1/true/yes/on, 0/false/no/off.
 
 Device code states the same rules once per tier: ``dsa/triton/rules.py`` and
 ``dsa/cute/rules.py``.
@@ -18,6 +21,7 @@ Device code states the same rules once per tier: ``dsa/triton/rules.py`` and
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -70,3 +74,47 @@ def dense_rows(a) -> Tuple[torch.Tensor, torch.Tensor]:
     else:
         limit = s_k
     return a.cu_seqlens_k.long()[seq].to(torch.int32), limit.to(torch.int32)
+
+
+def segment_sum(index: torch.Tensor, src: torch.Tensor, n: int) -> torch.Tensor:
+    """out[i] = sum of src[m] over the m with index[m] == i: [n, *src.shape[1:]] in src.dtype.
+
+    Bitwise reproducible on every device, unlike ``index_add_`` on CUDA
+    (atomics add in whatever order the threads arrive): the entries are
+    sorted by destination (stably), and each destination's run is summed by a
+    segmented scan whose additions are fixed by the sorted positions alone.
+    No atomics and no value read back to the host. index [M] int in [0, n).
+    """
+    M = index.shape[0]
+    out = src.new_zeros((n + 1,) + tuple(src.shape[1:]))  # row n takes what is not a run's end
+    if M == 0:
+        return out[:n]
+    key, order = torch.sort(index.long(), stable=True)
+    x = src[order]
+    bcast = (-1,) + (1,) * (src.dim() - 1)
+    step = 1
+    while step < M:  # after this step x[m] sums the last min(2 * step, run) entries of its run up to m
+        same = (key[step:] == key[:-step]).view(bcast)
+        x = torch.cat([x[:step], x[step:] + torch.where(same, x[:-step], 0)])
+        step *= 2
+    last = torch.ones(M, dtype=torch.bool, device=key.device)
+    last[:-1] = key[1:] != key[:-1]
+    # one writer per real destination; the rows that are not a run's end all land in row n
+    out.index_copy_(0, torch.where(last, key, n), x)
+    return out[:n]
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def env_flag(name: str) -> bool:
+    """A boolean environment variable: 1/true/yes/on set it, 0/false/no/off/empty
+    (or unset) do not, in any case; anything else raises ValueError naming it."""
+    value = os.environ.get(name, "")
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError(f"{name}: expected one of {_TRUE} (set) or {_FALSE} (not set), got {value!r}")

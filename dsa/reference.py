@@ -1,4 +1,4 @@
-"""Reference backend: the contract of DESIGN.md in plain PyTorch.
+"""Reference backend: the contract of docs/semantics.md in plain PyTorch.
 
 Runs on any device. Every function works on the canonical arguments of
 :mod:`dsa._args` and computes in float32 (float64 for float64 inputs),
@@ -12,7 +12,10 @@ Sparse attention, for row t, head h, kv head g = h // (H / G), slot j:
     den     = sum_valid exp(s_j) + exp(sink[h])
     out     = sum_valid exp(s_j) / den * kv[indices[t, g, j], g, :d_v]
 The backward is written out from these formulas (not autograd) so that empty
-rows and infinite sinks give exact zeros rather than NaN.
+rows and infinite sinks give exact zeros rather than NaN. With
+``deterministic`` the kv gradient sums duplicate rows through
+:func:`dsa._rules.segment_sum` (a fixed order, no atomics), bitwise
+reproducible on CUDA too.
 """
 
 from __future__ import annotations
@@ -22,17 +25,13 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 
 from dsa import reference_training
-from dsa._args import IndexerArgs, SparseAttnArgs, TopkArgs
-from dsa._args import Unsupported
+from dsa._args import IndexerArgs, SparseAttnArgs, TopkArgs, Unsupported
+from dsa._rules import acc_dtype, segment_sum, slot_validity
 
 # elements of the largest per-chunk intermediate (fp32: 128 MiB)
 _CHUNK_ELEMS = 1 << 25
 
 _NEG_INF = float("-inf")
-
-
-def _acc_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _row_chunk(per_row: int) -> int:
@@ -52,15 +51,11 @@ class _Slots:
     """
 
     def __init__(self, a: SparseAttnArgs, t0: int, t1: int):
-        acc = _acc_dtype(a.q)
-        C, G, K, N = t1 - t0, a.G, a.K, a.N
-        idx = a.indices[t0:t1].long()
-        valid = (idx >= 0) & (idx < N)
-        if a.topk_length is not None:
-            length = a.topk_length[t0:t1].long().clamp(0, K)
-            valid &= torch.arange(K, device=idx.device).view(1, 1, K) < length.view(C, 1, 1)
-        safe = torch.where(valid, idx, 0)
-        g = torch.arange(G, device=idx.device).view(1, G, 1)
+        acc = acc_dtype(a.q)
+        C, G = t1 - t0, a.G
+        length = None if a.topk_length is None else a.topk_length[t0:t1]
+        valid, safe = slot_validity(a.indices[t0:t1], length, a.N)
+        g = torch.arange(G, device=safe.device).view(1, G, 1)
         k = a.kv[safe, g].to(acc)  # [C, G, K, D]
         self.k = torch.where(valid[..., None], k, 0.0)
         self.valid = valid
@@ -86,7 +81,7 @@ def sparse_attention_fwd(a: SparseAttnArgs) -> Tuple[torch.Tensor, torch.Tensor]
     """-> out [T, H, d_v] (q.dtype), lse [T, H] fp32 (+inf on empty rows)."""
     T, H = a.T, a.H
     out = torch.empty(T, H, a.d_v, device=a.q.device, dtype=a.q.dtype)
-    lse = torch.empty(T, H, device=a.q.device, dtype=_acc_dtype(a.q))
+    lse = torch.empty(T, H, device=a.q.device, dtype=acc_dtype(a.q))
     step = _row_chunk(a.G * a.K * a.D + H * a.K)
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
@@ -109,7 +104,7 @@ def sparse_attention_bwd(
     a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """-> dq [T, H, D] (q.dtype), dkv [N, G, D] (kv.dtype, fp32-accumulated), dsink [H] fp32 or None."""
-    acc = _acc_dtype(a.q)
+    acc = acc_dtype(a.q)
     T, H, G, D, K = a.T, a.H, a.G, a.D, a.K
     M = H // G
     dq = torch.empty_like(a.q)
@@ -130,8 +125,11 @@ def sparse_attention_bwd(
         dk[..., : a.d_v] += torch.einsum("cgmk,cgmd->cgkd", sl.p, do)
         # invalid slots add nothing, not even 0 * NaN from a NaN query row
         dk = torch.where(sl.valid[..., None], dk, 0.0)
-        rows = sl.safe * G + torch.arange(G, device=dk.device).view(1, G, 1)
-        dkv.index_add_(0, rows.reshape(-1), dk.reshape(-1, D))
+        rows = (sl.safe * G + torch.arange(G, device=dk.device).view(1, G, 1)).reshape(-1)
+        if a.deterministic:
+            dkv += segment_sum(rows, dk.reshape(-1, D), a.N * G)
+        else:
+            dkv.index_add_(0, rows, dk.reshape(-1, D))
         if dsink is not None:
             sink = a.sink.to(acc).view(1, G, M)
             dsink -= (_sink_prob(sink, sl.log_den) * delta).sum(0).reshape(H)
@@ -159,7 +157,7 @@ def _indexer_chunks(a: IndexerArgs):
     cu_q = a.cu_seqlens_q.tolist()
     cu_k = a.cu_seqlens_k.tolist()
     H = a.q.shape[1]
-    acc = _acc_dtype(a.q)
+    acc = acc_dtype(a.q)
     for b in range(a.batch):
         q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
         s_k = k1 - k0
@@ -178,7 +176,7 @@ def _indexer_chunks(a: IndexerArgs):
 
 def indexer_scores(a: IndexerArgs) -> torch.Tensor:
     """-> scores [T_q, max_seqlen_k] fp32 (fp64 for fp64 inputs), -inf where not visible."""
-    out = torch.full((a.q.shape[0], a.max_seqlen_k), _NEG_INF, device=a.q.device, dtype=_acc_dtype(a.q))
+    out = torch.full((a.q.shape[0], a.max_seqlen_k), _NEG_INF, device=a.q.device, dtype=acc_dtype(a.q))
     for r0, r1, sc in _indexer_chunks(a):
         out[r0:r1, : sc.shape[1]] = sc
     return out
@@ -239,7 +237,8 @@ _OPS.update(reference_training.OPS)  # indexer training (dsa/reference_training.
 
 
 def backend_op(op: str, args: Any, auto: bool = False) -> Callable[..., Any]:
-    """The reference serves every valid call on every device."""
+    """The reference serves every valid call on every device (deterministic
+    gradients included: they never use atomics)."""
     if op not in _OPS:
         raise Unsupported(f"the reference has no implementation of {op}")
     return _OPS[op]

@@ -1,4 +1,4 @@
-"""Reference backend of indexer training: DESIGN.md "Training the indexer" in plain PyTorch.
+"""Reference backend of indexer training: docs/semantics.md, "Training the indexer", in plain PyTorch.
 
 Runs on any device, computes in float32 (float64 for float64 inputs) and is
 chunked over query rows, so no intermediate is ever held for all rows at once
@@ -33,11 +33,16 @@ Dense attention target (the indexer's visibility rule, MQA kv [T_k, D]):
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 
 from dsa._args import DenseTargetArgs, IndexerArgs, SparseAttnArgs, SparseIndexerArgs
+from dsa._rules import acc_dtype, dense_rows, segment_sum, slot_validity
+
+# dense_rows and slot_validity stay importable from here for the Triton
+# training kernels' host code until it imports them from dsa._rules
+__all__ = ["OPS", "STAT_LOSS", "STAT_LSE", "STAT_TSUM", "STAT_VALID", "dense_rows", "slot_validity"]
 
 # elements of the largest per-chunk intermediate (fp32: 128 MiB), as in dsa.reference
 _CHUNK_ELEMS = 1 << 25
@@ -48,48 +53,8 @@ _NEG_INF = float("-inf")
 STAT_LOSS, STAT_LSE, STAT_TSUM, STAT_VALID = range(4)
 
 
-def _acc_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 def _row_chunk(per_row: int) -> int:
     return max(1, _CHUNK_ELEMS // max(1, per_row))
-
-
-def slot_validity(
-    indices: torch.Tensor, topk_length: Optional[torch.Tensor], n: int
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """valid [..., K] (sparse attention's rule) and indices with invalid slots set to 0 (int64).
-
-    indices [R, ..., K] int, topk_length [R] or None.
-    """
-    idx = indices.long()
-    K = idx.shape[-1]
-    valid = (idx >= 0) & (idx < n)
-    if topk_length is not None:
-        length = topk_length.long().clamp(0, K).view(-1, *([1] * (idx.dim() - 1)))
-        valid &= torch.arange(K, device=idx.device) < length
-    return valid, torch.where(valid, idx, 0)
-
-
-def dense_rows(a) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per packed query row: (global row of its sequence's first key, number of visible keys), int32.
-
-    ``a`` is an IndexerArgs or DenseTargetArgs; key j (local) of query row i is
-    visible iff j < limit[i], the indexer's causal rule (DESIGN.md "Indexer").
-    """
-    Tq = a.q.shape[0]
-    dev = a.q.device
-    lens_q = torch.diff(a.cu_seqlens_q).long()
-    seq = torch.repeat_interleave(torch.arange(a.batch, device=dev), lens_q, output_size=Tq)
-    local = torch.arange(Tq, device=dev) - a.cu_seqlens_q.long()[seq]
-    s_k = torch.diff(a.cu_seqlens_k).long()[seq]
-    if a.causal:
-        pos = a.q_offsets.long()[seq] + local + 1
-        limit = torch.minimum(torch.div(pos, a.ratio, rounding_mode="floor").clamp_min(0), s_k)
-    else:
-        limit = s_k
-    return a.cu_seqlens_k.long()[seq].to(torch.int32), limit.to(torch.int32)
 
 
 # --------------------------------------------------------------------------
@@ -98,7 +63,7 @@ def dense_rows(a) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def attention_target(a: SparseAttnArgs, lse: torch.Tensor) -> torch.Tensor:
     """-> target [T, G, K] fp32 (fp64 for fp64 q); lse [T, H] from sparse attention."""
-    acc = _acc_dtype(a.q)
+    acc = acc_dtype(a.q)
     T, H, G, K, D = a.T, a.H, a.G, a.K, a.D
     M = H // G
     out = torch.empty(T, G, K, device=a.q.device, dtype=acc)
@@ -118,7 +83,7 @@ def attention_target(a: SparseAttnArgs, lse: torch.Tensor) -> torch.Tensor:
 
 def dense_attention_target(a: DenseTargetArgs) -> torch.Tensor:
     """-> target [T_q, max_seqlen_k] fp32 (fp64 for fp64 q), 0 where not visible."""
-    acc = _acc_dtype(a.q)
+    acc = acc_dtype(a.q)
     Tq, H, _ = a.q.shape
     out = torch.zeros(Tq, a.max_seqlen_k, device=a.q.device, dtype=acc)
     _, limit = dense_rows(a)
@@ -152,7 +117,7 @@ class _IndexerSlots:
     """
 
     def __init__(self, a: SparseIndexerArgs, t0: int, t1: int):
-        acc = _acc_dtype(a.q)
+        acc = acc_dtype(a.q)
         length = None if a.topk_length is None else a.topk_length[t0:t1]
         self.valid, safe = slot_validity(a.indices[t0:t1], length, a.N)
         self.safe = safe
@@ -179,7 +144,7 @@ def _relu_dot_bwd(q, w, dots, g, valid, sm_scale):
 
 def _sparse_bwd(a: SparseIndexerArgs, grad_of_chunk) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Shared backward loop; grad_of_chunk(slots, t0, t1) -> dlogits [C, K]."""
-    acc = _acc_dtype(a.q)
+    acc = acc_dtype(a.q)
     T, H, D, K = a.T, a.H, a.D, a.K
     dq = torch.empty_like(a.q)
     dw = torch.empty_like(a.weights)
@@ -193,13 +158,16 @@ def _sparse_bwd(a: SparseIndexerArgs, grad_of_chunk) -> Tuple[torch.Tensor, torc
         dw[t0:t1] = dw_c.to(dw.dtype)
         dk_slots = torch.einsum("chk,chd->ckd", ds, sl.q)
         dk_slots = torch.where(sl.valid[..., None], dk_slots, 0.0)  # not even 0 * NaN from a NaN q row
-        dk.index_add_(0, sl.safe.reshape(-1), dk_slots.reshape(-1, D))
+        if a.deterministic:
+            dk += segment_sum(sl.safe.reshape(-1), dk_slots.reshape(-1, D), a.N)
+        else:
+            dk.index_add_(0, sl.safe.reshape(-1), dk_slots.reshape(-1, D))
     return dq, dk.to(a.k.dtype), dw
 
 
 def sparse_indexer_fwd(a: SparseIndexerArgs) -> torch.Tensor:
     """-> logits [T, K] fp32 (fp64 for fp64 q), -inf on invalid slots."""
-    out = torch.empty(a.T, a.K, device=a.q.device, dtype=_acc_dtype(a.q))
+    out = torch.empty(a.T, a.K, device=a.q.device, dtype=acc_dtype(a.q))
     step = _row_chunk(a.K * (a.D + 2 * a.H))
     for t0 in range(0, a.T, step):
         t1 = min(a.T, t0 + step)
@@ -214,7 +182,7 @@ def sparse_indexer_bwd(a: SparseIndexerArgs, dlogits: torch.Tensor):
 
 def indexer_kl_fwd(a: SparseIndexerArgs, target: torch.Tensor) -> torch.Tensor:
     """-> stats [T, 4] (loss_t, logsumexp of the logits, sum of valid target, has a valid slot)."""
-    acc = _acc_dtype(a.q)
+    acc = acc_dtype(a.q)
     stats = torch.empty(a.T, 4, device=a.q.device, dtype=acc)
     step = _row_chunk(a.K * (a.D + 2 * a.H))
     for t0 in range(0, a.T, step):
@@ -253,7 +221,7 @@ def indexer_scores_bwd(a: IndexerArgs, dscores: torch.Tensor):
 
     dscores [T_q, max_seqlen_k]; entries at keys a row does not see are ignored.
     """
-    acc = _acc_dtype(a.q)
+    acc = acc_dtype(a.q)
     Tq, H, D = a.q.shape
     dq = torch.zeros(Tq, H, D, device=a.q.device, dtype=acc)
     dw = torch.zeros(Tq, H, device=a.q.device, dtype=acc)

@@ -8,9 +8,11 @@ name the backend, so a backend may also decline on measured speed). That hook is
 supports; the selector only orders the candidates.
 
 Order under ``backend="auto"``:
-  1. ``DSA_BACKEND`` (if set) forces one backend everywhere;
+  1. ``DSA_BACKEND`` (if set to a backend's name) forces that backend
+     everywhere, an explicit ``backend=`` included, and the choice says so;
+     ``DSA_BACKEND=auto`` (or empty) forces nothing;
   2. ``cute`` where the device, the shape and the measured placement table
-     say it leads, unless ``DSA_DISABLE_CUTE=1``;
+     say it leads, unless ``DSA_DISABLE_CUTE`` is set (1/true/yes/on);
   3. ``triton`` on CUDA tensors;
   4. ``reference`` (CPU tensors, and anything else).
 """
@@ -21,9 +23,10 @@ import functools
 import importlib
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from dsa._args import Unsupported
+from dsa._rules import env_flag
 
 BACKENDS = ("reference", "triton", "cute")
 
@@ -33,9 +36,12 @@ class Choice:
     backend: str
     fn: Callable[..., Any]
     reasons: List[Tuple[str, str]] = field(default_factory=list)  # (backend, why not)
+    forced: Optional[str] = None  # what DSA_BACKEND overrode, when it decided
 
     def describe(self, op: str) -> str:
         lines = [f"{op}: backend '{self.backend}'"]
+        if self.forced is not None:
+            lines.append(f"  DSA_BACKEND={self.backend} overrides backend={self.forced!r}")
         note = getattr(self.fn, "note", None)  # why this backend, where it says
         if note:
             lines.append(f"  {self.backend}: {note}")
@@ -66,7 +72,18 @@ def _device_type(args: Any) -> str:
 
 
 def cute_disabled() -> bool:
-    return os.environ.get("DSA_DISABLE_CUTE", "0") not in ("", "0")
+    """DSA_DISABLE_CUTE: 1/true/yes/on disable the tier; 0/false/no/off/empty do not."""
+    return env_flag("DSA_DISABLE_CUTE")
+
+
+def forced_backend() -> Optional[str]:
+    """The backend DSA_BACKEND forces, or None (unset, empty or ``auto``)."""
+    forced = os.environ.get("DSA_BACKEND", "").strip().lower()
+    if forced in ("", "auto"):
+        return None
+    if forced not in BACKENDS:
+        raise ValueError(f"DSA_BACKEND: expected one of {('auto',) + BACKENDS}, got {os.environ['DSA_BACKEND']!r}")
+    return forced
 
 
 def select(op: str, args: Any, backend: str = "auto") -> Choice:
@@ -77,11 +94,12 @@ def select(op: str, args: Any, backend: str = "auto") -> Choice:
     """
     if backend not in ("auto",) + BACKENDS:
         raise ValueError(f"backend: expected one of {('auto',) + BACKENDS}, got {backend!r}")
-    forced = os.environ.get("DSA_BACKEND", "")
-    if forced:
-        if forced not in BACKENDS:
-            raise ValueError(f"DSA_BACKEND: expected one of {BACKENDS}, got {forced!r}")
-        backend = forced
+    forced = forced_backend()
+    if forced is not None:
+        fn, why = _try(forced, op, args, auto=False)
+        if fn is None:
+            raise ValueError(f"backend '{forced}' (DSA_BACKEND) cannot run {op}: {why}")
+        return Choice(forced, fn, forced=backend)
     if backend != "auto":
         fn, why = _try(backend, op, args, auto=False)
         if fn is None:
@@ -89,10 +107,11 @@ def select(op: str, args: Any, backend: str = "auto") -> Choice:
         return Choice(backend, fn)
 
     reasons: List[Tuple[str, str]] = []
+    disabled = cute_disabled()  # read (and checked) whatever the device
     candidates = ["cute", "triton"] if _device_type(args) == "cuda" else []
     for name in candidates:
-        if name == "cute" and cute_disabled():
-            reasons.append((name, "disabled by DSA_DISABLE_CUTE=1"))
+        if name == "cute" and disabled:
+            reasons.append((name, f"disabled by DSA_DISABLE_CUTE={os.environ['DSA_DISABLE_CUTE']}"))
             continue
         fn, why = _try(name, op, args, auto=True)
         if fn is not None:

@@ -167,3 +167,49 @@ def test_dsa_backend_reference_on_cuda(clean_env):
     args, kw = _op_args("sparse_attention", "cuda", torch.bfloat16)
     text = dsa.explain("sparse_attention", *args, **kw)
     assert "backend 'reference'" in text and "backend 'triton'" not in text
+
+
+# --------------------------------------------------------------------------
+# environment variables
+
+
+def test_dsa_backend_auto_forces_nothing(clean_env):
+    clean_env.setenv("DSA_BACKEND", "auto")
+    args, kw = _op_args("sparse_attention")
+    text = dsa.explain("sparse_attention", *args, **kw)
+    assert "backend 'reference'" in text and "DSA_BACKEND" not in text
+    q, kv, idx, *_ = _inputs()
+    assert torch.equal(dsa.sparse_attention(q, kv, idx), dsa.sparse_attention(q, kv, idx, backend="reference"))
+
+
+@pytest.mark.parametrize("value", ["1", "true", "TRUE", "yes", "On"])
+def test_dsa_disable_cute_set(clean_env, value):
+    from dsa import selector
+
+    clean_env.setenv("DSA_DISABLE_CUTE", value)
+    assert selector.cute_disabled() is True
+
+
+@pytest.mark.parametrize("value", ["0", "false", "False", "no", "OFF", ""])
+def test_dsa_disable_cute_not_set(clean_env, value):
+    from dsa import selector
+
+    clean_env.setenv("DSA_DISABLE_CUTE", value)
+    assert selector.cute_disabled() is False
+
+
+def test_dsa_disable_cute_other_values_are_errors(clean_env):
+    clean_env.setenv("DSA_DISABLE_CUTE", "maybe")
+    q, kv, idx, *_ = _inputs()
+    with pytest.raises(ValueError, match="DSA_DISABLE_CUTE"):
+        dsa.sparse_attention(q, kv, idx)
+
+
+@pytest.mark.parametrize("explicit", ["auto", "triton", "cute"])
+def test_explain_says_dsa_backend_decided(clean_env, explicit):
+    clean_env.setenv("DSA_BACKEND", "reference")
+    args, kw = _op_args("sparse_attention")
+    text = dsa.explain("sparse_attention", *args, backend=explicit, **kw)
+    assert f"DSA_BACKEND=reference overrides backend='{explicit}'" in text, text
+    clean_env.delenv("DSA_BACKEND")
+    assert "DSA_BACKEND" not in dsa.explain("sparse_attention", *args, backend="reference", **kw)

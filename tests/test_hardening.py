@@ -1,0 +1,162 @@
+"""Host-side hardening: argument forms a user reaches for first, explain's
+errors, deterministic reference gradients without atomics, packed indexer
+checks that read nothing back while a CUDA graph is captured, and the README
+example on a machine without a GPU."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import dsa
+from dsa import _checks, _rules
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sparse_inputs(T=3, H=2, D=16, N=5, K=4, dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(T, H, D, generator=g, dtype=dtype)
+    kv = torch.randn(N, D, generator=g, dtype=dtype)
+    idx = torch.randint(-1, N, (T, K), generator=g, dtype=torch.int32)
+    return q, kv, idx
+
+
+def _indexer_inputs(T=6, H=2, D=8):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(T, H, D, generator=g), torch.randn(T, D, generator=g), torch.randn(T, H, generator=g)
+
+
+# --------------------------------------------------------------------------
+# D = 0, explain without a required argument, numpy and 0-dim scalars
+
+
+def test_zero_head_dim_blames_q():
+    q, kv, idx = _sparse_inputs()
+    with pytest.raises(ValueError, match=r"^q: .*head dim D >= 1"):
+        dsa.sparse_attention(q[..., :0], kv[..., :0], idx)
+    with pytest.raises(ValueError, match=r"^q: .*head dim D >= 1"):
+        dsa.explain("sparse_attention", q[..., :0], kv[..., :0], idx)
+
+
+@pytest.mark.parametrize("name,args,missing", [
+    ("sparse_attention", 2, "indices"),
+    ("indexer_topk", 3, "topk"),
+    ("topk_indices", 1, "k"),
+    ("attention_target", 3, "lse"),
+])
+def test_explain_names_a_missing_argument(name, args, missing):
+    q, kv, idx = _sparse_inputs()
+    given = {"sparse_attention": (q, kv, idx), "indexer_topk": _indexer_inputs(), "topk_indices": (q[0],),
+             "attention_target": (q, kv, idx)}[name][:args]
+    with pytest.raises(TypeError, match=rf"^{name}\(\): missing a required argument: '{missing}'"):
+        dsa.explain(name, *given)
+    with pytest.raises(TypeError, match=missing):
+        getattr(dsa, name)(*given)
+
+
+def test_numpy_scalars_are_accepted():
+    q, kv, idx = _sparse_inputs(D=24)
+    ref = dsa.sparse_attention(q, kv, idx, sm_scale=0.25, d_v=16)
+    for sm, dv in ((np.float32(0.25), np.int64(16)), (np.float64(0.25), np.int32(16)),
+                   (torch.tensor(0.25), torch.tensor(16))):
+        assert torch.equal(dsa.sparse_attention(q, kv, idx, sm_scale=sm, d_v=dv), ref)
+    qi, ki, wi = _indexer_inputs()
+    ref = dsa.indexer_topk(qi, ki, wi, 3, sm_scale=0.5, ratio=2)
+    for k in (np.int64(3), torch.tensor(3), torch.tensor(3, dtype=torch.int32)):
+        assert torch.equal(dsa.indexer_topk(qi, ki, wi, k, sm_scale=np.float32(0.5), ratio=np.int64(2)), ref)
+    s = torch.randn(4, 9)
+    assert torch.equal(dsa.topk_indices(s, np.int64(5)), dsa.topk_indices(s, 5))
+    assert torch.equal(dsa.topk_indices(s, torch.tensor(5)), dsa.topk_indices(s, 5))
+
+
+@pytest.mark.parametrize("bad", [True, np.bool_(True), 2.0, np.float32(2.0), torch.tensor([2, 3]), torch.tensor(2.0)])
+def test_counts_stay_integers(bad):
+    with pytest.raises(TypeError, match=r"^k: expected an int"):
+        dsa.topk_indices(torch.randn(2, 5), bad)
+
+
+def test_scales_stay_real_numbers():
+    q, kv, idx = _sparse_inputs()
+    for bad in (True, np.bool_(False), "0.1", torch.tensor([0.1, 0.2])):
+        with pytest.raises(TypeError, match=r"^sm_scale: expected a float"):
+            dsa.sparse_attention(q, kv, idx, sm_scale=bad)
+
+
+# --------------------------------------------------------------------------
+# deterministic gradients: one segment sum, no atomics
+
+
+def _interleave(index: torch.Tensor, seed: int) -> torch.Tensor:
+    """A new order of the entries: the destinations interleaved at random,
+    each destination's own entries kept in their order (what atomics vary)."""
+    pos = torch.randperm(index.shape[0], generator=torch.Generator().manual_seed(seed))
+    new_index = index[pos]
+    order = torch.empty_like(pos)
+    for i in index.unique():
+        order[new_index == i] = torch.nonzero(index == i).flatten()
+    assert torch.equal(index[order], new_index)
+    return order
+
+
+def test_segment_sum_is_exact_and_bitwise_across_interleavings():
+    g = torch.Generator().manual_seed(2)
+    n, M, D = 7, 300, 3
+    index = torch.randint(0, n, (M,), generator=g)
+    # magnitudes from 1e-6 to 1e6: fp32 sums of these depend on the order of the additions
+    src = torch.randn(M, D, generator=g) * torch.logspace(-6, 6, M).view(M, 1)
+    got = _rules.segment_sum(index, src, n)
+    exact = torch.zeros(n, D, dtype=torch.float64).index_add_(0, index, src.double())
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-3)
+    assert got.dtype == src.dtype and got.shape == (n, D)
+    for seed in range(6):
+        order = _interleave(index, seed)
+        assert torch.equal(_rules.segment_sum(index[order], src[order], n), got)
+    assert torch.equal(_rules.segment_sum(index[:0], src[:0], n), torch.zeros(n, D))
+    one = _rules.segment_sum(index[:1], src[:1], n)
+    assert torch.equal(one[index[0]], src[0]) and one.count_nonzero() == src[0].count_nonzero()
+
+
+@pytest.fixture
+def no_index_add(monkeypatch):
+    """index_add_ (atomics on CUDA) raises: a deterministic path must not use it."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("index_add_ on a deterministic path")
+
+    monkeypatch.setattr(torch.Tensor, "index_add_", refuse)
+
+
+def test_reference_deterministic_sparse_backward_uses_no_atomics(no_index_add):
+    q, kv, idx = _sparse_inputs(T=6, K=8, N=4)  # many duplicate rows
+    idx = idx.clamp(0, 3)
+    sink = torch.randn(2, dtype=torch.float32)
+    ql, kvl = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    out = dsa.sparse_attention(ql, kvl, idx, sink=sink, deterministic=True, backend="reference")
+    out.square().sum().backward()
+    # and it is the gradient: the float64 autograd of the forward formula
+    qe, kve = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    s = torch.einsum("thd,tkd->thk", qe, kve[idx.long()]) * q.shape[-1] ** -0.5
+    den = torch.logaddexp(torch.logsumexp(s, -1), sink.double())
+    oe = torch.einsum("thk,tkd->thd", torch.exp(s - den[..., None]), kve[idx.long()])
+    oe.square().sum().backward()
+    torch.testing.assert_close(kvl.grad, kve.grad)
+    torch.testing.assert_close(ql.grad, qe.grad)
+    with pytest.raises(AssertionError, match="deterministic path"):  # the fixture is live
+        out = dsa.sparse_attention(ql, kvl, idx, deterministic=False, backend="reference")
+        out.sum().backward()
+
+
+def test_reference_deterministic_indexer_backward_uses_no_atomics(no_index_add):
+    g = torch.Generator().manual_seed(4)
+    q, k, w = torch.randn(5, 2, 8, generator=g), torch.randn(3, 8, generator=g), torch.randn(5, 2, generator=g)
+    idx = torch.randint(0, 3, (5, 6), generator=g, dtype=torch.int32)
+    kl = k.clone().requires_grad_()
+    target = torch.softmax(torch.randn(5, 6, generator=g), -1)
+    dsa.indexer_kl_loss(q, kl, w, idx, target, deterministic=True, backend="reference").backward()
+    dsa.sparse_indexer_scores(q, kl, w, idx, deterministic=True, backend="reference").sum().backward()
+    assert kl.grad is not None and torch.isfinite(kl.grad).all() and kl.grad.abs().sum() > 0

@@ -1,0 +1,157 @@
+"""Sparse attention against its peers in one process, on the same inputs (H200).
+
+    PYTHONPATH=$PWD python bench/peers.py [--out DIR] [--shapes V3.2,V4-pro]
+
+Forward: dsa ``cute`` and ``triton`` against FlashMLA's SM90 sparse prefill
+kernel (``flash_mla.flash_mla_sparse_fwd(..., use_legacy=True)``). Backward:
+dsa ``triton`` (and ``cute`` where it serves the backward) against cuDNN's
+``sparse_attention_backward_wrapper``, all fed the same dsa forward's out and
+lse. Plus the training step (forward + backward) under ``auto``. A peer that
+is not installed is reported as such and skipped.
+
+bf16, sink on, fresh ``torch.randn`` inputs, indices K distinct ascending rows
+of [0, N) per query row (``half`` rows: topk_length uniform in [0, K]).
+``triton.testing.do_bench`` medians (warmup 25 ms, rep 100 ms). TFLOP/s:
+forward 2*T*H*K*(D + d_v), backward 2*T*H*K*(3*D + 2*d_v), at full K even
+for half-valid rows. Each backward's dq / dkv / dsink is compared with dsa
+triton's by relative L2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+
+import dsa
+
+SHAPES = {  # name: (T, N, H, D, K, half_valid)
+    "V3.2": (4096, 8192, 128, 576, 2048, False),
+    "V4-pro": (8192, 8192, 128, 512, 1152, False),
+    "V4-flash": (8192, 8192, 64, 512, 640, False),
+    "H64-D576": (4096, 8192, 64, 576, 2048, False),
+    "H16-D576": (4096, 8192, 16, 576, 2048, False),
+    "H32-D576": (4096, 8192, 32, 576, 2048, False),
+    "V3.2-half": (4096, 8192, 128, 576, 2048, True),
+}
+D_V = 512
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def inputs(T, N, H, D, K, half, seed=0):
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    q = torch.randn(T, H, D, generator=g, device=dev, dtype=torch.bfloat16)
+    kv = torch.randn(N, D, generator=g, device=dev, dtype=torch.bfloat16)
+    idx = torch.empty(T, K, dtype=torch.int32, device=dev)
+    step = max(1, (64 << 20) // N)
+    for t0 in range(0, T, step):
+        keys = torch.rand(min(step, T - t0), N, generator=g, device=dev)
+        idx[t0:t0 + step] = keys.topk(K, dim=-1).indices.sort(dim=-1).values.int()
+    sink = torch.randn(H, generator=g, device=dev)
+    tl = torch.randint(0, K + 1, (T,), generator=g, device=dev, dtype=torch.int32) if half else None
+    dout = torch.randn(T, H, D_V, generator=g, device=dev, dtype=torch.bfloat16)
+    return q, kv, idx, sink, tl, dout
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _flashmla_fwd(q, kv, idx, sink, tl, scale):
+    import flash_mla
+
+    def run():
+        return flash_mla.flash_mla_sparse_fwd(q, kv[:, None], idx[:, None], scale, d_v=D_V, attn_sink=sink,
+                                              topk_length=tl, use_legacy=True)
+    return run
+
+
+def _cudnn_bwd(q, kv, out, dout, lse, sink, idx, tl, scale):
+    from cudnn import deepseek_sparse_attention as cd
+
+    def run():
+        return cd.sparse_attention_backward_wrapper(q, kv, out, dout, lse, sink, idx, softmax_scale=scale,
+                                                    topk_length=tl)
+    return run
+
+
+def _dsa_bwd(q, kv, idx, sink, tl, dout, backend):
+    qg, kvg, sg = (t.detach().clone().requires_grad_(True) for t in (q, kv, sink))
+    out = dsa.sparse_attention(qg, kvg, idx, sink=sg, topk_length=tl, backend=backend)
+    run = lambda: torch.autograd.grad(out, (qg, kvg, sg), dout, retain_graph=True)  # noqa: E731
+    return run
+
+
+def _peer(name, build, row, key, flops):
+    try:
+        fn = build()
+        res = fn()
+        ms = bench(fn)
+    except Exception as e:  # a missing or refusing peer is a row, not a crash
+        row[key] = f"{type(e).__name__}: {str(e)[:120]}"
+        print(f"  {name}: {row[key]}")
+        return None
+    row[key] = ms
+    print(f"  {name}: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s")
+    return res
+
+
+def run_shape(name, T, N, H, D, K, half):
+    q, kv, idx, sink, tl, dout = inputs(T, N, H, D, K, half)
+    scale = D ** -0.5
+    ffw, fbw = 2 * T * H * K * (D + D_V), 2 * T * H * K * (3 * D + 2 * D_V)
+    row = dict(shape=name, T=T, N=N, H=H, D=D, K=K, half_valid=half, flops_fwd=ffw, flops_bwd=fbw)
+    print(f"{name}: T={T} N={N} H={H} D={D} K={K} half={half}")
+    out, lse = dsa.sparse_attention(q, kv, idx, sink=sink, topk_length=tl, return_lse=True, backend="triton")
+    for backend in ("cute", "triton"):
+        _peer(f"fwd dsa {backend}", lambda: (lambda: dsa.sparse_attention(
+            q, kv, idx, sink=sink, topk_length=tl, backend=backend)), row, f"fwd_{backend}_ms", ffw)
+    fm = _peer("fwd flashmla", lambda: _flashmla_fwd(q, kv, idx, sink, tl, scale), row, "fwd_flashmla_ms", ffw)
+    if fm is not None:
+        row["fwd_flashmla_rel_out"] = rel(fm[0], out)
+    ref = _peer("bwd dsa triton", lambda: _dsa_bwd(q, kv, idx, sink, tl, dout, "triton"), row, "bwd_triton_ms", fbw)
+    for backend in ("cute", "auto"):
+        got = _peer(f"bwd dsa {backend}", lambda: _dsa_bwd(q, kv, idx, sink, tl, dout, backend), row,
+                    f"bwd_{backend}_ms", fbw)
+        if got is not None and ref is not None:
+            row[f"bwd_{backend}_rel"] = [rel(a, b) for a, b in zip(got, ref)]
+    cd = _peer("bwd cudnn", lambda: _cudnn_bwd(q, kv, out, dout, lse, sink, idx, tl, scale), row, "bwd_cudnn_ms", fbw)
+    if cd is not None and ref is not None:
+        row["bwd_cudnn_rel"] = [rel(cd["dq"], ref[0]), rel(cd["dkv"], ref[1]), rel(cd["d_sink"], ref[2])]
+
+    def step():
+        qg, kvg, sg = (t.detach().requires_grad_(True) for t in (q, kv, sink))
+        o = dsa.sparse_attention(qg, kvg, idx, sink=sg, topk_length=tl)
+        torch.autograd.grad(o, (qg, kvg, sg), dout)
+    _peer("step auto (fwd+bwd)", lambda: step, row, "step_auto_ms", ffw + fbw)
+    for k in ("bwd_cute_rel", "bwd_auto_rel", "bwd_cudnn_rel", "fwd_flashmla_rel_out"):
+        if k in row:
+            print(f"  {k}: {row[k]}")
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    args = p.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    rows = [run_shape(n, *SHAPES[n]) for n in args.shapes.split(",")]
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "peers.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

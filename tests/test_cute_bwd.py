@@ -4,7 +4,7 @@
   (``CUTE_DSL_ARCH=sm_90a``) in a subprocess, with wgmma, the cp.async
   gather and the dkv reduction (fp32 vector atomics, or plain stores in the
   deterministic build) in its PTX; the host logic (what it serves, the
-  per-row terms, the inverse index) is checked against float64.
+  per-row terms, the kv row of each slot) is checked against float64.
 * GPU (``-m gpu``, an SM90 device): dq, dkv and dsink against the float64
   reference at V3.2-like and V4-like shapes, GQA, every sink case, random
   topk_length (0, negative, past K), hostile indices, NaN in kv rows no valid
@@ -156,26 +156,22 @@ def test_row_terms_match_float64(sink):
     torch.testing.assert_close(lg2.double()[fin], exp[fin], rtol=1e-6, atol=1e-5)
 
 
-def test_inverse_index_groups_valid_slots_by_row():
+def test_slot_keys_name_the_kv_row_of_valid_slots():
     a = _args(T=5, N=16, H=128, G=2, D=512, K=24, length=True)
     a.indices[0, 0, :3] = torch.tensor([-5, 16, 2**30], dtype=torch.int32)
     a.indices[1, 1, :4] = 7  # duplicates
     t0, tc = 1, 3
-    order, rowptr = cbwd.inverse_index(a, t0, tc)
-    assert rowptr.dtype == torch.int32 and rowptr.shape == (a.N * a.G + 1,)
-    G, K = a.G, a.K
+    keys = cbwd.slot_keys(a, t0, tc)
+    G, K, N = a.G, a.K, a.N
+    assert keys.shape == (tc * G * K,)
     L = a.topk_length.clamp(0, K)
-    expect = {}
     for t in range(t0, t0 + tc):
         for g in range(G):
             for j in range(K):
                 n = int(a.indices[t, g, j])
-                if j < int(L[t]) and 0 <= n < a.N:
-                    expect.setdefault(n * G + g, []).append(((t - t0) * G + g) * K + j)
-    for row in range(a.N * G):
-        got = order[rowptr[row]:rowptr[row + 1]].tolist()
-        assert got == expect.get(row, []), row
-    assert int(rowptr[-1]) == sum(len(v) for v in expect.values())
+                ok = j < int(L[t]) and 0 <= n < N
+                # the kernel's deterministic row ((t - t0) * G + g) * K + j
+                assert int(keys[((t - t0) * G + g) * K + j]) == (n * G + g if ok else N * G), (t, g, j)
 
 
 # --------------------------------------------------------------------------

@@ -8,8 +8,8 @@ kernel is ``sparse_attention_bwd_sm90.SparseAttnBwdSm90``; the per-row terms
 it reads (Delta = dO . out and log2 of the softmax denominator, sink
 included) and dsink are O(T H d_v) torch work here.  ``deterministic`` runs
 the kernel storing one fp32 dkv row per (head block, token, slot) for a
-chunk of tokens, then the Triton kv-major ``dkv_reduce_kernel`` over the
-inverse index (a stable sort), so dkv is bitwise reproducible.
+chunk of tokens, then the Triton ``segment_sum`` (a stable sort by kv row,
+each row summed in that fixed order), so dkv is bitwise reproducible.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from dsa._args import SparseAttnArgs
+from dsa._rules import slot_validity
 
 HEADS_PER_CTA = 64
 SERVED_D = (512, 576)
@@ -151,21 +152,13 @@ def _launch(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv_buf, t0: int, tc: in
         fn(*ptrs, *scalars, stream)
 
 
-def inverse_index(a: SparseAttnArgs, t0: int, tc: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """For the tokens [t0, t0 + tc): the flat slot ids ((t - t0) * G + g) * K + j
-    of every valid slot grouped by kv row n * G + g, ascending within a row
-    (stable sort), and the [N * G + 1] int32 row pointers into that list."""
-    N, G, K = a.N, a.G, a.K
-    dev = a.q.device
-    idx = a.indices[t0:t0 + tc].to(torch.int64)
-    valid = (idx >= 0) & (idx < N)
-    if a.topk_length is not None:
-        L = a.topk_length[t0:t0 + tc].to(torch.int64).clamp(0, K)
-        valid &= torch.arange(K, device=dev)[None, None, :] < L[:, None, None]
-    key = torch.where(valid, idx * G + torch.arange(G, device=dev)[None, :, None], N * G)
-    sorted_key, order = torch.sort(key.flatten(), stable=True)
-    rowptr = torch.searchsorted(sorted_key, torch.arange(N * G + 1, device=dev))
-    return order.to(torch.int32), rowptr.to(torch.int32)
+def slot_keys(a: SparseAttnArgs, t0: int, tc: int) -> torch.Tensor:
+    """The kv row n * G + g of every slot ((t - t0) * G + g) * K + j of the
+    tokens [t0, t0 + tc), flat int64; N * G (never summed) for an invalid slot."""
+    length = None if a.topk_length is None else a.topk_length[t0:t0 + tc]
+    valid, safe = slot_validity(a.indices[t0:t0 + tc], length, a.N)
+    g = torch.arange(a.G, device=a.q.device)[None, :, None]
+    return torch.where(valid, safe * a.G + g, a.N * a.G).flatten()
 
 
 def backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor,
@@ -184,21 +177,17 @@ def backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor,
     if not a.deterministic:
         _launch(a, dout, lg2den, delta, dq, dkv, 0, T)
     else:
-        import triton
+        from dsa.triton.segment_sum import segment_sum
 
-        from dsa.triton.sparse_attention_bwd import dkv_reduce_kernel
-
+        # per-slot rows [HB, Tc, G, K, D], summed per kv row in a fixed order
         HB = a.H // G // HEADS_PER_CTA
         per_token = HB * G * a.K * D * 4
         Tc = max(1, min(T, DETERMINISTIC_SLOT_BYTES // per_token))
-        slots = torch.empty(HB * Tc * G * a.K * D, dtype=torch.float32, device=a.q.device)
-        BD = 64
+        slots = torch.empty(HB * Tc * G * a.K, D, dtype=torch.float32, device=a.q.device)
         for t0 in range(0, T, Tc):
             tc = min(Tc, T - t0)
             _launch(a, dout, lg2den, delta, dq, slots, t0, tc)
-            order, rowptr = inverse_index(a, t0, tc)
-            dkv_reduce_kernel[(N * G, triton.cdiv(D, BD))](
-                slots, order, rowptr, dkv, tc * G * a.K, D=D, HB=HB, BR=16, BD=BD, num_warps=2)
+            segment_sum(slots, slot_keys(a, t0, tc), dkv.view(N * G, D), parts=HB)
     return dq, dkv.to(a.kv.dtype), dsink
 
 

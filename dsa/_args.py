@@ -17,6 +17,7 @@ backend).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -27,8 +28,36 @@ class Unsupported(Exception):
     """Raised by a backend's hook when it cannot serve a call; the message says why."""
 
 
+class _SlotSizes:
+    """The sizes of a problem over top-k slots: q [T, H, D], indices [T, ..., K]
+    and N rows to address (each class says where N comes from)."""
+
+    N: int
+
+    @property
+    def T(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def H(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def D(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def K(self) -> int:
+        return self.indices.shape[-1]
+
+    @property
+    def empty(self) -> bool:
+        """No row, slot, key or head: answered without a kernel."""
+        return self.T == 0 or self.K == 0 or self.N == 0 or self.H == 0
+
+
 @dataclass(frozen=True)
-class SparseAttnArgs:
+class SparseAttnArgs(_SlotSizes):
     """Sparse attention (MLA in MQA/GQA form) in the canonical packed layout.
 
     q:           [T, H, D]   bf16 / fp16 / fp32
@@ -52,34 +81,8 @@ class SparseAttnArgs:
     d_v: int
     deterministic: bool = False
 
-    @property
-    def T(self) -> int:
-        return self.q.shape[0]
-
-    @property
-    def H(self) -> int:
-        return self.q.shape[1]
-
-    @property
-    def D(self) -> int:
-        return self.q.shape[2]
-
-    @property
-    def N(self) -> int:
-        return self.kv.shape[0]
-
-    @property
-    def G(self) -> int:
-        return self.kv.shape[1]
-
-    @property
-    def K(self) -> int:
-        return self.indices.shape[2]
-
-    @property
-    def empty(self) -> bool:
-        """No row, slot, key or head: answered without a kernel."""
-        return self.T == 0 or self.K == 0 or self.N == 0 or self.H == 0
+    N = property(lambda self: self.kv.shape[0], doc="rows of kv")
+    G = property(lambda self: self.kv.shape[1], doc="kv heads (H_kv)")
 
     def kernel_dtype_reason(self) -> Optional[str]:
         """Why the dtypes the kernels read directly (int32 indices and
@@ -93,8 +96,22 @@ class SparseAttnArgs:
         return None
 
 
+class _Sequences:
+    """What the packed-sequence problems (indexer, dense target) share: the
+    batch size and the empty rule; ``keys`` is each class's key tensor."""
+
+    @property
+    def batch(self) -> int:
+        return self.cu_seqlens_q.shape[0] - 1
+
+    @property
+    def empty(self) -> bool:
+        """No query row, key, column or head: answered without a kernel."""
+        return self.q.shape[0] == 0 or self.keys.shape[0] == 0 or self.max_seqlen_k == 0 or self.q.shape[1] == 0
+
+
 @dataclass(frozen=True)
-class IndexerArgs:
+class IndexerArgs(_Sequences):
     """Lightning indexer in the canonical packed layout.
 
     q:             [Tq, H_i, D_i]  bf16 / fp16 / fp32
@@ -106,7 +123,7 @@ class IndexerArgs:
                    (clamped by the checks so that q_offsets + i + 1 cannot
                    overflow; the visible keys are those of the given value)
     max_seqlen_k:  columns of the score matrix (>= every sequence's S_k)
-    ratio, causal, sm_scale: as in DESIGN.md
+    ratio, causal, sm_scale: as in docs/semantics.md, "Indexer"
 
     Query i (local to sequence b) sees key j (local) iff j < S_k[b] and, when
     causal, j < clamp((q_offsets[b] + i + 1) // ratio, 0, S_k[b]).
@@ -123,14 +140,7 @@ class IndexerArgs:
     causal: bool
     sm_scale: float
 
-    @property
-    def batch(self) -> int:
-        return self.cu_seqlens_q.shape[0] - 1
-
-    @property
-    def empty(self) -> bool:
-        """No query row, key, column or head: answered without a kernel."""
-        return self.q.shape[0] == 0 or self.k.shape[0] == 0 or self.max_seqlen_k == 0 or self.q.shape[1] == 0
+    keys = property(lambda self: self.k, doc="the key tensor")
 
 
 @dataclass(frozen=True)
@@ -151,7 +161,7 @@ class TopkArgs:
 
 
 @dataclass(frozen=True)
-class SparseIndexerArgs:
+class SparseIndexerArgs(_SlotSizes):
     """The indexer on the top-k slots of sparse attention (indexer training).
 
     q:           [T, H_i, D_i]  bf16 / fp16 / fp32
@@ -176,35 +186,10 @@ class SparseIndexerArgs:
     sm_scale: float
     deterministic: bool = False
 
-    @property
-    def T(self) -> int:
-        return self.q.shape[0]
-
-    @property
-    def H(self) -> int:
-        return self.q.shape[1]
-
-    @property
-    def D(self) -> int:
-        return self.q.shape[2]
-
-    @property
-    def N(self) -> int:
-        return self.k.shape[0]
-
-    @property
-    def K(self) -> int:
-        return self.indices.shape[1]
-
-    @property
-    def empty(self) -> bool:
-        """No row, slot, key or head: answered without a kernel."""
-        return self.T == 0 or self.K == 0 or self.N == 0 or self.H == 0
+    N = property(lambda self: self.k.shape[0], doc="rows of k")
 
 
-@dataclass(frozen=True)
-class DenseTargetArgs:
-    """The dense attention target of the indexer's warm-up stage, packed.
+_DENSE_TARGET_DOC = """The dense attention target of the indexer's warm-up stage, packed.
 
     q:            [Tq, H, D]  bf16 / fp16 / fp32
     kv:           [Tk, D]     same dtype as q (MQA, no sink)
@@ -215,21 +200,13 @@ class DenseTargetArgs:
     target[i, j] = (1/H) sum_h softmax over visible j of sm_scale * q[i, h] . kv[j].
     """
 
-    q: torch.Tensor
-    kv: torch.Tensor
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    q_offsets: torch.Tensor
-    max_seqlen_k: int
-    ratio: int
-    causal: bool
-    sm_scale: float
-
-    @property
-    def batch(self) -> int:
-        return self.cu_seqlens_q.shape[0] - 1
-
-    @property
-    def empty(self) -> bool:
-        """No query row, key, column or head: answered without a kernel."""
-        return self.q.shape[0] == 0 or self.kv.shape[0] == 0 or self.max_seqlen_k == 0 or self.q.shape[1] == 0
+# The indexer's fields with the main attention's kv in place of the key and
+# no weights: its sequence fields are IndexerArgs' own, in the same order.
+DenseTargetArgs = dataclasses.make_dataclass(
+    "DenseTargetArgs",
+    [("q", "torch.Tensor"), ("kv", "torch.Tensor")]
+    + [(f.name, f.type) for f in dataclasses.fields(IndexerArgs) if f.name not in ("q", "k", "weights")],
+    bases=(_Sequences,),
+    frozen=True,
+    namespace={"__module__": __name__, "__doc__": _DENSE_TARGET_DOC, "keys": property(lambda self: self.kv)},
+)

@@ -49,6 +49,21 @@ def _shape(name: str, x: torch.Tensor, shape: Tuple[int, ...], what: str) -> Non
         raise ValueError(f"{name}: expected shape {tuple(shape)} ({what}), got {tuple(x.shape)}")
 
 
+def _query_and_keys(q, keys_name: str, keys, layouts: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """q [.., D] and the key tensor that shares its dtype (kv or k), their types and q's rank checked."""
+    q = _tensor("q", q, dtypes=FLOAT_DTYPES)
+    keys = _tensor(keys_name, keys, dtypes=FLOAT_DTYPES)
+    _rank("q", q, (3, 4), layouts)
+    if keys.dtype != q.dtype:
+        raise ValueError(f"{keys_name}: expected dtype {q.dtype} (that of q), got {keys.dtype}")
+    return q, keys
+
+
+def _optional(name: str, x, dtypes: Sequence[torch.dtype]) -> None:
+    if x is not None:
+        _tensor(name, x, dtypes=dtypes)
+
+
 def _same_device(ref_name: str, ref: torch.Tensor, **others: Optional[torch.Tensor]) -> None:
     for name, t in others.items():
         if t is not None and t.device != ref.device:
@@ -194,16 +209,10 @@ def _row_shape(B: Optional[int], S: int) -> Tuple[Tuple[int, ...], str]:
 def sparse_attention_args(
     q, kv, indices, sm_scale, d_v, sink, topk_length, deterministic
 ) -> Tuple[SparseAttnArgs, SparseAttnLayout]:
-    q = _tensor("q", q, dtypes=FLOAT_DTYPES)
-    kv = _tensor("kv", kv, dtypes=FLOAT_DTYPES)
+    q, kv = _query_and_keys(q, "kv", kv, "[T, H, D] (packed) or [B, S, H, D] (batched)")
     indices = _tensor("indices", indices, dtypes=INT_DTYPES)
-    _rank("q", q, (3, 4), "[T, H, D] (packed) or [B, S, H, D] (batched)")
-    if kv.dtype != q.dtype:
-        raise ValueError(f"kv: expected dtype {q.dtype} (that of q), got {kv.dtype}")
-    if sink is not None:
-        _tensor("sink", sink, dtypes=(torch.float32, torch.float64))
-    if topk_length is not None:
-        _tensor("topk_length", topk_length, dtypes=INT_DTYPES)
+    _optional("sink", sink, (torch.float32, torch.float64))
+    _optional("topk_length", topk_length, INT_DTYPES)
     _same_device("q", q, kv=kv, indices=indices, sink=sink, topk_length=topk_length)
     B, S, H, D, N, G, K = _sparse_shapes(q, kv, indices)
 
@@ -375,14 +384,9 @@ def _q_offsets(q_offsets, B: int, Tq: int, ratio: int, max_k: int) -> torch.Tens
 def indexer_args(
     q, k, weights, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_k
 ) -> Tuple[IndexerArgs, IndexerLayout]:
-    q = _tensor("q", q, dtypes=FLOAT_DTYPES)
-    k = _tensor("k", k, dtypes=FLOAT_DTYPES)
+    q, k = _query_and_keys(q, "k", k, "[T_q, H_i, D_i] (packed) or [B, S_q, H_i, D_i] (batched)")
     weights = _tensor("weights", weights, dtypes=FLOAT_DTYPES)
-    _rank("q", q, (3, 4), "[T_q, H_i, D_i] (packed) or [B, S_q, H_i, D_i] (batched)")
-    if k.dtype != q.dtype:
-        raise ValueError(f"k: expected dtype {q.dtype} (that of q), got {k.dtype}")
-    if q_offsets is not None:
-        _tensor("q_offsets", q_offsets, dtypes=INT_DTYPES)
+    _optional("q_offsets", q_offsets, INT_DTYPES)
     _same_device("q", q, k=k, weights=weights, q_offsets=q_offsets)
     ratio = _int("ratio", ratio, low=1)
     sm_scale = _float("sm_scale", sm_scale)

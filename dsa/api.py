@@ -29,17 +29,9 @@ def _sparse(q, kv, indices, sm_scale, d_v, sink, topk_length, return_lse, determ
 
 
 def sparse_attention(
-    q: Tensor,
-    kv: Tensor,
-    indices: Tensor,
-    *,
-    sm_scale: Optional[float] = None,
-    d_v: Optional[int] = None,
-    sink: Optional[Tensor] = None,
-    topk_length: Optional[Tensor] = None,
-    return_lse: bool = False,
-    deterministic: bool = False,
-    backend: Backend = "auto",
+    q: Tensor, kv: Tensor, indices: Tensor, *, sm_scale: Optional[float] = None, d_v: Optional[int] = None,
+    sink: Optional[Tensor] = None, topk_length: Optional[Tensor] = None, return_lse: bool = False,
+    deterministic: bool = False, backend: Backend = "auto",
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Sparse attention over top-k gathered KV rows (MLA in MQA/GQA form).
 
@@ -75,18 +67,9 @@ def _indexer(q, k, weights, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu
 
 
 def indexer_scores(
-    q: Tensor,
-    k: Tensor,
-    weights: Tensor,
-    *,
-    ratio: int = 1,
-    sm_scale: float = 1.0,
-    causal: bool = True,
-    q_offsets: Optional[Tensor] = None,
-    cu_seqlens_q: Optional[Tensor] = None,
-    cu_seqlens_k: Optional[Tensor] = None,
-    max_seqlen_k: Optional[int] = None,
-    backend: Backend = "auto",
+    q: Tensor, k: Tensor, weights: Tensor, *, ratio: int = 1, sm_scale: float = 1.0, causal: bool = True,
+    q_offsets: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None, max_seqlen_k: Optional[int] = None, backend: Backend = "auto",
 ) -> Tensor:
     """Lightning-indexer scores of every (query, key) pair.
 
@@ -154,21 +137,10 @@ def _global_rows(a: IndexerArgs, idx: Tensor) -> Tensor:
 
 
 def indexer_topk(
-    q: Tensor,
-    k: Tensor,
-    weights: Tensor,
-    topk: int,
-    *,
-    ratio: int = 1,
-    sm_scale: float = 1.0,
-    causal: bool = True,
-    q_offsets: Optional[Tensor] = None,
-    cu_seqlens_q: Optional[Tensor] = None,
-    cu_seqlens_k: Optional[Tensor] = None,
-    max_seqlen_k: Optional[int] = None,
-    global_indices: bool = False,
-    return_lengths: bool = False,
-    backend: Backend = "auto",
+    q: Tensor, k: Tensor, weights: Tensor, topk: int, *, ratio: int = 1, sm_scale: float = 1.0,
+    causal: bool = True, q_offsets: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None, max_seqlen_k: Optional[int] = None, global_indices: bool = False,
+    return_lengths: bool = False, backend: Backend = "auto",
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """``topk_indices(indexer_scores(...), topk)`` without the score matrix.
 

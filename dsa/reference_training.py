@@ -81,11 +81,11 @@ def attention_target(a: SparseAttnArgs, lse: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def dense_attention_target(a: DenseTargetArgs) -> torch.Tensor:
-    """-> target [T_q, max_seqlen_k] fp32 (fp64 for fp64 q), 0 where not visible."""
+def _dense_chunks(a, keys: torch.Tensor, per_key: int):
+    """Yield (k0, k1, keys [S_k, D] in the accumulation dtype, r0, r1, visible [C, S_k])
+    per chunk of query rows [r0, r1) of each sequence with keys (the indexer's
+    visibility rule); ``per_key`` is the workspace of one row per key."""
     acc = acc_dtype(a.q)
-    Tq, H, _ = a.q.shape
-    out = torch.zeros(Tq, a.max_seqlen_k, device=a.q.device, dtype=acc)
     _, limit = dense_rows(a)
     cu_q, cu_k = a.cu_seqlens_q.tolist(), a.cu_seqlens_k.tolist()
     for b in range(a.batch):
@@ -93,15 +93,24 @@ def dense_attention_target(a: DenseTargetArgs) -> torch.Tensor:
         s_k = k1 - k0
         if s_k == 0:
             continue
-        kv = a.kv[k0:k1].to(acc)
-        step = _row_chunk(2 * H * s_k)
+        kb = keys[k0:k1].to(acc)
+        step = _row_chunk(per_key * s_k)
         for r0 in range(q0, q1, step):
             r1 = min(q1, r0 + step)
-            s = torch.einsum("chd,jd->chj", a.q[r0:r1].to(acc), kv) * a.sm_scale
-            vis = (torch.arange(s_k, device=s.device) < limit[r0:r1, None]).unsqueeze(1)  # [C, 1, S_k]
-            s = torch.where(vis, s, _NEG_INF)
-            p = torch.exp(s - torch.logsumexp(s, -1, keepdim=True))  # NaN on an empty row ...
-            out[r0:r1, :s_k] = torch.where(vis, p, 0.0).mean(1)  # ... selected away here
+            yield k0, k1, kb, r0, r1, torch.arange(s_k, device=kb.device) < limit[r0:r1, None]
+
+
+def dense_attention_target(a: DenseTargetArgs) -> torch.Tensor:
+    """-> target [T_q, max_seqlen_k] fp32 (fp64 for fp64 q), 0 where not visible."""
+    acc = acc_dtype(a.q)
+    Tq, H, _ = a.q.shape
+    out = torch.zeros(Tq, a.max_seqlen_k, device=a.q.device, dtype=acc)
+    for k0, k1, kv, r0, r1, vis in _dense_chunks(a, a.kv, 2 * H):
+        s = torch.einsum("chd,jd->chj", a.q[r0:r1].to(acc), kv) * a.sm_scale
+        vis = vis.unsqueeze(1)  # [C, 1, S_k]
+        s = torch.where(vis, s, _NEG_INF)
+        p = torch.exp(s - torch.logsumexp(s, -1, keepdim=True))  # NaN on an empty row ...
+        out[r0:r1, : k1 - k0] = torch.where(vis, p, 0.0).mean(1)  # ... selected away here
     return out
 
 
@@ -226,28 +235,18 @@ def indexer_scores_bwd(a: IndexerArgs, dscores: torch.Tensor):
     dq = torch.zeros(Tq, H, D, device=a.q.device, dtype=acc)
     dw = torch.zeros(Tq, H, device=a.q.device, dtype=acc)
     dk = torch.zeros(a.k.shape[0], D, device=a.k.device, dtype=acc)
-    _, limit = dense_rows(a)
-    cu_q, cu_k = a.cu_seqlens_q.tolist(), a.cu_seqlens_k.tolist()
-    for b in range(a.batch):
-        q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
-        s_k = k1 - k0
-        if s_k == 0:
-            continue
-        kb = a.k[k0:k1].to(acc)
-        step = _row_chunk(4 * H * s_k + 2 * D * s_k)
-        for r0 in range(q0, q1, step):
-            r1 = min(q1, r0 + step)
-            q = a.q[r0:r1].to(acc)
-            vis = torch.arange(s_k, device=q.device) < limit[r0:r1, None]  # [C, S_k]
-            dots = torch.where(vis[:, None, :], torch.einsum("chd,jd->chj", q, kb), 0.0)
-            ds, dw_c = _relu_dot_bwd(q, a.weights[r0:r1].to(acc), dots, dscores[r0:r1, :s_k].to(acc), vis, a.sm_scale)
-            # keys a row does not see are never read, and add nothing to dk (not
-            # even 0 * NaN from a NaN key past the causal window or a NaN query row)
-            k_vis = torch.where(vis[..., None], kb, 0.0)  # [C, S_k, D]
-            dq[r0:r1] = torch.einsum("chj,cjd->chd", ds, k_vis)
-            dw[r0:r1] = dw_c
-            dk_rows = torch.einsum("chj,chd->cjd", ds, q)
-            dk[k0:k1] += torch.where(vis[..., None], dk_rows, 0.0).sum(0)
+    for k0, k1, kb, r0, r1, vis in _dense_chunks(a, a.k, 4 * H + 2 * D):
+        q = a.q[r0:r1].to(acc)
+        dots = torch.where(vis[:, None, :], torch.einsum("chd,jd->chj", q, kb), 0.0)
+        g = dscores[r0:r1, : k1 - k0].to(acc)
+        ds, dw_c = _relu_dot_bwd(q, a.weights[r0:r1].to(acc), dots, g, vis, a.sm_scale)
+        # keys a row does not see are never read, and add nothing to dk (not
+        # even 0 * NaN from a NaN key past the causal window or a NaN query row)
+        k_vis = torch.where(vis[..., None], kb, 0.0)  # [C, S_k, D]
+        dq[r0:r1] = torch.einsum("chj,cjd->chd", ds, k_vis)
+        dw[r0:r1] = dw_c
+        dk_rows = torch.einsum("chj,chd->cjd", ds, q)
+        dk[k0:k1] += torch.where(vis[..., None], dk_rows, 0.0).sum(0)
     return dq.to(a.q.dtype), dk.to(a.k.dtype), dw.to(a.weights.dtype)
 
 

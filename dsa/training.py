@@ -40,15 +40,8 @@ def _target(q, kv, indices, lse, sm_scale, d_v, sink, topk_length, backend):
 
 
 def attention_target(
-    q: Tensor,
-    kv: Tensor,
-    indices: Tensor,
-    lse: Tensor,
-    *,
-    sm_scale: Optional[float] = None,
-    d_v: Optional[int] = None,
-    sink: Optional[Tensor] = None,
-    topk_length: Optional[Tensor] = None,
+    q: Tensor, kv: Tensor, indices: Tensor, lse: Tensor, *, sm_scale: Optional[float] = None,
+    d_v: Optional[int] = None, sink: Optional[Tensor] = None, topk_length: Optional[Tensor] = None,
     backend: Backend = "auto",
 ) -> Tensor:
     """The main attention's distribution over its top-k slots: the indexer's target.
@@ -88,17 +81,9 @@ def _dense(q, kv, ratio, sm_scale, causal, q_offsets, cu_seqlens_q, cu_seqlens_k
 
 
 def dense_attention_target(
-    q: Tensor,
-    kv: Tensor,
-    *,
-    ratio: int = 1,
-    sm_scale: Optional[float] = None,
-    causal: bool = True,
-    q_offsets: Optional[Tensor] = None,
-    cu_seqlens_q: Optional[Tensor] = None,
-    cu_seqlens_k: Optional[Tensor] = None,
-    max_seqlen_k: Optional[int] = None,
-    backend: Backend = "auto",
+    q: Tensor, kv: Tensor, *, ratio: int = 1, sm_scale: Optional[float] = None, causal: bool = True,
+    q_offsets: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None, max_seqlen_k: Optional[int] = None, backend: Backend = "auto",
 ) -> Tensor:
     """Dense target of the indexer's warm-up stage, to compare with ``indexer_scores``.
 
@@ -127,15 +112,8 @@ def _logits(q_i, k_i, weights, indices, sm_scale, topk_length, deterministic, ba
 
 
 def sparse_indexer_scores(
-    q_i: Tensor,
-    k_i: Tensor,
-    weights: Tensor,
-    indices: Tensor,
-    *,
-    sm_scale: float = 1.0,
-    topk_length: Optional[Tensor] = None,
-    deterministic: bool = False,
-    backend: Backend = "auto",
+    q_i: Tensor, k_i: Tensor, weights: Tensor, indices: Tensor, *, sm_scale: float = 1.0,
+    topk_length: Optional[Tensor] = None, deterministic: bool = False, backend: Backend = "auto",
 ) -> Tensor:
     """The indexer's logits on the top-k slots of sparse attention.
 
@@ -166,16 +144,8 @@ def _kl(q_i, k_i, weights, indices, target, sm_scale, topk_length, deterministic
 
 
 def indexer_kl_loss(
-    q_i: Tensor,
-    k_i: Tensor,
-    weights: Tensor,
-    indices: Tensor,
-    target: Tensor,
-    *,
-    sm_scale: float = 1.0,
-    topk_length: Optional[Tensor] = None,
-    deterministic: bool = False,
-    backend: Backend = "auto",
+    q_i: Tensor, k_i: Tensor, weights: Tensor, indices: Tensor, target: Tensor, *, sm_scale: float = 1.0,
+    topk_length: Optional[Tensor] = None, deterministic: bool = False, backend: Backend = "auto",
 ) -> Tensor:
     """KL divergence from the attention target to the indexer's softmax, fused.
 

@@ -1,4 +1,4 @@
-"""An independent float64 brute force of DESIGN.md, written as plain loops.
+"""An independent float64 brute force of docs/semantics.md, written as plain loops.
 
 Nothing here imports or calls ``dsa``: every formula is re-derived from the
 contract, one query row / head / slot at a time, in float64 numpy. It is slow
@@ -98,7 +98,7 @@ def sparse_attention(
     topk_length: Optional[torch.Tensor] = None,
     dout: Optional[torch.Tensor] = None,
 ) -> Dict[str, torch.Tensor]:
-    """Brute-force sparse attention in float64, any layout of DESIGN.md.
+    """Brute-force sparse attention in float64, any layout of docs/semantics.md.
 
     Returns {"out", "lse"} and, when ``dout`` is given, {"dq", "dkv", "dsink"}
     (dsink only when sink is given), shaped like the public API's results.

@@ -30,7 +30,7 @@ def _gen(seed):
 
 
 def _visible(off, ratio, n_q, s_k):
-    """The DESIGN.md rule, in Python ints: visible key count of each query."""
+    """The rule of docs/semantics.md, in Python ints: visible key count of each query."""
     return [min(max((off + i + 1) // ratio, 0), s_k) for i in range(n_q)]
 
 
@@ -235,7 +235,7 @@ def test_indexer_scores_grad_ignores_invisible_nan(backend):
     torch.testing.assert_close(dw[0, 1:], cw[0, 1:])
     torch.testing.assert_close(dk[0, 1:], ck[0, 1:])
     assert torch.equal(dk[0, 4:], torch.zeros_like(dk[0, 4:]))
-    # and the clean gradient is right (float64 autograd of DESIGN.md's formula)
+    # and the clean gradient is right (float64 autograd of the formula of docs/semantics.md)
     qd, kd, wd = (t.double().requires_grad_(True) for t in (clean_q, clean_k, w))
     total = 0.0
     for i in range(Sq):

@@ -1,5 +1,5 @@
 """Bad input raises ValueError (TypeError for a wrong type) naming the
-argument: one test per bad-input class of DESIGN.md's "Errors" section."""
+argument: one test per bad-input class of the "Errors" section of docs/semantics.md."""
 
 from __future__ import annotations
 

@@ -160,3 +160,69 @@ def test_reference_deterministic_indexer_backward_uses_no_atomics(no_index_add):
     dsa.indexer_kl_loss(q, kl, w, idx, target, deterministic=True, backend="reference").backward()
     dsa.sparse_indexer_scores(q, kl, w, idx, deterministic=True, backend="reference").sum().backward()
     assert kl.grad is not None and torch.isfinite(kl.grad).all() and kl.grad.abs().sum() > 0
+
+
+# --------------------------------------------------------------------------
+# packed indexer checks while a CUDA graph is captured: nothing read back
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("a value was read back to the host")
+
+
+def _capture(mp: pytest.MonkeyPatch) -> None:
+    """The checks see a capture in progress, and any read-back raises."""
+    mp.setattr(_checks, "_capturing", lambda device: True)
+    mp.setattr(torch.Tensor, "tolist", _refuse)
+    mp.setattr(torch.Tensor, "item", _refuse)
+
+
+@pytest.fixture
+def capturing(monkeypatch):
+    _capture(monkeypatch)
+
+
+def _packed(T_q=7, T_k=9):
+    g = torch.Generator().manual_seed(6)
+    q, k, w = torch.randn(T_q, 2, 8, generator=g), torch.randn(T_k, 8, generator=g), torch.randn(T_q, 2, generator=g)
+    return q, k, w, torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 4, 9], dtype=torch.int32)
+
+
+def test_packed_checks_read_nothing_back_while_capturing():
+    q, k, w, cu_q, cu_k = _packed()
+    eager, _ = _checks.indexer_args(q, k, w, 2, 1.0, True, torch.tensor([3, -1]), cu_q, cu_k, 6)
+    with pytest.MonkeyPatch.context() as mp:
+        _capture(mp)
+        captured, _ = _checks.indexer_args(q, k, w, 2, 1.0, True, torch.tensor([3, -1]), cu_q, cu_k, 6)
+    for f in ("q", "k", "weights", "cu_seqlens_q", "cu_seqlens_k", "q_offsets"):
+        assert torch.equal(getattr(captured, f), getattr(eager, f)), f
+    assert (captured.max_seqlen_k, captured.ratio, captured.causal) == (6, 2, True)
+
+
+def test_packed_checks_while_capturing_run_on_the_device(capturing):
+    q, k, w, cu_q, cu_k = _packed()
+    # on CPU the device check raises at once; on CUDA it fails the replay
+    for bad_q, bad_k, name in ((torch.tensor([0, 5, 3], dtype=torch.int32), cu_k, "cu_seqlens_q"),
+                               (cu_q, torch.tensor([1, 4, 9], dtype=torch.int32), "cu_seqlens_k"),
+                               (cu_q, torch.tensor([0, 4, 8], dtype=torch.int32), "cu_seqlens_k")):
+        with pytest.raises(RuntimeError, match=name):
+            _checks.indexer_args(q, k, w, 1, 1.0, True, None, bad_q, bad_k, 6)
+    with pytest.raises(RuntimeError, match="max_seqlen_k=4"):  # the second sequence has 5 keys
+        _checks.indexer_args(q, k, w, 1, 1.0, True, None, cu_q, cu_k, 4)
+    with pytest.raises(ValueError, match=r"^max_seqlen_k: required"):
+        _checks.indexer_args(q, k, w, 1, 1.0, True, None, cu_q, cu_k, None)
+
+
+# --------------------------------------------------------------------------
+# the README example runs on a machine without a GPU
+
+
+def test_readme_example_runs_on_cpu(monkeypatch):
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert blocks, "README.md has no python example"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    scope: dict = {}
+    exec(compile(blocks[0], "README.md", "exec"), scope)
+    assert scope["out"].device.type == "cpu" and scope["q"].grad is not None
+    assert torch.isfinite(scope["q"].grad).all() and torch.isfinite(scope["out"]).all()

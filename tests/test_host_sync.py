@@ -6,8 +6,10 @@ next launch starts late and short kernels become host-bound. Under
 ``torch.cuda.set_sync_debug_mode("error")`` any such operation raises.
 
 Only the calls that must read device values are exempt: explicit
-``cu_seqlens`` are validated on the host (DESIGN.md's errors), so the packed
-calls here use the one-sequence form, which needs no such read.
+``cu_seqlens`` are validated on the host in eager mode (docs/semantics.md,
+"Host synchronisation"), so the packed calls here use the one-sequence form,
+which needs no such read. While a CUDA graph is captured those checks run on
+the device, so the packed varlen call captures and replays.
 """
 
 from __future__ import annotations
@@ -75,3 +77,29 @@ def test_sparse_attention_does_not_sync(backend):
         return lse
 
     _twice(step)
+
+
+def test_packed_indexer_topk_with_cu_seqlens_captures_in_a_cuda_graph():
+    """A packed varlen indexer_topk call is captured in a CUDA graph and its
+    replay equals the eager call, also after new inputs are copied in."""
+    q, k, w = _indexer_inputs(T=256)
+    cu_q = torch.tensor([0, 100, 180, 256], device="cuda", dtype=torch.int32)
+    cu_k = torch.tensor([0, 90, 200, 256], device="cuda", dtype=torch.int32)
+    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_k=110, ratio=1, return_lengths=True,
+              global_indices=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiles and autotunes outside the capture
+        dsa.indexer_topk(q, k, w, 32, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        idx, lengths = dsa.indexer_topk(q, k, w, 32, **kw)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for _ in range(2):
+        q.copy_(torch.randn(q.shape, device="cuda", generator=g).to(q.dtype))
+        graph.replay()
+        exp_idx, exp_len = dsa.indexer_topk(q, k, w, 32, **kw)
+        torch.cuda.synchronize()
+        assert torch.equal(idx, exp_idx) and torch.equal(lengths, exp_len)
+        assert (lengths > 0).any() and (idx >= 100).any()  # global rows of the later sequences

@@ -265,7 +265,7 @@ def test_gradcheck_float64_reference():
 @pytest.mark.parametrize("backend", ["reference", "triton", "cute"])
 @pytest.mark.parametrize("ratio", [1, 4])
 def test_model_shape_cuda(call, backend, dtype, ratio):
-    """DESIGN.md's indexer: 64 heads x 128 dims, one shared key."""
+    """The model indexer of docs/semantics.md: 64 heads x 128 dims, one shared key."""
     case = type("C", (), {"backend": backend, "dtype": dtype, "device": "cuda"})()
     gen = _gen(50)
     q, k, w, cu_q, cu_k = packed_inputs(case, gen, [8, 5], [70, 33], H=64, D=128, w_dtype=torch.float32)

@@ -1,5 +1,5 @@
 """sparse_attention against the float64 brute force: every rule and edge case
-of DESIGN.md's "Sparse attention" section, on every backend.
+of the "Sparse attention" section of docs/semantics.md, on every backend.
 
 Sizes stay tiny (D=32, d_v=16, H<=5, K<=40, T<=6) so the Triton interpreter
 keeps up; the reference backend also gets a few larger shapes.
@@ -133,7 +133,7 @@ def test_bruteforce_matches_dense_autograd():
     torch.testing.assert_close(exp["dq"], dq)
     torch.testing.assert_close(exp["dkv"], dkv)
     torch.testing.assert_close(exp["dsink"], dsink)
-    # and DESIGN.md's closed form: dsink[h] = -sum_t exp(sink[h] - log den) * dout.out
+    # and the closed form of docs/semantics.md: dsink[h] = -sum_t exp(sink[h] - log den) * dout.out
     with torch.no_grad():
         log_den = m[..., 0] + torch.log(w.sum(-1) + torch.exp(sink.view(1, H) - m[..., 0]))
         closed = -(torch.exp(sink.view(1, H) - log_den) * (dout * out).sum(-1)).sum(0)
@@ -708,7 +708,7 @@ def test_reference_larger_shape(call, dtype):
 
 
 # --------------------------------------------------------------------------
-# the model shapes of DESIGN.md, on CUDA (H reduced as tensor parallelism does)
+# the model shapes of docs/semantics.md, on CUDA (H reduced as tensor parallelism does)
 
 
 def _gpu_case(backend, dtype):

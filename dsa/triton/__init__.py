@@ -1,8 +1,10 @@
 """Triton backend: kernels for every CUDA GPU (and CPU under TRITON_INTERPRET=1).
 
 Each op module exposes ``supports(args) -> Optional[str]`` (None when it can
-serve the canonical ``args``, else the reason) and the op functions named in
-``_OPS``. This file is the backend's one hook into :mod:`dsa.selector`.
+serve the canonical ``args``, else the reason), the op functions named in
+``_MODULES`` and, where tiles are fitted to the device (``dsa.triton.fit``),
+``tiles_reason(function, args)``: why no tiles fit (None when some do). This
+file is the backend's one hook into :mod:`dsa.selector`.
 """
 
 from __future__ import annotations
@@ -14,22 +16,17 @@ from typing import Any, Callable, Optional
 
 from dsa._args import Unsupported
 
-# op name -> (module in this package, function name)
-_OPS = {
-    "sparse_attention_fwd": ("sparse_attention", "forward"),
-    "sparse_attention_bwd": ("sparse_attention", "backward"),
-    "indexer_scores": ("indexer", "scores"),
-    "indexer_topk": ("indexer", "indexer_topk"),
-    "topk": ("topk", "topk"),
+# module in this package -> {op name: the module's function}
+_MODULES = {
+    "sparse_attention": {"sparse_attention_fwd": "forward", "sparse_attention_bwd": "backward"},
+    "indexer": {"indexer_scores": "scores", "indexer_topk": "indexer_topk"},
+    "topk": {"topk": "topk"},
     # indexer training
-    "attention_target": ("training", "attention_target"),
-    "dense_attention_target": ("training", "dense_attention_target"),
-    "sparse_indexer_fwd": ("training", "sparse_indexer_fwd"),
-    "indexer_kl_fwd": ("training", "indexer_kl_fwd"),
-    "sparse_indexer_bwd": ("indexer_bwd", "sparse_indexer_bwd"),
-    "indexer_kl_bwd": ("indexer_bwd", "indexer_kl_bwd"),
-    "indexer_scores_bwd": ("indexer_bwd", "indexer_scores_bwd"),
+    "training": {op: op for op in ("attention_target", "dense_attention_target", "sparse_indexer_fwd",
+                                   "indexer_kl_fwd")},
+    "indexer_bwd": {op: op for op in ("sparse_indexer_bwd", "indexer_kl_bwd", "indexer_scores_bwd")},
 }
+_OPS = {op: (module, fn) for module, ops in _MODULES.items() for op, fn in ops.items()}
 
 
 def interpreting() -> bool:
@@ -59,6 +56,8 @@ def backend_op(op: str, args: Any, auto: bool = False) -> Callable[..., Any]:
     if why is None:
         module, fn_name = _module(op)
         why = module.supports(args)
+        if why is None and hasattr(module, "tiles_reason"):
+            why = module.tiles_reason(fn_name, args)  # no tiles fit the device's limits
         if why is None:
             return getattr(module, fn_name)
     raise Unsupported(why)

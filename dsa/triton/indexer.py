@@ -32,17 +32,18 @@ stays O(Tq*topk) whatever S_k is.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
 from dsa._args import IndexerArgs
+from dsa.triton import fit
 from dsa.triton import topk as _topk
+from dsa.triton.rules import input_precision
 
 _TABLE_BLOCK = 1024  # sequences a step of the block-table kernel
-_MAX_HEADS = 256
 _MAX_DIM = 256
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -106,7 +107,7 @@ def _indexer_scores_kernel(
     stride_qt, stride_qh, stride_kt, stride_wt, stride_ot,
     H, D,
     CAUSAL: tl.constexpr, BQ: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
-    BN: tl.constexpr, PRECISION: tl.constexpr, SINGLE: tl.constexpr,
+    BN: tl.constexpr, PREC: tl.constexpr, SINGLE: tl.constexpr,
 ):
     # Blocks are taken last-first: in a causal batch the late query blocks
     # have the most keys, and starting them first evens out the tail.
@@ -162,7 +163,7 @@ def _indexer_scores_kernel(
     m_d = o_d[None, :] < D
     for j0 in range(0, k_end, BN):
         b_k = tl.load(p_k + j0 * stride_kt, mask=((j0 + o_n) < k_end)[:, None] & m_d, other=0.0)
-        b_s = tl.dot(b_k, b_qt, input_precision=PRECISION)  # [BN, BQ*HP]
+        b_s = tl.dot(b_k, b_qt, input_precision=PREC)  # [BN, BQ*HP]
         _epilogue(b_s, b_w, p_out, j0, end, m_bq, max_seqlen_k, sm_scale, BN, BQ, HP)
 
     # Past the window: -inf, no compute. Tiles [BQ, BN], keys contiguous.
@@ -201,8 +202,40 @@ _CONFIGS = {
 }
 
 
+def _candidates(a: IndexerArgs) -> Iterator[IndexerConfig]:
+    """The dtype class's config first, then one stage, then fewer keys a tile,
+    then fewer (query, head) columns."""
+    cfg = _CONFIGS["fp32" if a.q.dtype == torch.float32 else "mma"]
+    return fit.shrinking(cfg, (("num_stages", 1), ("BN", 16), ("NCOLS", 16)))
+
+
+def _pick(a: IndexerArgs) -> Tuple[Optional[IndexerConfig], str]:
+    key = ("indexer_scores", a.q.dtype, a.weights.dtype, a.q.shape[1], a.q.shape[2], bool(a.causal),
+           _CONFIGS["fp32" if a.q.dtype == torch.float32 else "mma"])
+    return fit.pick(lambda: _candidates(a), lambda c: scores_spec(a, c), fit.device_target(a.q), key)
+
+
 def _config(a: IndexerArgs) -> IndexerConfig:
-    return _CONFIGS["fp32" if a.q.dtype == torch.float32 else "mma"]
+    cfg, why = _pick(a)
+    if cfg is None:
+        raise ValueError(why)
+    return cfg
+
+
+def tiles_reason(fn_name: str, a: IndexerArgs) -> Optional[str]:
+    """Why no scores tiles fit a's device (None if some do); both ops run the scores kernel."""
+    return _pick(a)[1] or None
+
+
+def scores_spec(a: IndexerArgs, cfg: IndexerConfig, single: bool = True) -> fit.KernelSpec:
+    BQ, HP, DP = _dims(a, cfg)
+    el = fit.ptr(a.q.dtype)
+    types = dict(q_ptr=el, k_ptr=el, w_ptr=fit.ptr(a.weights.dtype), out_ptr="*fp32", cu_q_ptr="*i32",
+                 cu_k_ptr="*i32", off_ptr="*i32", blk_cum_ptr="*i32", sm_scale="fp32")
+    const = dict(CAUSAL=bool(a.causal), BQ=BQ, HP=HP, DP=DP, BN=cfg.BN, PREC=input_precision(a.q.dtype),
+                 SINGLE=single)
+    options = {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
+    return fit.KernelSpec(_indexer_scores_kernel, types, const, cfg.num_warps, cfg.num_stages, options)
 
 
 def _dims(a: IndexerArgs, cfg: IndexerConfig) -> Tuple[int, int, int]:
@@ -225,8 +258,8 @@ def supports(a: IndexerArgs) -> Optional[str]:
         return f"triton indexer needs k in q's dtype ({a.q.dtype}), got {a.k.dtype}"
     if a.weights.dtype not in _FLOAT:
         return f"triton indexer takes fp32/fp16/bf16 weights, got {a.weights.dtype}"
-    if a.q.shape[1] > _MAX_HEADS:
-        return f"triton indexer supports up to {_MAX_HEADS} heads, got {a.q.shape[1]}"
+    if a.q.shape[1] > fit.MAX_SCORE_HEADS:
+        return f"triton indexer supports up to {fit.MAX_SCORE_HEADS} heads, got {a.q.shape[1]}"
     if a.q.shape[2] > _MAX_DIM:
         return f"triton indexer supports head dims up to {_MAX_DIM}, got {a.q.shape[2]}"
     if a.q.shape[0] >= 2**31 or a.k.shape[0] >= 2**31:
@@ -252,20 +285,17 @@ def _launch_scores(a: IndexerArgs, out: torch.Tensor, blk_cum: Optional[torch.Te
                    row_end: int) -> None:
     """Score rows [row_begin, row_end) of the packed queries into out[0 : row_end - row_begin]."""
     cfg = _config(a)
-    BQ, HP, DP = _dims(a, cfg)
     H, D = a.q.shape[1], a.q.shape[2]
     B = a.batch
+    spec = scores_spec(a, cfg, single=blk_cum is None)
     # >= the block count; spare programs exit
-    grid = (triton.cdiv(row_end - row_begin, BQ) + (0 if blk_cum is None else B),)
+    grid = (triton.cdiv(row_end - row_begin, spec.constexprs["BQ"]) + (0 if blk_cum is None else B),)
     _indexer_scores_kernel[grid](
         a.q, a.k, a.weights, out,
         a.cu_seqlens_q, a.cu_seqlens_k, a.q_offsets, a.cu_seqlens_q if blk_cum is None else blk_cum,
         row_begin, row_end, B, max(0, (B - 1).bit_length()), a.max_seqlen_k, a.ratio, float(a.sm_scale),
         a.q.stride(0), a.q.stride(1), a.k.stride(0), a.weights.stride(0), out.stride(0),
-        H, D,
-        CAUSAL=bool(a.causal), BQ=BQ, HP=HP, DP=DP, BN=cfg.BN,
-        PRECISION="ieee" if a.q.dtype == torch.float32 else "tf32", SINGLE=blk_cum is None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
+        H, D, **spec.launch_kwargs(),
     )
 
 

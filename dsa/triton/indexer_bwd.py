@@ -31,7 +31,7 @@ dots and the workspace traffic (the workspace is bounded, 64 MiB).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 import torch
@@ -39,14 +39,56 @@ import triton
 import triton.language as tl
 
 from dsa._args import IndexerArgs, SparseIndexerArgs
-from dsa.reference_training import dense_rows, slot_validity
-from dsa.triton.training import _pow2, _prec, indexer_reason
+from dsa._rules import dense_rows, slot_validity
+from dsa.triton import fit
+from dsa.triton.rules import input_precision, row_length, slot_rows
+from dsa.triton.segment_sum import segment_sum
+from dsa.triton.training import _pow2, indexer_reason
 
-MODE_SPARSE, MODE_KL, MODE_DENSE = 0, 1, 2
-DK_ATOMIC, DK_SLOTS, DK_NONE = 0, 1, 2
+# the source of the logits' gradient (the kernel's MODE)
+MODE_SPARSE, MODE_KL, MODE_DENSE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+# where dk goes (DK_MODE): fp32 atomics, per-slot workspace rows, nowhere
+DK_ATOMIC, DK_SLOTS, DK_NONE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 # deterministic mode: bytes of the per-chunk dk workspace (fp32 [rows, K, D_i])
 _WORKSPACE_BYTES = 64 << 20
+
+
+@triton.jit
+def _slot_grads(b_s, b_ws, valid, GIN, t, o_k, stride_g, lse, tsum, MODE: tl.constexpr, HEAD_AX: tl.constexpr):
+    """(relu(s) masked, the logits' gradient g_j [1, BK] / [BK, 1], ds) of one slot block;
+    lse and tsum: the row's KL stats (KL only)."""
+    SLOT_AX: tl.constexpr = 1 - HEAD_AX
+    m_s = tl.expand_dims(valid, HEAD_AX)
+    b_wsx = tl.expand_dims(b_ws, SLOT_AX)
+    b_relu = tl.where(m_s, tl.maximum(b_s, 0.0), 0.0)
+    if MODE == MODE_KL:
+        b_lg = tl.sum(b_relu * b_wsx, HEAD_AX)
+        b_t = tl.load(GIN + t * stride_g + o_k, mask=valid, other=0.0)
+        b_g = tl.exp(b_lg - lse) * tsum - b_t  # [BK], unscaled (see the module header)
+    else:
+        b_g = tl.load(GIN + t * stride_g + o_k, mask=valid, other=0.0)
+    b_g = tl.expand_dims(tl.where(valid, b_g, 0.0), HEAD_AX)
+    b_ds = tl.where((b_s > 0.0) & m_s, b_g * b_wsx, 0.0)
+    return b_relu, b_g, b_ds
+
+
+@triton.jit
+def _dk_block(b_ds, b_q, DK, SCALE, rows, valid, o_k, o_d, m_d, K, D: tl.constexpr, MODE: tl.constexpr,
+              DK_MODE: tl.constexpr, PREC: tl.constexpr, KEYS_AS_ROWS: tl.constexpr):
+    """The block's dk rows ds^T q [BK, BD]: atomics into DK, or the per-slot workspace rows."""
+    if KEYS_AS_ROWS:
+        b_dk = tl.dot(b_ds.to(b_q.dtype), b_q, input_precision=PREC)  # [BK, BD]
+    else:
+        b_dk = tl.dot(tl.trans(b_ds).to(b_q.dtype), b_q, input_precision=PREC)  # [BK, BD]
+    if MODE == MODE_KL:
+        b_dk = b_dk * tl.load(SCALE)
+    m_kd = valid[:, None] & m_d[None, :]
+    if DK_MODE == DK_SLOTS:
+        p_ws = DK + (tl.program_id(0).to(tl.int64) * K + o_k)[:, None] * D + o_d[None, :]
+        tl.store(p_ws, b_dk, mask=m_kd)
+    else:
+        tl.atomic_add(DK + rows[:, None] * D + o_d[None, :], b_dk, mask=m_kd, sem="relaxed")
 
 
 @triton.jit
@@ -58,24 +100,16 @@ def _indexer_bwd_kernel(
     LEN,  # [T] int32: topk_length (HAS_LEN) or the visible limit (DENSE)
     BASE,  # [T] int32 first key row of the row's sequence (DENSE)
     GIN,  # [T, stride_g] fp32: dlogits (SPARSE), target (KL), dscores (DENSE)
-    STATS,  # [T, 4] fp32 from the KL forward (columns: dsa.reference_training.STAT_*)
+    STATS,  # [T, 4] fp32 from the KL forward (loss_t, lse, sum of target, has a valid slot)
     SCALE,  # [] fp32: dloss / max(R, 1) (KL)
     DQ,  # [T, H, D] q.dtype
     DK,  # [N, D] fp32 accumulator (DK_ATOMIC), or the per-slot workspace [C, K, D] (DK_SLOTS)
     DW,  # [T, H] weights.dtype
-    sm_scale,
-    N,
-    K,
-    stride_g,
-    t_start,
-    H: tl.constexpr,
-    BH: tl.constexpr,
-    D: tl.constexpr,
-    BD: tl.constexpr,
-    BK: tl.constexpr,
+    sm_scale, N, K, stride_g, t_start,
+    H: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
     HAS_LEN: tl.constexpr,
-    MODE: tl.constexpr,
-    DK_MODE: tl.constexpr,  # 0: atomics into DK, 1: per-slot rows into the workspace, 2: no dk
+    MODE: tl.constexpr,  # MODE_SPARSE, MODE_KL or MODE_DENSE
+    DK_MODE: tl.constexpr,  # DK_ATOMIC, DK_SLOTS or DK_NONE
     SPLIT: tl.constexpr,  # one slot block per program (axis 1), dk only: no dq / dweights
     PREC: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr = False,  # s^T = K Q^T and dq^T = K^T ds^T: slots on the MMAs' rows
@@ -92,12 +126,13 @@ def _indexer_bwd_kernel(
     m_hd = m_h[:, None] & m_d[None, :]
     b_q = tl.load(Q + t * (H * D) + o_h[:, None] * D + o_d[None, :], mask=m_hd, other=0.0)  # [BH, BD]
     b_ws = tl.load(W + t * H + o_h, mask=m_h, other=0.0).to(tl.float32) * sm_scale  # [BH]
-    length = K
-    if HAS_LEN:
-        length = tl.minimum(tl.maximum(tl.load(LEN + t), 0), K)
-    if MODE == 2:
+    length = row_length(LEN, t, K, HAS_LEN)
+    base = t
+    if MODE == MODE_DENSE:
         base = tl.load(BASE + t).to(tl.int64)
-    if MODE == 1:
+    lse = 0.0
+    tsum = 0.0
+    if MODE == MODE_KL:
         lse = tl.load(STATS + t * 4 + 1)
         tsum = tl.load(STATS + t * 4 + 2)
     if KEYS_AS_ROWS:
@@ -110,52 +145,23 @@ def _indexer_bwd_kernel(
         k_lo = tl.program_id(1) * BK
         length = tl.minimum(length, k_lo + BK)
     for k0 in range(k_lo, length, BK):
-        o_k = k0 + tl.arange(0, BK)
-        m_k = o_k < length
-        if MODE == 2:
-            rows = base + o_k
-            valid = m_k
-        else:
-            idx = tl.load(IDX + t * K + o_k, mask=m_k, other=-1)
-            valid = m_k & (idx >= 0) & (idx < N)
-            rows = idx.to(tl.int64)
+        o_k, m_k, rows, valid = slot_rows(IDX, t, K, base, k0, length, N, BK, MODE == MODE_DENSE)
         b_k = tl.load(Kp + rows[:, None] * D + o_d[None, :], mask=valid[:, None] & m_d[None, :], other=0.0)
         if KEYS_AS_ROWS:
             b_s = tl.dot(b_k, tl.trans(b_q), input_precision=PREC)  # [BK, BH]
         else:
             b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)  # [BH, BK]
-        m_s = tl.expand_dims(valid, HEAD_AX)
-        b_wsx = tl.expand_dims(b_ws, SLOT_AX)
-        b_relu = tl.where(m_s, tl.maximum(b_s, 0.0), 0.0)
-        if MODE == 1:
-            b_lg = tl.sum(b_relu * b_wsx, HEAD_AX)
-            b_t = tl.load(GIN + t * stride_g + o_k, mask=valid, other=0.0)
-            b_g = tl.exp(b_lg - lse) * tsum - b_t  # [BK], unscaled (see the module header)
-        else:
-            b_g = tl.load(GIN + t * stride_g + o_k, mask=valid, other=0.0)
-        b_g = tl.expand_dims(tl.where(valid, b_g, 0.0), HEAD_AX)
-        b_ds = tl.where((b_s > 0.0) & m_s, b_g * b_wsx, 0.0)
+        b_relu, b_g, b_ds = _slot_grads(b_s, b_ws, valid, GIN, t, o_k, stride_g, lse, tsum, MODE, HEAD_AX)
         if not SPLIT:
             b_dw += tl.sum(b_relu * b_g, SLOT_AX)
             if KEYS_AS_ROWS:
                 b_dq = tl.dot(tl.trans(b_k), b_ds.to(b_k.dtype), b_dq, input_precision=PREC)  # [BD, BH]
             else:
                 b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, b_dq, input_precision=PREC)  # [BH, BD]
-        if DK_MODE != 2:
-            if KEYS_AS_ROWS:
-                b_dk = tl.dot(b_ds.to(b_q.dtype), b_q, input_precision=PREC)  # [BK, BD]
-            else:
-                b_dk = tl.dot(tl.trans(b_ds).to(b_q.dtype), b_q, input_precision=PREC)  # [BK, BD]
-            if MODE == 1:
-                b_dk = b_dk * tl.load(SCALE)
-            m_kd = valid[:, None] & m_d[None, :]
-            if DK_MODE == 1:
-                p_ws = DK + (tl.program_id(0).to(tl.int64) * K + o_k)[:, None] * D + o_d[None, :]
-                tl.store(p_ws, b_dk, mask=m_kd)
-            else:
-                tl.atomic_add(DK + rows[:, None] * D + o_d[None, :], b_dk, mask=m_kd, sem="relaxed")
+        if DK_MODE != DK_NONE:
+            _dk_block(b_ds, b_q, DK, SCALE, rows, valid, o_k, o_d, m_d, K, D, MODE, DK_MODE, PREC, KEYS_AS_ROWS)
     if not SPLIT:
-        if MODE == 1:
+        if MODE == MODE_KL:
             scale = tl.load(SCALE)
             b_dq = b_dq * scale
             b_dw = b_dw * scale
@@ -165,39 +171,14 @@ def _indexer_bwd_kernel(
         tl.store(DW + t * H + o_h, (b_dw * sm_scale).to(DW.dtype.element_ty), mask=m_h)
 
 
-@triton.jit
-def _segment_sum_kernel(
-    WS,  # [C * K, D] fp32 per-slot dk rows of one chunk
-    ORDER,  # [C * K] int64: slot ids sorted by key (stable)
-    START,  # [N + 1] int64: key n owns ORDER[START[n]:START[n+1]]
-    DK,  # [N, D] fp32
-    D: tl.constexpr,
-    BD: tl.constexpr,
-    BP: tl.constexpr,
-):
-    n = tl.program_id(0).to(tl.int64)
-    s = tl.load(START + n)
-    e = tl.load(START + n + 1)
-    if e > s:
-        o_d = tl.arange(0, BD)
-        m_d = o_d < D
-        acc = tl.zeros([BD], tl.float32)
-        for p0 in range(s, e, BP):
-            o_p = p0 + tl.arange(0, BP)
-            m_p = o_p < e
-            slot = tl.load(ORDER + o_p, mask=m_p, other=0)
-            rows = tl.load(WS + slot[:, None] * D + o_d[None, :], mask=m_p[:, None] & m_d[None, :], other=0.0)
-            acc += tl.sum(rows, 0)  # a fixed reduction tree: the same bits every run
-        p_dk = DK + n * D + o_d
-        tl.store(p_dk, tl.load(p_dk, mask=m_d) + acc, mask=m_d)
-
-
 # --------------------------------------------------------------------------
 # configs
 
 
 @dataclass(frozen=True)
-class Config:
+class IndexerBwdConfig:
+    """Tiles of the indexer backward kernel (one program per query row, all its heads)."""
+
     BK: int
     num_warps: int
     num_stages: int
@@ -209,19 +190,44 @@ class Config:
 # (16,4,2) 3.24; (64,8,2) 4.52; (32,8,2) 6.01; (32,8,3) 6.17 (one warpgroup: 2 CTAs per SM).
 # keys_as_rows (every product a wgmma with 64 slot rows; RESULTS.md C18): (64,4,1) 2.15 ms; (64,4,2) 2.27;
 # (64,4,3) 2.32; (128,8,2) 2.81; (32,4,2) 3.05; (64,8,2) 3.65; heads as rows (32,4,1) 2.95 in the same run.
-BWD_CONFIG = Config(BK=64, num_warps=4, num_stages=1, keys_as_rows=True)
-SEGMENT_BP = 16
+BWD_CONFIG = IndexerBwdConfig(BK=64, num_warps=4, num_stages=1, keys_as_rows=True)
+Config = IndexerBwdConfig  # the former name, still used by tests/test_training.py and bench
 
 
-def bwd_config(K: int) -> Config:
-    c = BWD_CONFIG
-    return Config(min(c.BK, _pow2(K)), c.num_warps, c.num_stages, c.keys_as_rows)
+def bwd_config(K: int) -> IndexerBwdConfig:
+    """The preferred tiles for K slots a row (before fitting)."""
+    return replace(BWD_CONFIG, BK=min(BWD_CONFIG.BK, _pow2(K)))
+
+
+def bwd_spec(q_dtype, w_dtype, H: int, D: int, cfg: IndexerBwdConfig, *, mode=MODE_KL, dk_mode=DK_ATOMIC,
+             split: bool = False, has_len: bool = True) -> fit.KernelSpec:
+    el = fit.ptr(q_dtype)
+    types = dict(Q=el, Kp=el, W=fit.ptr(w_dtype), IDX="*i32", LEN="*i32", BASE="*i32", GIN="*fp32", STATS="*fp32",
+                 SCALE="*fp32", DQ=el, DK="*fp32", DW=fit.ptr(w_dtype), sm_scale="fp32")
+    const = dict(H=H, BH=_pow2(H), D=D, BD=_pow2(D), BK=cfg.BK, HAS_LEN=has_len, MODE=int(mode),
+                 DK_MODE=int(dk_mode), SPLIT=split, PREC=input_precision(q_dtype), KEYS_AS_ROWS=cfg.keys_as_rows)
+    return fit.KernelSpec(_indexer_bwd_kernel, types, const, cfg.num_warps, cfg.num_stages)
+
+
+def pick(q: torch.Tensor, w_dtype, K: int) -> Tuple[Optional[IndexerBwdConfig], str]:
+    """The backward tiles that fit q's device (every mode alike): fewer slots a block if needed."""
+    H, D = q.shape[1], q.shape[2]
+    base = bwd_config(K)
+    return fit.pick(lambda: fit.shrinking(base, (("num_stages", 1), ("BK", 16))),
+                    lambda c: bwd_spec(q.dtype, w_dtype, H, D, c), fit.device_target(q),
+                    ("indexer_bwd", q.dtype, w_dtype, H, D, base))
 
 
 def supports(args) -> Optional[str]:
     if isinstance(args, (SparseIndexerArgs, IndexerArgs)):
         return indexer_reason(args.q, args.weights)
     return f"triton: no kernel for {type(args).__name__}"
+
+
+def tiles_reason(fn_name: str, args) -> Optional[str]:
+    """Why no backward tiles fit the device (None if some do)."""
+    K = args.K if isinstance(args, SparseIndexerArgs) else args.max_seqlen_k
+    return pick(args.q, args.weights.dtype, K)[1] or None
 
 
 # --------------------------------------------------------------------------
@@ -248,7 +254,11 @@ class _Problem:
 
 def _launch(p: _Problem, dq, dw, dk, t_start: int, rows: int, dk_mode: int, split: bool) -> None:
     T, H, D = p.q.shape
-    cfg = bwd_config(p.K)
+    cfg, why = pick(p.q, p.weights.dtype, p.K)
+    if cfg is None:
+        raise ValueError(why)
+    spec = bwd_spec(p.q.dtype, p.weights.dtype, H, D, cfg, mode=p.mode, dk_mode=dk_mode, split=split,
+                    has_len=p.length is not None)
     dummy = p.indices
     grid = (rows, triton.cdiv(p.K, cfg.BK)) if split else (rows,)
     _indexer_bwd_kernel[grid](
@@ -259,10 +269,7 @@ def _launch(p: _Problem, dq, dw, dk, t_start: int, rows: int, dk_mode: int, spli
         p.grad_in if p.stats is None else p.stats,
         p.grad_in if p.scale is None else p.scale,
         dq, dk, dw, p.sm_scale, p.k.shape[0], p.K, p.grad_in.stride(0), t_start,
-        H=H, BH=_pow2(H), D=D, BD=_pow2(D), BK=cfg.BK,
-        HAS_LEN=p.length is not None, MODE=p.mode, DK_MODE=dk_mode, SPLIT=split, PREC=_prec(p.q.dtype),
-        KEYS_AS_ROWS=cfg.keys_as_rows,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **spec.launch_kwargs(),
     )
 
 
@@ -289,19 +296,16 @@ def _backward(p: _Problem, deterministic: bool) -> Tuple[torch.Tensor, torch.Ten
     # even a small chunk fills the GPU; then a fixed-order sum per key
     rows = max(1, min(T, _WORKSPACE_BYTES // (p.K * D * 4)))
     ws = torch.empty(rows * p.K, D, device=p.q.device, dtype=torch.float32)
-    keys_n = torch.arange(N + 1, device=p.q.device)
     for t0 in range(0, T, rows):
         t1 = min(T, t0 + rows)
         _launch(p, dq, dw, ws, t0, t1 - t0, DK_SLOTS, True)
-        keys, order = torch.sort(_chunk_keys(p, t0, t1), stable=True)
-        start = torch.searchsorted(keys, keys_n)
-        _segment_sum_kernel[(N,)](ws, order, start, dk, D=D, BD=_pow2(D), BP=SEGMENT_BP, num_warps=4)
+        segment_sum(ws, _chunk_keys(p, t0, t1), dk, block_d=_pow2(D))
     return dq, dk.to(p.k.dtype), dw
 
 
 def _sparse_problem(a: SparseIndexerArgs, grad_in, stats, scale, mode) -> _Problem:
     return _Problem(
-        a.q, a.k, a.weights, a.indices, a.topk_length, None, grad_in, stats, scale, a.sm_scale, a.K, mode
+        a.q, a.k, a.weights, a.indices, a.topk_length, None, grad_in, stats, scale, a.sm_scale, a.K, int(mode)
     )
 
 
@@ -324,6 +328,6 @@ def indexer_scores_bwd(a: IndexerArgs, dscores: torch.Tensor):
     base, limit = dense_rows(a)
     p = _Problem(
         a.q, a.k, a.weights, base, limit, base, dscores.float().contiguous(), None, None,
-        a.sm_scale, a.max_seqlen_k, MODE_DENSE,
+        a.sm_scale, a.max_seqlen_k, int(MODE_DENSE),
     )
     return _backward(p, False)

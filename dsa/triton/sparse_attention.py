@@ -7,29 +7,29 @@ of :class:`dsa._args.SparseAttnArgs`:
     backward(a, out, lse, dout)     -> dq [T, H, D], dkv [N, G, D], dsink [H] | None
 
 The kernels are in ``sparse_attention_fwd`` / ``sparse_attention_bwd``; this
-module checks what they serve, picks tiles and launches them.
+module checks what they serve, picks tiles that fit the device
+(``dsa.triton.fit``) and launches them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Optional, Tuple
+from dataclasses import dataclass
+from typing import Iterator, Optional, Tuple
 
 import torch
 import triton
-from triton.runtime.errors import OutOfResources
 
 from dsa._args import SparseAttnArgs
-from dsa.triton.sparse_attention_bwd import (
-    bwd_preprocess_kernel, dkv_reduce_kernel, sparse_attn_bwd_kernel,
-)
+from dsa._rules import LOG2E, slot_validity
+from dsa.triton import fit
+from dsa.triton.rules import input_precision
+from dsa.triton.segment_sum import segment_sum
+from dsa.triton.sparse_attention_bwd import bwd_preprocess_kernel, sparse_attn_bwd_kernel
 from dsa.triton.sparse_attention_common import ColumnChunks
-from dsa.triton.sparse_attention_fwd import LOG2E, sparse_attn_fwd_kernel
+from dsa.triton.sparse_attention_fwd import sparse_attn_fwd_kernel
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_D = 576
-# Shared memory per block on sm_90.
-_SMEM_LIMIT = 227 * 1024
 # Bytes of per-slot dkv rows held at once by the deterministic backward.
 _DETERMINISTIC_SLOT_BYTES = 1 << 30
 
@@ -84,10 +84,6 @@ def supports(a: SparseAttnArgs) -> Optional[str]:
 # Tile selection
 
 
-def _interpreting(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu"
-
-
 def _heads_per_program(hg: int) -> int:
     # 64 heads share one gathered kv tile; wgmma needs M = 64 per warpgroup
     # and a [64, 512] fp32 accumulator already fills 8 warps' registers.
@@ -95,56 +91,16 @@ def _heads_per_program(hg: int) -> int:
 
 
 def _smem_bytes(a: SparseAttnArgs, cfg: TileConfig, bwd: bool) -> int:
-    """Shared memory of a launch: the q-side tiles (q, and dO in the backward),
-    the kv tile of each pipeline stage and, in the backward, the [CW, BN] fp32
-    tile that feeds the atomics.  Within 1% of what the compiler allocated for
-    the DESIGN.md shapes (e.g. 221440 B for the V3.2 forward, 229376 B for
-    the V4-pro backward at BN = 64)."""
+    """Estimated shared memory of a launch on sm_90: the q-side tiles (q, and
+    dO in the backward), the kv tile of each pipeline stage and, in the
+    backward, the [CW, BN] fp32 tile that feeds the atomics.  Within 1% of
+    what the compiler allocated for the model shapes (e.g. 221440 B for the
+    V3.2 forward, 229376 B for the V4-pro backward at BN = 64)."""
     es = a.q.element_size()
     b = es * a.D * ((2 if bwd else 1) * cfg.BH + max(cfg.num_stages, 1) * cfg.BN) + 1024
     if bwd:
         b += cfg.CW * cfg.BN * 4 + (cfg.num_stages - 1) * 9 * 1024
     return b
-
-
-def _fit(a: SparseAttnArgs, cfg: TileConfig, bwd: bool) -> TileConfig:
-    """Drop the second pipeline stage, then halve BN, then BH, until the tiles
-    fit in shared memory."""
-    while _smem_bytes(a, cfg, bwd) > _SMEM_LIMIT:
-        if cfg.num_stages > 1:
-            cfg = replace(cfg, num_stages=1)
-        elif cfg.BN > 16:
-            cfg = replace(cfg, BN=cfg.BN // 2)
-        elif cfg.BH > 16:
-            cfg = replace(cfg, BH=cfg.BH // 2)
-        else:
-            break
-    return cfg
-
-
-# Tiles that compiled, by launch signature: _smem_bytes is an estimate, and
-# where the compiler still finds too little shared memory the launch retries
-# with fewer stages / slots (never fewer heads, which the deterministic
-# backward's buffers are laid out by) and remembers the fit.
-_FITTED: dict = {}
-
-
-def _launch_fitting(key: tuple, cfg: TileConfig, launch) -> None:
-    cfg = _FITTED.get((key, cfg), cfg)
-    first = cfg
-    while True:
-        try:
-            launch(cfg)
-        except OutOfResources:
-            if cfg.num_stages > 1:
-                cfg = replace(cfg, num_stages=1)
-            elif cfg.BN > 16:
-                cfg = replace(cfg, BN=cfg.BN // 2)
-            else:
-                raise
-            continue
-        _FITTED[(key, first)] = cfg
-        return
 
 
 def _warps(BH: int, acc_cols: int) -> int:
@@ -164,30 +120,68 @@ def _warps(BH: int, acc_cols: int) -> int:
 #          79 against 68 with 4 warps and BN=32.
 
 
-def fwd_config(a: SparseAttnArgs) -> TileConfig:
-    BH = _heads_per_program(a.H // a.G)
-    if _interpreting(a.q):
-        return TileConfig(BH, 16, 256, 4, 1)
+def _preferred(a: SparseAttnArgs, BH: int, bwd: bool) -> TileConfig:
+    """The measured best tiles at BH heads per program (fp32: FMA dots, small tiles)."""
     if a.q.dtype == torch.float32:
-        return _fit(a, TileConfig(16, 16, 64, 4, 1), False)
-    return _fit(a, TileConfig(BH, 64, 128, _warps(BH, a.d_v), 2), False)
+        return TileConfig(16, 16, 64, 4, 1)
+    if bwd:
+        return TileConfig(BH, 64, 128, 8 if BH < 64 else _warps(BH, a.D), 1)
+    return TileConfig(BH, 64, 128, _warps(BH, a.d_v), 2)
+
+
+def _candidates(a: SparseAttnArgs, bwd: bool) -> Iterator[TileConfig]:
+    """Fastest first: the preferred tiles, then one pipeline stage, then fewer
+    slots a step, then (only then) fewer heads a program."""
+    if a.q.device.type == "cpu":  # the interpreter: small tiles run fastest
+        yield TileConfig(_heads_per_program(a.H // a.G), 16, 256, 4, 1)
+        return
+    top = 16 if a.q.dtype == torch.float32 else _heads_per_program(a.H // a.G)
+    for BH in fit.halvings(top, 16):
+        # all stages dropped at once: the kernels run 1 or 2
+        yield from fit.shrinking(_preferred(a, BH, bwd), (("num_stages", 1), ("BN", 16)))
+
+
+def _spec(a: SparseAttnArgs, c: TileConfig, bwd: bool, store_slots: bool = False) -> fit.KernelSpec:
+    el = fit.ptr(a.q.dtype)
+    shape = dict(H=a.H, G=a.G, D=a.D, D_V=a.d_v, **ColumnChunks.of(a.D, a.d_v, c.CW).kernel_args(),
+                 BH=c.BH, BN=c.BN, HAS_LEN=a.topk_length is not None, PREC=input_precision(a.q.dtype))
+    if bwd:
+        types = dict(q_ptr=el, kv_ptr=el, idx_ptr="*i32", len_ptr="*i32", dout_ptr=el, lg2den_ptr="*fp32",
+                     delta_ptr="*fp32", dq_ptr=el, dkv_ptr="*fp32", qk_scale="fp32", sm_scale="fp32")
+        return fit.KernelSpec(sparse_attn_bwd_kernel, types, dict(shape, STORE_SLOTS=store_slots),
+                              c.num_warps, c.num_stages)
+    types = dict(q_ptr=el, kv_ptr=el, idx_ptr="*i32", len_ptr="*i32", sink_ptr="*fp32", out_ptr=el,
+                 lse_ptr="*fp32", qk_scale="fp32")
+    flags = dict(SKEW=c.skew, PREFETCH=c.prefetch, HAS_SINK=a.sink is not None)
+    return fit.KernelSpec(sparse_attn_fwd_kernel, types, dict(shape, **flags), c.num_warps, c.num_stages)
+
+
+def _pick(a: SparseAttnArgs, bwd: bool) -> Tuple[Optional[TileConfig], str]:
+    key = ("bwd" if bwd else "fwd", a.q.dtype, a.H, a.G, a.D, a.d_v, a.topk_length is not None, a.sink is not None)
+    return fit.pick(lambda: _candidates(a, bwd), lambda c: _spec(a, c, bwd), fit.device_target(a.q), key,
+                    lambda c: _smem_bytes(a, c, bwd))
+
+
+def _config(a: SparseAttnArgs, bwd: bool) -> TileConfig:
+    cfg, why = _pick(a, bwd)
+    if cfg is None:
+        raise ValueError(why)
+    return cfg
+
+
+def fwd_config(a: SparseAttnArgs) -> TileConfig:
+    """The forward's tiles on a's device (ValueError when none fit)."""
+    return _config(a, False)
 
 
 def bwd_config(a: SparseAttnArgs) -> TileConfig:
-    BH = _heads_per_program(a.H // a.G)
-    if _interpreting(a.q):
-        return TileConfig(BH, 16, 256, 4, 1)
-    if a.q.dtype == torch.float32:
-        return _fit(a, TileConfig(16, 16, 64, 4, 1), True)
-    if BH < 64:
-        return _fit(a, TileConfig(BH, 64, 128, 8, 1), True)
-    return _fit(a, TileConfig(BH, 64, 128, _warps(BH, a.D), 1), True)
+    """The backward's tiles on a's device (ValueError when none fit)."""
+    return _config(a, True)
 
 
-def _prec(a: SparseAttnArgs) -> str:
-    # fp32 is computed in full fp32 (the interpreter tests are tight); 16-bit
-    # inputs ignore the setting.
-    return "ieee" if a.q.dtype == torch.float32 else "tf32"
+def tiles_reason(fn_name: str, a: SparseAttnArgs) -> Optional[str]:
+    """Why no tiles of ``fn_name`` ("forward" / "backward") fit a's device (None if some do)."""
+    return _pick(a, fn_name == "backward")[1] or None
 
 
 # ----------------------------------------------------------------------------
@@ -197,22 +191,14 @@ def _prec(a: SparseAttnArgs) -> str:
 def forward(a: SparseAttnArgs, config: Optional[TileConfig] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """out [T, H, d_v] in q.dtype and lse [T, H] fp32 (sink excluded, +inf on empty rows)."""
     cfg = config or fwd_config(a)
-    T, H, G, K = a.T, a.H, a.G, a.K
+    T, H, G = a.T, a.H, a.G
     out = torch.empty((T, H, a.d_v), dtype=a.q.dtype, device=a.q.device)
     lse = torch.empty((T, H), dtype=torch.float32, device=a.q.device)
-    grid = (T * G, triton.cdiv(H // G, cfg.BH))
-    flags = dict(HAS_LEN=a.topk_length is not None, HAS_SINK=a.sink is not None, PREC=_prec(a))
-
-    def launch(c: TileConfig) -> None:
-        sparse_attn_fwd_kernel[grid](
-            a.q, a.kv, a.indices, a.topk_length, a.sink, out, lse,
-            a.N, K, a.sm_scale * LOG2E,
-            H=H, G=G, D=a.D, D_V=a.d_v, **ColumnChunks.of(a.D, a.d_v, c.CW).kernel_args(),
-            BH=c.BH, BN=c.BN, SKEW=c.skew, PREFETCH=c.prefetch, **flags,
-            num_warps=c.num_warps, num_stages=c.num_stages,
-        )
-
-    _launch_fitting(("fwd", a.q.dtype, H // G, a.D, a.d_v, tuple(flags.items())), cfg, launch)
+    sparse_attn_fwd_kernel[(T * G, triton.cdiv(H // G, cfg.BH))](
+        a.q, a.kv, a.indices, a.topk_length, a.sink, out, lse,
+        a.N, a.K, a.sm_scale * LOG2E,
+        **_spec(a, cfg, bwd=False).launch_kwargs(),
+    )
     return out, lse
 
 
@@ -227,47 +213,38 @@ def _preprocess(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: t
     delta = torch.empty((T, H), **f32)
     lg2den = torch.empty((T, H), **f32)
     dsink_part = torch.empty((T, H), **f32) if a.sink is not None else None
-    BR = 16
-    BV = min(128, triton.next_power_of_2(a.d_v))
-    bwd_preprocess_kernel[(triton.cdiv(T * H, BR),)](
-        out, dout, lse, a.sink, delta, lg2den, dsink_part,
-        T * H, H=H, D_V=a.d_v, BR=BR, BV=BV, HAS_SINK=a.sink is not None,
-        num_warps=4,
+    spec = preprocess_spec(a)
+    bwd_preprocess_kernel[(triton.cdiv(T * H, spec.constexprs["BR"]),)](
+        out, dout, lse, a.sink, delta, lg2den, dsink_part, T * H, **spec.launch_kwargs(),
     )
     return delta, lg2den, dsink_part
 
 
+def preprocess_spec(a: SparseAttnArgs) -> fit.KernelSpec:
+    """The backward's preprocess: 16 rows x 128 columns of out and dO a step
+    (a few KB of shared memory at most, on every target)."""
+    el = fit.ptr(a.q.dtype)
+    types = dict(out_ptr=el, dout_ptr=el, lse_ptr="*fp32", sink_ptr="*fp32", delta_ptr="*fp32",
+                 lg2den_ptr="*fp32", dsink_part_ptr="*fp32")
+    const = dict(H=a.H, D_V=a.d_v, BR=16, BV=min(128, triton.next_power_of_2(a.d_v)), HAS_SINK=a.sink is not None)
+    return fit.KernelSpec(bwd_preprocess_kernel, types, const, 4, 3)
+
+
 def _launch_bwd(a, cfg, dout, lg2den, delta, dq, dkv_buf, t0, tc, store_slots):
-    grid = (tc * a.G, triton.cdiv(a.H // a.G, cfg.BH))
-    flags = dict(HAS_LEN=a.topk_length is not None, STORE_SLOTS=store_slots, PREC=_prec(a))
-
-    def launch(c: TileConfig) -> None:
-        sparse_attn_bwd_kernel[grid](
-            a.q, a.kv, a.indices, a.topk_length, dout, lg2den, delta, dq, dkv_buf,
-            t0, a.N, a.K, a.sm_scale * LOG2E, a.sm_scale,
-            H=a.H, G=a.G, D=a.D, D_V=a.d_v, **ColumnChunks.of(a.D, a.d_v, c.CW).kernel_args(),
-            BH=c.BH, BN=c.BN, **flags,
-            num_warps=c.num_warps, num_stages=c.num_stages,
-        )
-
-    _launch_fitting(("bwd", a.q.dtype, a.H // a.G, a.D, a.d_v, tuple(flags.items())), cfg, launch)
+    sparse_attn_bwd_kernel[(tc * a.G, triton.cdiv(a.H // a.G, cfg.BH))](
+        a.q, a.kv, a.indices, a.topk_length, dout, lg2den, delta, dq, dkv_buf,
+        t0, a.N, a.K, a.sm_scale * LOG2E, a.sm_scale,
+        **_spec(a, cfg, bwd=True, store_slots=store_slots).launch_kwargs(),
+    )
 
 
-def _inverted_index(a: SparseAttnArgs, t0: int, tc: int):
-    """For the tokens [t0, t0 + tc): the flat slot ids (t - t0, g, j) of every
-    valid slot grouped by kv row (n, g), in ascending slot order (stable sort),
-    and the [N * G + 1] row pointers into that list."""
-    N, G, K = a.N, a.G, a.K
-    dev = a.q.device
-    idx = a.indices[t0:t0 + tc].to(torch.int64)  # [tc, G, K]
-    valid = (idx >= 0) & (idx < N)
-    if a.topk_length is not None:
-        L = a.topk_length[t0:t0 + tc].clamp(0, K)
-        valid &= torch.arange(K, device=dev)[None, None, :] < L[:, None, None]
-    key = torch.where(valid, idx * G + torch.arange(G, device=dev)[None, :, None], N * G)
-    sorted_key, order = torch.sort(key.flatten(), stable=True)
-    rowptr = torch.searchsorted(sorted_key, torch.arange(N * G + 1, device=dev))
-    return order.to(torch.int32), rowptr.to(torch.int32)
+def _slot_keys(a: SparseAttnArgs, t0: int, tc: int) -> torch.Tensor:
+    """The kv row (n, g) as n * G + g of every slot (t - t0, g, j) of the
+    tokens [t0, t0 + tc), flat; N * G (never summed) for an invalid slot."""
+    length = None if a.topk_length is None else a.topk_length[t0:t0 + tc]
+    valid, safe = slot_validity(a.indices[t0:t0 + tc], length, a.N)
+    g = torch.arange(a.G, device=a.q.device)[None, :, None]
+    return torch.where(valid, safe * a.G + g, a.N * a.G).flatten()
 
 
 def backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
@@ -283,19 +260,14 @@ def backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: torc
     if not a.deterministic:
         _launch_bwd(a, cfg, dout, lg2den, delta, dq, dkv, 0, T, store_slots=False)
     else:
+        # per-slot rows [HB, Tc, G, K, D], summed per kv row in a fixed order
         HB = triton.cdiv(a.H // G, cfg.BH)
-        per_token = HB * G * K * D * 4
-        Tc = max(1, min(T, _DETERMINISTIC_SLOT_BYTES // per_token))
-        slots = torch.empty(HB * Tc * G * K * D, dtype=torch.float32, device=a.q.device)
-        BD = min(64, triton.next_power_of_2(D))
+        Tc = max(1, min(T, _DETERMINISTIC_SLOT_BYTES // (HB * G * K * D * 4)))
+        slots = torch.empty(HB * Tc * G * K, D, dtype=torch.float32, device=a.q.device)
         for t0 in range(0, T, Tc):
             tc = min(Tc, T - t0)
             _launch_bwd(a, cfg, dout, lg2den, delta, dq, slots, t0, tc, store_slots=True)
-            order, rowptr = _inverted_index(a, t0, tc)
-            dkv_reduce_kernel[(N * G, triton.cdiv(D, BD))](
-                slots, order, rowptr, dkv, tc * G * K,
-                D=D, HB=HB, BR=16, BD=BD, num_warps=2,
-            )
+            segment_sum(slots, _slot_keys(a, t0, tc), dkv.view(N * G, D), parts=HB)
     if a.kv.dtype != torch.float32:
         dkv = dkv.to(a.kv.dtype)
     dsink = dsink_part.sum(0) if dsink_part is not None else None

@@ -9,7 +9,7 @@ is 0):
     dkv_j += sm_scale * ds_j q  (all D columns)  +  p_j dO  (the d_v V columns)
     dsink  = -sum_t p_sink * Delta,   p_sink = exp(sink - log den)
 
-Three kernels:
+Two kernels, and the deterministic mode's fixed-order sum:
 
 * ``bwd_preprocess_kernel``: per (t, h) Delta, log2(den) (with the forward's
   +inf-lse convention for empty rows and the sink = +inf / overflow cases
@@ -20,9 +20,9 @@ Three kernels:
   column chunk at a time as dkv^T [w, BN] = q^T ds + dO^T p (sm_scale folded
   into ds), which are either added with fp32 atomics into a [N, G, D] buffer
   (default) or stored per slot (deterministic mode).
-* ``dkv_reduce_kernel`` (deterministic mode): kv-major; one program per kv
-  row sums that row's per-slot contributions in the fixed order of a host-side
-  stable sort, token chunk after token chunk, so dkv is bitwise reproducible.
+* deterministic mode: ``dsa.triton.segment_sum`` sums each kv row's
+  per-slot contributions in the fixed order of a stable sort, token chunk
+  after token chunk, so dkv is bitwise reproducible.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsa.triton.sparse_attention_common import load_chunks, row_length, slot_block, store_chunks
+from dsa.triton.rules import LOG2E, row_length, slot_block
+from dsa.triton.sparse_attention_common import load_chunks, store_chunks
 from dsa.triton.sparse_attention_fwd import scores
 
 
@@ -70,7 +71,7 @@ def bwd_preprocess_kernel(
         b_logden = b_lse
     # Empty rows (log den = -inf) get +inf so that every p_j = exp2(s - inf) = 0;
     # log2(den) of a huge sink overflows to +inf with the same effect.
-    b_lg2 = tl.where(b_logden == float("-inf"), float("inf"), b_logden * 1.4426950408889634)
+    b_lg2 = tl.where(b_logden == float("-inf"), float("inf"), b_logden * LOG2E)
     tl.store(delta_ptr + o_r, b_delta, mask=m_r)
     tl.store(lg2den_ptr + o_r, b_lg2, mask=m_r)
 
@@ -151,28 +152,3 @@ def sparse_attn_bwd_kernel(
     for c in tl.static_range(NC):
         b_dq = b_dq + (b_dqs[c].to(dtype),)
     store_chunks(dq_ptr + o_th * D, m_h, b_dq, OFFS, WS, 0, NC)
-
-
-@triton.jit
-def dkv_reduce_kernel(
-    slot_ptr, order_ptr, rowptr_ptr, dkv_ptr, slots_per_hb,
-    D: tl.constexpr, HB: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
-):
-    """dkv[row] += sum over the row's references r (in sorted order) and head
-    blocks of slot[hb, order[r]]; one program per (kv row, column block)."""
-    row = tl.program_id(0)
-    o_d = tl.program_id(1) * BD + tl.arange(0, BD)
-    m_d = o_d < D
-    lo = tl.load(rowptr_ptr + row)
-    hi = tl.load(rowptr_ptr + row + 1)
-    b_acc = tl.zeros([BD], tl.float32)
-    for r0 in range(lo, hi, BR):
-        o_r = r0 + tl.arange(0, BR)
-        m_r = o_r < hi
-        ref = tl.load(order_ptr + o_r, mask=m_r, other=0)
-        m = m_r[:, None] & m_d[None, :]
-        for hb in tl.static_range(HB):
-            p = slot_ptr + (hb * slots_per_hb + ref.to(tl.int64))[:, None] * D + o_d[None, :]
-            b_acc += tl.sum(tl.load(p, mask=m, other=0.0), 0)
-    p_dkv = dkv_ptr + row.to(tl.int64) * D + o_d
-    tl.store(p_dkv, tl.load(p_dkv, mask=m_d, other=0.0) + b_acc, mask=m_d)

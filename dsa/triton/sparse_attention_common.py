@@ -12,10 +12,8 @@ with static_range) and sum the QK^T products over the chunks; the first NV
 chunks are V and get a P@V accumulator each.  Smaller chunks also keep the
 live ranges of the backward's per-slot dkv tiles short.
 
-Validity.  Slot j of row (t, g) is valid iff j < clamp(topk_length[t], 0, K)
-and 0 <= indices[t, g, j] < N.  Every gather is masked with it, so an
-invalid slot is never read (NaN in unreferenced kv rows cannot leak, and an
-index like 2**31 - 1 cannot fault); row offsets are int64.
+Validity (dsa/triton/rules.py): every gather is masked with slot validity,
+so an invalid slot is never read; row offsets are int64.
 """
 
 from __future__ import annotations
@@ -78,26 +76,3 @@ def store_chunks(p_rows, m_rows, bs, OFFS: tl.constexpr, WS: tl.constexpr,
     for c in tl.static_range(FIRST, LAST):
         o_c = OFFS[c] + tl.arange(0, WS[c])
         tl.store(p_rows[:, None] + o_c[None, :], bs[c - FIRST], mask=m_rows[:, None])
-
-
-@triton.jit
-def slot_block(p_idx, start, L, N, BN: tl.constexpr):
-    """Indices and validity of slots [start, start + BN) of one (t, g) row.
-
-    Returns (idx [BN] int64 with invalid slots set to 0, valid [BN] bool)."""
-    o_n = start + tl.arange(0, BN)
-    m_n = o_n < L
-    idx = tl.load(p_idx + o_n, mask=m_n, other=-1)
-    valid = m_n & (idx >= 0) & (idx < N)
-    idx = tl.where(valid, idx, 0).to(tl.int64)
-    return idx, valid
-
-
-@triton.jit
-def row_length(p_len, t, K, HAS_LEN: tl.constexpr):
-    """clamp(topk_length[t], 0, K), or K without topk_length."""
-    if HAS_LEN:
-        L = tl.minimum(tl.maximum(tl.load(p_len + t), 0), K)
-    else:
-        L = K
-    return L

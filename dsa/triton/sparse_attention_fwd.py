@@ -31,9 +31,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsa.triton.sparse_attention_common import load_chunks, row_length, slot_block, store_chunks
-
-LOG2E = 1.4426950408889634
+from dsa.triton.rules import LN2, LOG2E, online_softmax_step, row_length, slot_block
+from dsa.triton.sparse_attention_common import load_chunks, store_chunks
 
 
 @triton.jit
@@ -58,13 +57,7 @@ def online_softmax_pv(b_s, valid, qk_scale, b_m, b_l, b_os, b_vs, NV: tl.constex
                       PREC: tl.constexpr):
     """One block of the online softmax (log2 domain) and O += P V."""
     b_s = tl.where(valid[None, :], b_s * qk_scale, float("-inf"))
-    b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
-    # A row that has seen no valid slot yet keeps m = -inf; shift by 0 there
-    # so that no (-inf) - (-inf) appears.
-    b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-    b_alpha = tl.exp2(b_m - b_m_use)
-    b_p = tl.exp2(b_s - b_m_use[:, None])
-    b_l = b_l * b_alpha + tl.sum(b_p, 1)
+    b_m_new, b_l, b_p, b_alpha = online_softmax_step(b_s, b_m, b_l, 1)
     b_pc = b_p.to(b_vs[0].dtype)
     new = ()
     for c in tl.static_range(NV):
@@ -136,7 +129,7 @@ def sparse_attn_fwd_kernel(
     if HAS_SINK:
         # sink * log2(e) overflows to +inf for sinks above ~2.4e38, which is
         # what we want: the sink's probability is then 1 and out is 0.
-        b_sink = tl.load(sink_ptr + head, mask=m_h, other=float("-inf")) * 1.4426950408889634
+        b_sink = tl.load(sink_ptr + head, mask=m_h, other=float("-inf")) * LOG2E
         b_den = b_den + tl.exp2(b_sink - b_m_use)
     # den == 0 only for a row with no valid slot and no sink: out = 0 there.
     b_inv = tl.where(b_den == 0.0, 0.0, 1.0 / b_den)
@@ -146,5 +139,5 @@ def sparse_attn_fwd_kernel(
     for c in tl.static_range(NV):
         b_outs = b_outs + ((b_os[c] * b_inv[:, None]).to(out_ptr.dtype.element_ty),)
     store_chunks(p_out, m_h, b_outs, OFFS, WS, 0, NV)
-    b_lse = tl.where(b_l == 0.0, float("inf"), (b_m + tl.log2(b_l)) * 0.6931471805599453)
+    b_lse = tl.where(b_l == 0.0, float("inf"), (b_m + tl.log2(b_l)) * LN2)
     tl.store(lse_ptr + t.to(tl.int64) * H + head, b_lse, mask=m_h)

@@ -48,6 +48,7 @@ stores keep the load's layout (``dsa.triton.ptx``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -64,6 +65,16 @@ from dsa.triton import ptx
 RESIDENT_MAX = 16384
 STREAM_CHUNK = 4096
 _FILL_BLOCK = 1024
+# List path (rows of at least LIST_MIN keys, see _list_plan): chunk of the
+# row read, sample size (at most 1 / LIST_SAMPLE_FRACTION of the row), the
+# longest list and the list scratch of one batch of rows (entries).
+LIST_MIN = 16384
+LIST_CHUNK = 2048
+LIST_SAMPLE_MAX = 4096
+LIST_SAMPLE_FRACTION = 16
+LIST_MAX = 16384
+LIST_SCRATCH = 1 << 26
+_SAMPLE_Z = 5.0
 
 SEARCHES = ("bisect", "radix", "interp", "guess")  # ResidentConfig.search; SEARCH = its index
 
@@ -480,12 +491,10 @@ _topk_resident_kernel = triton.jit(_topk_resident_kernel)
 
 
 @triton.jit
-def _topk_stream_kernel(
-    s_ptr, idx_ptr, len_ptr, S, K, stride_s, stride_i,
-    CHUNK: tl.constexpr, FILL: tl.constexpr,
-):
-    r = tl.program_id(0).to(tl.int64)
-    s_row = s_ptr + r * stride_s
+def _stream_row(s_row, idx_row, len_ptr, S, K, CHUNK: tl.constexpr, FILL: tl.constexpr):
+    """The top K of one row of any length, read in chunks: thr from a 4-pass
+    radix select (8-bit digits, 256-bin histograms), then one emit pass in
+    chunk order with running counters."""
     o_c = tl.arange(0, CHUNK)
     o_bin = tl.arange(0, 256)
 
@@ -516,7 +525,6 @@ def _topk_stream_kernel(
     thr = tl.where(n_valid > K, prefix, tl.zeros([], tl.uint32))
     need = tl.where(n_valid > K, rem, 0)
 
-    idx_row = idx_ptr + r * stride_i
     gt_run = tl.zeros([], tl.int32)
     eq_run = tl.zeros([], tl.int32)
     for c0 in range(0, S, CHUNK):
@@ -526,8 +534,136 @@ def _topk_stream_kernel(
         gt_run += n_gt
         eq_run += n_eq
     length = gt_run + tl.minimum(eq_run, need)
-    tl.store(len_ptr + r, length)
+    tl.store(len_ptr, length)
     _pad_row(idx_row, length, K, FILL)
+
+
+@triton.jit
+def _topk_stream_kernel(
+    s_ptr, idx_ptr, len_ptr, S, K, stride_s, stride_i,
+    CHUNK: tl.constexpr, FILL: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    _stream_row(s_ptr + r * stride_s, idx_ptr + r * stride_i, len_ptr + r, S, K, CHUNK, FILL)
+
+
+# --------------------------------------------------------------------------
+# List path (long rows): a sample bounds the cut from below, one read of the
+# row compacts every key above the bound, an exact select runs on that list.
+# --------------------------------------------------------------------------
+
+
+@triton.jit
+def _select_rank(b_x, b_key, K):
+    """(thr, need) of the top K keys of a block (the resident interp search):
+    every key > thr and the first ``need`` keys == thr. K = 0: nothing."""
+    fin = (b_key != 0) & (b_key != _KEY_PINF)
+    b_xf = tl.where(fin, b_x, 0.0)
+    packed = (b_key != 0).to(tl.int32) + ((b_key == _KEY_PINF).to(tl.int32) << 16)
+    n_packed, s1, s2 = tl.reduce((packed, b_xf, b_xf * b_xf), 0, _sum3)
+    n_valid = n_packed & 0xFFFF
+    thr = tl.where(K > 0, 0, 0xFFFFFFFF).to(tl.uint32)
+    need = tl.zeros([], tl.int32)
+    if (n_valid > K) & (K > 0):
+        thr, need = _search_interp(b_key, n_valid, (n_packed >> 16) & 0xFFFF, s1, s2, K, True)
+    return thr, need
+
+
+@triton.jit
+def _sample_bound(s_row, S, RANK, STRIDE, SAMPLE: tl.constexpr):
+    """The RANK-th largest key of SAMPLE scores of the row (runs of 8 at
+    STRIDE), or 1 (every selectable key) if the sample holds fewer: a key
+    ``lo`` with count(key >= lo) close to RANK * S / SAMPLE."""
+    o = tl.arange(0, SAMPLE)
+    col = (o // 8) * STRIDE + o % 8
+    x = tl.load(s_row + col, mask=col < S, other=float("-inf")).to(tl.float32)
+    thr, need = _select_rank(x, _order_key(x), RANK)
+    return tl.maximum(tl.where(need == 0, thr + 1, thr), 1)
+
+
+@triton.jit
+def _list_build_kernel(
+    s_ptr, val_ptr, pos_ptr, meta_ptr, row0, S, stride_s, RANK, STRIDE,
+    CAP: tl.constexpr, CHUNK: tl.constexpr, SAMPLE: tl.constexpr, ASM_STORE: tl.constexpr,
+):
+    """Row row0 + b: list b = (value, position) of every key >= the sample
+    bound, in position order (the first CAP of them); meta b = (list length,
+    selectable keys of the row)."""
+    b = tl.program_id(0)
+    s_row = s_ptr + (row0 + b).to(tl.int64) * stride_s
+    lo = _sample_bound(s_row, S, RANK, STRIDE, SAMPLE)
+    p_val = val_ptr + b.to(tl.int64) * CAP
+    p_pos = pos_ptr + b.to(tl.int64) * CAP
+    o_c = tl.arange(0, CHUNK)
+    run = tl.zeros([], tl.int32)
+    n_valid = tl.zeros([CHUNK], tl.int32)
+    # the next chunk is loaded before this one is compacted: two chunks in flight
+    x_next = tl.load(s_row + o_c, mask=o_c < S, other=float("-inf"))
+    for c0 in range(0, S, CHUNK):
+        o = c0 + o_c
+        x = x_next.to(tl.float32)
+        x_next = tl.load(s_row + CHUNK + o, mask=(CHUNK + o) < S, other=float("-inf"))
+        key = _order_key(x)
+        n_valid += (key != 0).to(tl.int32)
+        sel = (key >= lo).to(tl.int32)
+        slot = run + tl.cumsum(sel, axis=0) - sel
+        keep = (sel != 0) & (slot < CAP)
+        ptx.store_i32(p_val + slot, x.to(tl.int32, bitcast=True), keep, ASM_STORE)
+        ptx.store_i32(p_pos + slot, o, keep, ASM_STORE)
+        run += tl.sum(sel, axis=0)
+    tl.store(meta_ptr + 2 * b, run)
+    tl.store(meta_ptr + 2 * b + 1, tl.sum(n_valid, axis=0))
+
+
+@triton.jit
+def _list_ok(meta_ptr, b, K, CAP: tl.constexpr):
+    """(list length, whether the list holds the row's top K exactly)."""
+    n_list = tl.load(meta_ptr + 2 * b)
+    n_valid = tl.load(meta_ptr + 2 * b + 1)
+    return n_list, (n_list <= CAP) & ((n_list >= K) | (n_list == n_valid))
+
+
+@triton.jit
+def _list_select_kernel(
+    val_ptr, pos_ptr, meta_ptr, idx_ptr, len_ptr, row0, K, stride_i, LEN_LO,
+    CAP: tl.constexpr, BLOCK: tl.constexpr, FILL: tl.constexpr, ASM_STORE: tl.constexpr,
+):
+    """Rows whose list is exact and LEN_LO < length <= BLOCK: the top K of the
+    list (it holds every key >= the K-th largest, in position order)."""
+    b = tl.program_id(0)
+    n_list, ok = _list_ok(meta_ptr, b, K, CAP)
+    if ok & (n_list > LEN_LO) & (n_list <= BLOCK):
+        o = tl.arange(0, BLOCK)
+        m = o < n_list
+        # values as int32 bit patterns (the store keeps the load's layout)
+        x = tl.load(val_ptr + b.to(tl.int64) * CAP + o, mask=m, other=-8388608, cache_modifier=".cg")
+        x = x.to(tl.float32, bitcast=True)
+        pos = tl.load(pos_ptr + b.to(tl.int64) * CAP + o, mask=m, other=0, cache_modifier=".cg")
+        key = _order_key(x)
+        thr, need = _select_rank(x, key, K)
+        r = (row0 + b).to(tl.int64)
+        idx_row = idx_ptr + r * stride_i
+        if need == 0:  # the cut splits no tie
+            length = _emit_gt(idx_row, key, pos, thr, K, ASM_STORE)
+        else:
+            n_gt, n_eq = _emit_block(idx_row, key, pos, m, thr, need, 0, 0, K, True, ASM_STORE)
+            length = n_gt + tl.minimum(n_eq, need)
+        tl.store(len_ptr + r, length)
+        _pad_row(idx_row, length, K, FILL)
+
+
+@triton.jit
+def _list_fallback_kernel(
+    s_ptr, meta_ptr, idx_ptr, len_ptr, row0, S, K, stride_s, stride_i,
+    CAP: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+):
+    """Rows whose list is not exact (the sample bound missed: too few keys
+    above it, or more than CAP): the streaming radix select."""
+    b = tl.program_id(0)
+    _, ok = _list_ok(meta_ptr, b, K, CAP)
+    if ok == 0:
+        r = (row0 + b).to(tl.int64)
+        _stream_row(s_ptr + r * stride_s, idx_ptr + r * stride_i, len_ptr + r, S, K, CHUNK, FILL)
 
 
 # --------------------------------------------------------------------------
@@ -581,6 +717,75 @@ def _resident_config(block_s: int) -> ResidentConfig:
     return ResidentConfig(num_warps=warps, search="interp", maxnreg=128 if block_s == 4096 else None)
 
 
+@dataclass(frozen=True)
+class ListPlan:
+    """Sizes of the list path for one (row length, k); see _list_plan."""
+
+    sample: int  # sampled scores a row (a power of two, runs of 8)
+    stride: int  # columns between the starts of two runs
+    rank: int  # the bound is the sample's rank-th largest key
+    block: int  # keys of the select kernel's block (most rows' lists fit)
+    cap: int  # list capacity a row (>= block; longer lists take the fallback)
+    chunk: int = LIST_CHUNK
+    select_warps: int = 4
+
+
+def _list_plan(S: int, k: int) -> Optional[ListPlan]:
+    """The list path's sizes, or None where it does not pay (k near S).
+
+    A sample of n scores and its r-th largest key ``lo``: count(key >= lo)
+    over the row is about r * S / n with a relative spread of 1 / sqrt(r)
+    (binomial). r is the smallest with r - Z sqrt(r) >= k n / S, so that
+    fewer than k keys reach ``lo`` only Z = 5 spreads out (about 3e-7 a row:
+    such rows take the exact streaming fallback); the block holds the
+    expected length + 2 spreads, the capacity + 7.
+    """
+    if k < 1 or S < 1024:
+        return None
+    n = max(64, min(LIST_SAMPLE_MAX, triton.next_power_of_2(S) // LIST_SAMPLE_FRACTION))
+    m = k * n / S
+    rank = math.ceil(((_SAMPLE_Z + math.sqrt(_SAMPLE_Z**2 + 4 * m)) / 2) ** 2)
+    mean = rank * S / n
+    spread = math.sqrt(rank) * S / n
+    block = max(16, triton.next_power_of_2(math.ceil(mean + 2 * spread)))
+    cap = min(LIST_MAX, triton.next_power_of_2(math.ceil(mean + 7 * spread)))
+    if block > LIST_MAX or 2 * mean > S:
+        return None
+    warps = 4 if block <= 4096 else 8
+    return ListPlan(sample=n, stride=S // (n // 8), rank=rank, block=block, cap=cap, select_warps=warps)
+
+
+def _launch_list(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: torch.Tensor,
+                 plan: ListPlan) -> None:
+    """The list path, in row batches whose lists fit LIST_SCRATCH entries."""
+    R, S = scores.shape
+    dev = scores.device
+    rows = max(1, min(R, LIST_SCRATCH // plan.cap))
+    vals = torch.empty((rows, plan.cap), dtype=torch.int32, device=dev)  # fp32 bit patterns
+    poss = torch.empty((rows, plan.cap), dtype=torch.int32, device=dev)
+    meta = torch.empty((rows, 2), dtype=torch.int32, device=dev)
+    asm = ptx.enabled(scores)
+    # the larger select block runs only for the rows the first one leaves
+    tiers = [(-1, plan.block, plan.select_warps)]
+    if plan.cap > plan.block:
+        tiers.append((plan.block, plan.cap, 8 if plan.cap <= 8192 else 16))
+    for r0 in range(0, R, rows):
+        n = min(rows, R - r0)
+        _list_build_kernel[(n,)](
+            scores, vals, poss, meta, r0, S, scores.stride(0), plan.rank, plan.stride,
+            CAP=plan.cap, CHUNK=plan.chunk, SAMPLE=plan.sample, ASM_STORE=asm, num_warps=4, num_stages=1,
+        )
+        for len_lo, block, warps in tiers:
+            _list_select_kernel[(n,)](
+                vals, poss, meta, indices, lengths, r0, k, indices.stride(0), len_lo,
+                CAP=plan.cap, BLOCK=block, FILL=_FILL_BLOCK, ASM_STORE=asm, num_warps=warps,
+            )
+        _list_fallback_kernel[(n,)](
+            scores, meta, indices, lengths, r0, S, k, scores.stride(0), indices.stride(0),
+            CAP=plan.cap, CHUNK=STREAM_CHUNK, FILL=_FILL_BLOCK, num_warps=8,
+        )
+
+
 def supports(a: TopkArgs) -> Optional[str]:
     s = a.scores
     if s.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -594,12 +799,20 @@ def supports(a: TopkArgs) -> Optional[str]:
 
 def launch(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: torch.Tensor,
            resident_max: int = RESIDENT_MAX, chunk: int = STREAM_CHUNK,
-           config: Optional[ResidentConfig] = None) -> None:
+           config: Optional[ResidentConfig] = None, list_min: int = LIST_MIN,
+           plan: Optional[ListPlan] = None) -> None:
     """Top-k of each row of ``scores`` [R, S] into ``indices`` [R, k] and
     ``lengths`` [R] (both int32, rows unit-stride in the last dim). The
-    keywords override the kernel choice (tests and tuning)."""
+    keywords override the kernel choice (tests and tuning): rows of at least
+    ``list_min`` keys take the list path where ``_list_plan`` (or ``plan``)
+    allows, else rows up to ``resident_max`` the resident kernel, else the
+    streaming one."""
     R, S = scores.shape
-    if S <= resident_max:
+    if plan is None and S >= list_min and config is None:
+        plan = _list_plan(S, k)
+    if plan is not None:
+        _launch_list(scores, k, indices, lengths, plan)
+    elif S <= resident_max:
         block_s = max(16, triton.next_power_of_2(S))
         cfg = config or _resident_config(block_s)
         opts = {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}

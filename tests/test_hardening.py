@@ -226,3 +226,30 @@ def test_readme_example_runs_on_cpu(monkeypatch):
     exec(compile(blocks[0], "README.md", "exec"), scope)
     assert scope["out"].device.type == "cpu" and scope["q"].grad is not None
     assert torch.isfinite(scope["q"].grad).all() and torch.isfinite(scope["out"]).all()
+
+
+# --------------------------------------------------------------------------
+# the CPU demo checks the Triton kernels against the reference
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU demo")
+def test_cpu_demo_checks_triton_against_the_reference(monkeypatch, capsys):
+    pytest.importorskip("triton")
+    from dsa import demo
+
+    monkeypatch.setattr(demo, "CPU_SHAPE", demo.Shape("tiny", T=12, H=4, D=64, d_v=32, K=8, H_i=2, D_i=16))
+    backends = []
+    real = dsa.sparse_attention
+
+    def recorded(*args, backend="auto", **kwargs):
+        backends.append(backend)
+        return real(*args, backend=backend, **kwargs)
+
+    monkeypatch.setattr(dsa, "sparse_attention", recorded)
+    demo.main()
+    text = capsys.readouterr().out
+    assert set(backends) == {"reference", "triton"}, backends
+    assert "TRITON_INTERPRET=1" in text and "triton matches the reference" in text
+    for name in ("out", "lse", "dq", "dkv", "dsink"):
+        err = float(re.search(rf"{name}\s+max rel error (\S+)", text).group(1))
+        assert err <= 1e-3, (name, err)

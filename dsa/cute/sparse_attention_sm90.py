@@ -31,24 +31,28 @@ One CTA per (token t, kv head g, block of 64 query heads), three warpgroups:
   block.  The tensor cores have one consumer's work while the other runs its
   softmax.
 
-Row maxima are in the log2 domain; a row with no valid slot so far keeps
--inf and is shifted by 0 (``_shift``), so no (-inf) - (-inf) appears.  The
-loop stops after the last block holding a valid slot (topk_length), so a row
-of length L costs about L / K of a full row.  Compiled per (dtype, D, d_v,
-H, G, topk_length?, sink?) and cached by ``dsa.cute.sparse_attention``.
+The validity rules (docs/semantics.md) are ``dsa.cute.rules``: row maxima
+are in the log2 domain; a row with no valid slot so far keeps -inf and is
+shifted by 0, so no (-inf) - (-inf) appears.  The loop stops after the last
+block holding a valid slot (topk_length), so a row of length L costs about
+L / K of a full row.  The barriers and timed waits are
+``dsa.cute.pipeline``, the persistent tile order ``dsa.cute.scheduler``.
+Compiled per ``FwdSm90Config`` and cached by ``dsa.cute.sparse_attention``.
 """
-
 from __future__ import annotations
 
-import enum
+from dataclasses import dataclass, fields
+from typing import Any, Optional
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+from dsa.cute import pipeline, rules, scheduler
+from dsa.cute.gmem import aligned, load
+from dsa.cute.pipeline import NamedBarrier, Timer, freed_phase, named_barriers, phase
+from dsa.cute.rules import LOG2E, finite_shift
 
 BLOCK_H = 64   # query heads per CTA: the M of one wgmma
 THREADS = 384  # producer + two consumer warpgroups
@@ -58,6 +62,7 @@ CONSUMER_REGS = 224
 BN = 64        # slots per block and stage; two stages
 MASK_WRITERS = 16  # producer threads that write a stage's mask: one per row of a copy pass
 L_CHUNKS = 4   # 64-column chunks of an L half (the value columns of consumer 0)
+SMEM_LIMIT = 227 * 1024  # the largest dynamic shared memory of an SM90 CTA
 
 
 # Profile counters (cycles, per warp; SparseAttnFwdSm90(profile=True)):
@@ -69,7 +74,8 @@ PROF_EMPTY, PROF_LOOKUP, PROF_ISSUE = PROF_FULL, PROF_BAR, PROF_WGMMA
 PROF_N = 8
 
 
-class Barrier(enum.IntEnum):
+@named_barriers
+class Barrier(NamedBarrier):
     """Named barriers between the consumers: one side arrives, the other waits."""
 
     MAX0 = 1   # consumer 0's row maxima of the pair are in shared memory
@@ -82,13 +88,84 @@ class Barrier(enum.IntEnum):
 PAIR_THREADS = 256
 
 
-@cute.jit
-def _shift(m):
-    """The subtrahend of exp2(x - m): m, or 0 for a row whose maximum is -inf."""
-    mu = m
-    if m == -Float32.inf:
-        mu = Float32(0.0)
-    return mu
+@dataclass(frozen=True)
+class FwdSm90Config:
+    """The static configuration one compiled kernel serves (its compile key).
+
+    dtype: ``cutlass.BFloat16`` or ``cutlass.Float16`` (q, kv, out); D the
+    q / kv head dim, d_v the value columns; H query heads over G kv heads;
+    has_len / has_sink: the call passes ``topk_length`` / ``sink``.
+    profile: per-warp cycle counters into prof_ptr (``PROF_*``).  refill
+    False: a timing build whose producer gathers each stage on its first use
+    only and afterwards just signals it, so the consumers never wait for a
+    gather's round trip; its out is not the attention."""
+
+    dtype: Any
+    D: int
+    d_v: int
+    H: int
+    G: int
+    has_len: bool
+    has_sink: bool
+    profile: bool = False
+    refill: bool = True
+
+
+def smem_bytes(D: int, d_v: int, elem_bytes: int) -> int:
+    """Shared memory of the kernel's ``Smem`` struct: barriers, Q [64, D],
+    two K stages [64, D], P (one buffer when D > d_v: consumer 0's lives in
+    stage 0's RoPE columns), row maxima, row sums and masks; the tiles
+    1024-byte aligned for the 128-byte swizzle."""
+    def up(n: int) -> int:
+        return -(-n // 1024) * 1024
+
+    p_elems = (1 if D > d_v else 2) * BLOCK_H * BN
+    tiles = up(10 * 8) + up(BLOCK_H * D * elem_bytes) + up(2 * BN * D * elem_bytes)
+    return up(tiles + p_elems * elem_bytes) + 4 * (2 * BLOCK_H + 4 * BLOCK_H + 2 * BN)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """This CTA's tiles and what decoding one needs: the indices [T * G, K]
+    and topk_length [T] (read only when the call has one)."""
+
+    sched: scheduler.TileScheduler
+    idx_ptr: Any
+    len_ptr: Any
+    K: Any
+
+
+@dataclass(frozen=True)
+class ConsumerState:
+    """What one consumer's steps share over all its tiles.  Built once before
+    the tile loop and never reassigned in a dynamic loop (its tensors are
+    updated in place), so it travels through the traced code as plain Python
+    and needs no MLIR value protocol."""
+
+    qk_mma: Any        # S = Q K^T, both operands in shared memory
+    pv_mma: Any        # O += P V, P from registers
+    pv_mma_ss: Any     # O += P V, the other consumer's P from shared memory
+    tSrQ: Any          # Q and the two K stages as wgmma operands
+    tSrK: Any
+    acc_s: Any         # S of this consumer's block (fp32)
+    acc_o: Any         # O of its 256 value columns (fp32)
+    r_p: Any           # P in q.dtype
+    mask: Any          # this thread's columns of the block's mask
+    m_run: Any         # running row maxima (log2 domain) and row sums
+    l_run: Any
+    m0: Any            # consumer 0's / the pair's row maxima in shared memory
+    m1: Any
+    tPs_own: Any       # where this consumer stores its P for the other
+    tOrV_own: Any      # V of its own block, of the other's, the other's P
+    tOrV_oth: Any
+    tOrP_oth: Any
+    full: Any          # the stage halves' barriers (s, h at 2 s + h)
+    empty: Any
+    ok: Any            # the producer's masks, [stage, slot]
+    row_lo: Any        # this thread's rows row_lo, row_lo + 8 and first column
+    col_lane: Any
+    lane: Any
+    scale_log2: Any    # sm_scale * log2(e)
 
 
 class SparseAttnFwdSm90:
@@ -96,19 +173,40 @@ class SparseAttnFwdSm90:
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, has_sink: bool,
                  profile: bool = False, refill: bool = True):
-        # shared memory holds Q and two 64-slot stages up to D = 576
-        if D not in (512, 576) or d_v != 512 or (H // G) % BLOCK_H:
-            raise ValueError("SparseAttnFwdSm90 needs D in (512, 576), d_v == 512, (H / G) % 64 == 0")
+        why = self.can_implement(dtype, D, d_v, H, G)
+        if why is not None:
+            raise ValueError(f"SparseAttnFwdSm90: {why}")
+        self.config = FwdSm90Config(dtype, D, d_v, H, G, has_len, has_sink, profile, refill)
         self.dtype = dtype
         self.D, self.d_v, self.H, self.G = D, d_v, H, G
         self.HG = H // G
         self.dv_half = d_v // 2
         self.has_len, self.has_sink = has_len, has_sink
-        self.profile = profile  # per-warp cycle counters into prof_ptr (PROF_*)
-        # refill False: a timing build whose producer gathers each stage on
-        # its first use only and afterwards just signals it, so the consumers
-        # never wait for a gather's round trip; its out is not the attention.
+        self.profile = profile
         self.refill = refill
+        self.timer = Timer(profile, PROF_N)
+
+    @classmethod
+    def from_config(cls, config: FwdSm90Config) -> "SparseAttnFwdSm90":
+        return cls(**{f.name: getattr(config, f.name) for f in fields(config)})
+
+    @staticmethod
+    def can_implement(dtype, D: int, d_v: int, H: int, G: int) -> Optional[str]:
+        """None when the kernel serves this configuration, else the reason.
+        dtype: ``cutlass.BFloat16`` / ``cutlass.Float16`` (anything else is
+        refused, named as given)."""
+        if dtype not in (cutlass.BFloat16, cutlass.Float16):
+            return f"dtype {dtype} is not bf16 or fp16"
+        if D not in (512, 576) or d_v != 512:
+            return f"D={D}, d_v={d_v}: the cute kernel serves D in (512, 576) with d_v = 512"
+        if G <= 0 or H % G:
+            return f"{H} query heads do not split over {G} kv heads"
+        if (H // G) % BLOCK_H:
+            return f"{H // G} query heads per kv head: the cute kernel needs a multiple of {BLOCK_H}"
+        need = smem_bytes(D, d_v, dtype.width // 8)
+        if need > SMEM_LIMIT:
+            return f"needs {need} bytes of shared memory, more than the {SMEM_LIMIT} of an SM90 CTA"
+        return None
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -147,7 +245,7 @@ class SparseAttnFwdSm90:
         p_elems = (1 if self.D > self.d_v else 2) * BLOCK_H * BN
 
         @cute.struct
-        class Smem:
+        class Smem:  # smem_bytes() is its size
             q_full: cute.struct.MemRange[Int64, 1]
             q_empty: cute.struct.MemRange[Int64, 1]
             full: cute.struct.MemRange[Int64, 4]   # stage s, half h at 2 s + h (L = 0, R = 1)
@@ -161,17 +259,13 @@ class SparseAttnFwdSm90:
             sOk: cute.struct.MemRange[Float32, 2 * BN]
 
         self.smem = Smem
-        # Tiles (token, kv head, head block), head blocks fastest: the tiles
-        # of one (token, kv head) run side by side, so the second one's
-        # gathers hit the rows the first just pulled into L2.  CTA c runs the
-        # tiles c, c + n_cta, ...: n_cta = the tile count gives one tile a
-        # CTA, the SM count a persistent grid.
-        n_tiles = T * self.G * (self.HG // BLOCK_H)
+        # tiles (token, kv head, head block) in the order of dsa.cute.scheduler
+        n_tiles = scheduler.tile_count(T, self.G, self.HG // BLOCK_H)
         self.kernel(
             qk_mma, pv_mma, pv_mma_ss, sq_layout, sk_layout, sv_layout, sp_layout,
             q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr, zero_ptr, prof_ptr,
             N, K, n_tiles, scale_log2,
-        ).launch(grid=[cutlass.min(n_cta, n_tiles), 1, 1], block=[THREADS, 1, 1], stream=stream,
+        ).launch(grid=[scheduler.grid_size(n_cta, n_tiles), 1, 1], block=[THREADS, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device
@@ -186,8 +280,7 @@ class SparseAttnFwdSm90:
         N: Int32, K: Int32, n_tiles: Int32, scale_log2: Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        cta, _, _ = cute.arch.block_idx()
-        n_cta, _, _ = cute.arch.grid_dim()
+        sched = scheduler.TileScheduler.create(n_tiles, self.G, self.HG // BLOCK_H)
         wg = cute.arch.make_warp_uniform(tidx // 128)
 
         smem = cutlass.utils.SmemAllocator()
@@ -197,109 +290,50 @@ class SparseAttnFwdSm90:
         sQ = st.sQ.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)
         sK = st.sK.get_tensor(sk_layout.outer, swizzle=sk_layout.inner)
 
-        if tidx == 0:
-            cute.arch.mbarrier_init(q_full, 128)    # the producer's threads
-            cute.arch.mbarrier_init(q_empty, 256)   # both consumers, past their last S of a row
-            for h in cutlass.range_constexpr(4):
-                # the producer's threads; the first half filled of a stage (L
-                # of 0, R of 1) also carries its mask, from one thread a row
-                cute.arch.mbarrier_init(full + h, 128 + (MASK_WRITERS if h in (0, 3) else 0))
-                cute.arch.mbarrier_init(empty + h, 128)  # the consumer reading that half as V
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        arrivals = [(q_full, 0, 128),    # the producer's threads
+                    (q_empty, 0, 256)]   # both consumers, past their last S of a row
+        for h in cutlass.range_constexpr(4):
+            # the producer's threads; the first half filled of a stage (L of
+            # 0, R of 1) also carries its mask, from one thread a row
+            arrivals.append((full, h, 128 + (MASK_WRITERS if h in (0, 3) else 0)))
+            arrivals.append((empty, h, 128))  # the consumer reading that half as V
+        pipeline.init_mbarriers(tidx, arrivals)
 
-        tiles = (cta, n_tiles, n_cta, idx_ptr, len_ptr, K)
+        tiles = Tiles(sched, idx_ptr, len_ptr, K)
         for mma in (qk_mma, pv_mma, pv_mma_ss):
             mma.set(warpgroup.Field.ACCUMULATE, True)
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            self.prof_start()
+            self.timer.start()
             self.producer(tidx, sQ, sK, st.sOk.data_ptr(), bars, tiles, q_ptr, kv_ptr, zero_ptr, N)
-            self.prof_store(prof_ptr, tidx)
+            self.timer.store(prof_ptr, tidx, THREADS // 32, PROF_TOTAL)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             args = (qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, tidx % 128, sQ, sK,
                     st.sP.data_ptr(), st.sM.data_ptr(), st.sL.data_ptr(), st.sOk.data_ptr(), bars, tiles,
                     sink_ptr, out_ptr, lse_ptr, scale_log2)
-            self.prof_start()
+            self.timer.start()
             if wg == 1:
                 self.consumer(0, *args)
             else:
                 self.consumer(1, *args)
-            self.prof_store(prof_ptr, tidx)
-
-    # -------------------------------------------------------------- profile
-    @cute.jit
-    def prof_start(self):
-        if const_expr(self.profile):
-            self._prof = cute.make_rmem_tensor((PROF_N,), Int64)
-            self._prof.fill(0)
-            self._prof_t0 = cute.arch.clock64()
+            self.timer.store(prof_ptr, tidx, THREADS // 32, PROF_TOTAL)
 
     @cute.jit
-    def tick(self):
-        t = Int64(0)
-        if const_expr(self.profile):
-            t = cute.arch.clock64()
-        return t
-
-    @cute.jit
-    def tock(self, cat: cutlass.Constexpr, t0):
-        if const_expr(self.profile):
-            self._prof[cat] = self._prof[cat] + (cute.arch.clock64() - t0)
-
-    @cute.jit
-    def mbar_wait(self, bar, phase, cat: cutlass.Constexpr):
-        t0 = self.tick()
-        cute.arch.mbarrier_wait(bar, phase)
-        self.tock(cat, t0)
-
-    @cute.jit
-    def wgmma_wait(self, n: cutlass.Constexpr):
-        t0 = self.tick()
-        warpgroup.wait_group(n)
-        self.tock(PROF_WGMMA, t0)
-
-    @cute.jit
-    def bar_wait(self, barrier_id: cutlass.Constexpr):
-        t0 = self.tick()
-        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=PAIR_THREADS)
-        self.tock(PROF_BAR, t0)
-
-    @cute.jit
-    def prof_store(self, prof_ptr, tidx):
-        """Lane 0 of each warp writes its counters: prof[cta, warp, PROF_N]."""
-        if const_expr(self.profile):
-            self._prof[PROF_TOTAL] = cute.arch.clock64() - self._prof_t0
-            cta, _, _ = cute.arch.block_idx()
-            if tidx % 32 == 0:
-                base = (Int64(cta) * Int64(THREADS // 32) + Int64(tidx // 32)) * Int64(PROF_N)
-                out = cute.make_tensor(prof_ptr + base, cute.make_layout((PROF_N,)))
-                for c in cutlass.range_constexpr(PROF_N):
-                    out[c] = self._prof[c]
-
-    @cute.jit
-    def tile(self, tile_id, idx_ptr, len_ptr, K):
+    def tile(self, tiles: Tiles, tile_id):
         """Tile tile_id: (token t, kv head g, first query head head0, slots
         [0, L) that may be valid, blocks holding them, the row's indices)."""
-        G, HG = self.G, self.HG
-        HB = HG // BLOCK_H
-        pid = tile_id // HB  # t * G + g
-        hblk = tile_id - pid * HB
-        t = pid // G
-        g = pid - t * G
-        head0 = g * HG + hblk * BLOCK_H
-        L = K
-        if const_expr(self.has_len):
-            L = _load(len_ptr, Int64(t))
-            L = cutlass.max(Int32(0), cutlass.min(L, K))
-        n_blocks = (L + BN - 1) // BN
-        return t, g, head0, L, n_blocks, idx_ptr + Int64(pid) * Int64(K)
+        row, t, g, hblk = tiles.sched.decode(tile_id)
+        head0 = g * self.HG + hblk * BLOCK_H
+        L = rules.row_length(tiles.len_ptr, t, tiles.K, self.has_len)
+        n_blocks = rules.block_count(L, BN)
+        return t, g, head0, L, n_blocks, tiles.idx_ptr + Int64(row) * Int64(tiles.K)
 
+    # -------------------------------------------------------------- producer
     @cute.jit
-    def producer(self, tidx, sQ, sK, sOk, bars, tiles, q_ptr, kv_ptr, zero_ptr, N):
+    def producer(self, tidx, sQ, sK, sOk, bars, tiles: Tiles, q_ptr, kv_ptr, zero_ptr, N):
         q_full, q_empty, full, empty = bars
-        cta, n_tiles, n_cta, idx_ptr, len_ptr, K = tiles
+        sched = tiles.sched
         atom, thr, row_in_pass, col0 = self.copier(tidx)
         tK0 = thr.partition_D(sK[None, None, 0])
         tK1 = thr.partition_D(sK[None, None, 1])
@@ -317,8 +351,8 @@ class SparseAttnFwdSm90:
         u0 = Int32(0)  # uses of stage 0 / stage 1 by earlier tiles
         u1 = Int32(0)
         j = Int32(0)   # tiles done
-        for tile_id in cutlass.range(cta, n_tiles, n_cta, unroll=1):
-            t, g, head0, L, n_blocks, idx_row = self.tile(tile_id, idx_ptr, len_ptr, K)
+        for tile_id in cutlass.range(sched.first, sched.n_tiles, sched.stride, unroll=1):
+            t, g, head0, L, n_blocks, idx_row = self.tile(tiles, tile_id)
             rows = (kv_ptr, zero_ptr, g, L, N, row_in_pass, col0)
             n_pairs = (n_blocks + 1) // 2
             self.fetch_rows(ns0, 0, idx_row, L, row_in_pass)
@@ -335,7 +369,7 @@ class SparseAttnFwdSm90:
                 self.resolve_rows(base0, mk0, ns0, 2, *rows)
                 self.resolve_rows(base1, mk1, ns1, 3, *rows)
             if j > 0:
-                self.mbar_wait(q_empty, (j + 1) % 2, PROF_Q)
+                self.timer.wait_mbarrier(q_empty, freed_phase(j), PROF_Q)
             self.load_q(atom, thr, sQ, q_full, q_ptr, t, head0, row_in_pass, col0)
             for i in cutlass.range(1, n_pairs, unroll=1):
                 # the next pair's indices load while this pair's copies wait and go out
@@ -368,7 +402,7 @@ class SparseAttnFwdSm90:
             row = head0 + row_in_pass + m * 16
             addr = q_ptr.toint() + (Int64(t) * Int64(self.H) + Int64(row)) * Int64(D * ES) + col0 * ES
             for c in cutlass.range_constexpr(D // 64):
-                src = cute.make_tensor(_aligned(self.dtype, addr + c * 64 * ES), cute.make_layout((8,)))
+                src = cute.make_tensor(aligned(self.dtype, addr + c * 64 * ES), cute.make_layout((8,)))
                 cute.copy(atom, src, tQs[None, m, c])
         cute.arch.cp_async_mbarrier_arrive_noinc(q_full)
 
@@ -383,59 +417,48 @@ class SparseAttnFwdSm90:
         n0 = u0 + i
         n1 = u1 + i
         if n0 > 0:
-            self.mbar_wait(empty + 0, (n0 + 1) % 2, PROF_EMPTY)  # the phase completed one use ago
+            self.timer.wait_mbarrier(empty + 0, freed_phase(n0), PROF_EMPTY)
         self.fill(atom, base0, tK0, 0, L_CHUNKS, n0)
         cute.arch.cp_async_mbarrier_arrive_noinc(full + 0)
         self.publish_mask(masks, 0, full + 0)
         if has1:
             if n1 > 0:
-                self.mbar_wait(empty + 3, (n1 + 1) % 2, PROF_EMPTY)
+                self.timer.wait_mbarrier(empty + 3, freed_phase(n1), PROF_EMPTY)
             self.fill(atom, base1, tK1, L_CHUNKS, CHUNKS, n1)
             cute.arch.cp_async_mbarrier_arrive_noinc(full + 3)
             self.publish_mask(masks, 1, full + 3)
         if n0 > 0:
-            self.mbar_wait(empty + 1, (n0 + 1) % 2, PROF_EMPTY)
+            self.timer.wait_mbarrier(empty + 1, freed_phase(n0), PROF_EMPTY)
         self.fill(atom, base0, tK0, L_CHUNKS, CHUNKS, n0)
         cute.arch.cp_async_mbarrier_arrive_noinc(full + 1)
         if has1:
             if n1 > 0:
-                self.mbar_wait(empty + 2, (n1 + 1) % 2, PROF_EMPTY)
+                self.timer.wait_mbarrier(empty + 2, freed_phase(n1), PROF_EMPTY)
             self.fill(atom, base1, tK1, 0, L_CHUNKS, n1)
             cute.arch.cp_async_mbarrier_arrive_noinc(full + 2)
 
     @cute.jit
     def fetch_rows(self, ns, b, idx_row, L, row_in_pass):
-        """ns[m] <- the index of slot b * 64 + row_in_pass + 16 m, issued
-        without a branch between the loads so that they fly together; a slot
-        past L reads slot L - 1 instead (nothing past topk_length is read) and
-        is dropped by resolve_rows; nothing is read when L == 0."""
-        t0 = self.tick()
-        if L > 0:
-            for m in cutlass.range_constexpr(BN // 16):
-                slot = b * BN + row_in_pass + m * 16
-                ns[m] = _load(idx_row, Int64(cutlass.min(slot, L - 1)))
-        self.tock(PROF_LOOKUP, t0)
+        """ns[m] <- the index of slot b * 64 + row_in_pass + 16 m
+        (``rules.fetch_indices``: nothing past topk_length is read)."""
+        t0 = self.timer.tick()
+        rules.fetch_indices(ns, idx_row, b, BN, row_in_pass, 16, L)
+        self.timer.tock(PROF_LOOKUP, t0)
 
     @cute.jit
     def resolve_rows(self, base, mk, ns, b, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0):
         """base[m]: the address this thread copies from for slot b * 64 +
         row_in_pass + 16 m (the zero row when the slot is not valid), mk[m]
         its mask: 0 when valid, else -inf.  The one place the kernel decides
-        validity: slot < topk_length and 0 <= index < N."""
-        t0 = self.tick()
+        validity (``rules.slot_source``)."""
+        t0 = self.timer.tick()
         ES = self.dtype.width // 8
         for m in cutlass.range_constexpr(BN // 16):
             slot = b * BN + row_in_pass + m * 16
-            addr = zero_ptr.toint()
-            mask = -Float32.inf
-            if slot < L:
-                n = ns[m]
-                if n >= 0 and n < N:
-                    addr = kv_ptr.toint() + (Int64(n) * Int64(self.G) + Int64(g)) * Int64(self.D * ES)
-                    mask = Float32(0.0)
+            addr, mask = rules.slot_source(slot, L, ns[m], N, kv_ptr, zero_ptr, g, self.G, self.D * ES)
             base[m] = addr + col0 * ES
             mk[m] = mask
-        self.tock(PROF_LOOKUP, t0)
+        self.timer.tock(PROF_LOOKUP, t0)
 
     @cute.jit
     def publish_mask(self, masks, stage: cutlass.Constexpr, bar):
@@ -462,19 +485,19 @@ class SparseAttnFwdSm90:
 
     @cute.jit
     def copy_half(self, atom, base, tKs, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr):
-        t0 = self.tick()
+        t0 = self.timer.tick()
         ES = self.dtype.width // 8
         for m in cutlass.range_constexpr(BN // 16):
             for c in cutlass.range_constexpr(c_hi - c_lo):
-                src = cute.make_tensor(_aligned(self.dtype, base[m] + (c_lo + c) * 64 * ES), cute.make_layout((8,)))
+                src = cute.make_tensor(aligned(self.dtype, base[m] + (c_lo + c) * 64 * ES), cute.make_layout((8,)))
                 cute.copy(atom, src, tKs[None, m, c_lo + c])
-        self.tock(PROF_ISSUE, t0)
+        self.timer.tock(PROF_ISSUE, t0)
 
+    # ------------------------------------------------------------- consumers
     @cute.jit
-    def consumer(self, w: cutlass.Constexpr, qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, wtid,
-                 sQ, sK, sP, sM, sL, sOk, bars, tiles, sink_ptr, out_ptr, lse_ptr, scale_log2):
-        q_full, q_empty, full, empty = bars
-        cta, n_tiles, n_cta, idx_ptr, len_ptr, K = tiles
+    def consumer_state(self, w: cutlass.Constexpr, qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, wtid,
+                       sQ, sK, sP, sM, sOk, bars, scale_log2) -> ConsumerState:
+        """Consumer w's fragments, accumulators and shared-memory views."""
         D, dvh = self.D, self.dv_half
         lane = wtid % 32
         warp = wtid // 32
@@ -514,23 +537,30 @@ class SparseAttnFwdSm90:
         m_run = cute.make_rmem_tensor((2,), Float32)
         l_run = cute.make_rmem_tensor((2,), Float32)
         mask = cute.make_rmem_tensor((cute.size(acc_s) // 4, 2), Float32)
+        return ConsumerState(qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, acc_s, acc_o, r_p, mask, m_run, l_run,
+                             m0, m1, tPs_own, tOrV_own, tOrV_oth, tOrP_oth, bars[2], bars[3], ok,
+                             row_lo, col_lane, lane, scale_log2)
 
+    @cute.jit
+    def consumer(self, w: cutlass.Constexpr, qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, wtid,
+                 sQ, sK, sP, sM, sL, sOk, bars, tiles: Tiles, sink_ptr, out_ptr, lse_ptr, scale_log2):
+        q_full, q_empty, full, empty = bars
+        sched = tiles.sched
+        cs = self.consumer_state(w, qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, wtid,
+                                 sQ, sK, sP, sM, sOk, bars, scale_log2)
         u0 = Int32(0)  # uses of stage 0 / stage 1 by earlier tiles
         u1 = Int32(0)
         j = Int32(0)   # tiles done
-        for tile_id in cutlass.range(cta, n_tiles, n_cta, unroll=1):
-            t, g, head0, L, n_blocks, idx_row = self.tile(tile_id, idx_ptr, len_ptr, K)
-            acc_o.fill(0.0)
-            m_run.fill(-Float32.inf)
-            l_run.fill(0.0)
-            cs = (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, acc_s, acc_o, r_p, mask, m_run, l_run, m0, m1,
-                  tPs_own, tOrV_own, tOrV_oth, tOrP_oth, full, empty, ok, row_lo, col_lane, lane,
-                  scale_log2)
+        for tile_id in cutlass.range(sched.first, sched.n_tiles, sched.stride, unroll=1):
+            t, g, head0, L, n_blocks, idx_row = self.tile(tiles, tile_id)
+            cs.acc_o.fill(0.0)
+            cs.m_run.fill(-Float32.inf)
+            cs.l_run.fill(0.0)
             n_full = n_blocks // 2
-            self.mbar_wait(q_full, j % 2, PROF_Q)
+            self.timer.wait_mbarrier(q_full, phase(j), PROF_Q)
             if const_expr(w == 0):
                 if n_blocks > 0:
-                    self.qk(cs, 0, 0, u0 % 2, True)
+                    self.qk(cs, 0, 0, phase(u0), True)
                 for i in cutlass.range(n_full, unroll=1):
                     self.pair0(cs, i, n_blocks, True, u0)
                 if n_blocks % 2 == 1:
@@ -541,17 +571,16 @@ class SparseAttnFwdSm90:
                 if n_blocks % 2 == 1:
                     self.pair1(cs, n_full, False, u1)
             cute.arch.mbarrier_arrive(q_empty)  # Q may be refilled
-            self.tile_end(w, acc_o, m_run, l_run, sL + (j % 2) * (2 * BLOCK_H), lane, row_lo, col_lane,
-                          sink_ptr, out_ptr, lse_ptr, t, head0)
+            self.tile_end(w, cs, sL + (j % 2) * (2 * BLOCK_H), sink_ptr, out_ptr, lse_ptr, t, head0)
             u0 = u0 + (n_blocks + 1) // 2
             u1 = u1 + n_full
             j = j + 1
 
     @cute.jit
-    def tile_end(self, w: cutlass.Constexpr, acc_o, m_run, l_run, sL, lane, row_lo, col_lane,
-                 sink_ptr, out_ptr, lse_ptr, t, head0):
+    def tile_end(self, w: cutlass.Constexpr, cs: ConsumerState, sL, sink_ptr, out_ptr, lse_ptr, t, head0):
         """Row sums over the 4 threads of a row, then over both consumers
         (sL: this tile's buffer of 2 x 64); then the epilogue."""
+        l_run, lane, row_lo = cs.l_run, cs.lane, cs.row_lo
         l_own = cute.make_tensor(sL + w * BLOCK_H, cute.make_layout((BLOCK_H,)))
         l_oth = cute.make_tensor(sL + (1 - w) * BLOCK_H, cute.make_layout((BLOCK_H,)))
         for r in cutlass.range_constexpr(2):
@@ -561,28 +590,27 @@ class SparseAttnFwdSm90:
             l_run[r] = l
             if lane % 4 == 0:
                 l_own[row_lo + 8 * r] = l
-        self.bar_wait(Barrier.ROW_SUMS)
+        self.timer.wait_barrier(Barrier.ROW_SUMS, PAIR_THREADS, PROF_BAR)
         for r in cutlass.range_constexpr(2):
             l_run[r] = l_run[r] + l_oth[row_lo + 8 * r]
-        t0 = self.tick()
-        self.epilogue(acc_o, m_run, l_run, w, lane, row_lo, col_lane, sink_ptr, out_ptr, lse_ptr, t, head0)
-        self.tock(PROF_EPI, t0)
+        t0 = self.timer.tick()
+        self.epilogue(cs.acc_o, cs.m_run, l_run, w, lane, row_lo, cs.col_lane, sink_ptr, out_ptr, lse_ptr,
+                      t, head0)
+        self.timer.tock(PROF_EPI, t0)
 
     # -------------------------------------------------------- consumer steps
     @cute.jit
-    def qk(self, cs, stage: cutlass.Constexpr, i, ph, first_l: cutlass.Constexpr):
+    def qk(self, cs: ConsumerState, stage: cutlass.Constexpr, i, ph, first_l: cutlass.Constexpr):
         """S = Q K^T of the block in ``stage`` for pair i (barrier phase ph), its
         L half first when first_l, then masked and scaled to the log2 domain.
         Consumer 0 calls it with its previous remote P V still in flight and
         releases stage 1's L half between the halves."""
-        (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, acc_s, acc_o, r_p, mask, m_run, l_run, m0, m1,
-         tPs_own, tOrV_own, tOrV_oth, tOrP_oth, full, empty, ok, row_lo, col_lane, lane,
-         scale_log2) = cs
+        qk_mma, tSrQ, tSrK, acc_s, mask = cs.qk_mma, cs.tSrQ, cs.tSrK, cs.acc_s, cs.mask
         KD = self.D // 16
         KL = L_CHUNKS * 4
         first = 2 * stage + (0 if first_l else 1)
         acc_s.fill(0.0)
-        self.mbar_wait(full + first, ph, PROF_FULL)
+        self.timer.wait_mbarrier(cs.full + first, ph, PROF_FULL)
         warpgroup.fence()
         if const_expr(first_l):
             for k in cutlass.range_constexpr(KL):
@@ -594,9 +622,9 @@ class SparseAttnFwdSm90:
         if const_expr(stage == 0):
             if i > 0:
                 # consumer 0's P1 V1 of the last pair has retired: stage 1's L is free
-                self.wgmma_wait(1)
-                cute.arch.mbarrier_arrive(empty + 2)
-        self.mbar_wait(full + (2 * stage + (1 if first_l else 0)), ph, PROF_FULL)
+                self.timer.wait_wgmma(1, PROF_WGMMA)
+                cute.arch.mbarrier_arrive(cs.empty + 2)
+        self.timer.wait_mbarrier(cs.full + (2 * stage + (1 if first_l else 0)), ph, PROF_FULL)
         warpgroup.fence()
         if const_expr(first_l):
             for k in cutlass.range_constexpr(KD - KL):
@@ -611,24 +639,22 @@ class SparseAttnFwdSm90:
         NS = cute.size(acc_s)
         for j in cutlass.range_constexpr(NS // 4):
             for e in cutlass.range_constexpr(2):
-                mask[j, e] = ok[stage, 8 * j + col_lane + e]
-        self.wgmma_wait(0)
+                mask[j, e] = cs.ok[stage, 8 * j + cs.col_lane + e]
+        self.timer.wait_wgmma(0, PROF_WGMMA)
         for j in cutlass.range_constexpr(NS // 4):
             for r in cutlass.range_constexpr(2):
                 for e in cutlass.range_constexpr(2):
-                    acc_s[4 * j + 2 * r + e] = acc_s[4 * j + 2 * r + e] * scale_log2 + mask[j, e]
+                    acc_s[4 * j + 2 * r + e] = acc_s[4 * j + 2 * r + e] * cs.scale_log2 + mask[j, e]
 
     @cute.jit
-    def softmax(self, cs, m_new):
+    def softmax(self, cs: ConsumerState, m_new):
         """acc_s <- exp2(S - m_new) in place, r_p its 16-bit copy; l and O
         rescaled from the running maximum to m_new, which becomes it."""
-        (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, acc_s, acc_o, r_p, mask, m_run, l_run, m0, m1,
-         tPs_own, tOrV_own, tOrV_oth, tOrP_oth, full, empty, ok, row_lo, col_lane, lane,
-         scale_log2) = cs
+        acc_s, r_p, m_run, l_run = cs.acc_s, cs.r_p, cs.m_run, cs.l_run
         NS = cute.size(acc_s)
         alpha = cute.make_rmem_tensor((2,), Float32)
         for r in cutlass.range_constexpr(2):
-            mu = _shift(m_new[r])
+            mu = finite_shift(m_new[r])
             alpha[r] = cute.math.exp2(m_run[r] - mu, fastmath=True)
             rs = Float32(0.0)
             for j in cutlass.range_constexpr(NS // 4):
@@ -641,7 +667,7 @@ class SparseAttnFwdSm90:
             m_run[r] = m_new[r]
         for i_ in cutlass.range_constexpr(NS):
             r_p[i_] = acc_s[i_].to(self.dtype)
-        self.rescale_o(acc_o, alpha)
+        self.rescale_o(cs.acc_o, alpha)
 
     @cute.jit
     def rescale_o(self, acc_o, alpha):
@@ -675,91 +701,88 @@ class SparseAttnFwdSm90:
         warpgroup.commit_group()
 
     @cute.jit
-    def pair0(self, cs, i, n_blocks, has1: cutlass.Constexpr, u0):
+    def pair0(self, cs: ConsumerState, i, n_blocks, has1: cutlass.Constexpr, u0):
         """Consumer 0, pair i: S of block 2i is in acc_s (masked). u0: uses of
         stage 0 by earlier tiles. Every half it reads as V is released, so the
         next tile finds the stages free."""
-        (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, acc_s, acc_o, r_p, mask, m_run, l_run, m0, m1,
-         tPs_own, tOrV_own, tOrV_oth, tOrP_oth, full, empty, ok, row_lo, col_lane, lane,
-         scale_log2) = cs
+        acc_s, acc_o, r_p, m_run, l_run = cs.acc_s, cs.acc_o, cs.r_p, cs.m_run, cs.l_run
+        row_lo = cs.row_lo
         NS = cute.size(acc_s)
         mx = cute.make_rmem_tensor((2,), Float32)
         self.row_max(acc_s, mx)
         for r in cutlass.range_constexpr(2):
             mx[r] = cute.arch.fmax(mx[r], m_run[r])
-            if lane % 4 == 0:
-                m0[row_lo + 8 * r] = mx[r]
-        cute.arch.barrier_arrive(barrier_id=Barrier.MAX0, number_of_threads=PAIR_THREADS)
+            if cs.lane % 4 == 0:
+                cs.m0[row_lo + 8 * r] = mx[r]
+        pipeline.arrive(Barrier.MAX0, PAIR_THREADS)
         self.softmax(cs, mx)
-        self.pv(pv_mma, acc_o, r_p, tOrV_own)
-        self.wgmma_wait(0)
-        cute.arch.mbarrier_arrive(empty + 0)  # stage 0's L: no one reads it again this pair
+        self.pv(cs.pv_mma, acc_o, r_p, cs.tOrV_own)
+        self.timer.wait_wgmma(0, PROF_WGMMA)
+        cute.arch.mbarrier_arrive(cs.empty + 0)  # stage 0's L: no one reads it again this pair
         if const_expr(has1):
             # the pair's maxima from consumer 1; P0 rescaled to them
-            self.bar_wait(Barrier.MAX1)
+            self.timer.wait_barrier(Barrier.MAX1, PAIR_THREADS, PROF_BAR)
             sc = cute.make_rmem_tensor((2,), Float32)
             for r in cutlass.range_constexpr(2):
-                mp = m1[row_lo + 8 * r]
-                sc[r] = cute.math.exp2(m_run[r] - _shift(mp), fastmath=True)
+                mp = cs.m1[row_lo + 8 * r]
+                sc[r] = cute.math.exp2(m_run[r] - finite_shift(mp), fastmath=True)
                 m_run[r] = mp
                 l_run[r] = l_run[r] * sc[r]
             for i_ in cutlass.range_constexpr(NS):
                 r_p[i_] = (acc_s[i_] * sc[(i_ // 2) % 2]).to(self.dtype)
-            self.store_p(r_p, acc_s, tPs_own)
-            cute.arch.barrier_arrive(barrier_id=Barrier.P0, number_of_threads=PAIR_THREADS)
+            self.store_p(r_p, acc_s, cs.tPs_own)
+            pipeline.arrive(Barrier.P0, PAIR_THREADS)
             self.rescale_o(acc_o, sc)
-            self.bar_wait(Barrier.P1)
-            self.pv(pv_mma_ss, acc_o, tOrP_oth, tOrV_oth)
+            self.timer.wait_barrier(Barrier.P1, PAIR_THREADS, PROF_BAR)
+            self.pv(cs.pv_mma_ss, acc_o, cs.tOrP_oth, cs.tOrV_oth)
             if 2 * i + 2 < n_blocks:
-                self.qk(cs, 0, i + 1, (u0 + i + 1) % 2, True)  # releases stage 1's L once P1 V1 retires
+                self.qk(cs, 0, i + 1, phase(u0 + i + 1), True)  # releases stage 1's L once P1 V1 retires
             else:
-                self.wgmma_wait(0)
-                cute.arch.mbarrier_arrive(empty + 2)
+                self.timer.wait_wgmma(0, PROF_WGMMA)
+                cute.arch.mbarrier_arrive(cs.empty + 2)
         else:
             # the last block, alone: its maxima are final, consumer 1 only needs P0
-            self.store_p(r_p, acc_s, tPs_own)
-            cute.arch.barrier_arrive(barrier_id=Barrier.P0, number_of_threads=PAIR_THREADS)
+            self.store_p(r_p, acc_s, cs.tPs_own)
+            pipeline.arrive(Barrier.P0, PAIR_THREADS)
 
     @cute.jit
-    def pair1(self, cs, i, has1: cutlass.Constexpr, u1):
+    def pair1(self, cs: ConsumerState, i, has1: cutlass.Constexpr, u1):
         """Consumer 1, pair i: S of block 2i + 1 when has1, then O over both.
         u1: uses of stage 1 by earlier tiles."""
-        (qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, acc_s, acc_o, r_p, mask, m_run, l_run, m0, m1,
-         tPs_own, tOrV_own, tOrV_oth, tOrP_oth, full, empty, ok, row_lo, col_lane, lane,
-         scale_log2) = cs
+        acc_o, m_run, l_run, row_lo = cs.acc_o, cs.m_run, cs.l_run, cs.row_lo
         mx = cute.make_rmem_tensor((2,), Float32)
         if const_expr(has1):
-            self.qk(cs, 1, i, (u1 + i) % 2, False)
-            self.row_max(acc_s, mx)
+            self.qk(cs, 1, i, phase(u1 + i), False)
+            self.row_max(cs.acc_s, mx)
         else:
             mx.fill(-Float32.inf)
-        self.bar_wait(Barrier.MAX0)
+        self.timer.wait_barrier(Barrier.MAX0, PAIR_THREADS, PROF_BAR)
         for r in cutlass.range_constexpr(2):
             # consumer 0's maxima already hold every earlier block's
-            mx[r] = cute.arch.fmax(mx[r], m0[row_lo + 8 * r])
+            mx[r] = cute.arch.fmax(mx[r], cs.m0[row_lo + 8 * r])
         if const_expr(has1):
             for r in cutlass.range_constexpr(2):
-                if lane % 4 == 0:
-                    m1[row_lo + 8 * r] = mx[r]
-            cute.arch.barrier_arrive(barrier_id=Barrier.MAX1, number_of_threads=PAIR_THREADS)
+                if cs.lane % 4 == 0:
+                    cs.m1[row_lo + 8 * r] = mx[r]
+            pipeline.arrive(Barrier.MAX1, PAIR_THREADS)
             self.softmax(cs, mx)
-            self.pv(pv_mma, acc_o, r_p, tOrV_own)
-            self.store_p(r_p, acc_s, tPs_own)
+            self.pv(cs.pv_mma, acc_o, cs.r_p, cs.tOrV_own)
+            self.store_p(cs.r_p, cs.acc_s, cs.tPs_own)
         else:
             alpha = cute.make_rmem_tensor((2,), Float32)
             for r in cutlass.range_constexpr(2):
-                alpha[r] = cute.math.exp2(m_run[r] - _shift(mx[r]), fastmath=True)
+                alpha[r] = cute.math.exp2(m_run[r] - finite_shift(mx[r]), fastmath=True)
                 l_run[r] = l_run[r] * alpha[r]
                 m_run[r] = mx[r]
             self.rescale_o(acc_o, alpha)
-        self.bar_wait(Barrier.P0)
-        self.pv(pv_mma_ss, acc_o, tOrP_oth, tOrV_oth)
+        self.timer.wait_barrier(Barrier.P0, PAIR_THREADS, PROF_BAR)
+        self.pv(cs.pv_mma_ss, acc_o, cs.tOrP_oth, cs.tOrV_oth)
         if const_expr(has1):
-            cute.arch.barrier_arrive(barrier_id=Barrier.P1, number_of_threads=PAIR_THREADS)
-            self.wgmma_wait(1)
-            cute.arch.mbarrier_arrive(empty + 3)  # stage 1's R
-        self.wgmma_wait(0)
-        cute.arch.mbarrier_arrive(empty + 1)      # stage 0's R (and P0 with it)
+            pipeline.arrive(Barrier.P1, PAIR_THREADS)
+            self.timer.wait_wgmma(1, PROF_WGMMA)
+            cute.arch.mbarrier_arrive(cs.empty + 3)  # stage 1's R
+        self.timer.wait_wgmma(0, PROF_WGMMA)
+        cute.arch.mbarrier_arrive(cs.empty + 1)      # stage 0's R (and P0 with it)
 
     @cute.jit
     def epilogue(self, acc_o, m_run, l_run, half, lane, row_lo, col_lane, sink_ptr, out_ptr, lse_ptr,
@@ -767,25 +790,33 @@ class SparseAttnFwdSm90:
         """out = O / (l + exp(sink)) for this consumer's column half; lse
         (+inf on a row with no valid slot) from consumer 0.  m_run is the
         running maximum (log2 domain), l_run the whole row sum."""
-        dvh = self.dv_half
-        NO = cute.size(acc_o)
         inv = cute.make_rmem_tensor((2,), Float32)
         for r in cutlass.range_constexpr(2):
-            mu = m_run[r]
-            if mu == -Float32.inf:
-                mu = Float32(0.0)
+            mu = finite_shift(m_run[r])
             m_run[r] = mu
             den = l_run[r]
             if const_expr(self.has_sink):
                 # sink * log2(e) overflows to +inf for sinks above ~2.4e38:
                 # the sink then takes all the probability and out is 0.
-                sk = _load(sink_ptr, Int64(head0 + row_lo + 8 * r)) * LOG2E
+                sk = load(sink_ptr, Int64(head0 + row_lo + 8 * r)) * LOG2E
                 den = den + cute.math.exp2(sk - mu, fastmath=False)
             iv = Float32(0.0)
             if den != 0.0:
                 iv = 1.0 / den
             inv[r] = iv
+        self.store_out(acc_o, inv, half, lane, row_lo, out_ptr, t, head0)
+        if half == 0 and lane % 4 == 0:
+            for r in cutlass.range_constexpr(2):
+                lse = rules.row_lse(m_run, l_run, r)
+                pl = cute.make_tensor(lse_ptr + (Int64(t) * Int64(self.H) + Int64(head0 + row_lo + 8 * r)),
+                                      cute.make_layout((1,)))
+                pl[0] = lse
 
+    @cute.jit
+    def store_out(self, acc_o, inv, half, lane, row_lo, out_ptr, t, head0):
+        """out[t, head0 + row, half * 256 + column] = O * inv[row] in q.dtype."""
+        dvh = self.dv_half
+        NO = cute.size(acc_o)
         out_base = out_ptr + (Int64(t) * Int64(self.H) + Int64(head0)) * Int64(self.d_v) + half * dvh
         # Element 4j + 2r + e sits at row row_lo + 8r, column 8j + col_lane + e:
         # a thread holds 4 bytes of each 16-byte chunk j of its rows, the quad
@@ -819,24 +850,3 @@ class SparseAttnFwdSm90:
                 off = Int64(row) * Int64(self.d_v) + 8 * (4 * g + q)
                 dst = cute.make_ptr(Int32, (out_base + off).toint(), cute.AddressSpace.gmem, assumed_align=16)
                 cute.autovec_copy(w4, cute.make_tensor(dst, cute.make_layout((4,))))
-
-        if half == 0 and lane % 4 == 0:
-            for r in cutlass.range_constexpr(2):
-                lse = Float32.inf
-                if l_run[r] != 0.0:
-                    lse = (m_run[r] + cute.math.log2(l_run[r], fastmath=False)) * LN2
-                pl = cute.make_tensor(lse_ptr + (Int64(t) * Int64(self.H) + Int64(head0 + row_lo + 8 * r)),
-                                      cute.make_layout((1,)))
-                pl[0] = lse
-
-
-@cute.jit
-def _aligned(dtype, addr: Int64) -> cute.Pointer:
-    # Row starts are 16-byte aligned (D % 64 == 0, 16-byte aligned bases).
-    return cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=16)
-
-
-@cute.jit
-def _load(ptr: cute.Pointer, off: Int64):
-    """ptr[off], one element of global memory."""
-    return cute.make_tensor(ptr + off, cute.make_layout((1,)))[0]

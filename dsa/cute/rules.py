@@ -1,0 +1,98 @@
+"""The contract's validity rules on the device, for the CuTe DSL kernels.
+
+docs/semantics.md states them; ``dsa._rules`` is their host form.  A row
+(token t, kv head g) has the slots ``[0, L)`` with L = clamp(topk_length[t],
+0, K) (K without ``topk_length``); slot s is valid when s < L and its index n
+satisfies 0 <= n < N.  A kernel decides validity in one place, where it
+resolves the source row of each slot (``slot_source``):
+
+* an invalid slot reads a row of zeros instead of kv, so NaN or Inf stored
+  in a kv row that no valid slot names never enters a tile;
+* its score mask is -inf (0 for a valid slot), added to S;
+* no index past L is read (``fetch_indices``), and a kernel's loop over
+  blocks of slots ends at the last block holding a slot below L
+  (``block_count``).
+
+Row maxima are kept in the log2 domain; a row with no valid slot so far
+keeps the maximum -inf and is shifted by 0 (``finite_shift``), so that no
+(-inf) - (-inf) appears, and its lse is +inf (``row_lse``).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+
+from dsa.cute.gmem import load
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@cute.jit
+def row_length(len_ptr: cute.Pointer, t, K, has_len: cutlass.Constexpr):
+    """L = clamp(topk_length[t], 0, K) (int32 topk_length), or K when the
+    call has none (``len_ptr`` is then never read)."""
+    L = K
+    if const_expr(has_len):
+        L = load(len_ptr, Int64(t))
+        L = cutlass.max(Int32(0), cutlass.min(L, K))
+    return L
+
+
+def block_count(L, block: int):
+    """The blocks of ``block`` slots that hold the slots [0, L): a loop over
+    blocks ends after the last one holding a valid slot."""
+    return (L + block - 1) // block
+
+
+@cute.jit
+def fetch_indices(ns, idx_row: cute.Pointer, block, block_slots: cutlass.Constexpr, first, stride: cutlass.Constexpr,
+                  L):
+    """ns[m] <- the index of slot block * block_slots + first + stride * m
+    (this thread's slots of a block; int32 indices of one row at
+    ``idx_row``), all loads issued with no branch between them so that they
+    fly together.  A slot past L reads slot L - 1 instead (nothing past
+    topk_length is read; ``slot_source`` drops it); nothing is read when
+    L == 0."""
+    if L > 0:
+        for m in cutlass.range_constexpr(cute.size(ns)):
+            slot = block * block_slots + first + m * stride
+            ns[m] = load(idx_row, Int64(cutlass.min(slot, L - 1)))
+
+
+@cute.jit
+def slot_source(slot, L, n, N, kv_ptr: cute.Pointer, zero_ptr: cute.Pointer, g,
+                G: cutlass.Constexpr, row_bytes: cutlass.Constexpr):
+    """(byte address, mask) of slot ``slot`` whose index is ``n``: the kv row
+    (n, g) of a [N, G, row_bytes] tensor at ``kv_ptr`` and mask 0 when the
+    slot is valid (slot < L, 0 <= n < N), else the zero row at ``zero_ptr``
+    and mask -inf.  ``n`` is only looked at for a slot below L."""
+    addr = zero_ptr.toint()
+    mask = -Float32.inf
+    if slot < L:
+        if n >= 0 and n < N:
+            addr = kv_ptr.toint() + (Int64(n) * Int64(G) + Int64(g)) * Int64(row_bytes)
+            mask = Float32(0.0)
+    return addr, mask
+
+
+@cute.jit
+def finite_shift(m):
+    """The subtrahend of exp2(x - m): m, or 0 for a row whose maximum is -inf."""
+    mu = m
+    if m == -Float32.inf:
+        mu = Float32(0.0)
+    return mu
+
+
+@cute.jit
+def row_lse(mu, l, r: cutlass.Constexpr):
+    """lse (natural log) of row r from the register tensors ``mu`` (shifted
+    log2-domain maxima, ``finite_shift``) and ``l`` (row sums): +inf for a
+    row with no valid slot (l == 0)."""
+    lse = Float32.inf
+    if l[r] != 0.0:
+        lse = (mu[r] + cute.math.log2(l[r], fastmath=False)) * LN2
+    return lse

@@ -1,0 +1,57 @@
+"""The static persistent tile schedule shared by the CuTe DSL attention kernels.
+
+A tile is one (token t, kv head g, block of query heads of that kv head);
+tiles are numbered with head blocks fastest, then kv heads, then tokens, so
+that the tiles of one (t, g) run side by side and the second one's gathers
+hit the kv rows the first just pulled into L2.  The grid has
+``grid_size(ctas, n_tiles)`` CTAs and CTA c runs the tiles c, c + grid,
+c + 2 grid, ...: ``ctas`` = the tile count gives one tile a CTA, the SM
+count a persistent grid whose CTAs overlap one tile's loads with the
+previous tile's tail.  The same compiled kernel serves both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+
+
+def tile_count(T, G: int, head_blocks: int):
+    """Tiles of a call: T tokens x G kv heads x ``head_blocks`` head blocks."""
+    return T * G * head_blocks
+
+
+def grid_size(ctas, n_tiles):
+    """The CTAs launched for ``ctas`` requested: never more than the tiles."""
+    return cutlass.min(ctas, n_tiles)
+
+
+@dataclass(frozen=True)
+class TileScheduler:
+    """This CTA's tiles: ``for tile_id in cutlass.range(s.first, s.n_tiles,
+    s.stride, unroll=1)``, each decoded by ``decode``.  Built once per kernel
+    (``create``) and never reassigned, so it travels as plain Python."""
+
+    first: Any       # Int32: this CTA's index, its first tile
+    n_tiles: Any     # Int32
+    stride: Any      # Int32: the grid size
+    G: int           # kv heads
+    head_blocks: int  # head blocks per kv head
+
+    @staticmethod
+    def create(n_tiles, G: int, head_blocks: int) -> "TileScheduler":
+        cta, _, _ = cute.arch.block_idx()
+        n_cta, _, _ = cute.arch.grid_dim()
+        return TileScheduler(cta, n_tiles, n_cta, G, head_blocks)
+
+    def decode(self, tile_id):
+        """(row, t, g, head block) of tile ``tile_id``; row = t * G + g, the
+        (token, kv head) row of the indices."""
+        row = tile_id // self.head_blocks
+        hblk = tile_id - row * self.head_blocks
+        t = row // self.G
+        g = row - t * self.G
+        return row, t, g, hblk

@@ -122,4 +122,7 @@ def select(op: str, args: Any, backend: str = "auto") -> Choice:
     fn, why = _try("reference", op, args, auto=True)
     if fn is None:  # the reference serves every valid call
         raise ValueError(f"no backend can run {op}: {why}")
+    if candidates:  # a CUDA call that every GPU backend declined
+        reasons.insert(0, ("reference", "chosen because no GPU backend serves this call (their reasons follow); "
+                                        "exact, and bitwise reproducible with deterministic=True"))
     return Choice("reference", fn, reasons)

@@ -213,3 +213,29 @@ def test_explain_says_dsa_backend_decided(clean_env, explicit):
     assert f"DSA_BACKEND=reference overrides backend='{explicit}'" in text, text
     clean_env.delenv("DSA_BACKEND")
     assert "DSA_BACKEND" not in dsa.explain("sparse_attention", *args, backend="reference", **kw)
+
+
+def test_explain_says_why_the_reference_serves_a_cuda_call(clean_env, monkeypatch):
+    """A CUDA call no GPU backend serves goes to the reference, and explain says why (checked on CPU
+    by making the tensors look like CUDA ones to the selector)."""
+    from dsa import selector
+    from dsa._args import Unsupported
+
+    real = selector._hook
+
+    def hook(name):
+        if name == "reference":
+            return real(name)
+
+        def declines(op, args, auto):
+            raise Unsupported(f"{name} declines fp32 here")
+
+        return declines
+
+    monkeypatch.setattr(selector, "_device_type", lambda args: "cuda")
+    monkeypatch.setattr(selector, "_hook", hook)
+    args, kw = _op_args("sparse_attention")
+    text = dsa.explain("sparse_attention", *args, deterministic=True, **kw)
+    assert "backend 'reference'" in text
+    assert "no GPU backend serves this call" in text and "bitwise" in text
+    assert "triton declines fp32 here" in text and "cute declines fp32 here" in text

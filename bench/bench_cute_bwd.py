@@ -30,6 +30,8 @@ SHAPES = {
     "v32half": (4096, 8192, 128, 576, 2048, True, False),
     "v32det": (4096, 8192, 128, 576, 2048, False, True),
 }
+# the same shape with the build whose dkv chunks are not pipelined
+SERIAL = {"v32serial": "v32", "v4proserial": "v4pro"}
 
 
 def _args(T, N, H, D, K, half, det, seed=0) -> SparseAttnArgs:
@@ -49,7 +51,8 @@ def _rel(a, b) -> float:
 
 
 def run(name: str) -> None:
-    T, N, H, D, K, half, det = SHAPES[name]
+    cbwd.PIPELINED = name not in SERIAL
+    T, N, H, D, K, half, det = SHAPES[SERIAL.get(name, name)]
     a = _args(T, N, H, D, K, half, det)
     out, lse = tsa.forward(a)
     dout = torch.randn(T, H, 512, device="cuda", dtype=torch.bfloat16)

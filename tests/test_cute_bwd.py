@@ -55,7 +55,7 @@ for name, dt, D, H, G, has_len, det in json.loads(sys.argv[1]):
     res[name] = {k: ptx.count(k) for k in (
         "wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc",
         "red.relaxed.gpu.global.add.v2.f32", "st.global.v2.f32", "setmaxnreg.inc", "setmaxnreg.dec",
-        "mbarrier.try_wait", "bar.sync")}
+        "mbarrier.try_wait", "bar.sync", "bar.arrive")}
 print("RESULT" + json.dumps(res))
 """
 
@@ -75,9 +75,10 @@ def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
     for name, dt, D, H, G, has_len, det in _CONFIGS:
         r = res[name]
-        # per block: S (D / 16) on both consumers, dP (d_v / 16), dQ (4 a tile),
-        # on each consumer, dkv (8 per value chunk, 4 per RoPE chunk)
-        n_wgmma = 2 * D // 16 + 512 // 16 + 2 * 4 + 4 * (D > 512) + 8 * 8 + 4 * (D > 512)
+        # per block: S (D / 16) and dP (d_v / 16) on consumer 0, dQ (4 a
+        # tile, one tile on each consumer and the RoPE one), dkv (8 per value
+        # chunk, 4 per RoPE chunk)
+        n_wgmma = D // 16 + 512 // 16 + 2 * 4 + 4 * (D > 512) + 8 * 8 + 4 * (D > 512)
         assert r["wgmma.mma_async"] == n_wgmma, (name, r)
         assert r["cp.async.cg.shared.global"] >= D // 64 * 4, (name, r)  # the gather
         assert r["cp.async.mbarrier.arrive.noinc"] >= 2, (name, r)       # Q and dO; each block
@@ -87,7 +88,8 @@ def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
         assert r["st.global.v2.f32"] == (n_out if det else 0), (name, r)
         assert r["setmaxnreg.inc"] >= 1 and r["setmaxnreg.dec"] >= 1, (name, r)
         assert r["mbarrier.try_wait"] >= 3, (name, r)
-        assert r["bar.sync"] >= 2, (name, r)  # the dS / P hand-off between the consumers
+        # the dS / P hand-off between the consumers: written (READY), free again (FREE)
+        assert r["bar.sync"] >= 2 and r["bar.arrive"] >= 2, (name, r)
 
 
 # --------------------------------------------------------------------------

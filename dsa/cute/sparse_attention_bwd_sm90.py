@@ -8,21 +8,27 @@ One CTA per (token t, kv head g, block of 64 query heads), three warpgroups:
   with ``cp.async.mbarrier.arrive``.  An invalid slot copies a row of zeros,
   so whatever is stored in kv rows no valid slot names is never read; the
   producer publishes the block's mask (0 or -inf by slot) with the stage.
-* warpgroups 1 and 2, the consumers.  Both compute S = Q K^T (wgmma, both
-  operands in shared memory) and P = exp2(S log2e scale - log2 den) (masked);
-  consumer 0 also computes dP = dO V^T and dS = P (dP - Delta) sm_scale.
-  Consumer 0 stores dS, consumer 1 P, both [64 heads, 64 slots] K-major in
-  shared memory.  Then each consumer owns a set of 64-column chunks of D
-  (consumer 0: [0, 256), consumer 1: [256, D)):
+* warpgroups 1 and 2, the consumers, with different roles so that one's
+  tensor-core work runs under the other's atomics.  Consumer 0 computes
+  S = Q K^T and dP = dO V^T (wgmma, both operands in shared memory),
+  P = exp2(S log2e scale - log2 den) (masked) and dS = P (dP - Delta)
+  sm_scale, and stores dS and P, [64 heads, 64 slots] K-major, in shared
+  memory.  Then both, for their share of the columns (consumer 0: [0, 256),
+  consumer 1: [256, D)):
     dQ[:, own] += dS K[:, own]        (register accumulator, the whole loop)
-  after which the stage is released to the producer, and per own chunk c
-    dKV_c = dS^T Q[:, c] (+ P^T dO[:, c] for value columns)   [64 slots, 64]
-  added with ``red.global.add.v2.f32`` into dkv[idx] (fp32), or stored per
-  (token, slot) for the deterministic reduction.  V is the K tile itself
-  (its first d_v columns); transposed operands are the same shared-memory
-  bytes read MN-major, as in the forward.
-* Two named barriers order the dS / P buffers between the consumers: FREE
-  (both finished reading the previous block's) and READY (both written).
+  after which the stage is released to the producer.  dKV of the block is
+  computed per 64-column chunk c (consumer 0: chunks 0-1, consumer 1: the
+  rest), dKV_c = dS^T Q[:, c] (+ P^T dO[:, c] for value columns) [64 slots,
+  64], and added with ``red.global.add.v2.f32`` into dkv[idx] (fp32), or
+  stored per (token, slot) for the deterministic reduction.  Consumer 1
+  keeps two chunk accumulators: the next chunk's wgmma runs under the
+  current chunk's atomics.  V is the K tile itself (its first d_v columns);
+  transposed operands are the same shared-memory bytes read MN-major, as in
+  the forward.
+* Two named barriers hand the dS / P buffers between the consumers: READY
+  (consumer 0 has stored the block's) and FREE (consumer 1's last wgmma on
+  the previous block's is done), so consumer 0 computes block i + 1's
+  scores while consumer 1 still scatters block i.
 
 The loop stops after the last block holding a valid slot (topk_length), so a
 row of length L costs about L / K of a full row.  Compiled per (dtype, D,
@@ -42,12 +48,13 @@ from cutlass.cutlass_dsl import dsl_user_op
 BLOCK_H = 64   # query heads per CTA: the M of one wgmma
 BN = 64        # slots per block
 THREADS = 384  # producer + two consumer warpgroups
-PRODUCER_REGS = 40
-CONSUMER_REGS = 232
+PRODUCER_REGS = 24
+CONSUMER_REGS = 240
 MASK_WRITERS = 16  # producer threads that write a block's mask: one per row of a copy pass
 PAIR_THREADS = 256
 BAR_FREE = 1   # both consumers are done reading the dS / P buffers
 BAR_READY = 2  # dS and P of the block are in shared memory
+PIPELINED_W = 1  # the consumer whose dkv chunks are pipelined (the one scattering most)
 DQ_N = 256     # columns of consumer 0's dQ tile; consumer 1 holds [256, D)
 
 
@@ -90,15 +97,20 @@ class SparseAttnBwdSm90:
     is stored, invalid ones are left untouched (the reduction never reads
     them)."""
 
-    def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, deterministic: bool):
+    def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, deterministic: bool,
+                 pipelined: bool = True):
         if D not in (512, 576) or d_v != 512 or (H // G) % BLOCK_H:
             raise ValueError("SparseAttnBwdSm90 needs D in (512, 576), d_v == 512, (H / G) % 64 == 0")
         self.dtype = dtype
         self.D, self.d_v, self.H, self.G = D, d_v, H, G
         self.HG = H // G
         self.has_len, self.deterministic = has_len, deterministic
-        # 64-column chunks of D owned by each consumer (dQ and dkv)
-        self.chunks = ((0, 1, 2, 3), tuple(range(4, D // 64)))
+        # pipelined: two dkv accumulators, a chunk's wgmma under the previous
+        # chunk's scatter (False: one, each chunk's wgmma waited for)
+        self.pipelined = pipelined
+        # 64-column chunks of dkv computed and scattered by each consumer:
+        # consumer 0 also computes S, dP and dS, so consumer 1 takes most
+        self.chunks = ((0, 1), tuple(range(2, D // 64)))
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -299,18 +311,6 @@ class SparseAttnBwdSm90:
         lane = wtid % 32
         row_lo = (wtid // 32) * 16 + lane // 4
         col_lane = 2 * (lane % 4)
-
-        thr_s = s_mma.get_slice(wtid)
-        tSrQ = s_mma.make_fragment_A(thr_s.partition_A(sQ))     # (MMA, 1, D / 16)
-        tSrK = s_mma.make_fragment_B(thr_s.partition_B(sK))     # (MMA, 1, D / 16)
-        tSrdO = s_mma.make_fragment_A(thr_s.partition_A(sdO))   # (MMA, 1, d_v / 16)
-        acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((BLOCK_H, BN)), Float32)
-        NS = cute.size(acc_s)
-        # consumer 0 writes dS, consumer 1 P: [64 heads, 64 slots] K-major
-        own = cute.make_tensor(cute.recast_ptr(raw_ds if w == 0 else raw_p, sp_layout.inner), sp_layout.outer)
-        tPs = thr_s.partition_C(own)
-        r_out = cute.make_rmem_tensor(thr_s.partition_shape_C((BLOCK_H, BN)), self.dtype)
-
         # dQ: A = dS [heads, slots] K-major, B = the K tile's columns read
         # MN-major; consumer w holds [256 w, 256 w + 256), consumer 1 also
         # the RoPE columns [512, D)
@@ -329,64 +329,107 @@ class SparseAttnBwdSm90:
         tRrK = dq1_mma.make_fragment_B(thr_r.partition_B(ktr))
         acc_dqr = cute.make_rmem_tensor(thr_r.partition_shape_C((BLOCK_H, 64)), Float32)
         acc_dqr.fill(0.0)
-        acc_dp = cute.make_rmem_tensor(thr_s.partition_shape_C((BLOCK_H, BN)), Float32)
+        dq = (dq_mma, tQrdS, tQrK, acc_dq, dq1_mma, tRrdS, tRrK, acc_dqr, rope)
+        rows = cute.make_rmem_tensor((2,), Int64)   # dkv byte address of this thread's two slots
+        rok = cute.make_rmem_tensor((2,), Int32)
+        dkv = (kv_mma, t64_layout, wtid, sQ, sdO, raw_ds, raw_p, rows, rok, col_lane)
 
-        ok = cute.make_tensor(sOk, cute.make_layout((BN,)))
-        mask = cute.make_rmem_tensor((NS // 4, 2), Float32)
+        cute.arch.mbarrier_wait(q_full, 0)
+        if const_expr(w == 0):
+            sc = self.scores_setup(s_mma, sp_layout, wtid, sQ, sdO, sK, raw_ds, raw_p, sOk, t, head0,
+                                   row_lo, col_lane, lg2den_ptr, delta_ptr)
+            for i in cutlass.range(n_blocks, unroll=1):
+                self.slot_rows(rows, rok, i, row_lo, tile, idx_row, dkv_ptr, T, N, K)
+                cute.arch.mbarrier_wait(full, i % 2)
+                self.scores(sc, i, scale_log2, sm_scale)
+                cute.arch.barrier_arrive(barrier_id=BAR_READY, number_of_threads=PAIR_THREADS)
+                self.dq_step(dq, empty)
+                self.dkv_block(0, dkv, False)
+        else:
+            for i in cutlass.range(n_blocks, unroll=1):
+                self.slot_rows(rows, rok, i, row_lo, tile, idx_row, dkv_ptr, T, N, K)
+                cute.arch.barrier(barrier_id=BAR_READY, number_of_threads=PAIR_THREADS)
+                self.dq_step(dq, empty)
+                self.dkv_block(1, dkv, i + 1 < n_blocks)
+        self.store_dq(acc_dq, w * DQ_N, t, head0, row_lo, col_lane, dq_ptr)
+        if const_expr(rope):
+            self.store_dq(acc_dqr, self.d_v, t, head0, row_lo, col_lane, dq_ptr)
+
+    @cute.jit
+    def scores_setup(self, s_mma, sp_layout, wtid, sQ, sdO, sK, raw_ds, raw_p, sOk, t, head0, row_lo,
+                     col_lane, lg2den_ptr, delta_ptr):
+        """Consumer 0's fragments and registers for S, dP, P and dS."""
+        thr_s = s_mma.get_slice(wtid)
+        tSrQ = s_mma.make_fragment_A(thr_s.partition_A(sQ))     # (MMA, 1, D / 16)
+        tSrK = s_mma.make_fragment_B(thr_s.partition_B(sK))     # (MMA, 1, D / 16)
+        tSrdO = s_mma.make_fragment_A(thr_s.partition_A(sdO))   # (MMA, 1, d_v / 16)
+        shape = thr_s.partition_shape_C((BLOCK_H, BN))
+        acc_s = cute.make_rmem_tensor(shape, Float32)
+        acc_dp = cute.make_rmem_tensor(shape, Float32)
+        # dS and P: [64 heads, 64 slots] K-major
+        ds = cute.make_tensor(cute.recast_ptr(raw_ds, sp_layout.inner), sp_layout.outer)
+        pp = cute.make_tensor(cute.recast_ptr(raw_p, sp_layout.inner), sp_layout.outer)
+        r_ds = cute.make_rmem_tensor(shape, self.dtype)
+        r_p = cute.make_rmem_tensor(shape, self.dtype)
+        mask = cute.make_rmem_tensor((cute.size(acc_s) // 4, 2), Float32)
         lg2 = cute.make_rmem_tensor((2,), Float32)
         dl = cute.make_rmem_tensor((2,), Float32)
         for r in cutlass.range_constexpr(2):
             off = Int64(t) * Int64(self.H) + Int64(head0 + row_lo + 8 * r)
             lg2[r] = _load(lg2den_ptr, off)
             dl[r] = _load(delta_ptr, off)
-        rows = cute.make_rmem_tensor((2,), Int64)   # dkv byte address of this thread's two slots
-        rok = cute.make_rmem_tensor((2,), Int32)
+        ok = cute.make_tensor(sOk, cute.make_layout((BN,)))
+        return (s_mma, tSrQ, tSrK, tSrdO, acc_s, acc_dp, thr_s.partition_C(ds), thr_s.partition_C(pp),
+                r_ds, r_p, mask, lg2, dl, ok, col_lane)
 
-        cute.arch.mbarrier_wait(q_full, 0)
-        for i in cutlass.range(n_blocks, unroll=1):
-            self.slot_rows(rows, rok, i, row_lo, tile, idx_row, dkv_ptr, T, N, K)
-            cute.arch.mbarrier_wait(full, i % 2)
-            # S (and dP on consumer 0), both operands in shared memory
-            acc_s.fill(0.0)
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(self.D // 16):
-                cute.gemm(s_mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
-            warpgroup.commit_group()
-            if const_expr(w == 0):
-                acc_dp.fill(0.0)
-                for k in cutlass.range_constexpr(self.d_v // 16):
-                    cute.gemm(s_mma, acc_dp, tSrdO[None, None, k], tSrK[None, None, k], acc_dp)
-                warpgroup.commit_group()
-            # accumulator element 4j + 2r + e sits at row row_lo + 8r, column 8j + col_lane + e
-            for j in cutlass.range_constexpr(NS // 4):
-                for e in cutlass.range_constexpr(2):
-                    mask[j, e] = ok[8 * j + col_lane + e]
-            warpgroup.wait_group(0)
-            for i_ in cutlass.range_constexpr(NS):
-                j, r, e = i_ // 4, (i_ // 2) % 2, i_ % 2
-                p = cute.math.exp2(acc_s[i_] * scale_log2 + mask[j, e] - lg2[r], fastmath=True)
-                if const_expr(w == 0):
-                    r_out[i_] = (p * (acc_dp[i_] - dl[r]) * sm_scale).to(self.dtype)
-                else:
-                    r_out[i_] = p.to(self.dtype)
+    @cute.jit
+    def scores(self, sc, i, scale_log2, sm_scale):
+        """Consumer 0, block i: S = Q K^T and dP = dO V^T (both operands in
+        shared memory), P and dS = P (dP - Delta) sm_scale, stored once
+        consumer 1 is done with the previous block's."""
+        s_mma, tSrQ, tSrK, tSrdO, acc_s, acc_dp, tDs, tPs, r_ds, r_p, mask, lg2, dl, ok, col_lane = sc
+        NS = cute.size(acc_s)
+        acc_s.fill(0.0)
+        acc_dp.fill(0.0)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(self.D // 16):
+            cute.gemm(s_mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+        warpgroup.commit_group()
+        for k in cutlass.range_constexpr(self.d_v // 16):
+            cute.gemm(s_mma, acc_dp, tSrdO[None, None, k], tSrK[None, None, k], acc_dp)
+        warpgroup.commit_group()
+        # accumulator element 4j + 2r + e sits at row row_lo + 8r, column 8j + col_lane + e
+        for j in cutlass.range_constexpr(NS // 4):
+            for e in cutlass.range_constexpr(2):
+                mask[j, e] = ok[8 * j + col_lane + e]
+        warpgroup.wait_group(1)
+        for i_ in cutlass.range_constexpr(NS):
+            j, r, e = i_ // 4, (i_ // 2) % 2, i_ % 2
+            acc_s[i_] = cute.math.exp2(acc_s[i_] * scale_log2 + mask[j, e] - lg2[r], fastmath=True)
+            r_p[i_] = acc_s[i_].to(self.dtype)
+        warpgroup.wait_group(0)
+        for i_ in cutlass.range_constexpr(NS):
+            r = (i_ // 2) % 2
+            r_ds[i_] = (acc_s[i_] * (acc_dp[i_] - dl[r]) * sm_scale).to(self.dtype)
+        if i > 0:
             cute.arch.barrier(barrier_id=BAR_FREE, number_of_threads=PAIR_THREADS)
-            cute.autovec_copy(r_out, tPs)
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=BAR_READY, number_of_threads=PAIR_THREADS)
-            # dQ += dS K over this consumer's columns; then the stage is free
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(BN // 16):
-                cute.gemm(dq_mma, acc_dq, tQrdS[None, None, k], tQrK[None, None, k], acc_dq)
-            if const_expr(rope):
-                for k in cutlass.range_constexpr(BN // 16):
-                    cute.gemm(dq1_mma, acc_dqr, tRrdS[None, None, k], tRrK[None, None, k], acc_dqr)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            cute.arch.mbarrier_arrive(empty)
-            self.dkv_block(w, kv_mma, t64_layout, wtid, sQ, sdO, raw_ds, raw_p, rows, rok, col_lane)
-        self.store_dq(acc_dq, w * DQ_N, t, head0, row_lo, col_lane, dq_ptr)
+        cute.autovec_copy(r_ds, tDs)
+        cute.autovec_copy(r_p, tPs)
+        cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def dq_step(self, dq, empty):
+        """dQ += dS K over this consumer's columns; then the stage is released."""
+        dq_mma, tQrdS, tQrK, acc_dq, dq1_mma, tRrdS, tRrK, acc_dqr, rope = dq
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(BN // 16):
+            cute.gemm(dq_mma, acc_dq, tQrdS[None, None, k], tQrK[None, None, k], acc_dq)
         if const_expr(rope):
-            self.store_dq(acc_dqr, self.d_v, t, head0, row_lo, col_lane, dq_ptr)
+            for k in cutlass.range_constexpr(BN // 16):
+                cute.gemm(dq1_mma, acc_dqr, tRrdS[None, None, k], tRrK[None, None, k], acc_dqr)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        cute.arch.mbarrier_arrive(empty)
 
     @cute.jit
     def slot_rows(self, rows, rok, i, row_lo, tile, idx_row, dkv_ptr, T, N, K):
@@ -410,10 +453,12 @@ class SparseAttnBwdSm90:
             rows[r] = dkv_ptr.toint() + row * Int64(self.D * 4)
 
     @cute.jit
-    def dkv_block(self, w: cutlass.Constexpr, kv_mma, t64_layout, wtid, sQ, sdO, raw_ds, raw_p, rows, rok,
-                  col_lane):
+    def dkv_block(self, w: cutlass.Constexpr, dkv, release):
         """dKV of this block for the consumer's own chunks, added to (or stored
-        at) the slots' rows; dS^T and P^T are the dS / P buffers read MN-major."""
+        at) the slots' rows; dS^T and P^T are the dS / P buffers read MN-major.
+        Two accumulators: chunk c + 1's wgmma runs while chunk c's rows go out.
+        release: consumer 1 frees the dS / P buffers once its last wgmma is done."""
+        kv_mma, t64_layout, wtid, sQ, sdO, raw_ds, raw_p, rows, rok, col_lane = dkv
         thr = kv_mma.get_slice(wtid)
         dst = cute.make_tensor(cute.recast_ptr(raw_ds, t64_layout.inner), t64_layout.outer)
         pt = cute.make_tensor(cute.recast_ptr(raw_p, t64_layout.inner), t64_layout.outer)
@@ -421,31 +466,70 @@ class SparseAttnBwdSm90:
         tArP = kv_mma.make_fragment_A(thr.partition_A(pt))
         raw_q = cute.recast_ptr(sQ.iterator, None)
         raw_do = cute.recast_ptr(sdO.iterator, None)
-        acc = cute.make_rmem_tensor(thr.partition_shape_C((BN, 64)), Float32)
-        for c in cutlass.range_constexpr(len(self.chunks[w])):
-            ch = self.chunks[w][c]
-            qc = cute.make_tensor(cute.recast_ptr(raw_q + ch * BLOCK_H * 64, t64_layout.inner), t64_layout.outer)
-            tBrQ = kv_mma.make_fragment_B(thr.partition_B(qc))
-            acc.fill(0.0)
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(BLOCK_H // 16):
-                cute.gemm(kv_mma, acc, tArdS[None, None, k], tBrQ[None, None, k], acc)
-            if const_expr(ch * 64 < self.d_v):
-                doc = cute.make_tensor(cute.recast_ptr(raw_do + ch * BLOCK_H * 64, t64_layout.inner),
-                                       t64_layout.outer)
-                tBrdO = kv_mma.make_fragment_B(thr.partition_B(doc))
-                for k in cutlass.range_constexpr(BLOCK_H // 16):
-                    cute.gemm(kv_mma, acc, tArP[None, None, k], tBrdO[None, None, k], acc)
-            warpgroup.commit_group()
+        accs = (cute.make_rmem_tensor(thr.partition_shape_C((BN, 64)), Float32),
+                cute.make_rmem_tensor(thr.partition_shape_C((BN, 64)), Float32))
+        ops = (kv_mma, thr, t64_layout, tArdS, tArP, raw_q, raw_do)
+        if const_expr(self.pipelined and w == PIPELINED_W):
+            self.dkv_pipelined(w, ops, accs, release, rows, rok, col_lane)
+        else:
+            self.dkv_serial(w, ops, accs[0], release, rows, rok, col_lane)
+
+    @cute.jit
+    def dkv_serial(self, w: cutlass.Constexpr, ops, acc, release, rows, rok, col_lane):
+        chunks = self.chunks[w]
+        n = len(chunks)
+        for c in cutlass.range_constexpr(n):
+            self.dkv_chunk(*ops, chunks[c], acc)
             warpgroup.wait_group(0)
-            for r in cutlass.range_constexpr(2):
-                if rok[r] != 0:
-                    for j in cutlass.range_constexpr(cute.size(acc) // 4):
-                        addr = rows[r] + (ch * 64 + 8 * j + col_lane) * 4
-                        if const_expr(self.deterministic):
-                            _store_v2(addr, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1])
-                        else:
-                            _red_add_v2(addr, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1])
+            if const_expr(w == 1 and c + 1 == n):
+                if release:
+                    cute.arch.barrier_arrive(barrier_id=BAR_FREE, number_of_threads=PAIR_THREADS)
+            self.scatter(acc, chunks[c], rows, rok, col_lane)
+
+    @cute.jit
+    def dkv_pipelined(self, w: cutlass.Constexpr, ops, accs, release, rows, rok, col_lane):
+        chunks = self.chunks[w]
+        n = len(chunks)
+        self.dkv_chunk(*ops, chunks[0], accs[0])
+        for c in cutlass.range_constexpr(n):
+            if const_expr(c + 1 < n):
+                self.dkv_chunk(*ops, chunks[c + 1], accs[(c + 1) % 2])
+                warpgroup.wait_group(1)
+            else:
+                warpgroup.wait_group(0)
+                if const_expr(w == 1):
+                    if release:
+                        cute.arch.barrier_arrive(barrier_id=BAR_FREE, number_of_threads=PAIR_THREADS)
+            self.scatter(accs[c % 2], chunks[c], rows, rok, col_lane)
+
+    @cute.jit
+    def dkv_chunk(self, kv_mma, thr, t64_layout, tArdS, tArP, raw_q, raw_do, ch: cutlass.Constexpr, acc):
+        """acc <- dS^T Q[:, chunk ch] (+ P^T dO[:, chunk ch] on value columns), one commit group."""
+        qc = cute.make_tensor(cute.recast_ptr(raw_q + ch * BLOCK_H * 64, t64_layout.inner), t64_layout.outer)
+        tBrQ = kv_mma.make_fragment_B(thr.partition_B(qc))
+        acc.fill(0.0)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(BLOCK_H // 16):
+            cute.gemm(kv_mma, acc, tArdS[None, None, k], tBrQ[None, None, k], acc)
+        if const_expr(ch * 64 < self.d_v):
+            doc = cute.make_tensor(cute.recast_ptr(raw_do + ch * BLOCK_H * 64, t64_layout.inner),
+                                   t64_layout.outer)
+            tBrdO = kv_mma.make_fragment_B(thr.partition_B(doc))
+            for k in cutlass.range_constexpr(BLOCK_H // 16):
+                cute.gemm(kv_mma, acc, tArP[None, None, k], tBrdO[None, None, k], acc)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def scatter(self, acc, ch: cutlass.Constexpr, rows, rok, col_lane):
+        """A [64 slots, 64 columns] dKV chunk into the slots' rows (valid slots only)."""
+        for r in cutlass.range_constexpr(2):
+            if rok[r] != 0:
+                for j in cutlass.range_constexpr(cute.size(acc) // 4):
+                    addr = rows[r] + (ch * 64 + 8 * j + col_lane) * 4
+                    if const_expr(self.deterministic):
+                        _store_v2(addr, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1])
+                    else:
+                        _red_add_v2(addr, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1])
 
     @cute.jit
     def store_dq(self, acc_dq, c0: cutlass.Constexpr, t, head0, row_lo, col_lane, dq_ptr):

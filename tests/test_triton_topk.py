@@ -97,6 +97,87 @@ def test_random_values(path, dtype):
     assert torch.equal(idx, ref_idx) and torch.equal(lens, ref_len)
 
 
+# The list path on short rows (a plan forces it): a sample of 16 scores in two
+# runs of 8; ``rank`` picks the bound (17: every selectable key), block and
+# cap the select tiers. "select" sends every row through the select kernel,
+# "tiers" most rows through the larger block, "fallback" most rows through
+# the streaming select (bound too high, or lists over the capacity).
+def _plan(S, rank, block, cap, chunk=32):
+    return tk.ListPlan(sample=16, stride=S // 2, rank=rank, block=block, cap=cap, chunk=chunk)
+
+
+LIST_PLANS = [
+    pytest.param((17, 256, 256), id="select"),
+    pytest.param((6, 16, 256), id="tiers"),
+    pytest.param((1, 16, 32), id="fallback"),
+]
+
+
+@pytest.mark.parametrize("plan", LIST_PLANS)
+@pytest.mark.parametrize("S,k", [(100, 1), (200, 17), (200, 250)])
+def test_list_path(plan, S, k):
+    gen = torch.Generator().manual_seed(S * 7 + k)
+    x = torch.cat([_special_rows(8, S, gen), torch.randn(3, S, generator=gen)])
+    x[9, : S // 4] = -INF  # a causal-like row
+    idx, lens = _run(x, k, plan=_plan(S, *plan))
+    ref_idx, ref_len = topk_contract(x, k)
+    assert torch.equal(lens, ref_len)
+    assert torch.equal(idx, ref_idx)
+
+
+def test_list_path_fp16_and_strided():
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randint(-6, 7, (4, 150), generator=gen).half()
+    base[0, ::9] = NAN
+    view = base[:, :120]
+    idx, lens = _run(view, 13, plan=_plan(120, 4, 32, 128, chunk=64))
+    ref_idx, ref_len = topk_contract(view, 13)
+    assert torch.equal(idx, ref_idx) and torch.equal(lens, ref_len)
+
+
+def test_list_build_holds_the_keys_above_the_bound():
+    """The build kernel's list: every score whose key is >= the sampled bound,
+    in position order, and the counts (list length, selectable keys)."""
+    gen = torch.Generator().manual_seed(9)
+    S, cap = 96, 64
+    x = torch.randn(5, S, generator=gen)
+    x[1, ::4] = NAN
+    x[2, 10:] = -INF
+    x[3, 3:] = -INF  # fewer selectable sampled scores than the rank: the whole row
+    x[4, 40:] = 1.5  # ties across the bound
+    vals = torch.full((5, cap), 7, dtype=torch.int32)
+    pos = torch.full((5, cap), -7, dtype=torch.int32)
+    meta = torch.full((5, 2), -1, dtype=torch.int32)
+    rank, stride = 5, S // 2
+    tk._list_build_kernel[(5,)](x, vals, pos, meta, 0, S, x.stride(0), rank, stride, CAP=cap, CHUNK=32, SAMPLE=16,
+                                ASM_STORE=False)
+    cols = torch.cat([torch.arange(8), torch.arange(stride, stride + 8)])
+    for r in range(5):
+        ok = ~torch.isnan(x[r]) & (x[r] != -INF)
+        sample = x[r, cols][ok[cols]].sort(descending=True).values
+        lo = sample[rank - 1] if sample.numel() > rank else -INF
+        above = torch.nonzero(ok & (x[r] >= lo)).flatten()
+        n = above.numel()
+        assert meta[r].tolist() == [n, int(ok.sum())]
+        m = min(n, cap)
+        assert torch.equal(pos[r, :m], above[:m].int())
+        assert torch.equal(vals[r, :m].view(torch.float32), x[r, above[:m]])
+        assert (pos[r, m:] == -7).all()  # nothing past the list
+
+
+def test_list_plan_sizes():
+    """The plan's list fits k plus the sample's spread, and stays off where
+    it would not pay (k near the row length)."""
+    for S, k in [(16384, 2048), (32768, 1024), (65536, 2048), (131072, 64)]:
+        p = tk._list_plan(S, k)
+        assert p is not None and p.sample * tk.LIST_SAMPLE_FRACTION <= max(S, 1024 * tk.LIST_SAMPLE_FRACTION)
+        mean = p.rank * S / p.sample
+        assert k < mean <= p.block <= p.cap <= tk.LIST_MAX
+        assert p.stride * (p.sample // 8 - 1) + 8 <= S
+    assert tk._list_plan(16384, 9000) is None
+    assert tk._list_plan(16384, 0) is None
+
+
 def test_extremes_order():
     """Keys at the ends of the range: +-FLT_MAX, denormals, +inf, -inf, NaN."""
     tiny = torch.finfo(torch.float32).tiny
@@ -182,7 +263,8 @@ def test_supports():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("R,S,k", [(4096, 4096, 2048), (512, 16384, 2048), (64, 40000, 2048), (300, 3000, 4096)])
+@pytest.mark.parametrize("R,S,k", [(4096, 4096, 2048), (512, 16384, 2048), (64, 40000, 2048), (300, 3000, 4096),
+                                   (256, 65536, 2048), (256, 65536, 1024), (96, 70000, 300)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_gpu_contract(R, S, k, dtype):
     gen = torch.Generator(device="cuda").manual_seed(R + S)
@@ -195,6 +277,38 @@ def test_gpu_contract(R, S, k, dtype):
     ref_idx, ref_len = topk_contract(x, k)
     assert torch.equal(lens, ref_len)
     assert torch.equal(idx, ref_idx)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S,k", [(65536, 2048), (65536, 1024), (32768, 2048), (16384, 1024)])
+def test_gpu_list_path_randn_causal(S, k):
+    """Long rows on the list path: randn rows, causal rows of every length,
+    and special rows; with the default plan, then with a bound forced too
+    high (every row through the streaming fallback) and lists forced over
+    the capacity."""
+    import dataclasses
+
+    R = 384
+    gen = torch.Generator(device="cuda").manual_seed(S + k)
+    x = torch.randn(R, S, device="cuda", generator=gen)
+    n = R // 2
+    valid = (torch.arange(n, device="cuda") * (S // n) + torch.randint(0, 64, (n,), device="cuda", generator=gen))
+    x[:n].masked_fill_(torch.arange(S, device="cuda")[None, :] > valid[:, None], -INF)
+    x[n] = -INF
+    x[n + 1] = 3.0  # all tied
+    x[n + 2, ::3] = NAN
+    x[n + 3, ::5] = INF
+    x[n + 4, 1::2] = -0.0
+    x[n + 4, ::2] = 0.0
+    x[n + 5] = torch.randint(-3, 3, (S,), device="cuda", generator=gen).float()
+    plan = tk._list_plan(S, k)
+    ref_idx, ref_len = topk_contract(x, k)
+    for p in (plan, dataclasses.replace(plan, rank=1), dataclasses.replace(plan, block=16, cap=16)):
+        idx, lens = _run(x, k, plan=p)
+        assert torch.equal(lens, ref_len), p
+        assert torch.equal(idx, ref_idx), p
+    idx, lens = tk.topk(TopkArgs(x, k))
+    assert torch.equal(idx, ref_idx) and torch.equal(lens, ref_len)
 
 
 # Compiled for sm_90a without a GPU, outside the interpreter: the resident

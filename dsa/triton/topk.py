@@ -555,8 +555,9 @@ def _topk_stream_kernel(
 
 @triton.jit
 def _select_rank(b_x, b_key, K):
-    """(thr, need) of the top K keys of a block (the resident interp search):
-    every key > thr and the first ``need`` keys == thr. K = 0: nothing."""
+    """(thr, need, selectable keys) of the top K keys of a block (the
+    resident interp search): every key > thr and the first ``need`` keys ==
+    thr. K = 0: nothing."""
     fin = (b_key != 0) & (b_key != _KEY_PINF)
     b_xf = tl.where(fin, b_x, 0.0)
     packed = (b_key != 0).to(tl.int32) + ((b_key == _KEY_PINF).to(tl.int32) << 16)
@@ -566,7 +567,7 @@ def _select_rank(b_x, b_key, K):
     need = tl.zeros([], tl.int32)
     if (n_valid > K) & (K > 0):
         thr, need = _search_interp(b_key, n_valid, (n_packed >> 16) & 0xFFFF, s1, s2, K, True)
-    return thr, need
+    return thr, need, n_valid
 
 
 @triton.jit
@@ -577,8 +578,12 @@ def _sample_bound(s_row, S, RANK, STRIDE, SAMPLE: tl.constexpr):
     o = tl.arange(0, SAMPLE)
     col = (o // 8) * STRIDE + o % 8
     x = tl.load(s_row + col, mask=col < S, other=float("-inf")).to(tl.float32)
-    thr, need = _select_rank(x, _order_key(x), RANK)
-    return tl.maximum(tl.where(need == 0, thr + 1, thr), 1)
+    key = _order_key(x)
+    thr, need, n_valid = _select_rank(x, key, RANK)
+    # need == 0: the RANK-th key is the least key > thr
+    least = tl.min(tl.where(key > thr, key, 0xFFFFFFFF), axis=0)
+    lo = tl.where(need == 0, least, thr)
+    return tl.where(n_valid > RANK, lo, 1)
 
 
 @triton.jit
@@ -640,7 +645,7 @@ def _list_select_kernel(
         x = x.to(tl.float32, bitcast=True)
         pos = tl.load(pos_ptr + b.to(tl.int64) * CAP + o, mask=m, other=0, cache_modifier=".cg")
         key = _order_key(x)
-        thr, need = _select_rank(x, key, K)
+        thr, need, _ = _select_rank(x, key, K)
         r = (row0 + b).to(tl.int64)
         idx_row = idx_ptr + r * stride_i
         if need == 0:  # the cut splits no tie
@@ -728,9 +733,13 @@ class ListPlan:
     cap: int  # list capacity a row (>= block; longer lists take the fallback)
     chunk: int = LIST_CHUNK
     select_warps: int = 4
+    # ptxas cap of the first select block (4096 keys, 4 warps: 199 registers
+    # uncapped, 2 programs an SM; 128: 4, 8 bytes spilled; sm_90a)
+    select_maxnreg: Optional[int] = None
+    build_warps: int = 4
 
 
-def _list_plan(S: int, k: int) -> Optional[ListPlan]:
+def _list_plan(S: int, k: int, sample: Optional[int] = None) -> Optional[ListPlan]:
     """The list path's sizes, or None where it does not pay (k near S).
 
     A sample of n scores and its r-th largest key ``lo``: count(key >= lo)
@@ -742,7 +751,7 @@ def _list_plan(S: int, k: int) -> Optional[ListPlan]:
     """
     if k < 1 or S < 1024:
         return None
-    n = max(64, min(LIST_SAMPLE_MAX, triton.next_power_of_2(S) // LIST_SAMPLE_FRACTION))
+    n = sample or max(64, min(LIST_SAMPLE_MAX, triton.next_power_of_2(S) // LIST_SAMPLE_FRACTION))
     m = k * n / S
     rank = math.ceil(((_SAMPLE_Z + math.sqrt(_SAMPLE_Z**2 + 4 * m)) / 2) ** 2)
     mean = rank * S / n
@@ -752,7 +761,8 @@ def _list_plan(S: int, k: int) -> Optional[ListPlan]:
     if block > LIST_MAX or 2 * mean > S:
         return None
     warps = 4 if block <= 4096 else 8
-    return ListPlan(sample=n, stride=S // (n // 8), rank=rank, block=block, cap=cap, select_warps=warps)
+    return ListPlan(sample=n, stride=S // (n // 8), rank=rank, block=block, cap=cap, select_warps=warps,
+                    select_maxnreg=128 if block == 4096 else None)
 
 
 def _launch_list(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: torch.Tensor,
@@ -766,19 +776,21 @@ def _launch_list(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: t
     meta = torch.empty((rows, 2), dtype=torch.int32, device=dev)
     asm = ptx.enabled(scores)
     # the larger select block runs only for the rows the first one leaves
-    tiers = [(-1, plan.block, plan.select_warps)]
+    first = {} if plan.select_maxnreg is None else {"maxnreg": plan.select_maxnreg}
+    tiers = [(-1, plan.block, plan.select_warps, first)]
     if plan.cap > plan.block:
-        tiers.append((plan.block, plan.cap, 8 if plan.cap <= 8192 else 16))
+        tiers.append((plan.block, plan.cap, 8 if plan.cap <= 8192 else 16, {}))
     for r0 in range(0, R, rows):
         n = min(rows, R - r0)
         _list_build_kernel[(n,)](
             scores, vals, poss, meta, r0, S, scores.stride(0), plan.rank, plan.stride,
-            CAP=plan.cap, CHUNK=plan.chunk, SAMPLE=plan.sample, ASM_STORE=asm, num_warps=4, num_stages=1,
+            CAP=plan.cap, CHUNK=plan.chunk, SAMPLE=plan.sample, ASM_STORE=asm, num_warps=plan.build_warps,
+            num_stages=1,
         )
-        for len_lo, block, warps in tiers:
+        for len_lo, block, warps, opts in tiers:
             _list_select_kernel[(n,)](
                 vals, poss, meta, indices, lengths, r0, k, indices.stride(0), len_lo,
-                CAP=plan.cap, BLOCK=block, FILL=_FILL_BLOCK, ASM_STORE=asm, num_warps=warps,
+                CAP=plan.cap, BLOCK=block, FILL=_FILL_BLOCK, ASM_STORE=asm, num_warps=warps, **opts,
             )
         _list_fallback_kernel[(n,)](
             scores, meta, indices, lengths, r0, S, k, scores.stride(0), indices.stride(0),

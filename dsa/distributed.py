@@ -31,6 +31,10 @@ import dsa
 
 __all__ = ["GatheredKV", "gather_kv", "indexer_topk", "shard_sizes", "sparse_attention"]
 
+# fixed-size collectives into / out of one tensor (newer torch renames them)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 # --------------------------------------------------------------------------
 # group and shard counts
@@ -47,7 +51,7 @@ def _exchange_counts(counts: Sequence[int], group, device: torch.device) -> List
     _, world = _group_info(group)
     mine = torch.tensor(list(counts), dtype=torch.int64, device=device)
     every = torch.empty(world * len(counts), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every, mine, group=group)
+    _all_gather(every, mine, group=group)
     return every.view(world, len(counts)).tolist()
 
 
@@ -95,7 +99,7 @@ class _AllGatherPadded(torch.autograd.Function):
         ctx.group = group
         world = dist.get_world_size(group)
         out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
-        works.append(dist.all_gather_into_tensor(out, x, group=group, async_op=True))
+        works.append(_all_gather(out, x, group=group, async_op=True))
         return out
 
     @staticmethod
@@ -104,7 +108,7 @@ class _AllGatherPadded(torch.autograd.Function):
         dout = dout.contiguous()
         dx = dout.new_empty((dout.shape[0] // world,) + tuple(dout.shape[1:]))
         # waited here: on NCCL that is a stream dependency, not a host stall
-        dist.reduce_scatter_tensor(dx, dout, op=dist.ReduceOp.SUM, group=ctx.group, async_op=True).wait()
+        _reduce_scatter(dx, dout, op=dist.ReduceOp.SUM, group=ctx.group, async_op=True).wait()
         return dx, None, None
 
 

@@ -7,9 +7,9 @@ cute forward included: train with ``backend="auto"`` or ``"triton"``).
 
 Under ``backend="auto"`` a call the kernel can serve goes to cute only where
 the measured placement table (``dsa.cute.placement``) says cute is faster;
-``explain()`` names the table entry that decided.  Without a table for the
-GPU (``bench/place_cute.py`` writes one only when it passes its holdout
-check) auto keeps Triton.
+``explain()`` names the table entry that decided.  Without a readable table
+measured on a GPU of this name (``bench/place_cute.py`` writes one only when
+it passes its holdout check) auto keeps Triton.
 """
 
 from __future__ import annotations
@@ -41,10 +41,9 @@ def backend_op(op: str, args: Any, auto: bool = False) -> Callable[..., Any]:
         return sparse_attention.forward
     from dsa.cute import placement
 
-    if not placement.entries():
-        raise Unsupported(
-            "no placement table ships for this GPU (bench/place_cute.py writes one only when its "
-            "holdout regret is <= 1.02); backend='cute' runs the kernel")
+    why = placement.unusable(args.q.device)
+    if why is not None:
+        raise Unsupported(why)
     entry = placement.lookup(args)
     if entry is None:
         raise Unsupported("no measured placement table entry covers this shape")

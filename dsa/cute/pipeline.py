@@ -41,7 +41,7 @@ class NamedBarrier(enum.IntEnum):
 
 def named_barriers(cls: Type[NamedBarrier]) -> Type[NamedBarrier]:
     """Class decorator: the ids are unique and in 1..15 (0 is sync_threads')."""
-    ids = [int(m) for m in cls]
+    ids = [int(m) for m in cls.__members__.values()]  # aliases (repeated values) included
     if len(set(ids)) != len(ids) or not all(1 <= i <= MAX_NAMED_BARRIER for i in ids):
         raise ValueError(f"{cls.__name__}: named barrier ids must be unique and in 1..{MAX_NAMED_BARRIER}, "
                          f"got {ids}")

@@ -3,26 +3,29 @@
     forward(a) -> out [T, H, d_v] (q.dtype), lse [T, H] fp32
 
 on the canonical packed layout of :class:`dsa._args.SparseAttnArgs`.  The
-kernel is ``sparse_attention_sm90.SparseAttnFwdSm90``.
+kernel is ``sparse_attention_sm90.SparseAttnFwdSm90``; what it can serve is
+its ``can_implement``.  Compiled kernels are cached per (``FwdSm90Config``,
+device); every launch runs under the tensors' device and its current stream.
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
+import functools
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
 from dsa._args import SparseAttnArgs
+from dsa._rules import LOG2E
 
 HEADS_PER_CTA = 64
-SERVED_D = (512, 576)
 SERVED_DV = 512
 
 
 @dataclass(frozen=True)
-class Config:
+class GridConfig:
     """The launch grid. A tile is one (token, kv head, 64 query heads).
 
     persistent: min(ctas, tiles) CTAs, each running the tiles c, c + ctas,
@@ -43,15 +46,20 @@ class Config:
         return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# The configuration forward() runs when none is given.
-DEFAULT = Config()
+# The grid forward() runs when none is given.
+DEFAULT = GridConfig()
 
+# (FwdSm90Config, device index) -> compiled kernel: a compiled kernel's
+# module is loaded in the context of the device it was compiled on.
 _COMPILED: Dict[tuple, object] = {}
+# (device, dtype, D) -> the zero row invalid slots read
 _ZEROS: Dict[tuple, torch.Tensor] = {}
 
 
+@functools.lru_cache(maxsize=1)
 def dsl_reason() -> Optional[str]:
-    """Why the CuTe DSL cannot be used in this process (None if it can)."""
+    """Why the CuTe DSL cannot be used in this process (None if it can).
+    Asked once: a failed import is not retried on every call."""
     try:
         import cutlass  # noqa: F401
         import cutlass.cute  # noqa: F401
@@ -67,15 +75,16 @@ def supports(a: SparseAttnArgs) -> Optional[str]:
     cap = torch.cuda.get_device_capability(a.q.device)
     if cap != (9, 0):
         return f"the cute sparse attention kernel is written for SM90 (Hopper); this GPU is SM{cap[0]}{cap[1]}"
-    if a.q.dtype not in (torch.bfloat16, torch.float16):
-        return f"q dtype {a.q.dtype} is not bf16 or fp16"
     if a.kv.dtype != a.q.dtype:
         return f"kv dtype {a.kv.dtype} differs from q dtype {a.q.dtype}"
-    if a.D not in SERVED_D or a.d_v != SERVED_DV:
-        return f"D={a.D}, d_v={a.d_v}: the cute kernel serves D in {SERVED_D} with d_v = {SERVED_DV}"
-    hg = a.H // a.G
-    if hg % HEADS_PER_CTA:
-        return f"{hg} query heads per kv head: the cute kernel needs a multiple of {HEADS_PER_CTA}"
+    why = dsl_reason()
+    if why:
+        return why
+    from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
+
+    why = SparseAttnFwdSm90.can_implement(_cutlass_dtype(a.q.dtype) or a.q.dtype, a.D, a.d_v, a.H, a.G)
+    if why:
+        return why
     why = a.kernel_dtype_reason()
     if why:
         return why
@@ -84,37 +93,89 @@ def supports(a: SparseAttnArgs) -> Optional[str]:
     for name in ("q", "kv"):
         if getattr(a, name).data_ptr() % 16:
             return f"{name} is not 16-byte aligned"
-    return dsl_reason()
+    return None
 
 
 def _zeros(a: SparseAttnArgs) -> torch.Tensor:
-    # The source row of every invalid slot: gathering zeros keeps whatever is
-    # stored in unreferenced kv rows out of the tile.
+    """The source row of every invalid slot on a's device: gathering zeros
+    keeps whatever is stored in unreferenced kv rows out of the tile."""
     key = (a.q.device, a.q.dtype, a.D)
     z = _ZEROS.get(key)
     if z is None:
-        z = _ZEROS[key] = torch.zeros(a.D, dtype=a.q.dtype, device=a.q.device)
+        z = _ZEROS[key] = _zero_row(a.D, a.q.dtype, a.q.device)
     return z
 
 
+def _zero_row(D: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A cached row of D zeros, never made by a CUDA-graph capture.
+
+    Under capture an allocation on the capturing stream comes from the
+    graph's private pool and its zero fill only runs at replay: every eager
+    call before the first replay would read garbage from the row, and the
+    row would be recycled with the graph.  So a row first needed during a
+    capture is made outside it (``_outside_capture``)."""
+    make = functools.partial(torch.zeros, D, dtype=dtype, device=device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _outside_capture(make, device)
+    return make()
+
+
+def _outside_capture(make: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
+    """make() on a side stream that is not captured, the host waiting for it.
+
+    The capture pool takes only allocations on streams of the capture, so
+    the side stream's come from the ordinary pool and its kernels run at
+    once.  Relaxed capture mode lets this thread do what global mode forbids
+    while another stream captures (the allocator's cudaMalloc, the wait)."""
+    with _relaxed_capture_mode():
+        side = torch.cuda.Stream(device)
+        with torch.cuda.stream(side):
+            t = make()
+        side.synchronize()
+    return t
+
+
+@contextlib.contextmanager
+def _relaxed_capture_mode() -> Iterator[None]:
+    import cuda.bindings.runtime as rt
+
+    err, prev = rt.cudaThreadExchangeStreamCaptureMode(rt.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed)
+    if err != rt.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaThreadExchangeStreamCaptureMode: {err}")
+    try:
+        yield
+    finally:
+        rt.cudaThreadExchangeStreamCaptureMode(prev)
+
+
+def kernel_config(a: SparseAttnArgs, profile: bool = False, refill: bool = True):
+    """The ``FwdSm90Config`` that serves ``a``."""
+    from dsa.cute.sparse_attention_sm90 import FwdSm90Config
+
+    return FwdSm90Config(_cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G, a.topk_length is not None,
+                         a.sink is not None, profile, refill)
+
+
 def _compiled(a: SparseAttnArgs, ptrs, scalars, stream, profile: bool = False, refill: bool = True):
+    """The compiled kernel for ``a`` on a's device (compiled on first use,
+    under that device)."""
     import cutlass.cute as cute
 
     from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
 
-    key = (a.q.dtype, a.D, a.d_v, a.H, a.G, a.topk_length is not None, a.sink is not None, profile, refill)
+    cfg = kernel_config(a, profile, refill)
+    key = (cfg, a.q.device.index)
     fn = _COMPILED.get(key)
     if fn is None:
-        kernel = SparseAttnFwdSm90(_cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G,
-                                   a.topk_length is not None, a.sink is not None, profile, refill)
-        fn = _COMPILED[key] = cute.compile(kernel, *ptrs, *scalars, stream)
+        fn = _COMPILED[key] = cute.compile(SparseAttnFwdSm90.from_config(cfg), *ptrs, *scalars, stream)
     return fn
 
 
 def _cutlass_dtype(dt: torch.dtype):
+    """The CuTe DSL type of a q dtype the kernel may serve (None for others)."""
     import cutlass
 
-    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dt]
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}.get(dt)
 
 
 def _ptr(t: torch.Tensor, dtype, align: int):
@@ -124,7 +185,7 @@ def _ptr(t: torch.Tensor, dtype, align: int):
     return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
 
-def forward(a: SparseAttnArgs, config: Optional[Config] = None,
+def forward(a: SparseAttnArgs, config: Optional[GridConfig] = None,
             profile: Optional[torch.Tensor] = None, refill: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """out [T, H, d_v] in q.dtype and lse [T, H] fp32 (sink excluded, +inf on empty rows).
 
@@ -134,29 +195,46 @@ def forward(a: SparseAttnArgs, config: Optional[Config] = None,
     that gathers each stage once (``bench/profile_cute.py``); its out is not
     the attention."""
     cfg = config or DEFAULT
-    import cuda.bindings.driver as cuda
+    # Under a's device: its zero row, SM count, current stream and compiled
+    # kernel are that device's, whatever device is current.
+    with torch.cuda.device(a.q.device):
+        out = torch.empty((a.T, a.H, a.d_v), dtype=a.q.dtype, device=a.q.device)
+        lse = torch.empty((a.T, a.H), dtype=torch.float32, device=a.q.device)
+        ptrs = _pointers(a, out, lse, profile)
+        scalars = _scalars(a, cfg.grid(a.q.device))
+        stream = _stream(a.q.device)
+        _compiled(a, ptrs, scalars, stream, profile is not None, refill)(*ptrs, *scalars, stream)
+    return out, lse
+
+
+def _pointers(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, profile: Optional[torch.Tensor]):
+    """The kernel's pointer arguments, in its order."""
     import cutlass
 
-    out = torch.empty((a.T, a.H, a.d_v), dtype=a.q.dtype, device=a.q.device)
-    lse = torch.empty((a.T, a.H), dtype=torch.float32, device=a.q.device)
     dt = _cutlass_dtype(a.q.dtype)
     # Absent optional inputs are never read; any valid address stands in.
     length = a.topk_length if a.topk_length is not None else a.indices
     sink = a.sink if a.sink is not None else lse
-    ptrs = (
+    return (
         _ptr(a.q, dt, 16), _ptr(a.kv, dt, 16), _ptr(a.indices, cutlass.Int32, 4),
         _ptr(length, cutlass.Int32, 4), _ptr(sink, cutlass.Float32, 4), _ptr(out, dt, 16),
         _ptr(lse, cutlass.Float32, 4), _ptr(_zeros(a), dt, 16),
         # written only by the profiling build
         _ptr(profile if profile is not None else lse, cutlass.Int64, 4),
     )
-    n_cta = cfg.grid(a.q.device)
-    scalars = (cutlass.Int32(a.T), cutlass.Int32(a.N), cutlass.Int32(a.K),
-               cutlass.Float32(a.sm_scale * 1.4426950408889634), cutlass.Int32(n_cta))
-    stream = cuda.CUstream(torch.cuda.current_stream(a.q.device).cuda_stream)
-    with torch.cuda.device(a.q.device):
-        _compiled(a, ptrs, scalars, stream, profile is not None, refill)(*ptrs, *scalars, stream)
-    return out, lse
+
+
+def _scalars(a: SparseAttnArgs, n_cta: int):
+    import cutlass
+
+    return (cutlass.Int32(a.T), cutlass.Int32(a.N), cutlass.Int32(a.K), cutlass.Float32(a.sm_scale * LOG2E),
+            cutlass.Int32(n_cta))
+
+
+def _stream(device: torch.device):
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
 
 
 def compile_offline(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, has_sink: bool,
@@ -170,14 +248,13 @@ def compile_offline(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, h
 
     from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
 
-    dt = _cutlass_dtype(dtype)
+    dt = _cutlass_dtype(dtype) or dtype
 
     def p(ty, align):
         return make_ptr(ty, align * 64, cute.AddressSpace.gmem, assumed_align=align)
 
     ptrs = (p(dt, 16), p(dt, 16), p(cutlass.Int32, 4), p(cutlass.Int32, 4), p(cutlass.Float32, 4),
             p(dt, 16), p(cutlass.Float32, 4), p(dt, 16), p(cutlass.Int64, 4))
-    scalars = (cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Float32(math.log2(math.e)),
-               cutlass.Int32(132))
+    scalars = (cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Float32(LOG2E), cutlass.Int32(132))
     kernel = SparseAttnFwdSm90(dt, D, SERVED_DV, H, G, has_len, has_sink, profile, refill)
     return cute.compile(kernel, *ptrs, *scalars, cuda.CUstream(0), options="--keep-ptx" if keep_ptx else "")

@@ -1,0 +1,355 @@
+"""The cute tier's host logic on CPU: the placement table's guards, the
+feasibility check, the compile cache's key, the zero row under CUDA-graph
+capture, the cached DSL probe, and the shared device helpers' host-side
+arithmetic (tile schedule, block counts, barrier ids, phases).
+
+No GPU: the device, its name and capture state are faked with monkeypatch.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import json
+import os
+import re
+import types
+import warnings
+
+import pytest
+import torch
+
+import dsa
+from dsa._args import SparseAttnArgs, Unsupported
+from dsa.cute import placement
+from dsa.cute import sparse_attention as cute_sa
+
+try:
+    import cutlass
+
+    HAVE_DSL = True
+except Exception:  # not installed, or no usable install
+    HAVE_DSL = False
+
+needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl is not installed")
+
+GOOD_ENTRY = dict(dtype="bfloat16", D=576, HG=128, K=2048, T=4, backend="cute", cute_ms=1.0, triton_ms=2.0)
+
+
+def _args(T=4, H=128, D=576, K=2048, N=64):
+    q = torch.zeros(T, H, D, dtype=torch.bfloat16)
+    kv = torch.zeros(N, 1, D, dtype=torch.bfloat16)
+    idx = torch.zeros(T, 1, K, dtype=torch.int32)
+    return SparseAttnArgs(q, kv, idx, None, None, D ** -0.5, 512, False)
+
+
+def _write(tmp_path, doc, name="placement_sm90.json"):
+    path = tmp_path / name
+    path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    return str(path)
+
+
+@pytest.fixture
+def cute_serves(monkeypatch):
+    """The kernel 'serves' every call (its own checks need an SM90 GPU)."""
+    monkeypatch.setattr(cute_sa, "supports", lambda a: None)
+
+
+def _auto_reason(args) -> str:
+    with pytest.raises(Unsupported) as e:
+        dsa.cute.backend_op("sparse_attention_fwd", args, auto=True)
+    return str(e.value)
+
+
+# --------------------------------------------------------------------------
+# the placement table: unreadable or from another GPU means no table
+
+BAD_TABLES = {
+    "bad-json": '{"device": "NVIDIA H200", "entries": [',
+    "not-an-object": "[1, 2, 3]",
+    "no-entries": {"device": "NVIDIA H200"},
+    "no-device": {"entries": [GOOD_ENTRY]},
+    "entry-missing-field": {"device": "NVIDIA H200", "entries": [{k: v for k, v in GOOD_ENTRY.items() if k != "K"}]},
+    "entry-unknown-field": {"device": "NVIDIA H200", "entries": [dict(GOOD_ENTRY, speed=3)]},
+    "entry-wrong-type": {"device": "NVIDIA H200", "entries": [dict(GOOD_ENTRY, K="2048")]},
+    "entry-bad-backend": {"device": "NVIDIA H200", "entries": [dict(GOOD_ENTRY, backend="cudnn")]},
+}
+
+
+@pytest.mark.parametrize("doc", list(BAD_TABLES.values()), ids=list(BAD_TABLES))
+def test_unreadable_placement_table_warns_once_and_auto_keeps_triton(tmp_path, monkeypatch, cute_serves, doc):
+    path = _write(tmp_path, doc)
+    monkeypatch.setattr(placement, "TABLE", path)
+    with pytest.warns(RuntimeWarning, match="placement table unreadable") as caught:
+        assert placement.entries() == []
+    assert path in str(caught[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # read once: no second warning
+        why = _auto_reason(_args())
+        assert placement.entries() == []
+    assert why.startswith("placement table unreadable: ") and path in why, why
+
+
+def test_placement_table_of_another_gpu_is_not_used(tmp_path, monkeypatch, cute_serves):
+    path = _write(tmp_path, {"device": "NVIDIA H200", "entries": [GOOD_ENTRY]})
+    monkeypatch.setattr(placement, "TABLE", path)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H20")
+    why = _auto_reason(_args())
+    assert "placement table measured on NVIDIA H200; this GPU is NVIDIA H20" in why, why
+
+    # the same table on the GPU it was measured on decides
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    chosen = dsa.cute.backend_op("sparse_attention_fwd", _args(), auto=True)
+    assert "placement table entry" in chosen.note
+
+
+def test_explain_names_the_other_gpu(tmp_path, monkeypatch, cute_serves):
+    """What explain() prints: the selector's reasons carry cute's sentence."""
+    from dsa import selector
+
+    path = _write(tmp_path, {"device": "NVIDIA H200", "entries": [GOOD_ENTRY]})
+    monkeypatch.setattr(placement, "TABLE", path)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H800")
+    monkeypatch.setattr(selector, "_device_type", lambda args: "cuda")
+    monkeypatch.delenv("DSA_DISABLE_CUTE", raising=False)
+    monkeypatch.delenv("DSA_BACKEND", raising=False)
+    text = selector.select("sparse_attention_fwd", _args()).describe("sparse_attention")
+    assert "cute: placement table measured on NVIDIA H200; this GPU is NVIDIA H800" in text, text
+
+
+def test_missing_placement_table_keeps_triton(tmp_path, monkeypatch, cute_serves):
+    monkeypatch.setattr(placement, "TABLE", str(tmp_path / "absent.json"))
+    assert placement.entries() == []
+    assert "no placement table ships" in _auto_reason(_args())
+
+
+def test_shipped_placement_table_names_its_gpu():
+    if not os.path.exists(placement.TABLE):
+        pytest.skip("no placement table shipped")
+    table = placement.load()
+    assert table.problem is None and table.entries
+    assert table.device and table.device.startswith("NVIDIA")
+
+
+# --------------------------------------------------------------------------
+# the CuTe DSL probe runs once
+
+
+def test_failed_cutlass_import_is_not_retried(monkeypatch):
+    real_import = builtins.__import__
+    attempts = []
+
+    def fake_import(name, *args, **kwargs):
+        if name == "cutlass" or name.startswith("cutlass."):
+            attempts.append(name)
+            raise ImportError("no cutlass here")
+        return real_import(name, *args, **kwargs)
+
+    cute_sa.dsl_reason.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    try:
+        first = cute_sa.dsl_reason()
+        second = cute_sa.dsl_reason()
+    finally:
+        monkeypatch.undo()
+        cute_sa.dsl_reason.cache_clear()
+    assert first == second and "not importable" in first and "no cutlass here" in first
+    assert len(attempts) == 1, attempts
+
+
+# --------------------------------------------------------------------------
+# what the kernel can implement
+
+
+@needs_dsl
+@pytest.mark.parametrize("dtype,D,d_v,H,G,match", [
+    ("BFloat16", 576, 512, 128, 1, None),
+    ("Float16", 512, 512, 128, 2, None),
+    ("BFloat16", 512, 512, 64, 1, None),
+    ("Float32", 512, 512, 64, 1, "is not bf16 or fp16"),
+    ("BFloat16", 640, 512, 64, 1, "D=640"),
+    ("BFloat16", 576, 576, 64, 1, "d_v=576"),
+    ("BFloat16", 512, 512, 32, 1, "32 query heads per kv head.*multiple of 64"),
+    ("BFloat16", 512, 512, 192, 2, "96 query heads per kv head"),
+    ("BFloat16", 512, 512, 128, 3, "do not split"),
+])
+def test_can_implement(dtype, D, d_v, H, G, match):
+    from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
+
+    dt = getattr(cutlass, dtype)
+    why = SparseAttnFwdSm90.can_implement(dt, D, d_v, H, G)
+    if match is None:
+        assert why is None
+        SparseAttnFwdSm90(dt, D, d_v, H, G, True, True)
+    else:
+        assert why is not None and re.search(match, why), why
+        with pytest.raises(ValueError, match=match):
+            SparseAttnFwdSm90(dt, D, d_v, H, G, True, True)
+
+
+@needs_dsl
+def test_shared_memory_of_both_head_dims_fits():
+    from dsa.cute.sparse_attention_sm90 import SMEM_LIMIT, smem_bytes
+
+    # D 576: Q and two stages of 576 columns with P0 in the RoPE columns use
+    # the whole 227 KB; D 512 needs P0 a buffer of its own.
+    assert smem_bytes(576, 512, 2) == SMEM_LIMIT
+    assert smem_bytes(512, 512, 2) < SMEM_LIMIT
+    assert smem_bytes(640, 512, 2) > SMEM_LIMIT
+
+
+def _fake_cuda_args(device_index=0, **kw):
+    """A stand-in for SparseAttnArgs on an SM90 device."""
+    q = types.SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda", device_index),
+                              data_ptr=lambda: 1024)
+    base = dict(q=q, kv=types.SimpleNamespace(dtype=torch.bfloat16, data_ptr=lambda: 2048), D=576, d_v=512,
+                H=128, G=1, T=4, N=64, K=2048, topk_length=None, sink=None,
+                kernel_dtype_reason=lambda: None)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+@needs_dsl
+def test_supports_asks_the_kernel(monkeypatch):
+    from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert cute_sa.supports(_fake_cuda_args()) is None
+    assert "multiple of 64" in cute_sa.supports(_fake_cuda_args(H=96))
+    assert "not bf16 or fp16" in cute_sa.supports(_fake_cuda_args(
+        q=types.SimpleNamespace(dtype=torch.float32, device=torch.device("cuda", 0), data_ptr=lambda: 0),
+        kv=types.SimpleNamespace(dtype=torch.float32, data_ptr=lambda: 0)))
+    monkeypatch.setattr(SparseAttnFwdSm90, "can_implement", staticmethod(lambda *a: "the kernel's own reason"))
+    assert cute_sa.supports(_fake_cuda_args()) == "the kernel's own reason"
+
+
+# --------------------------------------------------------------------------
+# the compile cache: one entry per (kernel config, device)
+
+
+@needs_dsl
+def test_compiled_kernels_are_cached_per_config_and_device(monkeypatch):
+    import cutlass.cute as cute
+
+    compiled = []
+
+    def fake_compile(kernel, *args, **kwargs):
+        compiled.append(kernel.config)
+        return object()
+
+    monkeypatch.setattr(cute, "compile", fake_compile)
+    monkeypatch.setattr(cute_sa, "_COMPILED", {})
+    a0, a1 = _fake_cuda_args(0), _fake_cuda_args(1)
+    f0 = cute_sa._compiled(a0, (), (), None)
+    f1 = cute_sa._compiled(a1, (), (), None)
+    assert f0 is not f1 and len(compiled) == 2  # same config, another device: compiled again
+    assert cute_sa._compiled(_fake_cuda_args(0), (), (), None) is f0
+    assert cute_sa._compiled(_fake_cuda_args(1), (), (), None) is f1
+    f2 = cute_sa._compiled(_fake_cuda_args(0, sink=object()), (), (), None)
+    assert f2 is not f0 and len(compiled) == 3 and compiled[2].has_sink
+    assert compiled[0] == cute_sa.kernel_config(a0) and compiled[0] == compiled[1]
+
+
+# --------------------------------------------------------------------------
+# the zero row is never made by a CUDA-graph capture
+
+
+def test_zero_row_first_needed_under_capture_is_made_outside_it(monkeypatch):
+    made = []
+
+    def outside(make, device):
+        made.append(device)
+        return torch.zeros(8)
+
+    monkeypatch.setattr(cute_sa, "_outside_capture", outside)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    dev = torch.device("cuda", 1)
+    assert torch.equal(cute_sa._zero_row(8, torch.bfloat16, dev), torch.zeros(8))
+    assert made == [dev]
+    # a CPU row (never captured) is made in place
+    row = cute_sa._zero_row(8, torch.float16, torch.device("cpu"))
+    assert made == [dev] and row.dtype == torch.float16 and not row.any()
+
+
+def test_outside_capture_makes_on_a_waited_side_stream_in_relaxed_mode(monkeypatch):
+    events = []
+
+    class FakeStream:
+        def __init__(self, device):
+            events.append(("stream", device))
+
+        def synchronize(self):
+            events.append("synchronize")
+
+    @contextlib.contextmanager
+    def fake_use(stream):
+        events.append("enter stream")
+        yield
+        events.append("leave stream")
+
+    @contextlib.contextmanager
+    def fake_relaxed():
+        events.append("relaxed")
+        yield
+        events.append("restored")
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", fake_use)
+    monkeypatch.setattr(cute_sa, "_relaxed_capture_mode", fake_relaxed)
+    dev = torch.device("cuda", 0)
+    out = cute_sa._outside_capture(lambda: events.append("make") or torch.ones(2), dev)
+    assert torch.equal(out, torch.ones(2))
+    assert events == ["relaxed", ("stream", dev), "enter stream", "make", "leave stream", "synchronize",
+                      "restored"]
+
+
+def test_zero_rows_are_cached_per_device_dtype_and_D(monkeypatch):
+    monkeypatch.setattr(cute_sa, "_ZEROS", {})
+    a = _args(D=512)
+    z = cute_sa._zeros(a)
+    assert z.shape == (512,) and z.dtype == torch.bfloat16 and not z.any()
+    assert cute_sa._zeros(a) is z
+    assert cute_sa._zeros(_args(D=576)) is not z
+
+
+# --------------------------------------------------------------------------
+# the shared device modules' host-side arithmetic
+
+
+@needs_dsl
+def test_tile_schedule_covers_every_tile_once_head_blocks_fastest():
+    from dsa.cute.scheduler import TileScheduler, tile_count
+
+    T, G, HB, grid = 5, 2, 3, 4
+    n = tile_count(T, G, HB)
+    seen = []
+    for cta in range(grid):
+        s = TileScheduler(cta, n, grid, G, HB)
+        for tile_id in range(s.first, s.n_tiles, s.stride):
+            row, t, g, hblk = s.decode(tile_id)
+            assert row == t * G + g
+            seen.append((tile_id, t, g, hblk))
+    seen.sort()
+    assert [x[1:] for x in seen] == [(t, g, h) for t in range(T) for g in range(G) for h in range(HB)]
+
+
+@needs_dsl
+def test_block_count_ends_at_the_last_valid_block():
+    from dsa.cute.rules import block_count
+
+    assert [block_count(L, 64) for L in (0, 1, 64, 65, 128, 2048)] == [0, 1, 1, 2, 2, 32]
+
+
+@needs_dsl
+def test_named_barrier_ids_are_checked_and_phases_alternate():
+    from dsa.cute.pipeline import NamedBarrier, freed_phase, named_barriers, phase
+
+    with pytest.raises(ValueError, match="1..15"):
+        named_barriers(NamedBarrier("Bad", {"A": 0}))
+    with pytest.raises(ValueError, match="unique"):
+        named_barriers(NamedBarrier("Dup", {"A": 1, "B": 1}))
+    ok = named_barriers(NamedBarrier("Ok", {"A": 1, "B": 15}))
+    assert [int(m) for m in ok] == [1, 15]
+    assert [phase(n) for n in range(4)] == [0, 1, 0, 1]
+    # before its n-th fill a producer waits for the release of use n - 1
+    assert [freed_phase(n) for n in range(1, 5)] == [phase(n - 1) for n in range(1, 5)]

@@ -40,10 +40,6 @@ import torch
 from dsa._args import DenseTargetArgs, IndexerArgs, SparseAttnArgs, SparseIndexerArgs
 from dsa._rules import acc_dtype, dense_rows, segment_sum, slot_validity
 
-# dense_rows and slot_validity stay importable from here for the Triton
-# training kernels' host code until it imports them from dsa._rules
-__all__ = ["OPS", "STAT_LOSS", "STAT_LSE", "STAT_TSUM", "STAT_VALID", "dense_rows", "slot_validity"]
-
 # elements of the largest per-chunk intermediate (fp32: 128 MiB), as in dsa.reference
 _CHUNK_ELEMS = 1 << 25
 

@@ -31,9 +31,14 @@ _SCHEMA_TYPES = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def _names(cls) -> Tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 def flat(a) -> Tuple[Any, ...]:
     """The fields of an argument dataclass, in order (a shallow astuple)."""
-    return tuple(getattr(a, f.name) for f in dataclasses.fields(a))
+    return tuple([getattr(a, n) for n in _names(type(a))])
 
 
 @functools.lru_cache(maxsize=None)

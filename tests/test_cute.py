@@ -385,7 +385,7 @@ def test_cute_zero_row_first_made_under_graph_capture(monkeypatch):
     for eager calls before the graph's first replay: the capture's pool is
     filled with NaN first (a graph sharing it, replayed), so a row made from
     that pool would show as NaN in every row with an invalid slot."""
-    from dsa.cute import sparse_attention as cute_sa
+    from dsa.cute import host
 
     gen = _gen(31)
     T, H, D, K, N = 4, 64, 576, 128, 300
@@ -395,7 +395,7 @@ def test_cute_zero_row_first_made_under_graph_capture(monkeypatch):
     idx = idx.cuda()
     expected = dsa.sparse_attention(q, kv, idx, backend="cute")  # compiled, outside any capture
     assert not expected.isnan().any()
-    monkeypatch.setattr(cute_sa, "_ZEROS", {})
+    monkeypatch.setattr(host, "_ZEROS", {})
 
     poison = torch.cuda.CUDAGraph()
     with torch.cuda.graph(poison):
@@ -408,7 +408,7 @@ def test_cute_zero_row_first_made_under_graph_capture(monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=poison.pool()):
         captured = dsa.sparse_attention(q, kv, idx, backend="cute")
-    assert len(cute_sa._ZEROS) == 1
+    assert len(host._ZEROS) == 1
     eager = dsa.sparse_attention(q, kv, idx, backend="cute")  # before any replay
     assert torch.equal(eager, expected)
     graph.replay()

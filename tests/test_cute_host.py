@@ -21,7 +21,7 @@ import torch
 
 import dsa
 from dsa._args import SparseAttnArgs, Unsupported
-from dsa.cute import placement
+from dsa.cute import host, placement
 from dsa.cute import sparse_attention as cute_sa
 
 try:
@@ -145,14 +145,14 @@ def test_failed_cutlass_import_is_not_retried(monkeypatch):
             raise ImportError("no cutlass here")
         return real_import(name, *args, **kwargs)
 
-    cute_sa.dsl_reason.cache_clear()
+    host.dsl_reason.cache_clear()
     monkeypatch.setattr(builtins, "__import__", fake_import)
     try:
-        first = cute_sa.dsl_reason()
-        second = cute_sa.dsl_reason()
+        first = host.dsl_reason()
+        second = host.dsl_reason()
     finally:
         monkeypatch.undo()
-        cute_sa.dsl_reason.cache_clear()
+        host.dsl_reason.cache_clear()
     assert first == second and "not importable" in first and "no cutlass here" in first
     assert len(attempts) == 1, attempts
 
@@ -261,13 +261,13 @@ def test_zero_row_first_needed_under_capture_is_made_outside_it(monkeypatch):
         made.append(device)
         return torch.zeros(8)
 
-    monkeypatch.setattr(cute_sa, "_outside_capture", outside)
+    monkeypatch.setattr(host, "_outside_capture", outside)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     dev = torch.device("cuda", 1)
-    assert torch.equal(cute_sa._zero_row(8, torch.bfloat16, dev), torch.zeros(8))
+    assert torch.equal(host._zero_row(8, torch.bfloat16, dev), torch.zeros(8))
     assert made == [dev]
     # a CPU row (never captured) is made in place
-    row = cute_sa._zero_row(8, torch.float16, torch.device("cpu"))
+    row = host._zero_row(8, torch.float16, torch.device("cpu"))
     assert made == [dev] and row.dtype == torch.float16 and not row.any()
 
 
@@ -295,21 +295,22 @@ def test_outside_capture_makes_on_a_waited_side_stream_in_relaxed_mode(monkeypat
 
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "stream", fake_use)
-    monkeypatch.setattr(cute_sa, "_relaxed_capture_mode", fake_relaxed)
+    monkeypatch.setattr(host, "_relaxed_capture_mode", fake_relaxed)
     dev = torch.device("cuda", 0)
-    out = cute_sa._outside_capture(lambda: events.append("make") or torch.ones(2), dev)
+    out = host._outside_capture(lambda: events.append("make") or torch.ones(2), dev)
     assert torch.equal(out, torch.ones(2))
     assert events == ["relaxed", ("stream", dev), "enter stream", "make", "leave stream", "synchronize",
                       "restored"]
 
 
 def test_zero_rows_are_cached_per_device_dtype_and_D(monkeypatch):
-    monkeypatch.setattr(cute_sa, "_ZEROS", {})
-    a = _args(D=512)
-    z = cute_sa._zeros(a)
+    monkeypatch.setattr(host, "_ZEROS", {})
+    cpu = torch.device("cpu")
+    z = host.zero_row(cpu, torch.bfloat16, 512)
     assert z.shape == (512,) and z.dtype == torch.bfloat16 and not z.any()
-    assert cute_sa._zeros(a) is z
-    assert cute_sa._zeros(_args(D=576)) is not z
+    assert host.zero_row(cpu, torch.bfloat16, 512) is z
+    assert host.zero_row(cpu, torch.bfloat16, 576) is not z
+    assert host.zero_row(cpu, torch.float16, 512) is not z
 
 
 # --------------------------------------------------------------------------

@@ -18,3 +18,21 @@ def aligned(dtype: cutlass.Constexpr, addr: Int64, align: cutlass.Constexpr = 16
     """A global pointer of ``dtype`` at byte address ``addr``, promised to be
     ``align``-byte aligned (so that copies from it may be vectorised)."""
     return cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
+
+
+@cute.jit
+def copy_head_rows(atom, tS, ptr: cute.Pointer, dtype: cutlass.Constexpr, t, H: cutlass.Constexpr, head0,
+                   rows: cutlass.Constexpr, width: cutlass.Constexpr, row_in_pass, col0,
+                   rows_per_pass: cutlass.Constexpr = 16, chunk: cutlass.Constexpr = 64):
+    """Issue the async copies of rows head0 .. head0 + rows - 1 of token t of
+    a [T, H, width] tensor at ``ptr`` into ``tS`` (this thread's slice of the
+    shared tile, [copy, pass, column chunk]): the thread copies columns
+    col0 .. col0 + 7 of each ``chunk``-column chunk of the rows head0 +
+    row_in_pass + rows_per_pass * m.  The caller signals their completion."""
+    ES = dtype.width // 8
+    for m in cutlass.range_constexpr(rows // rows_per_pass):
+        row = head0 + row_in_pass + m * rows_per_pass
+        addr = ptr.toint() + (Int64(t) * Int64(H) + Int64(row)) * Int64(width * ES) + col0 * ES
+        for c in cutlass.range_constexpr(width // chunk):
+            src = cute.make_tensor(aligned(dtype, addr + c * chunk * ES), cute.make_layout((8,)))
+            cute.copy(atom, src, tS[None, m, c])

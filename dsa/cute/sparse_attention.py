@@ -10,15 +10,14 @@ device); every launch runs under the tensors' device and its current stream.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from dsa._args import SparseAttnArgs
 from dsa._rules import LOG2E
+from dsa.cute.host import cutlass_dtype, current_stream, dsl_reason, gmem_ptr, sm90_reason, zero_row
 
 HEADS_PER_CTA = 64
 SERVED_DV = 512
@@ -52,29 +51,13 @@ DEFAULT = GridConfig()
 # (FwdSm90Config, device index) -> compiled kernel: a compiled kernel's
 # module is loaded in the context of the device it was compiled on.
 _COMPILED: Dict[tuple, object] = {}
-# (device, dtype, D) -> the zero row invalid slots read
-_ZEROS: Dict[tuple, torch.Tensor] = {}
-
-
-@functools.lru_cache(maxsize=1)
-def dsl_reason() -> Optional[str]:
-    """Why the CuTe DSL cannot be used in this process (None if it can).
-    Asked once: a failed import is not retried on every call."""
-    try:
-        import cutlass  # noqa: F401
-        import cutlass.cute  # noqa: F401
-    except Exception as e:  # ImportError, or a broken install
-        return f"CuTe DSL (nvidia-cutlass-dsl) is not importable: {type(e).__name__}: {e}"
-    return None
 
 
 def supports(a: SparseAttnArgs) -> Optional[str]:
     """None when the SM90 kernel can serve ``a``, else the reason."""
-    if a.q.device.type != "cuda":
-        return f"tensors are on '{a.q.device.type}'; the cute kernels need a CUDA GPU"
-    cap = torch.cuda.get_device_capability(a.q.device)
-    if cap != (9, 0):
-        return f"the cute sparse attention kernel is written for SM90 (Hopper); this GPU is SM{cap[0]}{cap[1]}"
+    why = sm90_reason(a.q.device, "the cute sparse attention kernel")
+    if why:
+        return why
     if a.kv.dtype != a.q.dtype:
         return f"kv dtype {a.kv.dtype} differs from q dtype {a.q.dtype}"
     why = dsl_reason()
@@ -82,7 +65,7 @@ def supports(a: SparseAttnArgs) -> Optional[str]:
         return why
     from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
 
-    why = SparseAttnFwdSm90.can_implement(_cutlass_dtype(a.q.dtype) or a.q.dtype, a.D, a.d_v, a.H, a.G)
+    why = SparseAttnFwdSm90.can_implement(cutlass_dtype(a.q.dtype) or a.q.dtype, a.D, a.d_v, a.H, a.G)
     if why:
         return why
     why = a.kernel_dtype_reason()
@@ -96,63 +79,11 @@ def supports(a: SparseAttnArgs) -> Optional[str]:
     return None
 
 
-def _zeros(a: SparseAttnArgs) -> torch.Tensor:
-    """The source row of every invalid slot on a's device: gathering zeros
-    keeps whatever is stored in unreferenced kv rows out of the tile."""
-    key = (a.q.device, a.q.dtype, a.D)
-    z = _ZEROS.get(key)
-    if z is None:
-        z = _ZEROS[key] = _zero_row(a.D, a.q.dtype, a.q.device)
-    return z
-
-
-def _zero_row(D: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A cached row of D zeros, never made by a CUDA-graph capture.
-
-    Under capture an allocation on the capturing stream comes from the
-    graph's private pool and its zero fill only runs at replay: every eager
-    call before the first replay would read garbage from the row, and the
-    row would be recycled with the graph.  So a row first needed during a
-    capture is made outside it (``_outside_capture``)."""
-    make = functools.partial(torch.zeros, D, dtype=dtype, device=device)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return _outside_capture(make, device)
-    return make()
-
-
-def _outside_capture(make: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
-    """make() on a side stream that is not captured, the host waiting for it.
-
-    The capture pool takes only allocations on streams of the capture, so
-    the side stream's come from the ordinary pool and its kernels run at
-    once.  Relaxed capture mode lets this thread do what global mode forbids
-    while another stream captures (the allocator's cudaMalloc, the wait)."""
-    with _relaxed_capture_mode():
-        side = torch.cuda.Stream(device)
-        with torch.cuda.stream(side):
-            t = make()
-        side.synchronize()
-    return t
-
-
-@contextlib.contextmanager
-def _relaxed_capture_mode() -> Iterator[None]:
-    import cuda.bindings.runtime as rt
-
-    err, prev = rt.cudaThreadExchangeStreamCaptureMode(rt.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed)
-    if err != rt.cudaError_t.cudaSuccess:
-        raise RuntimeError(f"cudaThreadExchangeStreamCaptureMode: {err}")
-    try:
-        yield
-    finally:
-        rt.cudaThreadExchangeStreamCaptureMode(prev)
-
-
 def kernel_config(a: SparseAttnArgs, profile: bool = False, refill: bool = True):
     """The ``FwdSm90Config`` that serves ``a``."""
     from dsa.cute.sparse_attention_sm90 import FwdSm90Config
 
-    return FwdSm90Config(_cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G, a.topk_length is not None,
+    return FwdSm90Config(cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G, a.topk_length is not None,
                          a.sink is not None, profile, refill)
 
 
@@ -169,20 +100,6 @@ def _compiled(a: SparseAttnArgs, ptrs, scalars, stream, profile: bool = False, r
     if fn is None:
         fn = _COMPILED[key] = cute.compile(SparseAttnFwdSm90.from_config(cfg), *ptrs, *scalars, stream)
     return fn
-
-
-def _cutlass_dtype(dt: torch.dtype):
-    """The CuTe DSL type of a q dtype the kernel may serve (None for others)."""
-    import cutlass
-
-    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}.get(dt)
-
-
-def _ptr(t: torch.Tensor, dtype, align: int):
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_ptr
-
-    return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
 
 def forward(a: SparseAttnArgs, config: Optional[GridConfig] = None,
@@ -202,7 +119,7 @@ def forward(a: SparseAttnArgs, config: Optional[GridConfig] = None,
         lse = torch.empty((a.T, a.H), dtype=torch.float32, device=a.q.device)
         ptrs = _pointers(a, out, lse, profile)
         scalars = _scalars(a, cfg.grid(a.q.device))
-        stream = _stream(a.q.device)
+        stream = current_stream(a.q.device)
         _compiled(a, ptrs, scalars, stream, profile is not None, refill)(*ptrs, *scalars, stream)
     return out, lse
 
@@ -211,16 +128,16 @@ def _pointers(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, profile: 
     """The kernel's pointer arguments, in its order."""
     import cutlass
 
-    dt = _cutlass_dtype(a.q.dtype)
+    dt = cutlass_dtype(a.q.dtype)
     # Absent optional inputs are never read; any valid address stands in.
     length = a.topk_length if a.topk_length is not None else a.indices
     sink = a.sink if a.sink is not None else lse
     return (
-        _ptr(a.q, dt, 16), _ptr(a.kv, dt, 16), _ptr(a.indices, cutlass.Int32, 4),
-        _ptr(length, cutlass.Int32, 4), _ptr(sink, cutlass.Float32, 4), _ptr(out, dt, 16),
-        _ptr(lse, cutlass.Float32, 4), _ptr(_zeros(a), dt, 16),
+        gmem_ptr(a.q, dt, 16), gmem_ptr(a.kv, dt, 16), gmem_ptr(a.indices, cutlass.Int32, 4),
+        gmem_ptr(length, cutlass.Int32, 4), gmem_ptr(sink, cutlass.Float32, 4), gmem_ptr(out, dt, 16),
+        gmem_ptr(lse, cutlass.Float32, 4), gmem_ptr(zero_row(a.q.device, a.q.dtype, a.D), dt, 16),
         # written only by the profiling build
-        _ptr(profile if profile is not None else lse, cutlass.Int64, 4),
+        gmem_ptr(profile if profile is not None else lse, cutlass.Int64, 4),
     )
 
 
@@ -229,12 +146,6 @@ def _scalars(a: SparseAttnArgs, n_cta: int):
 
     return (cutlass.Int32(a.T), cutlass.Int32(a.N), cutlass.Int32(a.K), cutlass.Float32(a.sm_scale * LOG2E),
             cutlass.Int32(n_cta))
-
-
-def _stream(device: torch.device):
-    import cuda.bindings.driver as cuda
-
-    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
 
 
 def compile_offline(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, has_sink: bool,
@@ -248,7 +159,7 @@ def compile_offline(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, h
 
     from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
 
-    dt = _cutlass_dtype(dtype) or dtype
+    dt = cutlass_dtype(dtype) or dtype
 
     def p(ty, align):
         return make_ptr(ty, align * 64, cute.AddressSpace.gmem, assumed_align=align)

@@ -50,7 +50,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from dsa.cute import pipeline, rules, scheduler
-from dsa.cute.gmem import aligned, load
+from dsa.cute.gmem import aligned, copy_head_rows, load
 from dsa.cute.pipeline import NamedBarrier, Timer, freed_phase, named_barriers, phase
 from dsa.cute.rules import LOG2E, finite_shift
 
@@ -395,15 +395,8 @@ class SparseAttnFwdSm90:
     @cute.jit
     def load_q(self, atom, thr, sQ, q_full, q_ptr, t, head0, row_in_pass, col0):
         """Q: heads head0 .. head0 + 63 of token t, signalled on q_full."""
-        D = self.D
-        ES = self.dtype.width // 8
-        tQs = thr.partition_D(sQ)
-        for m in cutlass.range_constexpr(BLOCK_H // 16):
-            row = head0 + row_in_pass + m * 16
-            addr = q_ptr.toint() + (Int64(t) * Int64(self.H) + Int64(row)) * Int64(D * ES) + col0 * ES
-            for c in cutlass.range_constexpr(D // 64):
-                src = cute.make_tensor(aligned(self.dtype, addr + c * 64 * ES), cute.make_layout((8,)))
-                cute.copy(atom, src, tQs[None, m, c])
+        copy_head_rows(atom, thr.partition_D(sQ), q_ptr, self.dtype, t, self.H, head0, BLOCK_H, self.D,
+                       row_in_pass, col0)
         cute.arch.cp_async_mbarrier_arrive_noinc(q_full)
 
     @cute.jit

@@ -1,0 +1,118 @@
+"""Host-side helpers shared by the CuTe DSL ops (forward and backward).
+
+* ``dsl_reason()``: whether the CuTe DSL imports, asked once per process.
+* ``sm90_reason(device, what)``: whether the tensors are on an SM90 GPU.
+* ``cutlass_dtype`` / ``gmem_ptr`` / ``current_stream``: launch arguments.
+* ``zero_row(device, dtype, D)``: the cached row of zeros that invalid slots
+  gather (``dsa.cute.rules.slot_source``), per device, never made by a
+  CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Callable, Dict, Iterator, Optional
+
+import torch
+
+# (device, dtype, D) -> the zero row invalid slots read
+_ZEROS: Dict[tuple, torch.Tensor] = {}
+
+
+@functools.lru_cache(maxsize=1)
+def dsl_reason() -> Optional[str]:
+    """Why the CuTe DSL cannot be used in this process (None if it can).
+    Asked once: a failed import is not retried on every call."""
+    try:
+        import cutlass  # noqa: F401
+        import cutlass.cute  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install
+        return f"CuTe DSL (nvidia-cutlass-dsl) is not importable: {type(e).__name__}: {e}"
+    return None
+
+
+def sm90_reason(device: torch.device, what: str) -> Optional[str]:
+    """Why ``what`` (e.g. "the cute sparse attention kernel") cannot run on
+    ``device``: not CUDA, or not SM90 (None when it is an SM90 GPU)."""
+    if device.type != "cuda":
+        return f"tensors are on '{device.type}'; the cute kernels need a CUDA GPU"
+    cap = torch.cuda.get_device_capability(device)
+    if cap != (9, 0):
+        return f"{what} is written for SM90 (Hopper); this GPU is SM{cap[0]}{cap[1]}"
+    return None
+
+
+def cutlass_dtype(dt: torch.dtype):
+    """The CuTe DSL type of a 16-bit q dtype (None for any other dtype)."""
+    import cutlass
+
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}.get(dt)
+
+
+def gmem_ptr(t: torch.Tensor, dtype, align: int):
+    """A CuTe global pointer of ``dtype`` to t's data, promised ``align``-byte aligned."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+
+
+def current_stream(device: torch.device):
+    """torch's current stream on ``device`` as the CUstream a launch takes."""
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+
+
+def zero_row(device: torch.device, dtype: torch.dtype, D: int) -> torch.Tensor:
+    """The source row of every invalid slot: gathering zeros keeps whatever
+    is stored in unreferenced kv rows out of a tile.  Made once per (device,
+    dtype, D) and kept for the process."""
+    key = (device, dtype, D)
+    z = _ZEROS.get(key)
+    if z is None:
+        z = _ZEROS[key] = _zero_row(D, dtype, device)
+    return z
+
+
+def _zero_row(D: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A row of D zeros, never made by a CUDA-graph capture.
+
+    Under capture an allocation on the capturing stream comes from the
+    graph's private pool and its zero fill only runs at replay: every eager
+    call before the first replay would read garbage from the row, and the
+    row would be recycled with the graph.  So a row first needed during a
+    capture is made outside it (``_outside_capture``)."""
+    make = functools.partial(torch.zeros, D, dtype=dtype, device=device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _outside_capture(make, device)
+    return make()
+
+
+def _outside_capture(make: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
+    """make() on a side stream that is not captured, the host waiting for it.
+
+    The capture pool takes only allocations on streams of the capture, so
+    the side stream's come from the ordinary pool and its kernels run at
+    once.  Relaxed capture mode lets this thread do what global mode forbids
+    while another stream captures (the allocator's cudaMalloc, the wait)."""
+    with _relaxed_capture_mode():
+        side = torch.cuda.Stream(device)
+        with torch.cuda.stream(side):
+            t = make()
+        side.synchronize()
+    return t
+
+
+@contextlib.contextmanager
+def _relaxed_capture_mode() -> Iterator[None]:
+    import cuda.bindings.runtime as rt
+
+    err, prev = rt.cudaThreadExchangeStreamCaptureMode(rt.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed)
+    if err != rt.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaThreadExchangeStreamCaptureMode: {err}")
+    try:
+        yield
+    finally:
+        rt.cudaThreadExchangeStreamCaptureMode(prev)

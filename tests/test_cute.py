@@ -14,65 +14,38 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import bruteforce as bf
 import dsa
+from cute_offline import HAVE_DSL, ROOT, SM90, ptx_counts
 from dsa._args import SparseAttnArgs
 from dsa.cute import placement
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INF = float("inf")
-
-try:
-    import cutlass  # noqa: F401
-
-    HAVE_DSL = True
-except Exception:  # not installed, or no usable install
-    HAVE_DSL = False
-
-SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 # --------------------------------------------------------------------------
 # ahead-of-time compilation (CPU)
 
-_AOT = r"""
-import json, os, sys, torch
-from dsa.cute.sparse_attention import compile_offline
-res = {}
-for name, dt, D, H, G, has_len, has_sink, profile, refill in json.loads(sys.argv[1]):
-    c = compile_offline(getattr(torch, dt), D, H, G, has_len, has_sink, profile=profile, refill=refill)
-    ptx = c.artifacts.PTX
-    if len(ptx) < 4096 and os.path.exists(ptx):  # with a dump directory: the file's path
-        ptx = open(ptx).read()
-    res[name] = {k: ptx.count(k) for k in (
-        "wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc",
-        "setmaxnreg.inc", "setmaxnreg.dec", "mbarrier.try_wait", "mbarrier.arrive.shared", "bar.arrive",
-        "%clock64")}
-print("RESULT" + json.dumps(res))
-"""
+_NEEDLES = ("wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc", "setmaxnreg.inc",
+            "setmaxnreg.dec", "mbarrier.try_wait", "mbarrier.arrive.shared", "bar.arrive", "%clock64")
 
-_CONFIGS = [
-    ("v32_bf16", "bfloat16", 576, 128, 1, True, True, False, True),
-    ("v4_fp16_gqa", "float16", 512, 128, 2, False, False, False, True),
+_CONFIGS = [  # name, dtype, D, H, G, has_len, has_sink, profile, refill
+    ("v32_bf16", "torch.bfloat16", 576, 128, 1, True, True, False, True),
+    ("v4_fp16_gqa", "torch.float16", 512, 128, 2, False, False, False, True),
     # bench/profile_cute.py's builds: cycle counters; each stage gathered once
-    ("v32_bf16_profile", "bfloat16", 576, 128, 1, True, False, True, True),
-    ("v32_bf16_norefill", "bfloat16", 576, 128, 1, False, False, False, False),
+    ("v32_bf16_profile", "torch.bfloat16", 576, 128, 1, True, False, True, True),
+    ("v32_bf16_norefill", "torch.bfloat16", 576, 128, 1, False, False, False, False),
 ]
 
 
 @pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl is not installed")
 def test_sm90_kernel_compiles_offline_with_hopper_instructions(tmp_path):
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_DUMP_DIR=str(tmp_path), PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-c", _AOT, json.dumps(_CONFIGS)], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(proc.stdout.split("RESULT", 1)[1])
+    calls = [(c[0], list(c[1:7]), dict(profile=c[7], refill=c[8])) for c in _CONFIGS]
+    res = ptx_counts("dsa.cute.sparse_attention:compile_offline", calls, _NEEDLES, "sm_90a", tmp_path)
     for name, dt, D, H, G, has_len, has_sink, profile, refill in _CONFIGS:
         r = res[name]
         # the cycle counters exist only in the profiling build

@@ -20,16 +20,10 @@ import pytest
 import torch
 
 import dsa
+from cute_offline import HAVE_DSL
 from dsa._args import SparseAttnArgs, Unsupported
 from dsa.cute import host, placement
 from dsa.cute import sparse_attention as cute_sa
-
-try:
-    import cutlass
-
-    HAVE_DSL = True
-except Exception:  # not installed, or no usable install
-    HAVE_DSL = False
 
 needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl is not installed")
 
@@ -174,6 +168,8 @@ def test_failed_cutlass_import_is_not_retried(monkeypatch):
     ("BFloat16", 512, 512, 128, 3, "do not split"),
 ])
 def test_can_implement(dtype, D, d_v, H, G, match):
+    import cutlass
+
     from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
 
     dt = getattr(cutlass, dtype)

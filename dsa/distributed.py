@@ -21,6 +21,7 @@ with :func:`shard_sizes` and pass them as ``kv_sizes`` / ``q_sizes``.
 
 from __future__ import annotations
 
+import numbers
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -76,7 +77,10 @@ def _check_sizes(name: str, sizes, n_local: int, rank: int, world: int) -> List[
     if isinstance(sizes, Tensor):
         sizes = sizes.tolist()
     sizes = list(sizes)
-    if len(sizes) != world or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in sizes):
+    if any(isinstance(s, bool) or not isinstance(s, numbers.Integral) for s in sizes):
+        raise TypeError(f"{name}: expected ints, got {sizes}")
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != world or any(s < 0 for s in sizes):
         raise ValueError(f"{name}: expected {world} ints >= 0 (one per rank of the group), got {sizes}")
     if sizes[rank] != n_local:
         raise ValueError(f"{name}: entry {rank} (this rank) is {sizes[rank]}, but the local shard holds {n_local} rows")

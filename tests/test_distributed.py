@@ -6,8 +6,9 @@ One spawn of 4 processes serves every check (spawning is the slow part): the
 default group runs the 4-rank checks, and a group of global ranks 1 and 3
 the 2-rank ones (so group ranks differ from global ranks). The parent writes
 the full inputs to a file, each rank runs its shard of every case and writes
-its results, and the parent compares them with the single-process call. Shards are ragged (7/5 and 5/3/0/4 tokens, an empty
-rank included) except in the cases marked even.
+its results, and the parent compares them with the single-process call.
+Shards are ragged (7/5 and 5/3/0/4 tokens, an empty rank included) except in
+the cases marked even.
 """
 
 from __future__ import annotations
@@ -121,8 +122,15 @@ def _cases():
     return cases
 
 
-def _backend_cases(cases, backend):
-    return cases if backend == "reference" else {n: c for n, c in cases.items() if n in TRITON_CASES}
+def _backend_cases(cases, backend, device="cpu"):
+    if backend == "reference" or device != "cpu":
+        return cases
+    return {n: c for n, c in cases.items() if n in TRITON_CASES}
+
+
+def _on(c, device):
+    """A case with its tensors on ``device``."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in c.items()}
 
 
 # --------------------------------------------------------------------------
@@ -170,8 +178,8 @@ def _rank_indexer(c, group, rank, world, backend):
     if c["kind"] == "pipeline":
         q, kv, sink = _leaf(_local(c["q"], 0, lo, n)), _leaf(_local(c["kv"], 0, klo, kn)), _leaf(c["sink"].clone())
         out, lse = dd.sparse_attention(
-            q, kv, idx, group=group, kv_sizes=k_sizes if c["give_sizes"] else None, d_v=D_V, sink=sink, topk_length=lengths,
-            return_lse=True, backend=backend,
+            q, kv, idx, group=group, kv_sizes=k_sizes if c["give_sizes"] else None, d_v=D_V, sink=sink,
+            topk_length=lengths, return_lse=True, backend=backend,
         )
         (out * _local(c["dout"], 0, lo, n)).sum().backward()
         res.update(out=out.detach(), lse=lse, dq=q.grad, dkv=kv.grad, dsink=sink.grad)
@@ -191,12 +199,13 @@ def _rank_errors(group, rank, world):
     return msgs
 
 
-def _run_all(cases, group, rank, world):
-    results = {"errors": _rank_errors(group, rank, world)}
-    for backend in BACKENDS:
-        for name, c in _backend_cases(cases, backend).items():
+def _run_all(cases, group, rank, world, backends=BACKENDS, device="cpu"):
+    results = {"errors": _rank_errors(group, rank, world)} if device == "cpu" else {}
+    for backend in backends:
+        for name, c in _backend_cases(cases, backend, device).items():
             run = _rank_sparse if c["kind"] == "sparse" else _rank_indexer
-            results[backend, name] = run(c, group, rank, world, backend)
+            res = run(_on(c, device), group, rank, world, backend)
+            results[backend, name] = {k: v.cpu() for k, v in res.items()}
     return results
 
 
@@ -213,6 +222,27 @@ def _child(rank, world, tmp):
         if rank in PAIR:
             sub = dist.get_rank(pair)
             torch.save(_run_all(cases, pair, sub, 2), f"{tmp}/w2_rank{sub}.pt")
+    except BaseException:
+        with open(f"{tmp}/error{rank}.txt", "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+GPU_BACKENDS = ("reference", "triton")
+
+
+def _nccl_child(rank, world, tmp):
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        cases = torch.load(f"{tmp}/cases.pt")
+        results = _run_all(cases, None, rank, world, GPU_BACKENDS, f"cuda:{rank}")
+        torch.save(results, f"{tmp}/w{world}_rank{rank}.pt")
     except BaseException:
         with open(f"{tmp}/error{rank}.txt", "w") as f:
             f.write(traceback.format_exc())
@@ -307,3 +337,21 @@ def test_needs_an_initialised_group():
         pytest.skip("a process group is already initialised in this process")
     with pytest.raises(ValueError, match="not initialised"):
         dd.sparse_attention(torch.randn(2, H, D), torch.randn(2, D), torch.zeros(2, K, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_two_gpus_match_one(tmp_path):
+    """Every case on 2 GPUs over NCCL (rank r on cuda:r) against one call on cuda:0."""
+    cases = _cases()
+    torch.save(cases, tmp_path / "cases.pt")
+    try:
+        mp.spawn(_nccl_child, args=(2, str(tmp_path)), nprocs=2, join=True)
+    except Exception:
+        errs = [p.read_text() for p in sorted(tmp_path.glob("error*.txt"))]
+        pytest.fail("a rank failed:\n" + "\n".join(errs))
+    ranks = [torch.load(tmp_path / f"w2_rank{r}.pt") for r in range(2)]
+    for backend in GPU_BACKENDS:
+        for name, c in cases.items():
+            full = {k: v.cpu() for k, v in _full(_on(c, "cuda:0"), backend).items()}
+            _compare(name, c, full, [r[backend, name] for r in ranks], 2)

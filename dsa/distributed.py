@@ -125,8 +125,9 @@ class GatheredKV:
     to overlap the gather with whatever runs between.
     """
 
-    def __init__(self, buf: Tensor, works: list, local: Tensor, sizes: List[int], dim: int):
+    def __init__(self, buf: Tensor, works: list, local: Tensor, sizes: List[int], dim: int, group):
         self._buf, self._works, self._local = buf, works, local
+        self.group = group
         self.sizes = sizes
         self.dim = dim
         self._full: Optional[Tensor] = None
@@ -178,7 +179,7 @@ def gather_kv(
     x = x.contiguous()
     works: list = []
     buf = _AllGatherPadded.apply(x, group, works)
-    pending = GatheredKV(buf, works, x, sizes, dim)
+    pending = GatheredKV(buf, works, x, sizes, dim, group)
     return pending if async_op else pending.wait()
 
 
@@ -190,6 +191,8 @@ def _full_kv(kv, group, kv_sizes, dim: int, name: str) -> Tensor:
     if isinstance(kv, GatheredKV):
         if kv.dim != dim:
             raise ValueError(f"{name}: gathered along dim {kv.dim}, but this layout's token dim is {dim}")
+        if kv.group is not group:
+            raise ValueError(f"group: {group!r} is not the group {name} was gathered over ({kv.group!r})")
         if kv_sizes is not None and list(kv_sizes) != kv.sizes:
             raise ValueError(f"kv_sizes: {list(kv_sizes)} differs from the gathered {name}'s sizes {kv.sizes}")
         return kv.wait()

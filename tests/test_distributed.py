@@ -196,6 +196,16 @@ def _rank_errors(group, rank, world):
             msgs.append(None)
         except ValueError as e:
             msgs.append(str(e))
+    # a gather along the packed token dim handed to a batched call: refused after
+    # the (matched) gather was issued, so every rank still takes part in it
+    pending = dd.gather_kv(kv, group=group, kv_sizes=SIZES[world], async_op=True)
+    try:
+        n = kv.shape[0]
+        dd.sparse_attention(torch.randn(1, n, H, D), pending, torch.zeros(1, n, K, dtype=torch.int32), group=group)
+        msgs.append(None)
+    except ValueError as e:
+        msgs.append(str(e))
+    pending.wait()
     return msgs
 
 
@@ -326,7 +336,8 @@ def test_matches_single_process(spawned, world, backend):
 def test_bad_sizes_raise_before_communicating(spawned, world):
     ranks = spawned[1][world]
     for r in ranks:
-        too_many, wrong_own, negative = r["errors"]
+        too_many, wrong_own, negative, wrong_dim = r["errors"]
+        assert wrong_dim is not None and "gathered along dim 0" in wrong_dim
         assert too_many is not None and "one per rank" in too_many
         assert wrong_own is not None and "local shard holds" in wrong_own
         assert negative is not None and "ints >= 0" in negative

@@ -79,7 +79,7 @@ def main():
         rows = torch.linspace(0, a.T - 1, 6).long().tolist()
         eo, el = exact_rows(a, rows)
         tout, tlse = triton_sa.forward(a)
-        configs = (("cute", cute_sa.Config()), ("cute-per-tile", cute_sa.Config(persistent=False)))
+        configs = (("cute", cute_sa.GridConfig()), ("cute-per-tile", cute_sa.GridConfig(persistent=False)))
         for cname, cfg in configs:
             t0 = time.time()
             torch.cuda.synchronize()

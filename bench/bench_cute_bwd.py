@@ -1,6 +1,7 @@
 """The CuTe SM90 sparse attention backward against the Triton backward.
 
-    python bench/bench_cute_bwd.py [--shapes v32,v4pro,v4flash,h64d576,v32half,v32det]
+    compute-sanitizer --tool memcheck python bench/bench_cute_bwd.py --sanitize
+    python bench/bench_cute_bwd.py [--shapes v32,v4pro,...,v32-v2,...]   (SHAPES, VARIANTS)
 
 One process, the same inputs for both (fresh ``torch.randn``, bf16, sink on,
 random indices), ``triton.testing.do_bench`` medians (warmup 25 ms, rep
@@ -30,8 +31,18 @@ SHAPES = {
     "v32half": (4096, 8192, 128, 576, 2048, True, False),
     "v32det": (4096, 8192, 128, 576, 2048, False, True),
 }
-# the same shape with the build whose dkv chunks are not pipelined
-SERIAL = {"v32serial": "v32", "v4proserial": "v4pro"}
+# other builds of the kernel (sparse_attention_bwd.BUILD) at a shape; their
+# Triton time is not measured again
+VARIANTS = {
+    "v32-v2": ("v32", dict(v4=False)),
+    "v32-serial": ("v32", dict(pipelined=False)),
+    "v32-c0x4": ("v32", dict(c0_chunks=4)),
+    "v32-c0x3": ("v32", dict(c0_chunks=3)),
+    "v4pro-v2": ("v4pro", dict(v4=False)),
+    # timing only (dkv is not added): the cost of everything but the atomics
+    "v32-noscatter": ("v32", dict(scatter=False)),
+}
+DEFAULT_BUILD = dict(cbwd.BUILD)
 
 
 def _args(T, N, H, D, K, half, det, seed=0) -> SparseAttnArgs:
@@ -51,35 +62,65 @@ def _rel(a, b) -> float:
 
 
 def run(name: str) -> None:
-    cbwd.PIPELINED = name not in SERIAL
-    T, N, H, D, K, half, det = SHAPES[SERIAL.get(name, name)]
+    shape, build = VARIANTS.get(name, (name, {}))
+    cbwd.BUILD = dict(DEFAULT_BUILD, **build)
+    T, N, H, D, K, half, det = SHAPES[shape]
     a = _args(T, N, H, D, K, half, det)
     out, lse = tsa.forward(a)
     dout = torch.randn(T, H, 512, device="cuda", dtype=torch.bfloat16)
     flop = 2 * T * H * K * (3 * D + 2 * 512)
     res = {}
     grads = {}
-    for backend, fn in (("cute", cbwd.backward), ("triton", tsa.backward)):
+    backends = (("cute", cbwd.backward),) + ((("triton", tsa.backward),) if name not in VARIANTS else ())
+    for backend, fn in backends:
         grads[backend] = fn(a, out, lse, dout)
         torch.cuda.synchronize()
         ms = triton.testing.do_bench(lambda: fn(a, out, lse, dout), warmup=25, rep=100, return_mode="median")
         res[backend] = ms
-    c, t = grads["cute"], grads["triton"]
-    err = f"dq {_rel(c[0], t[0]):.2e} dkv {_rel(c[1], t[1]):.2e} dsink {_rel(c[2], t[2]):.2e}"
-    print(f"{name:9s} T={T} N={N} H={H} D={D} K={K} half={half} det={det}: "
-          f"cute {res['cute']:.3f} ms ({flop / res['cute'] / 1e9:.1f} TFLOP/s)  "
-          f"triton {res['triton']:.3f} ms ({flop / res['triton'] / 1e9:.1f} TFLOP/s)  "
-          f"speedup {res['triton'] / res['cute']:.2f}x  | cute vs triton: {err}", flush=True)
+    c = grads["cute"]
+    line = (f"{name:11s} T={T} N={N} H={H} D={D} K={K} half={half} det={det} build={cbwd.BUILD}: "
+            f"cute {res['cute']:.3f} ms ({flop / res['cute'] / 1e9:.1f} TFLOP/s)")
+    if "triton" in res:
+        t = grads["triton"]
+        err = f"dq {_rel(c[0], t[0]):.2e} dkv {_rel(c[1], t[1]):.2e} dsink {_rel(c[2], t[2]):.2e}"
+        line += (f"  triton {res['triton']:.3f} ms ({flop / res['triton'] / 1e9:.1f} TFLOP/s)"
+                 f"  speedup {res['triton'] / res['cute']:.2f}x  | cute vs triton: {err}")
+    print(line, flush=True)
     if det:
         again = cbwd.backward(a, out, lse, dout)
         same = all(torch.equal(x, y) for x, y in zip(again, c))
         print(f"{name:9s} deterministic: bitwise equal on a second run: {same}", flush=True)
 
 
+def sanitize() -> None:
+    """A small call with hostile indices (out of range both ways, past
+    topk_length, duplicates), both modes: run under compute-sanitizer."""
+    T, N, H, D, K = 8, 256, 128, 576, 256
+    a = _args(T, N, H, D, K, True, False)
+    idx = a.indices.clone()
+    idx[..., 0::7] = -5
+    idx[..., 3::11] = N
+    idx[..., 5::13] = 2**30
+    idx[..., 8:24] = idx[..., 1:2]
+    tl = torch.tensor([0, -3, K + 9, 1, 65, 200, K, 17], dtype=torch.int32, device="cuda")
+    for det in (False, True):
+        b = SparseAttnArgs(a.q, a.kv, idx, tl, a.sink, a.sm_scale, 512, det)
+        out, lse = tsa.forward(b)
+        dout = torch.randn(T, H, 512, device="cuda", dtype=torch.bfloat16)
+        dq, dkv, dsink = cbwd.backward(b, out, lse, dout)
+        torch.cuda.synchronize()
+        print(f"sanitize det={det}: finite {bool(dq.isfinite().all() and dkv.isfinite().all())}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    for name in ap.parse_args().shapes.split(","):
+    ap.add_argument("--shapes", default=",".join(list(SHAPES) + list(VARIANTS)))
+    ap.add_argument("--sanitize", action="store_true", help="only the small hostile call (compute-sanitizer)")
+    args = ap.parse_args()
+    if args.sanitize:
+        sanitize()
+        return
+    for name in args.shapes.split(","):
         run(name)
         torch.cuda.empty_cache()
 

@@ -47,22 +47,24 @@ _AOT = r"""
 import json, os, sys, torch
 from dsa.cute.sparse_attention_bwd import compile_offline_backward
 res = {}
-for name, dt, D, H, G, has_len, det in json.loads(sys.argv[1]):
-    c = compile_offline_backward(getattr(torch, dt), D, H, G, has_len, det)
+for name, dt, D, H, G, has_len, det, build in json.loads(sys.argv[1]):
+    c = compile_offline_backward(getattr(torch, dt), D, H, G, has_len, det, build=build)
     ptx = c.artifacts.PTX
     if len(ptx) < 4096 and os.path.exists(ptx):  # with a dump directory: the file's path
         ptx = open(ptx).read()
     res[name] = {k: ptx.count(k) for k in (
         "wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc",
-        "red.relaxed.gpu.global.add.v2.f32", "st.global.v2.f32", "setmaxnreg.inc", "setmaxnreg.dec",
-        "mbarrier.try_wait", "bar.sync", "bar.arrive")}
+        "red.relaxed.gpu.global.add.v2.f32", "st.global.v2.f32", "red.relaxed.gpu.global.add.v4.f32",
+        "st.global.v4.f32", "shfl.sync", "setmaxnreg.inc", "setmaxnreg.dec", "mbarrier.try_wait", "bar.sync",
+        "bar.arrive")}
 print("RESULT" + json.dumps(res))
 """
 
 _CONFIGS = [
-    ("v32_bf16_len", "bfloat16", 576, 128, 1, True, False),
-    ("fp16_d512_h64", "float16", 512, 64, 1, False, False),
-    ("v32_bf16_det", "bfloat16", 576, 128, 1, True, True),
+    ("v32_bf16_len", "bfloat16", 576, 128, 1, True, False, {}),
+    # the other build options: 8-byte atomics, one dkv accumulator
+    ("fp16_d512_h64_v2", "float16", 512, 64, 1, False, False, {"v4": False, "pipelined": False}),
+    ("v32_bf16_det", "bfloat16", 576, 128, 1, True, True, {}),
 ]
 
 
@@ -73,8 +75,9 @@ def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
-    for name, dt, D, H, G, has_len, det in _CONFIGS:
+    for name, dt, D, H, G, has_len, det, build in _CONFIGS:
         r = res[name]
+        v = 2 if build.get("v4", True) is False else 4
         # per block: S (D / 16) and dP (d_v / 16) on consumer 0, dQ (4 a
         # tile, one tile on each consumer and the RoPE one), dkv (8 per value
         # chunk, 4 per RoPE chunk)
@@ -82,10 +85,15 @@ def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
         assert r["wgmma.mma_async"] == n_wgmma, (name, r)
         assert r["cp.async.cg.shared.global"] >= D // 64 * 4, (name, r)  # the gather
         assert r["cp.async.mbarrier.arrive.noinc"] >= 2, (name, r)       # Q and dO; each block
-        # 16 two-float adds (or stores) per thread, slot row and 64-column chunk
-        n_out = 2 * 8 * (D // 64)
-        assert r["red.relaxed.gpu.global.add.v2.f32"] == (0 if det else n_out), (name, r)
-        assert r["st.global.v2.f32"] == (n_out if det else 0), (name, r)
+        # per thread and 64-column chunk, for each of its two slot rows: 8
+        # two-float adds (or stores), or 4 four-float ones after the shuffles
+        n_out = 2 * (16 // v) * (D // 64)
+        for op in ("red.relaxed.gpu.global.add", "st.global"):
+            for w in (2, 4):
+                want = n_out if (w == v and (op == "st.global") == det) else 0
+                assert r[f"{op}.v{w}.f32"] == want, (name, op, w, r)
+        # 6 shuffles per 4 floats: 48 per chunk in the 16-byte build
+        assert (r["shfl.sync"] >= 48 * (D // 64)) == (v == 4), (name, r)
         assert r["setmaxnreg.inc"] >= 1 and r["setmaxnreg.dec"] >= 1, (name, r)
         assert r["mbarrier.try_wait"] >= 3, (name, r)
         # the dS / P hand-off between the consumers: written (READY), free again (FREE)
@@ -180,6 +188,15 @@ def test_slot_keys_name_the_kv_row_of_valid_slots():
 # GPU
 
 gpu = pytest.mark.skipif(not (SM90 and HAVE_DSL), reason="needs an SM90 GPU and nvidia-cutlass-dsl")
+
+
+@pytest.fixture(autouse=True)
+def _build(monkeypatch):
+    """DSA_TEST_CUTE_BWD_BUILD (JSON, e.g. '{"v4": false}') runs the GPU
+    tests on another build of the kernel (sparse_attention_bwd.BUILD)."""
+    extra = os.environ.get("DSA_TEST_CUTE_BWD_BUILD")
+    if extra:
+        monkeypatch.setattr(cbwd, "BUILD", dict(cbwd.BUILD, **json.loads(extra)))
 
 
 def _poison(nbytes: int) -> None:

@@ -29,9 +29,11 @@ LOG2E = 1.4426950408889634
 # Bytes of per-slot fp32 dkv rows held at once by the deterministic backward.
 DETERMINISTIC_SLOT_BYTES = 1 << 30
 
-# Two dkv accumulators on the consumer scattering most (its next chunk's
-# wgmma under the current chunk's atomics); False: one, each chunk waited for.
-PIPELINED = True
+# Build options of the kernel (SparseAttnBwdSm90): pipelined, two dkv
+# accumulators on the consumer scattering most (its next chunk's wgmma under
+# the current chunk's atomics); v4, 16-byte atomics over 64 contiguous bytes a
+# quad; c0_chunks, the dkv chunks consumer 0 scatters.
+BUILD = dict(pipelined=True, v4=True, c0_chunks=2)
 
 _COMPILED: Dict[tuple, object] = {}
 _ZEROS: Dict[tuple, torch.Tensor] = {}
@@ -119,11 +121,10 @@ def _ptr(t: torch.Tensor, dtype, align: int):
     return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
 
-def _kernel(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, deterministic: bool,
-            pipelined: bool = True):
+def _kernel(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, deterministic: bool, build: dict):
     from dsa.cute.sparse_attention_bwd_sm90 import SparseAttnBwdSm90
 
-    return SparseAttnBwdSm90(_cutlass_dtype(dtype), D, SERVED_DV, H, G, has_len, deterministic, pipelined)
+    return SparseAttnBwdSm90(_cutlass_dtype(dtype), D, SERVED_DV, H, G, has_len, deterministic, **build)
 
 
 def _ptr_types(dt):
@@ -148,10 +149,11 @@ def _launch(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv_buf, t0: int, tc: in
     scalars = (cutlass.Int32(tc), cutlass.Int32(t0), cutlass.Int32(a.N), cutlass.Int32(a.K),
                cutlass.Float32(a.sm_scale * LOG2E), cutlass.Float32(a.sm_scale))
     stream = cuda.CUstream(torch.cuda.current_stream(a.q.device).cuda_stream)
-    key = (a.q.dtype, a.D, a.H, a.G, a.topk_length is not None, a.deterministic, PIPELINED)
+    key = (a.q.dtype, a.D, a.H, a.G, a.topk_length is not None, a.deterministic, tuple(sorted(BUILD.items())))
     fn = _COMPILED.get(key)
     if fn is None:
-        fn = _COMPILED[key] = cute.compile(_kernel(a.q.dtype, a.D, a.H, a.G, *key[4:]), *ptrs, *scalars, stream)
+        kernel = _kernel(a.q.dtype, a.D, a.H, a.G, key[4], key[5], dict(BUILD))
+        fn = _COMPILED[key] = cute.compile(kernel, *ptrs, *scalars, stream)
     with torch.cuda.device(a.q.device):
         fn(*ptrs, *scalars, stream)
 
@@ -196,7 +198,7 @@ def backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor,
 
 
 def compile_offline_backward(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool,
-                             deterministic: bool = False, keep_ptx: bool = True, pipelined: bool = True):
+                             deterministic: bool = False, keep_ptx: bool = True, build: Optional[dict] = None):
     """Compile the backward without a GPU (``CUTE_DSL_ARCH=sm_90a``), for CI
     and inspection; returns the compiled object (its PTX kept when asked)."""
     import cuda.bindings.driver as cuda
@@ -208,5 +210,6 @@ def compile_offline_backward(dtype: torch.dtype, D: int, H: int, G: int, has_len
     ptrs = tuple(make_ptr(ty, al * 64, cute.AddressSpace.gmem, assumed_align=al) for ty, al in _ptr_types(dt))
     scalars = (cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(1),
                cutlass.Float32(math.log2(math.e)), cutlass.Float32(1.0))
-    return cute.compile(_kernel(dtype, D, H, G, has_len, deterministic, pipelined), *ptrs, *scalars, cuda.CUstream(0),
+    kernel = _kernel(dtype, D, H, G, has_len, deterministic, dict(BUILD, **(build or {})))
+    return cute.compile(kernel, *ptrs, *scalars, cuda.CUstream(0),
                         options="--keep-ptx" if keep_ptx else "")

@@ -74,6 +74,34 @@ def _red_add_v2(addr: Int64, a: Float32, b: Float32, *, loc=None, ip=None) -> No
 
 
 @dsl_user_op
+def _red_add_v4(addr: Int64, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
+    """Four adjacent fp32 atomic adds at global address addr (16-byte aligned)."""
+    llvm.inline_asm(
+        None,
+        [Int64(addr).ir_value(loc=loc, ip=ip)] + [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
+        "red.relaxed.gpu.global.add.v4.f32 [$0], {$1, $2, $3, $4};",
+        "l,f,f,f,f",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
+def _store_v4(addr: Int64, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
+    """Four adjacent fp32 stores at global address addr (16-byte aligned)."""
+    llvm.inline_asm(
+        None,
+        [Int64(addr).ir_value(loc=loc, ip=ip)] + [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
+        "st.global.v4.f32 [$0], {$1, $2, $3, $4};",
+        "l,f,f,f,f",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
 def _store_v2(addr: Int64, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
     """Two adjacent fp32 stores at global address addr (8-byte aligned)."""
     llvm.inline_asm(
@@ -98,7 +126,7 @@ class SparseAttnBwdSm90:
     them)."""
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, deterministic: bool,
-                 pipelined: bool = True):
+                 pipelined: bool = True, v4: bool = True, c0_chunks: int = 2, scatter: bool = True):
         if D not in (512, 576) or d_v != 512 or (H // G) % BLOCK_H:
             raise ValueError("SparseAttnBwdSm90 needs D in (512, 576), d_v == 512, (H / G) % 64 == 0")
         self.dtype = dtype
@@ -108,9 +136,16 @@ class SparseAttnBwdSm90:
         # pipelined: two dkv accumulators, a chunk's wgmma under the previous
         # chunk's scatter (False: one, each chunk's wgmma waited for)
         self.pipelined = pipelined
+        # v4: each quad's row segments regrouped by shuffles so that a row's
+        # 64 columns go out as 4 x 16-byte adds (64 contiguous bytes per quad
+        # and instruction) instead of 8 x 8-byte ones
+        self.v4 = v4
+        # scatter False: a timing build that computes dkv but adds none of
+        # it (its dkv is not the gradient), the cost of everything else
+        self.do_scatter = scatter
         # 64-column chunks of dkv computed and scattered by each consumer:
         # consumer 0 also computes S, dP and dS, so consumer 1 takes most
-        self.chunks = ((0, 1), tuple(range(2, D // 64)))
+        self.chunks = (tuple(range(c0_chunks)), tuple(range(c0_chunks, D // 64)))
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -522,14 +557,47 @@ class SparseAttnBwdSm90:
     @cute.jit
     def scatter(self, acc, ch: cutlass.Constexpr, rows, rok, col_lane):
         """A [64 slots, 64 columns] dKV chunk into the slots' rows (valid slots only)."""
+        if const_expr(not self.do_scatter):
+            pass
+        elif const_expr(self.v4):
+            self.scatter_v4(acc, ch, rows, rok, col_lane)
+        else:
+            for r in cutlass.range_constexpr(2):
+                if rok[r] != 0:
+                    for j in cutlass.range_constexpr(cute.size(acc) // 4):
+                        addr = rows[r] + (ch * 64 + 8 * j + col_lane) * 4
+                        if const_expr(self.deterministic):
+                            _store_v2(addr, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1])
+                        else:
+                            _red_add_v2(addr, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1])
+
+    @cute.jit
+    def scatter_v4(self, acc, ch: cutlass.Constexpr, rows, rok, col_lane):
+        """Lane q of a quad holds the column pairs 8j + 2q of its rows.  For
+        each 16 columns 16m.. (pairs X_a at j = 2m + a), a butterfly on lane
+        bit 0 gives lane (q1, q0) the pairs (a = q0, lanes 2 q1 + {0, 1}), and
+        a read from lane (q0, q1) the columns 16m + 4q .. 16m + 4q + 3."""
+        q = col_lane // 2
+        odd = (q & 1) == 1
+        lane = cute.arch.lane_idx()
+        src = (lane - q) + ((q & 1) << 1) + (q >> 1)
         for r in cutlass.range_constexpr(2):
-            if rok[r] != 0:
-                for j in cutlass.range_constexpr(cute.size(acc) // 4):
-                    addr = rows[r] + (ch * 64 + 8 * j + col_lane) * 4
+            for m in cutlass.range_constexpr(4):
+                out = cute.make_rmem_tensor((4,), Float32)
+                for e in cutlass.range_constexpr(2):
+                    x0 = acc[4 * (2 * m) + 2 * r + e]
+                    x1 = acc[4 * (2 * m + 1) + 2 * r + e]
+                    recv = cute.arch.shuffle_sync_bfly(Float32(cutlass.select_(odd, x0, x1)), 1)
+                    slot0 = Float32(cutlass.select_(odd, recv, x0))
+                    slot1 = Float32(cutlass.select_(odd, x1, recv))
+                    out[e] = cute.arch.shuffle_sync(slot0, src)
+                    out[2 + e] = cute.arch.shuffle_sync(slot1, src)
+                if rok[r] != 0:
+                    addr = rows[r] + (ch * 64 + 16 * m + 4 * q) * 4
                     if const_expr(self.deterministic):
-                        _store_v2(addr, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1])
+                        _store_v4(addr, out[0], out[1], out[2], out[3])
                     else:
-                        _red_add_v2(addr, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1])
+                        _red_add_v4(addr, out[0], out[1], out[2], out[3])
 
     @cute.jit
     def store_dq(self, acc_dq, c0: cutlass.Constexpr, t, head0, row_lo, col_lane, dq_ptr):

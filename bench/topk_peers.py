@@ -132,11 +132,11 @@ def variants(cols: int, k: int) -> Dict[str, dict]:
     if plan is not None:
         if cols < tk.LIST_MIN:
             out["dsa_list"] = {"plan": plan}
-        for chunk, warps in ((1024, 4), (2048, 8), (4096, 8)):
+        for chunk, warps in ((512, 4), (2048, 4), (1024, 8)):
             out[f"dsa_list_c{chunk}_w{warps}"] = {"plan": dataclasses.replace(plan, chunk=chunk, build_warps=warps)}
-        if plan.select_maxnreg is not None:
-            out["dsa_list_select_uncapped"] = {"plan": dataclasses.replace(plan, select_maxnreg=None)}
-            out["dsa_list_select_w8"] = {"plan": dataclasses.replace(plan, select_maxnreg=None, select_warps=8)}
+        out["dsa_list_slack0"] = {"plan": dataclasses.replace(plan, slack=0)}
+        for search in ("bisect", "radix"):
+            out[f"dsa_list_select_{search}"] = {"plan": dataclasses.replace(plan, list_search=search)}
         if plan.sample > 1024:
             half = tk._list_plan(cols, k, plan.sample // 2)
             if half is not None:

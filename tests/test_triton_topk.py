@@ -102,14 +102,16 @@ def test_random_values(path, dtype):
 # cap the select tiers. "select" sends every row through the select kernel,
 # "tiers" most rows through the larger block, "fallback" most rows through
 # the streaming select (bound too high, or lists over the capacity).
-def _plan(S, rank, block, cap, chunk=32):
-    return tk.ListPlan(sample=16, stride=S // 2, rank=rank, block=block, cap=cap, chunk=chunk)
+def _plan(S, rank, block, cap, chunk=32, **kw):
+    return tk.ListPlan(sample=16, stride=S // 2, rank=rank, block=block, cap=cap, chunk=chunk, **kw)
 
 
 LIST_PLANS = [
     pytest.param((17, 256, 256), id="select"),
-    pytest.param((6, 16, 256), id="tiers"),
+    pytest.param((6, 16, 256, 32, {"slack": 3}), id="tiers-slack"),
     pytest.param((1, 16, 32), id="fallback"),
+    pytest.param((4, 256, 256, 64, {"list_search": "bisect"}), id="select-bisect"),
+    pytest.param((4, 256, 256, 64, {"list_search": "radix"}), id="select-radix"),
 ]
 
 
@@ -119,7 +121,9 @@ def test_list_path(plan, S, k):
     gen = torch.Generator().manual_seed(S * 7 + k)
     x = torch.cat([_special_rows(8, S, gen), torch.randn(3, S, generator=gen)])
     x[9, : S // 4] = -INF  # a causal-like row
-    idx, lens = _run(x, k, plan=_plan(S, *plan))
+    rank, block, cap, *rest = plan
+    chunk, kw = rest if rest else (32, {})
+    idx, lens = _run(x, k, plan=_plan(S, rank, block, cap, chunk, **kw))
     ref_idx, ref_len = topk_contract(x, k)
     assert torch.equal(lens, ref_len)
     assert torch.equal(idx, ref_idx)
@@ -149,7 +153,7 @@ def test_list_build_holds_the_keys_above_the_bound():
     pos = torch.full((5, cap), -7, dtype=torch.int32)
     meta = torch.full((5, 2), -1, dtype=torch.int32)
     rank, stride = 5, S // 2
-    tk._list_build_kernel[(5,)](x, vals, pos, meta, 0, S, x.stride(0), rank, stride, CAP=cap, CHUNK=32, SAMPLE=16,
+    tk._list_build_kernel[(5,)](x, vals, pos, meta, 0, S, x.stride(0), rank, 0, stride, CAP=cap, CHUNK=32, SAMPLE=16,
                                 ASM_STORE=False)
     cols = torch.cat([torch.arange(8), torch.arange(stride, stride + 8)])
     for r in range(5):
@@ -349,6 +353,41 @@ def test_ptx_store_keeps_the_load_layout():
     assert got["True"]["converts"] == 0 and got["True"]["shared"] <= 1024, got
     assert got["True"]["st"] >= 64, got  # one predicated store for each of a thread's 64 keys
     assert got["False"]["converts"] > 0 and got["False"]["shared"] > got["True"]["shared"], got
+
+
+_AOT_LIST = r"""
+import json, sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dsa.triton import topk as tk
+p = tk._list_plan(65536, 2048)
+sig = {"s_ptr": "*fp32", "val_ptr": "*i32", "pos_ptr": "*i32", "meta_ptr": "*i32", "row0": "i32", "S": "i32",
+       "stride_s": "i32", "RANK": "i32", "SLACK": "i32", "STRIDE": "i32"}
+attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6, 9)}
+const = dict(CAP=p.cap, CHUNK=p.chunk, SAMPLE=p.sample, ASM_STORE=True)
+out = {}
+for cap in (80, 90, 100, 120):
+    c = triton.compile(ASTSource(tk._list_build_kernel, sig, const, attrs), target=GPUTarget("cuda", cap, 32),
+                       options=dict(num_warps=p.build_warps, num_stages=1))
+    out[cap] = dict(converts=c.asm["ttgir"].count("ttg.convert_layout"), v4=c.asm["ptx"].count("ld.global.v4"))
+print(json.dumps(out))
+"""
+
+
+def test_list_build_compiles_for_every_arch():
+    """The list build kernel compiles for sm_80 / 90 / 100 / 120 with 16-byte
+    row loads and its stores in the load's layout (no layout conversion)."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=root)
+    proc = subprocess.run([sys.executable, "-c", _AOT_LIST], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for cap, c in got.items():
+        assert c["converts"] == 0 and c["v4"] >= 2, (cap, c)
 
 
 def test_ptx_enabled_only_on_nvidia():

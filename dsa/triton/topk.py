@@ -69,7 +69,7 @@ _FILL_BLOCK = 1024
 # row read, sample size (at most 1 / LIST_SAMPLE_FRACTION of the row), the
 # longest list and the list scratch of one batch of rows (entries).
 LIST_MIN = 16384
-LIST_CHUNK = 2048
+LIST_CHUNK = 1024
 LIST_SAMPLE_MAX = 4096
 LIST_SAMPLE_FRACTION = 16
 LIST_MAX = 16384
@@ -319,8 +319,9 @@ def _search_radix(b_key, K, BITS: tl.constexpr, LOW_BITS: tl.constexpr):
 
 
 @triton.jit
-def _search_interp(b_key, n_valid, n_pinf, s1, s2, K, INTERP: tl.constexpr):
+def _search_interp(b_key, n_valid, n_pinf, s1, s2, K, INTERP: tl.constexpr, SLACK=0):
     """Candidates from a model of the values (see the module header).
+    SLACK > 0: also stop once count(>= lo) <= K + SLACK (a bound, not a cut).
 
     State: lo < hi keys with c_lo = count(>= lo) >= K > c_hi = count(>= hi),
     start [key(-FLT_MAX), key(+inf)). Candidates only decide how fast the
@@ -356,7 +357,7 @@ def _search_interp(b_key, n_valid, n_pinf, s1, s2, K, INTERP: tl.constexpr):
     nb = zero
     va_p = tl.zeros([], tl.float32)
     vb_p = tl.zeros([], tl.float32)
-    while (c_lo != K) & (hi - lo > 1):
+    while (c_lo - K > SLACK) & (hi - lo > 1):
         if mode == _MODE_SNAP:
             # Ends onto the keys inside [lo, hi): same counts, and a bracket
             # holding a single (tied) key is then done.
@@ -471,7 +472,7 @@ def _topk_resident_kernel(
             if SEARCH == 1:
                 thr, need = _search_radix(b_key, K, RADIX_BITS, LOW_BITS)
             else:
-                thr, need = _search_interp(b_key, n_valid, (n_packed >> 16) & 0xFFFF, s1, s2, K, SEARCH == 2)
+                thr, need = _search_interp(b_key, n_valid, (n_packed >> 16) & 0xFFFF, s1, s2, K, SEARCH == 2, 0)
     if need == 0:  # the cut splits no tie
         length = _emit_gt(idx_row, b_key, o_s, thr, K, ASM_STORE)
     else:
@@ -554,10 +555,11 @@ def _topk_stream_kernel(
 
 
 @triton.jit
-def _select_rank(b_x, b_key, K):
+def _select_rank(b_x, b_key, K, SLACK, SEARCH: tl.constexpr = 2):
     """(thr, need, selectable keys) of the top K keys of a block (the
     resident interp search): every key > thr and the first ``need`` keys ==
-    thr. K = 0: nothing."""
+    thr. K = 0: nothing. SEARCH: index in SEARCHES; SLACK (interp only):
+    stop once count(key >= thr) <= K + SLACK, need then counted from there."""
     fin = (b_key != 0) & (b_key != _KEY_PINF)
     b_xf = tl.where(fin, b_x, 0.0)
     packed = (b_key != 0).to(tl.int32) + ((b_key == _KEY_PINF).to(tl.int32) << 16)
@@ -566,20 +568,26 @@ def _select_rank(b_x, b_key, K):
     thr = tl.where(K > 0, 0, 0xFFFFFFFF).to(tl.uint32)
     need = tl.zeros([], tl.int32)
     if (n_valid > K) & (K > 0):
-        thr, need = _search_interp(b_key, n_valid, (n_packed >> 16) & 0xFFFF, s1, s2, K, True)
+        if SEARCH == 0:
+            thr, need = _search_bisect(b_key, n_valid, K, True)
+        elif SEARCH == 1:
+            thr, need = _search_radix(b_key, K, 3, 0)
+        else:
+            thr, need = _search_interp(b_key, n_valid, (n_packed >> 16) & 0xFFFF, s1, s2, K, True, SLACK)
     return thr, need, n_valid
 
 
 @triton.jit
-def _sample_bound(s_row, S, RANK, STRIDE, SAMPLE: tl.constexpr):
+def _sample_bound(s_row, S, RANK, SLACK, STRIDE, SAMPLE: tl.constexpr):
     """The RANK-th largest key of SAMPLE scores of the row (runs of 8 at
     STRIDE), or 1 (every selectable key) if the sample holds fewer: a key
-    ``lo`` with count(key >= lo) close to RANK * S / SAMPLE."""
+    ``lo`` with count(key >= lo) close to RANK * S / SAMPLE. SLACK: any key
+    with RANK to RANK + SLACK sampled keys >= it will do (fewer rounds)."""
     o = tl.arange(0, SAMPLE)
     col = (o // 8) * STRIDE + o % 8
     x = tl.load(s_row + col, mask=col < S, other=float("-inf")).to(tl.float32)
     key = _order_key(x)
-    thr, need, n_valid = _select_rank(x, key, RANK)
+    thr, need, n_valid = _select_rank(x, key, RANK, SLACK)
     # need == 0: the RANK-th key is the least key > thr
     least = tl.min(tl.where(key > thr, key, 0xFFFFFFFF), axis=0)
     lo = tl.where(need == 0, least, thr)
@@ -588,7 +596,7 @@ def _sample_bound(s_row, S, RANK, STRIDE, SAMPLE: tl.constexpr):
 
 @triton.jit
 def _list_build_kernel(
-    s_ptr, val_ptr, pos_ptr, meta_ptr, row0, S, stride_s, RANK, STRIDE,
+    s_ptr, val_ptr, pos_ptr, meta_ptr, row0, S, stride_s, RANK, SLACK, STRIDE,
     CAP: tl.constexpr, CHUNK: tl.constexpr, SAMPLE: tl.constexpr, ASM_STORE: tl.constexpr,
 ):
     """Row row0 + b: list b = (value, position) of every key >= the sample
@@ -596,7 +604,7 @@ def _list_build_kernel(
     selectable keys of the row)."""
     b = tl.program_id(0)
     s_row = s_ptr + (row0 + b).to(tl.int64) * stride_s
-    lo = _sample_bound(s_row, S, RANK, STRIDE, SAMPLE)
+    lo = _sample_bound(s_row, S, RANK, SLACK, STRIDE, SAMPLE)
     p_val = val_ptr + b.to(tl.int64) * CAP
     p_pos = pos_ptr + b.to(tl.int64) * CAP
     o_c = tl.arange(0, CHUNK)
@@ -611,11 +619,13 @@ def _list_build_kernel(
         key = _order_key(x)
         n_valid += (key != 0).to(tl.int32)
         sel = (key >= lo).to(tl.int32)
-        slot = run + tl.cumsum(sel, axis=0) - sel
-        keep = (sel != 0) & (slot < CAP)
-        ptx.store_i32(p_val + slot, x.to(tl.int32, bitcast=True), keep, ASM_STORE)
-        ptx.store_i32(p_pos + slot, o, keep, ASM_STORE)
-        run += tl.sum(sel, axis=0)
+        n_sel = tl.sum(sel, axis=0)
+        if n_sel > 0:  # no scan for a chunk with nothing to keep (the -inf tail of a causal row)
+            slot = run + tl.cumsum(sel, axis=0) - sel
+            keep = (sel != 0) & (slot < CAP)
+            ptx.store_i32(p_val + slot, x.to(tl.int32, bitcast=True), keep, ASM_STORE)
+            ptx.store_i32(p_pos + slot, o, keep, ASM_STORE)
+        run += n_sel
     tl.store(meta_ptr + 2 * b, run)
     tl.store(meta_ptr + 2 * b + 1, tl.sum(n_valid, axis=0))
 
@@ -632,6 +642,7 @@ def _list_ok(meta_ptr, b, K, CAP: tl.constexpr):
 def _list_select_kernel(
     val_ptr, pos_ptr, meta_ptr, idx_ptr, len_ptr, row0, K, stride_i, LEN_LO,
     CAP: tl.constexpr, BLOCK: tl.constexpr, FILL: tl.constexpr, ASM_STORE: tl.constexpr,
+    SEARCH: tl.constexpr = 2,
 ):
     """Rows whose list is exact and LEN_LO < length <= BLOCK: the top K of the
     list (it holds every key >= the K-th largest, in position order)."""
@@ -645,7 +656,7 @@ def _list_select_kernel(
         x = x.to(tl.float32, bitcast=True)
         pos = tl.load(pos_ptr + b.to(tl.int64) * CAP + o, mask=m, other=0, cache_modifier=".cg")
         key = _order_key(x)
-        thr, need, _ = _select_rank(x, key, K)
+        thr, need, _ = _select_rank(x, key, K, 0, SEARCH)
         r = (row0 + b).to(tl.int64)
         idx_row = idx_ptr + r * stride_i
         if need == 0:  # the cut splits no tie
@@ -737,6 +748,8 @@ class ListPlan:
     # uncapped, 2 programs an SM; 128: 4, 8 bytes spilled; sm_90a)
     select_maxnreg: Optional[int] = None
     build_warps: int = 4
+    slack: int = 0  # the sample bound's count window (see _sample_bound)
+    list_search: str = "interp"  # the select kernel's search (one of SEARCHES but guess)
 
 
 def _list_plan(S: int, k: int, sample: Optional[int] = None) -> Optional[ListPlan]:
@@ -754,7 +767,8 @@ def _list_plan(S: int, k: int, sample: Optional[int] = None) -> Optional[ListPla
     n = sample or max(64, min(LIST_SAMPLE_MAX, triton.next_power_of_2(S) // LIST_SAMPLE_FRACTION))
     m = k * n / S
     rank = math.ceil(((_SAMPLE_Z + math.sqrt(_SAMPLE_Z**2 + 4 * m)) / 2) ** 2)
-    mean = rank * S / n
+    slack = max(1, int(math.sqrt(rank) / 2))  # the bound's count window: about a quarter spread
+    mean = (rank + slack) * S / n
     spread = math.sqrt(rank) * S / n
     block = max(16, triton.next_power_of_2(math.ceil(mean + 2 * spread)))
     cap = min(LIST_MAX, triton.next_power_of_2(math.ceil(mean + 7 * spread)))
@@ -762,7 +776,7 @@ def _list_plan(S: int, k: int, sample: Optional[int] = None) -> Optional[ListPla
         return None
     warps = 4 if block <= 4096 else 8
     return ListPlan(sample=n, stride=S // (n // 8), rank=rank, block=block, cap=cap, select_warps=warps,
-                    select_maxnreg=128 if block == 4096 else None)
+                    select_maxnreg=128 if block == 4096 else None, slack=slack)
 
 
 def _launch_list(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: torch.Tensor,
@@ -783,14 +797,15 @@ def _launch_list(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: t
     for r0 in range(0, R, rows):
         n = min(rows, R - r0)
         _list_build_kernel[(n,)](
-            scores, vals, poss, meta, r0, S, scores.stride(0), plan.rank, plan.stride,
+            scores, vals, poss, meta, r0, S, scores.stride(0), plan.rank, plan.slack, plan.stride,
             CAP=plan.cap, CHUNK=plan.chunk, SAMPLE=plan.sample, ASM_STORE=asm, num_warps=plan.build_warps,
             num_stages=1,
         )
         for len_lo, block, warps, opts in tiers:
             _list_select_kernel[(n,)](
                 vals, poss, meta, indices, lengths, r0, k, indices.stride(0), len_lo,
-                CAP=plan.cap, BLOCK=block, FILL=_FILL_BLOCK, ASM_STORE=asm, num_warps=warps, **opts,
+                CAP=plan.cap, BLOCK=block, FILL=_FILL_BLOCK, ASM_STORE=asm, SEARCH=SEARCHES.index(plan.list_search),
+                num_warps=warps, **opts,
             )
         _list_fallback_kernel[(n,)](
             scores, meta, indices, lengths, r0, S, k, scores.stride(0), indices.stride(0),

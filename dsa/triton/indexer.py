@@ -209,14 +209,16 @@ def _candidates(a: IndexerArgs) -> Iterator[IndexerConfig]:
     return fit.shrinking(cfg, (("num_stages", 1), ("BN", 16), ("NCOLS", 16)))
 
 
-def _pick(a: IndexerArgs) -> Tuple[Optional[IndexerConfig], str]:
+def pick(a: IndexerArgs, target: Optional[fit.Target] = None) -> Tuple[Optional[IndexerConfig], str]:
+    """(the scores tiles that fit ``target`` (a's device when None), "") or (None, why)."""
     key = ("indexer_scores", a.q.dtype, a.weights.dtype, a.q.shape[1], a.q.shape[2], bool(a.causal),
            _CONFIGS["fp32" if a.q.dtype == torch.float32 else "mma"])
-    return fit.pick(lambda: _candidates(a), lambda c: scores_spec(a, c), fit.device_target(a.q), key)
+    return fit.pick(lambda: _candidates(a), lambda c: scores_spec(a, c), target or fit.device_target(a.q),
+                    key)
 
 
 def _config(a: IndexerArgs) -> IndexerConfig:
-    cfg, why = _pick(a)
+    cfg, why = pick(a)
     if cfg is None:
         raise ValueError(why)
     return cfg
@@ -224,7 +226,7 @@ def _config(a: IndexerArgs) -> IndexerConfig:
 
 def tiles_reason(fn_name: str, a: IndexerArgs) -> Optional[str]:
     """Why no scores tiles fit a's device (None if some do); both ops run the scores kernel."""
-    return _pick(a)[1] or None
+    return pick(a)[1] or None
 
 
 def scores_spec(a: IndexerArgs, cfg: IndexerConfig, single: bool = True) -> fit.KernelSpec:

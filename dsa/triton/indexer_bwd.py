@@ -209,12 +209,13 @@ def bwd_spec(q_dtype, w_dtype, H: int, D: int, cfg: IndexerBwdConfig, *, mode=MO
     return fit.KernelSpec(_indexer_bwd_kernel, types, const, cfg.num_warps, cfg.num_stages)
 
 
-def pick(q: torch.Tensor, w_dtype, K: int) -> Tuple[Optional[IndexerBwdConfig], str]:
-    """The backward tiles that fit q's device (every mode alike): fewer slots a block if needed."""
+def pick(q: torch.Tensor, w_dtype, K: int,
+         target: Optional[fit.Target] = None) -> Tuple[Optional[IndexerBwdConfig], str]:
+    """The backward tiles that fit ``target`` (q's device when None), every mode alike."""
     H, D = q.shape[1], q.shape[2]
     base = bwd_config(K)
     return fit.pick(lambda: fit.shrinking(base, (("num_stages", 1), ("BK", 16))),
-                    lambda c: bwd_spec(q.dtype, w_dtype, H, D, c), fit.device_target(q),
+                    lambda c: bwd_spec(q.dtype, w_dtype, H, D, c), target or fit.device_target(q),
                     ("indexer_bwd", q.dtype, w_dtype, H, D, base))
 
 

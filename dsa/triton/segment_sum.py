@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsa.triton import fit
+
 
 @triton.jit
 def segment_sum_kernel(
@@ -66,6 +68,14 @@ def inverse_index(keys: torch.Tensor, n_dst: int) -> Tuple[torch.Tensor, torch.T
     return order, start
 
 
+def spec(D: int, parts: int, block_d: int) -> fit.KernelSpec:
+    """16 rows of BD <= block_d columns a step: a few KB of shared memory at
+    most, on every target."""
+    BD = min(block_d, triton.next_power_of_2(D))
+    types = dict(SRC="*fp32", ORDER="*i64", START="*i64", DST="*fp32")
+    return fit.KernelSpec(segment_sum_kernel, types, dict(D=D, PARTS=parts, BR=16, BD=BD), 2 if BD <= 64 else 4, 3)
+
+
 def segment_sum(src: torch.Tensor, keys: torch.Tensor, dst: torch.Tensor, *, parts: int = 1,
                 block_d: int = 64) -> None:
     """dst[n] += the sum of the rows of src whose key is n, in a fixed order.
@@ -74,7 +84,6 @@ def segment_sum(src: torch.Tensor, keys: torch.Tensor, dst: torch.Tensor, *, par
     together), keys [M] int64, dst [n_dst, D] fp32 contiguous."""
     n_dst, D = dst.shape
     order, start = inverse_index(keys, n_dst)
-    BD = min(block_d, triton.next_power_of_2(D))
-    segment_sum_kernel[(n_dst, triton.cdiv(D, BD))](
-        src, order, start, dst, keys.numel(), D=D, PARTS=parts, BR=16, BD=BD, num_warps=2 if BD <= 64 else 4,
-    )
+    s = spec(D, parts, block_d)
+    segment_sum_kernel[(n_dst, triton.cdiv(D, s.constexprs["BD"]))](
+        src, order, start, dst, keys.numel(), **s.launch_kwargs())

@@ -141,7 +141,7 @@ def _candidates(a: SparseAttnArgs, bwd: bool) -> Iterator[TileConfig]:
         yield from fit.shrinking(_preferred(a, BH, bwd), (("num_stages", 1), ("BN", 16)))
 
 
-def _spec(a: SparseAttnArgs, c: TileConfig, bwd: bool, store_slots: bool = False) -> fit.KernelSpec:
+def kernel_spec(a: SparseAttnArgs, c: TileConfig, bwd: bool, store_slots: bool = False) -> fit.KernelSpec:
     el = fit.ptr(a.q.dtype)
     shape = dict(H=a.H, G=a.G, D=a.D, D_V=a.d_v, **ColumnChunks.of(a.D, a.d_v, c.CW).kernel_args(),
                  BH=c.BH, BN=c.BN, HAS_LEN=a.topk_length is not None, PREC=input_precision(a.q.dtype))
@@ -156,14 +156,15 @@ def _spec(a: SparseAttnArgs, c: TileConfig, bwd: bool, store_slots: bool = False
     return fit.KernelSpec(sparse_attn_fwd_kernel, types, dict(shape, **flags), c.num_warps, c.num_stages)
 
 
-def _pick(a: SparseAttnArgs, bwd: bool) -> Tuple[Optional[TileConfig], str]:
+def pick(a: SparseAttnArgs, bwd: bool, target: Optional[fit.Target] = None) -> Tuple[Optional[TileConfig], str]:
+    """(the forward's or backward's tiles that fit ``target`` (a's device when None), "") or (None, why)."""
     key = ("bwd" if bwd else "fwd", a.q.dtype, a.H, a.G, a.D, a.d_v, a.topk_length is not None, a.sink is not None)
-    return fit.pick(lambda: _candidates(a, bwd), lambda c: _spec(a, c, bwd), fit.device_target(a.q), key,
-                    lambda c: _smem_bytes(a, c, bwd))
+    return fit.pick(lambda: _candidates(a, bwd), lambda c: kernel_spec(a, c, bwd), target or fit.device_target(a.q),
+                    key, lambda c: _smem_bytes(a, c, bwd))
 
 
 def _config(a: SparseAttnArgs, bwd: bool) -> TileConfig:
-    cfg, why = _pick(a, bwd)
+    cfg, why = pick(a, bwd)
     if cfg is None:
         raise ValueError(why)
     return cfg
@@ -181,7 +182,7 @@ def bwd_config(a: SparseAttnArgs) -> TileConfig:
 
 def tiles_reason(fn_name: str, a: SparseAttnArgs) -> Optional[str]:
     """Why no tiles of ``fn_name`` ("forward" / "backward") fit a's device (None if some do)."""
-    return _pick(a, fn_name == "backward")[1] or None
+    return pick(a, fn_name == "backward")[1] or None
 
 
 # ----------------------------------------------------------------------------
@@ -197,7 +198,7 @@ def forward(a: SparseAttnArgs, config: Optional[TileConfig] = None) -> Tuple[tor
     sparse_attn_fwd_kernel[(T * G, triton.cdiv(H // G, cfg.BH))](
         a.q, a.kv, a.indices, a.topk_length, a.sink, out, lse,
         a.N, a.K, a.sm_scale * LOG2E,
-        **_spec(a, cfg, bwd=False).launch_kwargs(),
+        **kernel_spec(a, cfg, bwd=False).launch_kwargs(),
     )
     return out, lse
 
@@ -234,7 +235,7 @@ def _launch_bwd(a, cfg, dout, lg2den, delta, dq, dkv_buf, t0, tc, store_slots):
     sparse_attn_bwd_kernel[(tc * a.G, triton.cdiv(a.H // a.G, cfg.BH))](
         a.q, a.kv, a.indices, a.topk_length, dout, lg2den, delta, dq, dkv_buf,
         t0, a.N, a.K, a.sm_scale * LOG2E, a.sm_scale,
-        **_spec(a, cfg, bwd=True, store_slots=store_slots).launch_kwargs(),
+        **kernel_spec(a, cfg, bwd=True, store_slots=store_slots).launch_kwargs(),
     )
 
 

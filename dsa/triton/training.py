@@ -347,20 +347,22 @@ def indexer_fwd_spec(q_dtype, w_dtype, H: int, D: int, cfg: TrainingTileConfig, 
     return fit.KernelSpec(_sparse_indexer_fwd_kernel, types, const, cfg.num_warps, cfg.num_stages)
 
 
-def pick_target(q: torch.Tensor, H: int, G: int, D: int, K: int) -> Tuple[Optional[TrainingTileConfig], str]:
-    """The attention-target tiles that fit q's device (for the target and the dense lse pass alike)."""
+def pick_target(q: torch.Tensor, H: int, G: int, D: int, K: int,
+                target: Optional[fit.Target] = None) -> Tuple[Optional[TrainingTileConfig], str]:
+    """The attention-target tiles that fit ``target`` (q's device when None), for the
+    target and the dense lse pass alike."""
     base = target_config(H // G, D, K)
     return fit.pick(lambda: fit.shrinking(base, _SHRINK), lambda c: target_spec(q.dtype, H, G, D, c),
-                    fit.device_target(q), ("attention_target", q.dtype, H, G, D, base))
+                    target or fit.device_target(q), ("attention_target", q.dtype, H, G, D, base))
 
 
-def pick_indexer_fwd(a) -> Tuple[Optional[TrainingTileConfig], str]:
-    """The sparse-indexer forward tiles that fit a's device (logits and KL alike)."""
+def pick_indexer_fwd(a, target: Optional[fit.Target] = None) -> Tuple[Optional[TrainingTileConfig], str]:
+    """The sparse-indexer forward tiles that fit ``target`` (a's device when None), logits and KL alike."""
     base = indexer_fwd_config(a.q.shape[2], a.K)
     H, D = a.q.shape[1], a.q.shape[2]
     return fit.pick(lambda: fit.shrinking(base, _SHRINK),
                     lambda c: indexer_fwd_spec(a.q.dtype, a.weights.dtype, H, D, c, kl=True),
-                    fit.device_target(a.q), ("sparse_indexer_fwd", a.q.dtype, a.weights.dtype, H, D, base))
+                    target or fit.device_target(a.q), ("sparse_indexer_fwd", a.q.dtype, a.weights.dtype, H, D, base))
 
 
 def _fitted(picked: Tuple[Optional[TrainingTileConfig], str]) -> TrainingTileConfig:

@@ -37,8 +37,8 @@ def _names(cls) -> Tuple[str, ...]:
 
 
 def flat(a) -> Tuple[Any, ...]:
-    """The fields of an argument dataclass, in order (a shallow astuple)."""
-    return tuple([getattr(a, n) for n in _names(type(a))])
+    """The fields of an argument dataclass, in order (a shallow astuple; torch.compile traces it)."""
+    return tuple([getattr(a, f.name) for f in dataclasses.fields(a)])
 
 
 @functools.lru_cache(maxsize=None)
@@ -140,7 +140,7 @@ def call(op: Op, a, *rest):
     ):
         return op(a, *rest)
     grad = torch.is_grad_enabled()
-    for x in flat(a) + rest:
+    for x in [getattr(a, n) for n in _names(type(a))] + list(rest):  # eager only: the names are cached
         if isinstance(x, Tensor) and (type(x) is not Tensor or (grad and x.requires_grad)):
             return op(a, *rest)
     return op.body(a, *rest)

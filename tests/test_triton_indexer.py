@@ -177,6 +177,32 @@ def test_supports():
     assert "heads" in ix.supports(many)
 
 
+def test_head_limits():
+    """The scores kernel serves up to fit.MAX_SCORE_HEADS heads; the indexer
+    backward and training kernels hold a row's heads as MMA rows and decline
+    past fit.MAX_ROW_HEADS, saying so (auto then takes the reference)."""
+    from dsa._args import SparseIndexerArgs
+    from dsa.triton import fit, indexer_bwd, training
+
+    assert (fit.MAX_SCORE_HEADS, fit.MAX_ROW_HEADS) == (256, 128)
+    a = make_args([2], [2], [0], H=4, D=16, dtype=torch.float32, w_dtype=torch.float32, ratio=1, causal=True)
+
+    def heads(H):
+        return IndexerArgs(torch.zeros(2, H, 16), a.k, torch.zeros(2, H), a.cu_seqlens_q, a.cu_seqlens_k,
+                           a.q_offsets, 3, 1, True, 1.0)
+
+    for H in (fit.MAX_ROW_HEADS, fit.MAX_ROW_HEADS + 64, fit.MAX_SCORE_HEADS):
+        assert ix.supports(heads(H)) is None, H
+        why = indexer_bwd.supports(heads(H))
+        assert (why is None) == (H <= fit.MAX_ROW_HEADS), (H, why)
+        sp = SparseIndexerArgs(torch.zeros(2, H, 16), torch.zeros(5, 16), torch.zeros(2, H),
+                               torch.zeros(2, 3, dtype=torch.int32), None, 1.0)
+        assert (training.supports(sp) is None) == (H <= fit.MAX_ROW_HEADS), H
+        if why is not None:
+            assert str(fit.MAX_ROW_HEADS) in why and str(H) in why
+    assert "heads" in ix.supports(heads(fit.MAX_SCORE_HEADS + 1))
+
+
 # ----------------------------------------------------------------------------
 # GPU
 # ----------------------------------------------------------------------------

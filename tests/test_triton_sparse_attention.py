@@ -329,6 +329,58 @@ def test_supports():
     assert "int32" in sa.supports(args(q, kv, idx.long()))
 
 
+def test_no_fitting_tiles_declines(monkeypatch):
+    """On a device whose shared memory no candidate fits, the op declines with
+    the reason (auto then serves it elsewhere; an explicit triton raises
+    ValueError), instead of a launch raising Triton's OutOfResources."""
+    import dsa
+    import dsa.triton
+    from dsa._args import Unsupported
+    from dsa.triton import fit
+
+    tiny = fit.Target(90, fit.DeviceLimits(90, 1024))
+    monkeypatch.setattr(fit, "device_target", lambda t: tiny)
+    monkeypatch.setattr(fit, "_PICKED", {})
+    monkeypatch.setattr(fit, "shared_bytes", lambda spec, target: 4096)  # every candidate compiles too big
+    q, kv, idx, _, _, _ = make_inputs(2, 2, 1, 4, 3, 32, 16, torch.float32, device="cpu")
+    a = args(q, kv, idx)
+    for op, fn in (("sparse_attention_fwd", "forward"), ("sparse_attention_bwd", "backward")):
+        why = sa.tiles_reason(fn, a)
+        assert "sm_90" in why and "1024 B of shared memory" in why, why
+        with pytest.raises(Unsupported, match="shared memory"):
+            dsa.triton.backend_op(op, a)
+    with pytest.raises(ValueError, match="shared memory"):
+        sa.forward(a)
+    with pytest.raises(ValueError, match="shared memory"):
+        dsa.sparse_attention(q, kv, idx, d_v=16, backend="triton")
+    out = dsa.sparse_attention(q, kv, idx, d_v=16, backend="auto")
+    assert rel(out, reference(q, kv, idx, None, None, 32 ** -0.5, 16)["out"]) < 1e-6
+
+
+def test_fit_pick_order(monkeypatch):
+    """pick takes the first candidate whose estimate and compiled size fit,
+    and says how close the smallest came when none does."""
+    from dsa.triton import fit
+
+    sizes = {"a": 300, "b": 150, "c": 90}
+    monkeypatch.setattr(fit, "shared_bytes", lambda spec, target: sizes[spec])
+    t = fit.Target(80, fit.DeviceLimits(80, 100))
+
+    class Spec(str):
+        fn = type("K", (), {"__name__": "k"})
+
+    def spec_of(c):
+        return Spec(c)
+
+    assert fit.pick(lambda: "abc", spec_of, t, ("t1",)) == ("c", "")
+    # the estimate gates: "c" estimated over the limit is never compiled
+    cfg, why = fit.pick(lambda: "abc", spec_of, t, ("t2",), estimate=lambda c: 200 if c == "c" else 0)
+    assert cfg is None and "150 B" in why and "sm_80" in why
+    assert fit.pick(lambda: "abc", spec_of, None, ("t3",)) == ("a", "")  # the interpreter: no limits
+    assert fit.limits_of(87).smem_per_block == fit.LIMITS[86].smem_per_block
+    assert fit.limits_of(75).smem_per_block == min(v.smem_per_block for v in fit.LIMITS.values())
+
+
 # ----------------------------------------------------------------------------
 # GPU tests at the DESIGN.md shapes (reduced T)
 

@@ -163,5 +163,36 @@ def test_heads_per_program_is_a_knob(table):
     assert "BH=64" not in picks[(89, "sparse_attn_bwd", "V3.2")]
 
 
+@pytest.mark.gpu
+def test_the_device_picks_what_its_capability_row_says():
+    """On a GPU the limits come from the driver, and the picks at the model
+    shapes are the table's picks for its capability; each pick launches."""
+    import torch
+
+    from dsa._args import SparseAttnArgs
+    from dsa.triton import fit, sparse_attention as sa
+
+    dev = torch.device("cuda")
+    tgt = fit.device_target(torch.empty(1, device=dev))
+    optin = getattr(torch.cuda.get_device_properties(dev), "shared_memory_per_block_optin", None)
+    assert optin is None or tgt.limits.smem_per_block == optin
+    table = fit.Target.of(tgt.capability)
+    for H, D, d_v, K, sink in ATTENTION.values():
+        def make(device):
+            def t(*shape, dtype=torch.bfloat16):
+                return torch.zeros(*shape, dtype=dtype, device=device)
+            return SparseAttnArgs(q=t(2, H, D), kv=t(64, 1, D), indices=t(2, 1, K, dtype=torch.int32),
+                                  topk_length=None, sink=t(H, dtype=torch.float32) if sink else None,
+                                  sm_scale=0.1, d_v=d_v)
+        a = make(dev)
+        for bwd in (False, True):
+            if table.limits.smem_per_block == tgt.limits.smem_per_block:
+                assert sa.pick(a, bwd)[0] == sa.pick(make("meta"), bwd, table)[0], (H, D, bwd)
+        out, lse = sa.forward(a)
+        dq, dkv, _ = sa.backward(a, out, lse, torch.ones_like(out))
+        torch.cuda.synchronize()
+        assert torch.isfinite(dq).all() and torch.isfinite(dkv).all()
+
+
 if __name__ == "__main__":
     print(json.dumps(_rows([int(c) for c in sys.argv[1:]])))

@@ -16,7 +16,10 @@ other targets it saves compiles; the compiled size has the last word.
 
 The limits are a table keyed by compute capability, so tests and offline
 tools can fit any target without a GPU; on a device, the driver's numbers
-take precedence (:func:`device_target`).
+take precedence (:func:`device_target`). Registers are the same on every
+target here (64K a multiprocessor, 255 a thread), so the warps and tiles
+measured on the H200 keep their register budget; :func:`register_use`
+reads what ptxas allocates and spills, for the offline tests.
 """
 
 from __future__ import annotations
@@ -172,6 +175,29 @@ def _options(spec: KernelSpec) -> Dict[str, Any]:
 def compile_for(spec: KernelSpec, target: Target):
     """The spec compiled for ``target`` down to the binary (no GPU needed)."""
     return triton.compile(_source(spec), target=target.gpu_target(), options=_options(spec))
+
+
+def register_use(spec: KernelSpec, target: Target) -> Tuple[int, int, int]:
+    """(shared bytes, registers a thread, bytes of spill stores) of the spec
+    compiled for ``target``: a full compile (not memoized), the registers
+    read from ptxas's own log, so no GPU is needed."""
+    import contextlib
+    import io
+    import re
+
+    from triton import knobs
+
+    log = io.StringIO()
+    with knobs.nvidia.scope(), knobs.compilation.scope(), contextlib.redirect_stdout(log):
+        knobs.nvidia.dump_ptxas_log = True
+        knobs.compilation.always_compile = True  # a cached binary has no log
+        shared = compile_for(spec, target).metadata.shared
+    text = log.getvalue()
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores", text)
+    if regs is None:
+        raise RuntimeError(f"no ptxas register report for {spec.fn.__name__}")
+    return int(shared), int(regs.group(1)), int(spill.group(1)) if spill else 0
 
 
 def _allocated_shared(spec: KernelSpec, target: Target) -> int:

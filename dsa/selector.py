@@ -4,8 +4,9 @@ Every backend package (``dsa.reference``'s ops, ``dsa.triton``, ``dsa.cute``)
 exposes one hook, ``backend_op(op, args, auto)``, that returns the
 implementation of ``op`` for the canonical ``args`` or raises
 :class:`Unsupported` with the reason (``auto`` is True when the call did not
-name the backend, so a backend may also decline on measured speed). That hook is the single place where a backend states what it
-supports; the selector only orders the candidates.
+name the backend, so a backend may also decline on measured speed). That
+hook is the single place where a backend states what it supports; the
+selector only orders the candidates.
 
 Order under ``backend="auto"``:
   1. ``DSA_BACKEND`` (if set to a backend's name) forces that backend

@@ -151,17 +151,9 @@ def sparse_attention(
 
 
 def indexer_scores(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    weights: torch.Tensor,
-    *,
-    ratio: int = 1,
-    sm_scale: float = 1.0,
-    causal: bool = True,
-    q_offsets: Optional[torch.Tensor] = None,
-    cu_seqlens_q: Optional[torch.Tensor] = None,
-    cu_seqlens_k: Optional[torch.Tensor] = None,
-    max_seqlen_k: Optional[int] = None,
+    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *, ratio: int = 1, sm_scale: float = 1.0,
+    causal: bool = True, q_offsets: Optional[torch.Tensor] = None, cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_k: Optional[int] = None,
     grad: Optional[torch.Tensor] = None,
 ) -> Dict[str, torch.Tensor]:
     """Brute-force indexer scores (float64) with the causal/ratio/offset rule.

@@ -39,6 +39,19 @@ def distinct_indices(rows_shape, K, N, gen, device="cpu") -> torch.Tensor:
     return out.reshape(*rows_shape, K).to(torch.int32).to(device)
 
 
+def f64_leaves(gen, T, H, G, D, N):
+    """q [T, H, D], kv [N, G, D] and sink [H]: float64 leaves that require grad."""
+    shapes = ((T, H, D), (N, G, D), (H,))
+    return [torch.randn(*sh, generator=gen, dtype=torch.float64, requires_grad=True) for sh in shapes]
+
+
+def packed_inputs(case, gen, T, H, D, K, N, idx_device=None):
+    """q [T, H, D], kv [N, D] and distinct in-range indices [T, K] (on idx_device, default case's)."""
+    q = rand((T, H, D), case, gen)
+    kv = rand((N, D), case, gen)
+    return q, kv, distinct_indices((T,), K, N, gen, idx_device or case.device)
+
+
 def run(call, case, q, kv, indices, *, grads=True, dout=None, seed=123, **kw):
     """Call dsa.sparse_attention (return_lse=True) and, with ``grads``, its
     backward for a random dout. Returns (results dict, dout)."""
@@ -104,9 +117,7 @@ def lengths_tensor(values, device):
 def test_bruteforce_matches_dense_autograd():
     gen = _gen(0)
     T, H, G, D, d_v, N, K = 4, 4, 2, 8, 5, 10, 6
-    q = torch.randn(T, H, D, generator=gen, dtype=torch.float64, requires_grad=True)
-    kv = torch.randn(N, G, D, generator=gen, dtype=torch.float64, requires_grad=True)
-    sink = torch.randn(H, generator=gen, dtype=torch.float64, requires_grad=True)
+    q, kv, sink = f64_leaves(gen, T, H, G, D, N)
     idx = torch.randint(-2, N + 2, (T, G, K), generator=gen)
     tl = torch.tensor([6, 3, 0, 9])
     scale = 0.37
@@ -148,9 +159,7 @@ def test_bruteforce_matches_dense_autograd():
 def test_packed_mqa(case, call, T, H, K, N):
     gen = _gen(1)
     D, d_v = 32, 16
-    q = rand((T, H, D), case, gen)
-    kv = rand((N, D), case, gen)
-    idx = distinct_indices((T,), K, N, gen, case.device)
+    q, kv, idx = packed_inputs(case, gen, T, H, D, K, N)
     sink = rand((H,), case, gen).float()
     run_and_check(call, case, q, kv, idx, d_v=d_v, sink=sink)
 
@@ -170,9 +179,7 @@ def test_gqa_with_one_kv_head_equals_mqa(fast_case, call):
     case = fast_case
     gen = _gen(3)
     T, H, D, K, N = 3, 3, 32, 12, 20
-    q = rand((T, H, D), case, gen)
-    kv = rand((N, D), case, gen)
-    idx = distinct_indices((T,), K, N, gen, case.device)
+    q, kv, idx = packed_inputs(case, gen, T, H, D, K, N)
     a = call(dsa.sparse_attention, q, kv, idx, d_v=16, backend=case.backend)
     b = call(dsa.sparse_attention, q, kv.unsqueeze(1), idx.unsqueeze(1), d_v=16, backend=case.backend)
     assert torch.equal(a, b)
@@ -233,17 +240,18 @@ def test_batched_int64_local_indices(fast_case, call):
     run_and_check(call, case, q, kv, idx, d_v=16)
 
 
-@pytest.mark.parametrize("d_v", [None, 32, 16])
-def test_d_v(fast_case, call, d_v):
-    """d_v defaults to min(D, 512) (here D); V is kv[..., :d_v]."""
+@pytest.mark.parametrize("d_v,sm_scale", [(None, None), (32, 0.3), (16, 1.0), (16, None), (None, 0.3)])
+def test_d_v_and_sm_scale(fast_case, call, d_v, sm_scale):
+    """d_v defaults to min(D, 512) (here D), V is kv[..., :d_v]; sm_scale defaults to 1/sqrt(D)."""
     case = fast_case
     gen = _gen(8)
     T, H, D, K, N = 3, 2, 32, 12, 20
-    q = rand((T, H, D), case, gen)
-    kv = rand((N, D), case, gen)
-    idx = distinct_indices((T,), K, N, gen, case.device)
-    res, exp = run_and_check(call, case, q, kv, idx, d_v=d_v)
+    q, kv, idx = packed_inputs(case, gen, T, H, D, K, N)
+    res, _ = run_and_check(call, case, q, kv, idx, d_v=d_v, sm_scale=sm_scale)
     assert res["out"].shape == (T, H, D if d_v is None else d_v)
+    if sm_scale is None:
+        exp = expect(q, kv, idx, d_v=D if d_v is None else d_v, sm_scale=1 / math.sqrt(D))
+        bf.assert_close(res["out"], exp["out"], case.dtype, "out")
 
 
 @pytest.mark.parametrize("d_v", [8, 1, 31])
@@ -252,9 +260,7 @@ def test_odd_d_v_reference(call, d_v):
     case = type("C", (), {"backend": "reference", "dtype": torch.float64, "device": "cpu"})()
     gen = _gen(8)
     T, H, D, K, N = 3, 2, 32, 12, 20
-    q = rand((T, H, D), case, gen)
-    kv = rand((N, D), case, gen)
-    idx = distinct_indices((T,), K, N, gen)
+    q, kv, idx = packed_inputs(case, gen, T, H, D, K, N, idx_device="cpu")
     run_and_check(call, case, q, kv, idx, d_v=d_v, sink=rand((H,), case, gen).float())
 
 
@@ -263,26 +269,9 @@ def test_default_d_v_is_512_when_D_is_larger(call):
     case = type("C", (), {"backend": "reference", "dtype": torch.float32, "device": "cpu"})()
     gen = _gen(9)
     T, H, D, K, N = 2, 2, 576, 6, 10
-    q = rand((T, H, D), case, gen)
-    kv = rand((N, D), case, gen)
-    idx = distinct_indices((T,), K, N, gen)
+    q, kv, idx = packed_inputs(case, gen, T, H, D, K, N, idx_device="cpu")
     res, _ = run_and_check(call, case, q, kv, idx)
     assert res["out"].shape == (T, H, 512)
-
-
-@pytest.mark.parametrize("sm_scale", [None, 0.3, 1.0])
-def test_sm_scale(fast_case, call, sm_scale):
-    """sm_scale defaults to 1/sqrt(D)."""
-    case = fast_case
-    gen = _gen(10)
-    T, H, D, K, N = 3, 2, 32, 10, 16
-    q = rand((T, H, D), case, gen)
-    kv = rand((N, D), case, gen)
-    idx = distinct_indices((T,), K, N, gen, case.device)
-    res, _ = run_and_check(call, case, q, kv, idx, d_v=16, sm_scale=sm_scale)
-    if sm_scale is None:
-        exp = expect(q, kv, idx, d_v=16, sm_scale=1 / math.sqrt(D))
-        bf.assert_close(res["out"], exp["out"], case.dtype, "out")
 
 
 def test_return_lse_false_returns_out_only(fast_case, call):
@@ -316,9 +305,7 @@ def test_topk_length_all_regimes(case, call):
     lse +inf and no gradient."""
     gen = _gen(13)
     T, H, D, K, N = 6, 3, 32, 20, 30
-    q = rand((T, H, D), case, gen)
-    kv = rand((N, D), case, gen)
-    idx = distinct_indices((T,), K, N, gen, case.device)
+    q, kv, idx = packed_inputs(case, gen, T, H, D, K, N)
     tl = lengths_tensor([-3, 0, 5, K, K + 7, 1], case.device)
     sink = rand((H,), case, gen).float()
     res, exp = run_and_check(call, case, q, kv, idx, d_v=16, topk_length=tl, sink=sink)
@@ -332,9 +319,7 @@ def test_topk_length_int64(fast_case, call):
     case = fast_case
     gen = _gen(14)
     T, H, D, K, N = 3, 2, 32, 8, 12
-    q = rand((T, H, D), case, gen)
-    kv = rand((N, D), case, gen)
-    idx = distinct_indices((T,), K, N, gen, case.device)
+    q, kv, idx = packed_inputs(case, gen, T, H, D, K, N)
     tl = torch.tensor([2**33, -(2**33), 3], dtype=torch.int64, device=case.device)
     res, _ = run(call, case, q, kv, idx, grads=False, d_v=16, topk_length=tl)
     exp = expect(q, kv, idx, d_v=16, topk_length=tl)
@@ -344,9 +329,7 @@ def test_topk_length_int64(fast_case, call):
 def test_invalid_indices_int32(case, call):
     gen = _gen(15)
     T, H, D, K, N = 5, 3, 32, 18, 24
-    q = rand((T, H, D), case, gen)
-    kv = rand((N, D), case, gen)
-    idx = distinct_indices((T,), K, N, gen)
+    q, kv, idx = packed_inputs(case, gen, T, H, D, K, N, idx_device="cpu")
     bad = torch.tensor([-1, N, N + 5, 2**31 - 1, -(2**31), -7], dtype=torch.int32)
     for t in range(T):
         pos = torch.randperm(K, generator=gen)[: t + 1]
@@ -384,9 +367,7 @@ def test_invalid_indices_int64(fast_case, call):
 def test_duplicate_indices_are_separate_slots(case, call):
     gen = _gen(18)
     T, H, D, K, N = 4, 2, 32, 12, 16
-    q = rand((T, H, D), case, gen)
-    kv = rand((N, D), case, gen)
-    idx = distinct_indices((T,), K, N, gen)
+    q, kv, idx = packed_inputs(case, gen, T, H, D, K, N, idx_device="cpu")
     idx[0, :] = 3  # one row repeated K times
     idx[1, 6:] = idx[1, :6]  # every slot twice
     idx[2, 1:5] = idx[2, 0]  # one row five times among others
@@ -409,9 +390,7 @@ def test_sink_values_per_head(case, call):
     """One call, one sink kind per head: finite, -inf, +inf, 2.4e38, finite."""
     gen = _gen(19)
     T, H, D, K, N = 4, 5, 32, 16, 24
-    q = rand((T, H, D), case, gen)
-    kv = rand((N, D), case, gen)
-    idx = distinct_indices((T,), K, N, gen, case.device)
+    q, kv, idx = packed_inputs(case, gen, T, H, D, K, N)
     sink = sink_tensor([0.7, -INF, INF, 2.4e38, -1.3], case)
     tl = lengths_tensor([16, 9, 0, 3], case.device)
     res, exp = run_and_check(call, case, q, kv, idx, d_v=16, sink=sink, topk_length=tl)
@@ -434,9 +413,7 @@ def test_sink_overflow_zeroes_everything(fast_case, call, value):
     case = fast_case
     gen = _gen(20)
     T, H, D, K, N = 3, 2, 32, 10, 16
-    q = rand((T, H, D), case, gen)
-    kv = rand((N, D), case, gen)
-    idx = distinct_indices((T,), K, N, gen, case.device)
+    q, kv, idx = packed_inputs(case, gen, T, H, D, K, N)
     sink = sink_tensor([value] * H, case)
     res, exp = run_and_check(call, case, q, kv, idx, d_v=16, sink=sink)
     for key in ("out", "dq", "dkv", "dsink"):
@@ -449,9 +426,7 @@ def test_sink_minus_inf_equals_no_sink(fast_case, call):
     case = fast_case
     gen = _gen(21)
     T, H, D, K, N = 4, 3, 32, 14, 20
-    q = rand((T, H, D), case, gen)
-    kv = rand((N, D), case, gen)
-    idx = distinct_indices((T,), K, N, gen, case.device)
+    q, kv, idx = packed_inputs(case, gen, T, H, D, K, N)
     tl = lengths_tensor([14, 0, 5, 20], case.device)
     with_sink, dout = run(call, case, q, kv, idx, d_v=16, topk_length=tl, sink=sink_tensor([-INF] * H, case))
     no_sink, _ = run(call, case, q, kv, idx, d_v=16, topk_length=tl, dout=dout)
@@ -466,9 +441,7 @@ def test_sink_changes_output(fast_case, call):
     case = fast_case
     gen = _gen(22)
     T, H, D, K, N = 3, 2, 32, 8, 12
-    q = rand((T, H, D), case, gen)
-    kv = rand((N, D), case, gen)
-    idx = distinct_indices((T,), K, N, gen, case.device)
+    q, kv, idx = packed_inputs(case, gen, T, H, D, K, N)
     sink = sink_tensor([1.5, 3.0], case)
     a = call(dsa.sparse_attention, q, kv, idx, d_v=16, sink=sink, backend=case.backend)
     b, lse = call(dsa.sparse_attention, q, kv, idx, d_v=16, return_lse=True, backend=case.backend)
@@ -559,9 +532,7 @@ def test_nan_in_sink_propagates(fast_case, call):
     case = fast_case
     gen = _gen(26)
     T, H, D, K, N = 3, 3, 32, 8, 12
-    q = rand((T, H, D), case, gen)
-    kv = rand((N, D), case, gen)
-    idx = distinct_indices((T,), K, N, gen, case.device)
+    q, kv, idx = packed_inputs(case, gen, T, H, D, K, N)
     sink = sink_tensor([0.5, float("nan"), -0.5], case)
     res, _ = run(call, case, q, kv, idx, grads=False, d_v=16, sink=sink)
     check(res, expect(q, kv, idx, d_v=16, sink=sink), case)
@@ -618,9 +589,7 @@ def test_gradients_mixed_validity(case, call):
     several query rows sharing kv rows (dkv accumulates)."""
     gen = _gen(28)
     T, H, D, K, N = 6, 3, 32, 24, 28
-    q = rand((T, H, D), case, gen)
-    kv = rand((N, D), case, gen)
-    idx = distinct_indices((T,), K, N, gen)
+    q, kv, idx = packed_inputs(case, gen, T, H, D, K, N, idx_device="cpu")
     idx[0, 3] = -1
     idx[1, 4] = N
     idx[2, 5:8] = idx[2, 0]
@@ -648,9 +617,7 @@ def test_gradients_batched_gqa_with_sink(fast_case, call):
 def test_gradcheck_float64_reference():
     gen = _gen(30)
     T, H, G, D, d_v, K, N = 3, 4, 2, 6, 4, 5, 7
-    q = torch.randn(T, H, D, generator=gen, dtype=torch.float64, requires_grad=True)
-    kv = torch.randn(N, G, D, generator=gen, dtype=torch.float64, requires_grad=True)
-    sink = torch.randn(H, generator=gen, dtype=torch.float64, requires_grad=True)
+    q, kv, sink = f64_leaves(gen, T, H, G, D, N)
     idx = torch.tensor(
         [[[0, 1, 2, 6, 3], [4, 4, 5, -1, 2]],
          [[6, 5, 9, 1, 0], [0, 2, 3, 3, 1]],
@@ -732,9 +699,7 @@ def test_model_shapes_cuda(call, backend, dtype, H, D, d_v, K):
     case = _gpu_case(backend, dtype)
     gen = _gen(40)
     T, N = 4, 3 * K
-    q = rand((T, H, D), case, gen)
-    kv = rand((N, D), case, gen)
-    idx = distinct_indices((T,), K, N, gen)
+    q, kv, idx = packed_inputs(case, gen, T, H, D, K, N, idx_device="cpu")
     idx[1, ::7] = -1
     idx = idx.to("cuda")
     tl = lengths_tensor([K, K // 2 + 3, 0, 1], "cuda")

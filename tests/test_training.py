@@ -374,9 +374,14 @@ def test_sparse_indexer_scores(case, call, layout):
     got, grads = call(grads_of, fn, [q, k, w], dl.to(score_dtype(case)).view(idx.shape).to(case.device))
     assert got.shape == idx.shape
     rel_close(got.reshape(exp.shape), exp, TOL[case.dtype], "logits")
-    for name, x, gx, ex in zip(("dq_i", "dk_i", "dweights"), (q, k, w), grads, (ql.grad, kl.grad, wl.grad)):
+    _check_indexer_grads(case, (q, k, w), grads, (ql, kl, wl))
+
+
+def _check_indexer_grads(case, inputs, grads, leaves_) -> None:
+    """The gradients of (q_i, k_i, weights) against the float64 leaves' gradients."""
+    for name, x, gx, leaf in zip(("dq_i", "dk_i", "dweights"), inputs, grads, leaves_):
         assert gx.dtype == x.dtype and gx.shape == x.shape
-        rel_close(gx.reshape(ex.shape), ex, GRAD_TOL[case.dtype], name)
+        rel_close(gx.reshape(leaf.grad.shape), leaf.grad, GRAD_TOL[case.dtype], name)
 
 
 def test_sparse_indexer_int64_indices(fast_case, call):
@@ -401,8 +406,8 @@ def test_sparse_indexer_int64_indices(fast_case, call):
 def test_indexer_kl_loss(case, call, layout):
     g = gen(5)
     (q, k, w, idx, tl), (qp, kp, wp, idxp, tlp) = layout_inputs(case, g, layout)
-    sm_scale = 0.5
     target = random_target(bf_valid(idxp, tlp, kp.shape[0]), g)
+    sm_scale = 0.5
     ql, kl, wl = leaves(qp, kp, wp)
     exp = bf_kl(ql, kl, wl, idxp, target, tlp, sm_scale)
     exp.backward()
@@ -414,9 +419,7 @@ def test_indexer_kl_loss(case, call, layout):
     got, grads = call(grads_of, fn, [q, k, w])
     assert got.dim() == 0 and got.dtype in (torch.float32, torch.float64)
     rel_close(got, exp, TOL[case.dtype], "loss")
-    for name, x, gx, ex in zip(("dq_i", "dk_i", "dweights"), (q, k, w), grads, (ql.grad, kl.grad, wl.grad)):
-        assert gx.dtype == x.dtype and gx.shape == x.shape
-        rel_close(gx.reshape(ex.shape), ex, GRAD_TOL[case.dtype], name)
+    _check_indexer_grads(case, (q, k, w), grads, (ql, kl, wl))
 
 
 def test_kl_loss_of_attention_target_end_to_end(fast_case, call):

@@ -17,7 +17,8 @@ Indexer -> top-k (``--indexer``): H 64, D 128, bf16, causal; dsa's fused
 
 Times: triton.testing.do_bench(warmup=25, rep=100, median), ms. GB/s: the
 scores' bytes (rows * cols * 4) over the time. Writes OUT/topk_peers.json and
-OUT/topk_peers.png (time against row length, one line per method).
+OUT/topk_peers.png (time per row against row length, one line per method,
+dense and causal apart).
 """
 
 from __future__ import annotations
@@ -235,13 +236,17 @@ def plot(results: List[dict], path: str) -> None:
     for ax, k in zip(axes, TOPK_KS):
         rows = [r for r in results if r.get("k") == k and "cols" in r]
         for m in ("dsa", "torch", "cudnn"):
-            pts = [(r["cols"], r["ms"][m]) for r in rows if r["ms"].get(m)]
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+            for causal, style in ((False, "-o"), (True, "--s")):
+                # per row: the shapes differ in rows; causal rows hold half their columns on average
+                pts = [(r["cols"], 1e3 * r["ms"][m] / r["rows"]) for r in rows
+                       if r["ms"].get(m) and r["causal"] == causal]
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{m}{' causal' if causal else ''}",
+                            color={"dsa": "C0", "torch": "C1", "cudnn": "C2"}[m])
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("row length (columns; 32768 and 65536 causal)")
-        ax.set_ylabel("ms")
+        ax.set_xlabel("row length (columns)")
+        ax.set_ylabel("time per row (us)")
         ax.set_title(f"topk_indices, k={k}")
         ax.legend()
     fig.tight_layout()

@@ -278,3 +278,27 @@ def test_deterministic_gradients_are_bitwise_on_cuda(backend, dtype):
     for _ in range(3):
         for a, b in zip(first, grads()):
             assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU demo's flow, on CPU tensors")
+def test_gpu_demo_flow_on_cpu(monkeypatch, capsys):
+    """Every row of the GPU table (one per backend, cute refusing on CPU), timed here
+    by a stand-in for do_bench, with the max errors against the reference."""
+    pytest.importorskip("triton")
+    import time
+
+    from dsa import demo
+
+    def bench(fn, slow):
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    monkeypatch.setattr(demo, "_bench", bench)
+    demo.gpu_demo((demo.Shape("tiny", T=12, H=4, D=64, d_v=32, K=8, H_i=2, D_i=16),), "cpu", torch.float32)
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[1]: line for line in lines[2:]}
+    assert set(rows) == {"reference", "triton", "cute"}, lines
+    assert "cannot run" in rows["cute"] and rows["cute"].split()[2] == "-"
+    errs = dict(re.findall(r"(out|dq|dkv|dsink) (\S+)", rows["triton"]))
+    assert set(errs) == {"out", "dq", "dkv", "dsink"} and all(float(e) < 1e-3 for e in errs.values()), rows["triton"]

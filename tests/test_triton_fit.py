@@ -105,8 +105,8 @@ def _rows(caps):
         for shape, (H, D, K) in {"V3.2": (128, 576, 2048), "H64/D128": (Hi, Di, Ki)}.items():
             cfg, why = training.pick_target(mt(4, H, D), H, 1, D, K, tgt)
             add("attention_target", f"{shape} K{K}", cfg, why,
-                [training.target_spec(torch.bfloat16, H, 1, D, cfg, implicit=imp, lse_pass=imp) for imp in (False, True)]
-                if cfg else [])
+                [training.target_spec(torch.bfloat16, H, 1, D, cfg, implicit=imp, lse_pass=imp)
+                 for imp in (False, True)] if cfg else [])
         seg = [segment_sum.spec(D, parts, bd) for D, parts, bd in ((576, 2, 64), (128, 1, 128))]
         add("segment_sum", "dkv D576 / dk D128", "fixed", "", seg)
     return rows

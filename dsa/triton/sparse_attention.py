@@ -137,7 +137,6 @@ def _candidates(a: SparseAttnArgs, bwd: bool) -> Iterator[TileConfig]:
         return
     top = 16 if a.q.dtype == torch.float32 else _heads_per_program(a.H // a.G)
     for BH in fit.halvings(top, 16):
-        # all stages dropped at once: the kernels run 1 or 2
         yield from fit.shrinking(_preferred(a, BH, bwd), (("num_stages", 1), ("BN", 16)))
 
 

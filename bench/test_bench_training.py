@@ -233,9 +233,9 @@ def main(argv: List[str]) -> None:
     fwd_cfgs = [training.INDEXER_FWD_CONFIG]
     bwd_cfgs = [indexer_bwd.BWD_CONFIG]
     if sweep:
-        fwd_cfgs += [training.Config(64, 0, 4, 4, keys_as_rows=True), training.Config(128, 0, 8, 3, keys_as_rows=True),
+        fwd_cfgs += [training.TrainingTileConfig(64, 0, 4, 4, keys_as_rows=True), training.TrainingTileConfig(128, 0, 8, 3, keys_as_rows=True),
                      # heads as the MMA's rows
-                     training.Config(32, 0, 4, 4), training.Config(32, 0, 4, 3)]
+                     training.TrainingTileConfig(32, 0, 4, 4), training.TrainingTileConfig(32, 0, 4, 3)]
         B = indexer_bwd.Config
         bwd_cfgs += [B(64, 4, 2, True), B(128, 4, 1, True), B(128, 8, 1, True),
                      # heads as the MMAs' rows

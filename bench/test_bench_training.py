@@ -206,7 +206,7 @@ def main(argv: List[str]) -> None:
     orig = dict(training.TARGET_CONFIGS)
     configs = [orig[128]]
     if sweep:
-        C = training.Config
+        C = training.TrainingTileConfig
         configs += [  # slots as the MMA's rows, like the default
                     C(128, 64, 8, 3, keys_as_rows=True),
                     C(128, 32, 8, 4, keys_as_rows=True), C(64, 64, 4, 3, keys_as_rows=True),
@@ -236,7 +236,7 @@ def main(argv: List[str]) -> None:
         fwd_cfgs += [training.TrainingTileConfig(64, 0, 4, 4, keys_as_rows=True), training.TrainingTileConfig(128, 0, 8, 3, keys_as_rows=True),
                      # heads as the MMA's rows
                      training.TrainingTileConfig(32, 0, 4, 4), training.TrainingTileConfig(32, 0, 4, 3)]
-        B = indexer_bwd.Config
+        B = indexer_bwd.IndexerBwdConfig
         bwd_cfgs += [B(64, 4, 2, True), B(128, 4, 1, True), B(128, 8, 1, True),
                      # heads as the MMAs' rows
                      B(32, 4, 1), B(32, 4, 2)]

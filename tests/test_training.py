@@ -228,8 +228,8 @@ def target_configs(q_resident: bool, keys_as_rows: bool):
 
     def one(c):
         if q_resident:
-            return tt.Config(32, c.BD, 8, 3, q_resident=True, keys_as_rows=keys_as_rows)
-        return tt.Config(c.BK, c.BD, c.num_warps, c.num_stages, keys_as_rows=keys_as_rows)
+            return tt.TrainingTileConfig(32, c.BD, 8, 3, q_resident=True, keys_as_rows=keys_as_rows)
+        return tt.TrainingTileConfig(c.BK, c.BD, c.num_warps, c.num_stages, keys_as_rows=keys_as_rows)
 
     return {m: one(c) for m, c in tt.TARGET_CONFIGS.items()}
 
@@ -350,8 +350,8 @@ def indexer_rows(request, monkeypatch):
 
     kar = request.param
     c = tt.INDEXER_FWD_CONFIG
-    monkeypatch.setattr(tt, "INDEXER_FWD_CONFIG", tt.Config(64 if kar else 32, c.BD, 4, 3 if kar else 4, keys_as_rows=kar))
-    monkeypatch.setattr(tb, "BWD_CONFIG", tb.Config(64 if kar else 32, 4, 2, keys_as_rows=kar))
+    monkeypatch.setattr(tt, "INDEXER_FWD_CONFIG", tt.TrainingTileConfig(64 if kar else 32, c.BD, 4, 3 if kar else 4, keys_as_rows=kar))
+    monkeypatch.setattr(tb, "BWD_CONFIG", tb.IndexerBwdConfig(64 if kar else 32, 4, 2, keys_as_rows=kar))
     return request.param
 
 

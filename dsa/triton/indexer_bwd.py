@@ -191,7 +191,6 @@ class IndexerBwdConfig:
 # keys_as_rows (every product a wgmma with 64 slot rows; RESULTS.md C18): (64,4,1) 2.15 ms; (64,4,2) 2.27;
 # (64,4,3) 2.32; (128,8,2) 2.81; (32,4,2) 3.05; (64,8,2) 3.65; heads as rows (32,4,1) 2.95 in the same run.
 BWD_CONFIG = IndexerBwdConfig(BK=64, num_warps=4, num_stages=1, keys_as_rows=True)
-Config = IndexerBwdConfig  # the former name, still used by tests/test_training.py and bench
 
 
 def bwd_config(K: int) -> IndexerBwdConfig:

@@ -275,7 +275,6 @@ class TrainingTileConfig:
     keys_as_rows: bool = False  # attention target, sparse indexer forward: slots as the MMA's rows
 
 
-Config = TrainingTileConfig  # the former name, still used by tests/test_training.py and bench
 
 
 # attention target, by query heads per program (MMA rows); BD 64 divides 576 and 512.

@@ -47,6 +47,35 @@ def _fields(cls) -> Tuple[Tuple[str, str], ...]:
     return tuple((f.name, _SCHEMA_TYPES[hints[f.name]]) for f in dataclasses.fields(cls))
 
 
+def _device(a) -> Optional[torch.device]:
+    """The device of a call: that of its first tensor field (q, or scores)."""
+    for name in _names(type(a)):
+        x = getattr(a, name)
+        if isinstance(x, Tensor):
+            return x.device
+    return None
+
+
+def on_device(body: Callable[..., Any]) -> Callable[..., Any]:
+    """``body(a, ...)`` run with its tensors' CUDA device current.
+
+    Kernels launch on the current device and stream, and the backends read
+    device properties of the current device; a call on cuda:1 made while
+    cuda:0 is current must still run on cuda:1. The guard is entered only
+    when the devices differ, so the common call pays one comparison.
+    """
+
+    @functools.wraps(body)
+    def run(a, *rest):
+        dev = _device(a)
+        if dev is not None and dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
+            with torch.cuda.device(dev):
+                return body(a, *rest)
+        return body(a, *rest)
+
+    return run
+
+
 class Op:
     """``dsa::<name>(<fields of cls>, <extra>, str backend) -> <returns>``.
 
@@ -58,7 +87,7 @@ class Op:
     def __init__(self, name: str, cls, body: Callable[..., Any], extra: str, returns: str):
         self.cls = cls
         self.n = len(_fields(cls))
-        self.body = body
+        self.body = on_device(body)
         params = [f"{t} {n}" for n, t in _fields(cls)] + ([extra] if extra else []) + ["str backend"]
         schema = f"({', '.join(params)}) -> {returns}"
         self.name = f"dsa::{name}"

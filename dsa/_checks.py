@@ -24,7 +24,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from dsa._args import DenseTargetArgs, IndexerArgs, SparseAttnArgs, SparseIndexerArgs, TopkArgs
-from dsa._rules import acc_dtype
+from dsa._rules import acc_dtype, slot_validity
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INT_DTYPES = (torch.int32, torch.int64)
@@ -138,7 +138,7 @@ def _safe_indices(idx: torch.Tensor, n: int, base: Optional[torch.Tensor]) -> to
     int64 values past 2**31 wrap on a cast, and a batch-local index >= n
     would land in the next batch once offset.
     """
-    ok = (idx >= 0) & (idx < n)
+    ok, _ = slot_validity(idx, None, n)
     if base is not None:
         idx = idx + base
     return torch.where(ok, idx, -1).to(torch.int32)

@@ -56,6 +56,13 @@ def slot_validity(
     return valid, torch.where(valid, idx, 0)
 
 
+def visible_keys(pos: torch.Tensor, ratio: int, s_k) -> torch.Tensor:
+    """The indexer's causal rule: a query at absolute position ``pos - 1`` sees
+    keys j < clamp(pos // ratio, 0, s_k). pos int64 (q_offset + i + 1); s_k an
+    int or an int64 tensor broadcast with pos."""
+    return torch.minimum(torch.div(pos, ratio, rounding_mode="floor").clamp_min(0), torch.as_tensor(s_k, device=pos.device))
+
+
 def dense_rows(a) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per packed query row: (global row of its sequence's first key, number of visible keys), int32.
 
@@ -70,7 +77,7 @@ def dense_rows(a) -> Tuple[torch.Tensor, torch.Tensor]:
     s_k = torch.diff(a.cu_seqlens_k).long()[seq]
     if a.causal:
         pos = a.q_offsets.long()[seq] + local + 1
-        limit = torch.minimum(torch.div(pos, a.ratio, rounding_mode="floor").clamp_min(0), s_k)
+        limit = visible_keys(pos, a.ratio, s_k)
     else:
         limit = s_k
     return a.cu_seqlens_k.long()[seq].to(torch.int32), limit.to(torch.int32)

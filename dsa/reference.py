@@ -26,7 +26,7 @@ import torch
 
 from dsa import reference_training
 from dsa._args import IndexerArgs, SparseAttnArgs, TopkArgs, Unsupported
-from dsa._rules import acc_dtype, segment_sum, slot_validity
+from dsa._rules import acc_dtype, segment_sum, slot_validity, visible_keys
 
 # elements of the largest per-chunk intermediate (fp32: 128 MiB)
 _CHUNK_ELEMS = 1 << 25
@@ -149,7 +149,7 @@ def _visible_limit(a: IndexerArgs, b: int, i0: int, i1: int, s_k: int) -> torch.
     if not a.causal:
         return torch.full_like(i, s_k)
     pos = a.q_offsets[b].long() + i + 1
-    return torch.div(pos, a.ratio, rounding_mode="floor").clamp(0, s_k)
+    return visible_keys(pos, a.ratio, s_k)
 
 
 def _indexer_chunks(a: IndexerArgs):

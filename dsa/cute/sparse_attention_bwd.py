@@ -4,12 +4,15 @@
                                    dsink [H] fp32 or None
 
 on the canonical packed layout of :class:`dsa._args.SparseAttnArgs`.  The
-kernel is ``sparse_attention_bwd_sm90.SparseAttnBwdSm90``; the per-row terms
-it reads (Delta = dO . out and log2 of the softmax denominator, sink
-included) and dsink are O(T H d_v) torch work here.  ``deterministic`` runs
-the kernel storing one fp32 dkv row per (head block, token, slot) for a
-chunk of tokens, then the Triton ``segment_sum`` (a stable sort by kv row,
-each row summed in that fixed order), so dkv is bitwise reproducible.
+kernel is ``sparse_attention_bwd_sm90.SparseAttnBwdSm90``; what it can serve
+is its ``can_implement``.  The per-row terms it reads (Delta = dO . out and
+log2 of the softmax denominator, sink included) and dsink are O(T H d_v)
+torch work here.  ``deterministic`` runs the kernel storing one fp32 dkv row
+per (head block, token, slot) for a chunk of tokens, then the Triton
+``segment_sum`` (a stable sort by kv row, each row summed in that fixed
+order), so dkv is bitwise reproducible.  Compiled kernels are cached per
+(``BwdSm90Config``, device); every launch runs under the tensors' device and
+its current stream.
 """
 
 from __future__ import annotations
@@ -20,46 +23,35 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from dsa._args import SparseAttnArgs
-from dsa._rules import slot_validity
+from dsa._rules import LOG2E, slot_validity
+from dsa.cute.host import cutlass_dtype, current_stream, dsl_reason, gmem_ptr, sm90_reason, zero_row
 
 HEADS_PER_CTA = 64
-SERVED_D = (512, 576)
 SERVED_DV = 512
-LOG2E = 1.4426950408889634
 # Bytes of per-slot fp32 dkv rows held at once by the deterministic backward.
 DETERMINISTIC_SLOT_BYTES = 1 << 30
 
-# Build options of the kernel (SparseAttnBwdSm90): pipelined, two dkv
+# Build options of the kernel (``BwdSm90Config``): pipelined, two dkv
 # accumulators on the consumer scattering most (its next chunk's wgmma under
 # the current chunk's atomics); v4, 16-byte atomics over 64 contiguous bytes a
 # quad; c0_chunks, the dkv chunks consumer 0 scatters.
 BUILD = dict(pipelined=True, v4=True, c0_chunks=2)
 
+# (BwdSm90Config, device index) -> compiled kernel: a compiled kernel's
+# module is loaded in the context of the device it was compiled on.
 _COMPILED: Dict[tuple, object] = {}
-_ZEROS: Dict[tuple, torch.Tensor] = {}
-
-
-def dsl_reason() -> Optional[str]:
-    """Why the CuTe DSL cannot be used in this process (None if it can)."""
-    try:
-        import cutlass  # noqa: F401
-        import cutlass.cute  # noqa: F401
-    except Exception as e:  # ImportError, or a broken install
-        return f"CuTe DSL (nvidia-cutlass-dsl) is not importable: {type(e).__name__}: {e}"
-    return None
 
 
 def shape_reason(a: SparseAttnArgs) -> Optional[str]:
-    """None when dtypes and sizes are ones the kernel is built for (no device check)."""
-    if a.q.dtype not in (torch.bfloat16, torch.float16):
-        return f"q dtype {a.q.dtype} is not bf16 or fp16"
+    """None when dtypes and sizes are ones the kernel is built for (no device
+    check; the CuTe DSL must import)."""
     if a.kv.dtype != a.q.dtype:
         return f"kv dtype {a.kv.dtype} differs from q dtype {a.q.dtype}"
-    if a.D not in SERVED_D or a.d_v != SERVED_DV:
-        return f"D={a.D}, d_v={a.d_v}: the cute backward serves D in {SERVED_D} with d_v = {SERVED_DV}"
-    hg = a.H // a.G
-    if hg % HEADS_PER_CTA:
-        return f"{hg} query heads per kv head: the cute backward needs a multiple of {HEADS_PER_CTA}"
+    from dsa.cute.sparse_attention_bwd_sm90 import SparseAttnBwdSm90
+
+    why = SparseAttnBwdSm90.can_implement(cutlass_dtype(a.q.dtype) or a.q.dtype, a.D, a.d_v, a.H, a.G)
+    if why:
+        return why
     if a.T * a.H // HEADS_PER_CTA >= 2**31 or a.N * a.G >= 2**31 or a.K >= 2**31:
         return "T * H / 64 (the grid), N * H_kv and K must fit in int32"
     return None
@@ -67,18 +59,16 @@ def shape_reason(a: SparseAttnArgs) -> Optional[str]:
 
 def supports_backward(a: SparseAttnArgs) -> Optional[str]:
     """None when the SM90 backward kernel can serve ``a``, else the reason."""
-    if a.q.device.type != "cuda":
-        return f"tensors are on '{a.q.device.type}'; the cute kernels need a CUDA GPU"
-    cap = torch.cuda.get_device_capability(a.q.device)
-    if cap != (9, 0):
-        return f"the cute sparse attention backward is written for SM90 (Hopper); this GPU is SM{cap[0]}{cap[1]}"
-    why = shape_reason(a) or a.kernel_dtype_reason()
+    why = sm90_reason(a.q.device, "the cute sparse attention backward")
+    if why:
+        return why
+    why = dsl_reason() or shape_reason(a) or a.kernel_dtype_reason()
     if why:
         return why
     for name in ("q", "kv"):
         if getattr(a, name).data_ptr() % 16:
             return f"{name} is not 16-byte aligned"
-    return dsl_reason()
+    return None
 
 
 def row_terms(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor):
@@ -99,32 +89,12 @@ def row_terms(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: tor
     return delta.contiguous(), lg2den.contiguous(), dsink
 
 
-def _zeros(a: SparseAttnArgs) -> torch.Tensor:
-    # The source row of every invalid slot.
-    key = (a.q.device, a.q.dtype, a.D)
-    z = _ZEROS.get(key)
-    if z is None:
-        z = _ZEROS[key] = torch.zeros(a.D, dtype=a.q.dtype, device=a.q.device)
-    return z
+def kernel_config(a: SparseAttnArgs, build: Optional[dict] = None):
+    """The ``BwdSm90Config`` that serves ``a`` (``BUILD``, updated by ``build``)."""
+    from dsa.cute.sparse_attention_bwd_sm90 import BwdSm90Config
 
-
-def _cutlass_dtype(dt: torch.dtype):
-    import cutlass
-
-    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dt]
-
-
-def _ptr(t: torch.Tensor, dtype, align: int):
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_ptr
-
-    return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
-
-
-def _kernel(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, deterministic: bool, build: dict):
-    from dsa.cute.sparse_attention_bwd_sm90 import SparseAttnBwdSm90
-
-    return SparseAttnBwdSm90(_cutlass_dtype(dtype), D, SERVED_DV, H, G, has_len, deterministic, **build)
+    return BwdSm90Config(cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G, a.topk_length is not None,
+                         bool(a.deterministic), **dict(BUILD, **(build or {})))
 
 
 def _ptr_types(dt):
@@ -137,25 +107,35 @@ def _ptr_types(dt):
             (dt, 16))
 
 
-def _launch(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv_buf, t0: int, tc: int) -> None:
-    import cuda.bindings.driver as cuda
-    import cutlass
+def _compiled(a: SparseAttnArgs, ptrs, scalars, stream):
+    """The compiled kernel for ``a`` on a's device (compiled on first use,
+    under that device)."""
     import cutlass.cute as cute
 
-    dt = _cutlass_dtype(a.q.dtype)
-    length = a.topk_length if a.topk_length is not None else a.indices  # never read when absent
-    tensors = (a.q, a.kv, a.indices, length, dout, lg2den, delta, dq, dkv_buf, _zeros(a))
-    ptrs = tuple(_ptr(x, ty, al) for x, (ty, al) in zip(tensors, _ptr_types(dt)))
-    scalars = (cutlass.Int32(tc), cutlass.Int32(t0), cutlass.Int32(a.N), cutlass.Int32(a.K),
-               cutlass.Float32(a.sm_scale * LOG2E), cutlass.Float32(a.sm_scale))
-    stream = cuda.CUstream(torch.cuda.current_stream(a.q.device).cuda_stream)
-    key = (a.q.dtype, a.D, a.H, a.G, a.topk_length is not None, a.deterministic, tuple(sorted(BUILD.items())))
+    from dsa.cute.sparse_attention_bwd_sm90 import SparseAttnBwdSm90
+
+    cfg = kernel_config(a)
+    key = (cfg, a.q.device.index)
     fn = _COMPILED.get(key)
     if fn is None:
-        kernel = _kernel(a.q.dtype, a.D, a.H, a.G, key[4], key[5], dict(BUILD))
-        fn = _COMPILED[key] = cute.compile(kernel, *ptrs, *scalars, stream)
+        fn = _COMPILED[key] = cute.compile(SparseAttnBwdSm90.from_config(cfg), *ptrs, *scalars, stream)
+    return fn
+
+
+def _launch(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv_buf, t0: int, tc: int) -> None:
+    """The kernel over the tokens [t0, t0 + tc), under a's device."""
+    import cutlass
+
+    dt = cutlass_dtype(a.q.dtype)
+    length = a.topk_length if a.topk_length is not None else a.indices  # never read when absent
     with torch.cuda.device(a.q.device):
-        fn(*ptrs, *scalars, stream)
+        tensors = (a.q, a.kv, a.indices, length, dout, lg2den, delta, dq, dkv_buf,
+                   zero_row(a.q.device, a.q.dtype, a.D))
+        ptrs = tuple(gmem_ptr(x, ty, al) for x, (ty, al) in zip(tensors, _ptr_types(dt)))
+        scalars = (cutlass.Int32(tc), cutlass.Int32(t0), cutlass.Int32(a.N), cutlass.Int32(a.K),
+                   cutlass.Float32(a.sm_scale * LOG2E), cutlass.Float32(a.sm_scale))
+        stream = current_stream(a.q.device)
+        _compiled(a, ptrs, scalars, stream)(*ptrs, *scalars, stream)
 
 
 def slot_keys(a: SparseAttnArgs, t0: int, tc: int) -> torch.Tensor:
@@ -175,26 +155,35 @@ def backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor,
     why = supports_backward(a)
     if why:
         raise ValueError(why)
-    T, N, G, D = a.T, a.N, a.G, a.D
-    dout = dout.contiguous()
-    delta, lg2den, dsink = row_terms(a, out, lse, dout)
-    dq = torch.empty_like(a.q)
-    dkv = torch.zeros((N, G, D), dtype=torch.float32, device=a.q.device)
-    if not a.deterministic:
-        _launch(a, dout, lg2den, delta, dq, dkv, 0, T)
-    else:
-        from dsa.triton.segment_sum import segment_sum
+    # Under a's device: the torch work, the Triton reduction and the kernel
+    # launches are that device's, whatever device is current.
+    with torch.cuda.device(a.q.device):
+        dout = dout.contiguous()
+        delta, lg2den, dsink = row_terms(a, out, lse, dout)
+        dq = torch.empty_like(a.q)
+        dkv = torch.zeros((a.N, a.G, a.D), dtype=torch.float32, device=a.q.device)
+        if not a.deterministic:
+            _launch(a, dout, lg2den, delta, dq, dkv, 0, a.T)
+        else:
+            _deterministic_dkv(a, dout, lg2den, delta, dq, dkv)
+        return dq, dkv.to(a.kv.dtype), dsink
 
-        # per-slot rows [HB, Tc, G, K, D], summed per kv row in a fixed order
-        HB = a.H // G // HEADS_PER_CTA
-        per_token = HB * G * a.K * D * 4
-        Tc = max(1, min(T, DETERMINISTIC_SLOT_BYTES // per_token))
-        slots = torch.empty(HB * Tc * G * a.K, D, dtype=torch.float32, device=a.q.device)
-        for t0 in range(0, T, Tc):
-            tc = min(Tc, T - t0)
-            _launch(a, dout, lg2den, delta, dq, slots, t0, tc)
-            segment_sum(slots, slot_keys(a, t0, tc), dkv.view(N * G, D), parts=HB)
-    return dq, dkv.to(a.kv.dtype), dsink
+
+def _deterministic_dkv(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv) -> None:
+    """dq, and dkv [N, G, D] fp32 summed in a fixed order: the kernel stores
+    per-slot rows [HB, Tc, G, K, D] for chunks of Tc tokens, each chunk's
+    rows summed into their kv rows by ``segment_sum``."""
+    from dsa.triton.segment_sum import segment_sum
+
+    T, N, G, D = a.T, a.N, a.G, a.D
+    HB = a.H // G // HEADS_PER_CTA
+    per_token = HB * G * a.K * D * 4
+    Tc = max(1, min(T, DETERMINISTIC_SLOT_BYTES // per_token))
+    slots = torch.empty(HB * Tc * G * a.K, D, dtype=torch.float32, device=a.q.device)
+    for t0 in range(0, T, Tc):
+        tc = min(Tc, T - t0)
+        _launch(a, dout, lg2den, delta, dq, slots, t0, tc)
+        segment_sum(slots, slot_keys(a, t0, tc), dkv.view(N * G, D), parts=HB)
 
 
 def compile_offline_backward(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool,
@@ -206,10 +195,12 @@ def compile_offline_backward(dtype: torch.dtype, D: int, H: int, G: int, has_len
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
 
-    dt = _cutlass_dtype(dtype)
+    from dsa.cute.sparse_attention_bwd_sm90 import BwdSm90Config, SparseAttnBwdSm90
+
+    dt = cutlass_dtype(dtype)
     ptrs = tuple(make_ptr(ty, al * 64, cute.AddressSpace.gmem, assumed_align=al) for ty, al in _ptr_types(dt))
     scalars = (cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(1),
                cutlass.Float32(math.log2(math.e)), cutlass.Float32(1.0))
-    kernel = _kernel(dtype, D, H, G, has_len, deterministic, dict(BUILD, **(build or {})))
-    return cute.compile(kernel, *ptrs, *scalars, cuda.CUstream(0),
+    cfg = BwdSm90Config(dt, D, SERVED_DV, H, G, has_len, deterministic, **dict(BUILD, **(build or {})))
+    return cute.compile(SparseAttnBwdSm90.from_config(cfg), *ptrs, *scalars, cuda.CUstream(0),
                         options="--keep-ptx" if keep_ptx else "")

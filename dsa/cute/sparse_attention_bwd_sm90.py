@@ -34,12 +34,15 @@ One CTA per (token t, kv head g, block of 64 query heads), three warpgroups:
   scores while consumer 1 still scatters block i.
 
 The loop stops after the last block holding a valid slot (topk_length), so a
-row of length L costs about L / K of a full row.  Compiled per (dtype, D,
-H, G, topk_length?, deterministic?, build options) and cached by
-``dsa.cute.sparse_attention_bwd``.
+row of length L costs about L / K of a full row.  The validity rules are
+``dsa.cute.rules`` (as in the forward), the barriers ``dsa.cute.pipeline``.
+Compiled per ``BwdSm90Config`` and cached by ``dsa.cute.sparse_attention_bwd``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -48,6 +51,10 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 
+from dsa.cute import pipeline, rules, scheduler
+from dsa.cute.gmem import aligned, copy_head_rows, load
+from dsa.cute.pipeline import NamedBarrier, freed_phase, named_barriers, phase
+
 BLOCK_H = 64   # query heads per CTA: the M of one wgmma
 BN = 64        # slots per block
 THREADS = 384  # producer + two consumer warpgroups
@@ -55,68 +62,63 @@ PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 MASK_WRITERS = 16  # producer threads that write a block's mask: one per row of a copy pass
 PAIR_THREADS = 256
-BAR_FREE = 1   # both consumers are done reading the dS / P buffers
-BAR_READY = 2  # dS and P of the block are in shared memory
 PIPELINED_W = 1  # the consumer whose dkv chunks are pipelined (the one scattering most)
 DQ_N = 256     # columns of consumer 0's dQ tile; consumer 1 holds [256, D)
 
 
+@named_barriers
+class Barrier(NamedBarrier):
+    """Named barriers between the consumers: one side arrives, the other waits."""
+
+    FREE = 1   # both consumers are done reading the dS / P buffers
+    READY = 2  # dS and P of the block are in shared memory
+
+
+@dataclass(frozen=True)
+class BwdSm90Config:
+    """The static configuration one compiled kernel serves (its compile key).
+
+    dtype: ``cutlass.BFloat16`` or ``cutlass.Float16`` (q, kv, dout, dq); D
+    the q / kv head dim, d_v the value columns; H query heads over G kv
+    heads; has_len: the call passes ``topk_length``; deterministic: dkv rows
+    stored per slot instead of added.  The build options: pipelined (two dkv
+    accumulators, a chunk's wgmma under the previous chunk's scatter), v4
+    (16-byte atomics after quad shuffles; 8-byte ones without), c0_chunks
+    (the 64-column dkv chunks consumer 0 takes), scatter False (a timing
+    build that adds none of dkv: its dkv is not the gradient)."""
+
+    dtype: Any
+    D: int
+    d_v: int
+    H: int
+    G: int
+    has_len: bool
+    deterministic: bool
+    pipelined: bool = True
+    v4: bool = True
+    c0_chunks: int = 2
+    scatter: bool = True
+
+
 @dsl_user_op
-def _red_add_v2(addr: Int64, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
-    """Two adjacent fp32 atomic adds at global address addr (8-byte aligned)."""
+def _global_f32(op: str, addr: Int64, *values: Float32, loc=None, ip=None) -> None:
+    """``op``.v{n}.f32 of the n = len(values) adjacent fp32 at global address
+    addr (aligned to 4 n bytes): op "red.relaxed.gpu.global.add" adds them
+    atomically, "st.global" stores them."""
+    regs = ", ".join(f"${i + 1}" for i in range(len(values)))
     llvm.inline_asm(
         None,
-        [Int64(addr).ir_value(loc=loc, ip=ip), Float32(a).ir_value(loc=loc, ip=ip),
-         Float32(b).ir_value(loc=loc, ip=ip)],
-        "red.relaxed.gpu.global.add.v2.f32 [$0], {$1, $2};",
-        "l,f,f",
+        [Int64(addr).ir_value(loc=loc, ip=ip)] + [Float32(x).ir_value(loc=loc, ip=ip) for x in values],
+        f"{op}.v{len(values)}.f32 [$0], {{{regs}}};",
+        "l," + ",".join("f" * len(values)),
         has_side_effects=True,
         asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc, ip=ip,
     )
 
 
-@dsl_user_op
-def _red_add_v4(addr: Int64, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
-    """Four adjacent fp32 atomic adds at global address addr (16-byte aligned)."""
-    llvm.inline_asm(
-        None,
-        [Int64(addr).ir_value(loc=loc, ip=ip)] + [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
-        "red.relaxed.gpu.global.add.v4.f32 [$0], {$1, $2, $3, $4};",
-        "l,f,f,f,f",
-        has_side_effects=True,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip,
-    )
-
-
-@dsl_user_op
-def _store_v4(addr: Int64, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
-    """Four adjacent fp32 stores at global address addr (16-byte aligned)."""
-    llvm.inline_asm(
-        None,
-        [Int64(addr).ir_value(loc=loc, ip=ip)] + [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
-        "st.global.v4.f32 [$0], {$1, $2, $3, $4};",
-        "l,f,f,f,f",
-        has_side_effects=True,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip,
-    )
-
-
-@dsl_user_op
-def _store_v2(addr: Int64, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
-    """Two adjacent fp32 stores at global address addr (8-byte aligned)."""
-    llvm.inline_asm(
-        None,
-        [Int64(addr).ir_value(loc=loc, ip=ip), Float32(a).ir_value(loc=loc, ip=ip),
-         Float32(b).ir_value(loc=loc, ip=ip)],
-        "st.global.v2.f32 [$0], {$1, $2};",
-        "l,f,f",
-        has_side_effects=True,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip,
-    )
+RED_ADD = "red.relaxed.gpu.global.add"
+STORE = "st.global"
 
 
 class SparseAttnBwdSm90:
@@ -130,8 +132,13 @@ class SparseAttnBwdSm90:
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, deterministic: bool,
                  pipelined: bool = True, v4: bool = True, c0_chunks: int = 2, scatter: bool = True):
-        if D not in (512, 576) or d_v != 512 or (H // G) % BLOCK_H:
-            raise ValueError("SparseAttnBwdSm90 needs D in (512, 576), d_v == 512, (H / G) % 64 == 0")
+        why = self.can_implement(dtype, D, d_v, H, G)
+        if why is not None:
+            raise ValueError(f"SparseAttnBwdSm90: {why}")
+        if not 0 <= c0_chunks < D // 64:  # consumer 1 releases the dS / P buffers after its last chunk
+            raise ValueError(f"SparseAttnBwdSm90: c0_chunks={c0_chunks} is not in [0, {D // 64})")
+        self.config = BwdSm90Config(dtype, D, d_v, H, G, has_len, deterministic, pipelined, v4, c0_chunks,
+                                    scatter)
         self.dtype = dtype
         self.D, self.d_v, self.H, self.G = D, d_v, H, G
         self.HG = H // G
@@ -149,6 +156,25 @@ class SparseAttnBwdSm90:
         # 64-column chunks of dkv computed and scattered by each consumer:
         # consumer 0 also computes S, dP and dS, so consumer 1 takes most
         self.chunks = (tuple(range(c0_chunks)), tuple(range(c0_chunks, D // 64)))
+
+    @staticmethod
+    def can_implement(dtype, D: int, d_v: int, H: int, G: int) -> Optional[str]:
+        """The reason this kernel cannot be built for (dtype, D, d_v, H, G),
+        None when it can; dtype is a ``cutlass`` type (only BFloat16 and
+        Float16 are served; anything else is named as given)."""
+        if D not in (512, 576) or d_v != 512:
+            return f"D={D}, d_v={d_v}: the cute backward serves D in (512, 576) with d_v = 512"
+        if G <= 0 or H % G or (H // G) % BLOCK_H:
+            return (f"H={H} query heads over G={G} kv heads: the cute backward needs H / G a multiple "
+                    f"of {BLOCK_H}")
+        if dtype not in (cutlass.BFloat16, cutlass.Float16):
+            return f"dtype {dtype} is not bf16 or fp16"
+        return None
+
+    @classmethod
+    def from_config(cls, config: BwdSm90Config) -> "SparseAttnBwdSm90":
+        """The builder of the kernel ``config`` describes."""
+        return cls(**{f.name: getattr(config, f.name) for f in fields(config)})
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -199,7 +225,7 @@ class SparseAttnBwdSm90:
             sP: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sp_layout)], 1024]
 
         self.smem = Smem
-        n_tiles = T * self.G * (self.HG // BLOCK_H)
+        n_tiles = scheduler.tile_count(T, self.G, self.HG // BLOCK_H)
         self.kernel(
             s_mma, dq_mma, dq1_mma, kv_mma,
             sq_layout, sdo_layout, sk_layout, sp_layout, kt0_layout, kt1_layout, t64_layout,
@@ -230,12 +256,9 @@ class SparseAttnBwdSm90:
         sdO = st.sdO.get_tensor(sdo_layout.outer, swizzle=sdo_layout.inner)
         sK = st.sK.get_tensor(sk_layout.outer, swizzle=sk_layout.inner)
 
-        if tidx == 0:
-            cute.arch.mbarrier_init(bars[0], 128)                  # the producer's threads
-            cute.arch.mbarrier_init(bars[1], 128 + MASK_WRITERS)   # copies, then the mask writers
-            cute.arch.mbarrier_init(bars[2], PAIR_THREADS)         # both consumers, past their dQ
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        pipeline.init_mbarriers(tidx, [(bars[0], 0, 128),                  # the producer's threads
+                                       (bars[1], 0, 128 + MASK_WRITERS),   # copies, then the mask writers
+                                       (bars[2], 0, PAIR_THREADS)])        # both consumers, past their dQ
 
         tile = self.tile(tile_id, t0, idx_ptr, len_ptr, K)
         for m_ in (s_mma, dq_mma, dq1_mma, kv_mma):
@@ -269,11 +292,8 @@ class SparseAttnBwdSm90:
         g = pid - tl * G
         t = tl + t0
         head0 = g * HG + hb * BLOCK_H
-        L = K
-        if const_expr(self.has_len):
-            L = _load(len_ptr, Int64(t))
-            L = cutlass.max(Int32(0), cutlass.min(L, K))
-        n_blocks = (L + BN - 1) // BN
+        L = rules.row_length(len_ptr, t, K, self.has_len)
+        n_blocks = rules.block_count(L, BN)
         return tl, t, g, hb, head0, L, n_blocks, idx_ptr + (Int64(t) * Int64(G) + Int64(g)) * Int64(K)
 
     # -------------------------------------------------------------- producer
@@ -290,8 +310,10 @@ class SparseAttnBwdSm90:
         row_in_pass = tidx // 8
         col0 = (tidx % 8) * 8
         ES = self.dtype.width // 8
-        self.load_rows(atom, thr.partition_D(sQ), q_ptr, t, head0, self.D, row_in_pass, col0)
-        self.load_rows(atom, thr.partition_D(sdO), dout_ptr, t, head0, self.d_v, row_in_pass, col0)
+        copy_head_rows(atom, thr.partition_D(sQ), q_ptr, self.dtype, t, self.H, head0, BLOCK_H, self.D,
+                       row_in_pass, col0)
+        copy_head_rows(atom, thr.partition_D(sdO), dout_ptr, self.dtype, t, self.H, head0, BLOCK_H, self.d_v,
+                       row_in_pass, col0)
         cute.arch.cp_async_mbarrier_arrive_noinc(q_full)
 
         tK = thr.partition_D(sK)
@@ -301,26 +323,18 @@ class SparseAttnBwdSm90:
         mk = cute.make_rmem_tensor((BN // 16,), Float32)
         for i in cutlass.range(n_blocks, unroll=1):
             # indices first, all loads in flight together; a slot past L reads
-            # slot L - 1 instead (nothing past topk_length is read) and is dropped
+            # slot L - 1 instead (nothing past topk_length is read) and is
+            # dropped.  rules.fetch_indices less its L > 0 test: a block runs
+            # only when L > 0
             for m in cutlass.range_constexpr(BN // 16):
                 slot = i * BN + row_in_pass + m * 16
-                ns[m] = _load(idx_row, Int64(cutlass.min(slot, L - 1)))
-            for m in cutlass.range_constexpr(BN // 16):
-                slot = i * BN + row_in_pass + m * 16
-                addr = zero_ptr.toint()
-                mask = -Float32.inf
-                if slot < L:
-                    n = ns[m]
-                    if n >= 0 and n < N:
-                        addr = kv_ptr.toint() + (Int64(n) * Int64(self.G) + Int64(g)) * Int64(self.D * ES)
-                        mask = Float32(0.0)
-                base[m] = addr + col0 * ES
-                mk[m] = mask
+                ns[m] = load(idx_row, Int64(cutlass.min(slot, L - 1)))
+            self.resolve_rows(base, mk, ns, i, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0)
             if i > 0:
-                cute.arch.mbarrier_wait(empty, (i + 1) % 2)  # both consumers past block i - 1's dQ
+                cute.arch.mbarrier_wait(empty, freed_phase(i))  # both consumers past block i - 1's dQ
             for m in cutlass.range_constexpr(BN // 16):
                 for c in cutlass.range_constexpr(self.D // 64):
-                    src = cute.make_tensor(_aligned(self.dtype, base[m] + c * 64 * ES), cute.make_layout((8,)))
+                    src = cute.make_tensor(aligned(self.dtype, base[m] + c * 64 * ES), cute.make_layout((8,)))
                     cute.copy(atom, src, tK[None, m, c])
             cute.arch.cp_async_mbarrier_arrive_noinc(full)
             if col0 == 0:
@@ -329,15 +343,17 @@ class SparseAttnBwdSm90:
                 cute.arch.mbarrier_arrive(full)
 
     @cute.jit
-    def load_rows(self, atom, tS, ptr, t, head0, width: cutlass.Constexpr, row_in_pass, col0):
-        """Rows head0 .. head0 + 63 of token t of a [T, H, width] tensor into tS."""
+    def resolve_rows(self, base, mk, ns, i, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0):
+        """base[m]: the address this thread copies from for slot i * 64 +
+        row_in_pass + 16 m (the zero row when the slot is not valid), mk[m]
+        its mask: 0 when valid, else -inf.  The one place the producer
+        decides validity (``rules.slot_source``)."""
         ES = self.dtype.width // 8
-        for m in cutlass.range_constexpr(BLOCK_H // 16):
-            row = head0 + row_in_pass + m * 16
-            addr = ptr.toint() + (Int64(t) * Int64(self.H) + Int64(row)) * Int64(width * ES) + col0 * ES
-            for c in cutlass.range_constexpr(width // 64):
-                src = cute.make_tensor(_aligned(self.dtype, addr + c * 64 * ES), cute.make_layout((8,)))
-                cute.copy(atom, src, tS[None, m, c])
+        for m in cutlass.range_constexpr(BN // 16):
+            slot = i * BN + row_in_pass + m * 16
+            addr, mask = rules.slot_source(slot, L, ns[m], N, kv_ptr, zero_ptr, g, self.G, self.D * ES)
+            base[m] = addr + col0 * ES
+            mk[m] = mask
 
     # -------------------------------------------------------------- consumer
     @cute.jit
@@ -378,15 +394,15 @@ class SparseAttnBwdSm90:
                                    row_lo, col_lane, lg2den_ptr, delta_ptr)
             for i in cutlass.range(n_blocks, unroll=1):
                 self.slot_rows(rows, rok, i, row_lo, tile, idx_row, dkv_ptr, T, N, K)
-                cute.arch.mbarrier_wait(full, i % 2)
+                cute.arch.mbarrier_wait(full, phase(i))
                 self.scores(sc, i, scale_log2, sm_scale)
-                cute.arch.barrier_arrive(barrier_id=BAR_READY, number_of_threads=PAIR_THREADS)
+                pipeline.arrive(Barrier.READY, PAIR_THREADS)
                 self.dq_step(dq, empty)
                 self.dkv_block(0, dkv, False)
         else:
             for i in cutlass.range(n_blocks, unroll=1):
                 self.slot_rows(rows, rok, i, row_lo, tile, idx_row, dkv_ptr, T, N, K)
-                cute.arch.barrier(barrier_id=BAR_READY, number_of_threads=PAIR_THREADS)
+                cute.arch.barrier(barrier_id=Barrier.READY, number_of_threads=PAIR_THREADS)
                 self.dq_step(dq, empty)
                 self.dkv_block(1, dkv, i + 1 < n_blocks)
         self.store_dq(acc_dq, w * DQ_N, t, head0, row_lo, col_lane, dq_ptr)
@@ -414,8 +430,8 @@ class SparseAttnBwdSm90:
         dl = cute.make_rmem_tensor((2,), Float32)
         for r in cutlass.range_constexpr(2):
             off = Int64(t) * Int64(self.H) + Int64(head0 + row_lo + 8 * r)
-            lg2[r] = _load(lg2den_ptr, off)
-            dl[r] = _load(delta_ptr, off)
+            lg2[r] = load(lg2den_ptr, off)
+            dl[r] = load(delta_ptr, off)
         ok = cute.make_tensor(sOk, cute.make_layout((BN,)))
         return (s_mma, tSrQ, tSrK, tSrdO, acc_s, acc_dp, thr_s.partition_C(ds), thr_s.partition_C(pp),
                 r_ds, r_p, mask, lg2, dl, ok, col_lane)
@@ -450,7 +466,7 @@ class SparseAttnBwdSm90:
             r = (i_ // 2) % 2
             r_ds[i_] = (acc_s[i_] * (acc_dp[i_] - dl[r]) * sm_scale).to(self.dtype)
         if i > 0:
-            cute.arch.barrier(barrier_id=BAR_FREE, number_of_threads=PAIR_THREADS)
+            cute.arch.barrier(barrier_id=Barrier.FREE, number_of_threads=PAIR_THREADS)
         cute.autovec_copy(r_ds, tDs)
         cute.autovec_copy(r_p, tPs)
         cute.arch.fence_view_async_shared()
@@ -478,7 +494,7 @@ class SparseAttnBwdSm90:
             slot = i * BN + row_lo + 8 * r
             n = Int32(-1)
             if slot < L:
-                n = _load(idx_row, Int64(slot))
+                n = load(idx_row, Int64(slot))
             v = Int32(0)
             row = Int64(0)
             if n >= 0 and n < N:
@@ -521,7 +537,7 @@ class SparseAttnBwdSm90:
             warpgroup.wait_group(0)
             if const_expr(w == 1 and c + 1 == n):
                 if release:
-                    cute.arch.barrier_arrive(barrier_id=BAR_FREE, number_of_threads=PAIR_THREADS)
+                    pipeline.arrive(Barrier.FREE, PAIR_THREADS)
             self.scatter(acc, chunks[c], rows, rok, col_lane)
 
     @cute.jit
@@ -537,7 +553,7 @@ class SparseAttnBwdSm90:
                 warpgroup.wait_group(0)
                 if const_expr(w == 1):
                     if release:
-                        cute.arch.barrier_arrive(barrier_id=BAR_FREE, number_of_threads=PAIR_THREADS)
+                        pipeline.arrive(Barrier.FREE, PAIR_THREADS)
             self.scatter(accs[c % 2], chunks[c], rows, rok, col_lane)
 
     @cute.jit
@@ -570,9 +586,9 @@ class SparseAttnBwdSm90:
                     for j in cutlass.range_constexpr(cute.size(acc) // 4):
                         addr = rows[r] + (ch * 64 + 8 * j + col_lane) * 4
                         if const_expr(self.deterministic):
-                            _store_v2(addr, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1])
+                            _global_f32(STORE, addr, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1])
                         else:
-                            _red_add_v2(addr, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1])
+                            _global_f32(RED_ADD, addr, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1])
 
     @cute.jit
     def scatter_v4(self, acc, ch: cutlass.Constexpr, rows, rok, col_lane):
@@ -598,9 +614,9 @@ class SparseAttnBwdSm90:
                 if rok[r] != 0:
                     addr = rows[r] + (ch * 64 + 16 * m + 4 * q) * 4
                     if const_expr(self.deterministic):
-                        _store_v4(addr, out[0], out[1], out[2], out[3])
+                        _global_f32(STORE, addr, out[0], out[1], out[2], out[3])
                     else:
-                        _red_add_v4(addr, out[0], out[1], out[2], out[3])
+                        _global_f32(RED_ADD, addr, out[0], out[1], out[2], out[3])
 
     @cute.jit
     def store_dq(self, acc_dq, c0: cutlass.Constexpr, t, head0, row_lo, col_lane, dq_ptr):
@@ -619,14 +635,3 @@ class SparseAttnBwdSm90:
                 dst = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4)
                 cute.make_tensor(dst, cute.make_layout((1,)))[0] = ow[2 * j + r]
 
-
-@cute.jit
-def _aligned(dtype, addr: Int64) -> cute.Pointer:
-    # Row starts are 16-byte aligned (D % 64 == 0, 16-byte aligned bases).
-    return cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=16)
-
-
-@cute.jit
-def _load(ptr: cute.Pointer, off: Int64):
-    """ptr[off], one element of global memory."""
-    return cute.make_tensor(ptr + off, cute.make_layout((1,)))[0]

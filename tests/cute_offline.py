@@ -4,7 +4,11 @@
 "sm_90a", tmp_path)`` compiles each call in one fresh process with
 ``CUTE_DSL_ARCH`` set (the DSL reads it at import) and returns, per call
 name, how often each needle occurs in the PTX.  A call is ``(name, args,
-kwargs)``; an argument "torch.<dtype>" stands for that torch dtype.
+kwargs)``; an argument "torch.<dtype>" stands for that torch dtype.  The
+backward's builds go through
+``"dsa.cute.sparse_attention_bwd:compile_offline_backward"`` the same way.
+``HAVE_DSL`` (the DSL imports), ``SM90`` (an SM90 GPU is here) and ``ROOT``
+(the repository) are shared by the cute tests.
 """
 
 from __future__ import annotations

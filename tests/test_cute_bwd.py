@@ -4,61 +4,48 @@
   (``CUTE_DSL_ARCH=sm_90a``) in a subprocess, with wgmma, the cp.async
   gather and the dkv reduction (fp32 vector atomics, or plain stores in the
   deterministic build) in its PTX; the host logic (what it serves, the
-  per-row terms, the kv row of each slot) is checked against float64.
+  per-row terms, the kv row of each slot) is checked against float64; the
+  routing with a faked SM90 device: ``backend="cute"`` runs the backward,
+  auto declines it with its reason, the compile cache's key, the launch
+  under the device with the shared zero row.
 * GPU (``-m gpu``, an SM90 device): dq, dkv and dsink against the float64
   reference at V3.2-like and V4-like shapes, GQA, every sink case, random
   topk_length (0, negative, past K), hostile indices, NaN in kv rows no valid
-  slot reads; deterministic mode bitwise repeatable.
+  slot reads; deterministic mode bitwise repeatable; the public path
+  ``dsa.sparse_attention(..., backend="cute")`` forward and backward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-import subprocess
-import sys
+import types
 
 import pytest
 import torch
 
 import bruteforce as bf
+import dsa
+from cute_offline import HAVE_DSL, SM90, ptx_counts
 from dsa import reference as ref
-from dsa._args import SparseAttnArgs
+from dsa._args import SparseAttnArgs, Unsupported
+from dsa.cute import sparse_attention as cute_sa
 from dsa.cute import sparse_attention_bwd as cbwd
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INF = float("inf")
-
-try:
-    import cutlass  # noqa: F401
-
-    HAVE_DSL = True
-except Exception:  # not installed, or no usable install
-    HAVE_DSL = False
-
-SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl is not installed")
 
 
 # --------------------------------------------------------------------------
 # ahead-of-time compilation (CPU)
 
-_AOT = r"""
-import json, os, sys, torch
-from dsa.cute.sparse_attention_bwd import compile_offline_backward
-res = {}
-for name, dt, D, H, G, has_len, det, build in json.loads(sys.argv[1]):
-    c = compile_offline_backward(getattr(torch, dt), D, H, G, has_len, det, build=build)
-    ptx = c.artifacts.PTX
-    if len(ptx) < 4096 and os.path.exists(ptx):  # with a dump directory: the file's path
-        ptx = open(ptx).read()
-    res[name] = {k: ptx.count(k) for k in (
-        "wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc",
-        "red.relaxed.gpu.global.add.v2.f32", "st.global.v2.f32", "red.relaxed.gpu.global.add.v4.f32",
-        "st.global.v4.f32", "shfl.sync", "setmaxnreg.inc", "setmaxnreg.dec", "mbarrier.try_wait", "bar.sync",
-        "bar.arrive")}
-print("RESULT" + json.dumps(res))
-"""
+_NEEDLES = (
+    "wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc",
+    "red.relaxed.gpu.global.add.v2.f32", "st.global.v2.f32", "red.relaxed.gpu.global.add.v4.f32",
+    "st.global.v4.f32", "shfl.sync", "setmaxnreg.inc", "setmaxnreg.dec", "mbarrier.try_wait", "bar.sync",
+    "bar.arrive")
 
 _CONFIGS = [
     ("v32_bf16_len", "bfloat16", 576, 128, 1, True, False, {}),
@@ -68,13 +55,12 @@ _CONFIGS = [
 ]
 
 
-@pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl is not installed")
+@needs_dsl
 def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_DUMP_DIR=str(tmp_path), PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-c", _AOT, json.dumps(_CONFIGS)], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(proc.stdout.split("RESULT", 1)[1])
+    calls = [(name, [f"torch.{dt}", D, H, G, has_len, det], {"build": build})
+             for name, dt, D, H, G, has_len, det, build in _CONFIGS]
+    res = ptx_counts("dsa.cute.sparse_attention_bwd:compile_offline_backward", calls, _NEEDLES, "sm_90a",
+                     tmp_path)
     for name, dt, D, H, G, has_len, det, build in _CONFIGS:
         r = res[name]
         v = 2 if build.get("v4", True) is False else 4
@@ -117,8 +103,14 @@ def _args(T=4, N=32, H=64, G=1, D=576, K=64, dtype=torch.bfloat16, sink=False, l
     return a
 
 
-def test_supports_backward_reasons():
+def test_supports_backward_needs_a_cuda_device():
     assert "CUDA" in cbwd.supports_backward(_args())
+    with pytest.raises(ValueError, match="CUDA"):
+        cbwd.backward(_args(), torch.zeros(4, 64, 512), torch.zeros(4, 64), torch.zeros(4, 64, 512))
+
+
+@needs_dsl
+def test_shape_reasons():
     assert cbwd.shape_reason(_args()) is None
     assert cbwd.shape_reason(_args(D=512, H=128, G=2)) is None
     assert "bf16 or fp16" in cbwd.shape_reason(_args(dtype=torch.float32))
@@ -130,8 +122,6 @@ def test_supports_backward_reasons():
     assert "differs" in cbwd.shape_reason(mixed)
     short = SparseAttnArgs(a.q, a.kv, a.indices, None, None, a.sm_scale, 448)
     assert "d_v=448" in cbwd.shape_reason(short)
-    with pytest.raises(ValueError, match="CUDA"):
-        cbwd.backward(a, torch.zeros(4, 64, 512), torch.zeros(4, 64), torch.zeros(4, 64, 512))
 
 
 @pytest.mark.parametrize("sink", [False, True])
@@ -182,6 +172,130 @@ def test_slot_keys_name_the_kv_row_of_valid_slots():
                 ok = j < int(L[t]) and 0 <= n < N
                 # the kernel's deterministic row ((t - t0) * G + g) * K + j
                 assert int(keys[((t - t0) * G + g) * K + j]) == (n * G + g if ok else N * G), (t, g, j)
+
+
+# --------------------------------------------------------------------------
+# backend routing (CPU, a faked SM90 device)
+
+
+def _fake_sm90_args(deterministic=False, q_ptr=1024, **kw):
+    """A stand-in for SparseAttnArgs on an SM90 device (V3.2's shape)."""
+    q = types.SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda", 0), data_ptr=lambda: q_ptr)
+    base = dict(q=q, kv=types.SimpleNamespace(dtype=torch.bfloat16, data_ptr=lambda: 2048), D=576, d_v=512,
+                H=128, G=1, T=4, N=64, K=2048, topk_length=None, sink=None, deterministic=deterministic,
+                kernel_dtype_reason=lambda: None)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+
+def _declined(args, auto: bool) -> str:
+    with pytest.raises(Unsupported) as e:
+        dsa.cute.backend_op("sparse_attention_bwd", args, auto=auto)
+    return str(e.value)
+
+
+@needs_dsl
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backend_cute_runs_the_backward_and_auto_keeps_triton(sm90, deterministic):
+    a = _fake_sm90_args(deterministic)
+    assert dsa.cute.backend_op("sparse_attention_bwd", a, auto=False) is cbwd.backward
+    why = _declined(a, auto=True)
+    assert why == dsa.cute.NO_BWD_PLACEMENT
+    assert why.startswith("no measured placement for the cute backward") and "backend='cute' runs it" in why
+
+
+@needs_dsl
+def test_backward_the_kernel_cannot_serve_is_declined_with_its_reason(sm90, monkeypatch):
+    for auto in (False, True):
+        assert "multiple of 64" in _declined(_fake_sm90_args(H=96), auto)
+        assert "D=256" in _declined(_fake_sm90_args(D=256), auto)
+        assert "16-byte aligned" in _declined(_fake_sm90_args(q_ptr=1032), auto)
+    from dsa.cute.sparse_attention_bwd_sm90 import SparseAttnBwdSm90
+
+    monkeypatch.setattr(SparseAttnBwdSm90, "can_implement", staticmethod(lambda *a: "the kernel's own reason"))
+    assert _declined(_fake_sm90_args(), auto=False) == "the kernel's own reason"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "SM80" in _declined(_fake_sm90_args(), auto=False)
+
+
+@needs_dsl
+def test_compiled_kernels_are_cached_per_config_and_device(monkeypatch):
+    import cutlass.cute as cute
+
+    configs = []
+    monkeypatch.setattr(cute, "compile", lambda kernel, *args, **kw: configs.append(kernel.config) or object())
+    monkeypatch.setattr(cbwd, "_COMPILED", {})
+    on_1 = types.SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda", 1), data_ptr=lambda: 1024)
+    calls = [_fake_sm90_args(), _fake_sm90_args(q=on_1), _fake_sm90_args(), _fake_sm90_args(deterministic=True)]
+    fns = [cbwd._compiled(a, (), (), None) for a in calls]
+    # the same config on another device is compiled again; a repeated call is not
+    assert fns[2] is fns[0] and len({id(f) for f in fns}) == 3 and len(configs) == 3
+    assert configs[0] == configs[1] == cbwd.kernel_config(calls[0]) and configs[2].deterministic
+    monkeypatch.setattr(cbwd, "BUILD", dict(cbwd.BUILD, v4=False))  # a build option is part of the key
+    assert cbwd._compiled(calls[0], (), (), None) is not fns[0] and not configs[3].v4
+
+
+def test_launch_runs_under_the_device_with_the_shared_zero_row(monkeypatch):
+    """The zero row is dsa.cute.host's (made outside any CUDA-graph capture)
+    and the pointers, stream and kernel are taken under a's device."""
+    pytest.importorskip("cutlass")
+    events = []
+
+    @contextlib.contextmanager
+    def device(d):
+        events.append(("enter", d))
+        yield
+        events.append(("exit", d))
+
+    zero = torch.zeros(576)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(cbwd, "zero_row", lambda d, dt, D: events.append(("zero_row", d, dt, D)) or zero)
+    monkeypatch.setattr(cbwd, "gmem_ptr", lambda t, ty, align: t)
+    monkeypatch.setattr(cbwd, "current_stream", lambda d: events.append(("stream", d)) or "stream")
+    launched = []
+    monkeypatch.setattr(cbwd, "_compiled", lambda a, ptrs, scalars, stream: lambda *x: launched.append(x))
+    a = _fake_sm90_args(indices="idx", sm_scale=0.5)
+    cbwd._launch(a, "dout", "lg2den", "delta", "dq", "dkv", 0, 4)
+    dev = a.q.device
+    assert events == [("enter", dev), ("zero_row", dev, torch.bfloat16, 576), ("stream", dev), ("exit", dev)]
+    (args,) = launched
+    assert args[9] is zero and args[2] == "idx" and args[3] == "idx" and args[-1] == "stream"
+
+
+def test_other_ops_are_still_declined():
+    with pytest.raises(Unsupported, match="no kernel for indexer_fwd"):
+        dsa.cute.backend_op("indexer_fwd", _fake_sm90_args(), auto=False)
+
+
+@needs_dsl
+def test_explain_shows_why_auto_sends_the_backward_to_triton(monkeypatch):
+    """explain() of a call the cute backward serves: under auto its reason is
+    listed for cute; with backend="cute" both ops run on cute.  CPU tensors
+    stand in for an SM90 GPU's (the device checks are faked)."""
+    from dsa import selector
+
+    monkeypatch.setattr(cbwd, "sm90_reason", lambda device, what: None)
+    # the forward's auto choice reads the GPU's name: not under test here
+    monkeypatch.setattr(cute_sa, "supports", lambda a: "the forward is not under test")
+    monkeypatch.setattr(selector, "_device_type", lambda args: "cuda")
+    for var in ("DSA_DISABLE_CUTE", "DSA_BACKEND"):
+        monkeypatch.delenv(var, raising=False)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(4, 64, 576, generator=gen).to(torch.bfloat16)
+    kv = torch.randn(32, 576, generator=gen).to(torch.bfloat16)
+    idx = torch.randint(0, 32, (4, 64), generator=gen, dtype=torch.int32)
+    text = dsa.explain("sparse_attention", q, kv, idx)
+    bwd = text[text.index("sparse_attention_bwd: backend"):]
+    assert "sparse_attention_bwd: backend 'cute'" not in text, text
+    assert f"cute: {dsa.cute.NO_BWD_PLACEMENT}" in bwd, text
+    monkeypatch.setattr(cute_sa, "supports", lambda a: None)
+    text = dsa.explain("sparse_attention", q, kv, idx, backend="cute", deterministic=True)
+    assert "sparse_attention_fwd: backend 'cute'" in text and "sparse_attention_bwd: backend 'cute'" in text, text
 
 
 # --------------------------------------------------------------------------
@@ -331,3 +445,37 @@ def test_deterministic_bitwise_over_runs(monkeypatch):
     for _ in range(9):
         dq2, dkv2, dsink2 = cbwd.backward(a, out, lse, dout)
         assert torch.equal(dq2, dq) and torch.equal(dkv2, dkv) and torch.equal(dsink2, dsink)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_public_path_backend_cute_forward_and_backward(monkeypatch, deterministic):
+    """dsa.sparse_attention(..., backend="cute") and autograd: the cute
+    forward and the cute backward (counted) against the float64 reference,
+    MQA kv [N, D] and indices [T, K], sinks, topk_length and hostile indices."""
+    T, K = 32, 1024
+    a = _case(T, 2048, 128, 1, 576, K, torch.bfloat16, sink=[INF, -INF, 2.0], lengths=_lengths(T, K, 9),
+              hostile=True, nan_rows=True, seed=4, deterministic=deterministic)
+    ran = []
+    backward = cbwd.backward
+    monkeypatch.setattr(cbwd, "backward", lambda *args: ran.append(1) or backward(*args))
+    q = a.q.clone().requires_grad_(True)
+    kv = a.kv[:, 0].clone().requires_grad_(True)
+    sink = a.sink.clone().requires_grad_(True)
+    gen = torch.Generator().manual_seed(41)
+    dout = torch.randn(T, a.H, a.d_v, generator=gen).to(a.q.dtype).cuda()
+    _poison(4 * (T * a.H * a.D + a.N * a.D))
+    out = dsa.sparse_attention(q, kv, a.indices[:, 0], sink=sink, topk_length=a.topk_length, sm_scale=a.sm_scale,
+                               deterministic=deterministic, backend="cute")
+    out.backward(dout)
+    torch.cuda.synchronize()
+    assert ran == [1]
+    a64 = _f64(a)
+    out64, lse64 = ref.sparse_attention_fwd(a64)
+    dq64, dkv64, dsink64 = ref.sparse_attention_bwd(a64, out64, lse64, dout.double())
+    bf.assert_close(out, out64, a.q.dtype, "out")
+    bf.assert_close(q.grad, dq64, a.q.dtype, "dq")
+    bf.assert_close(kv.grad, dkv64[:, 0], a.q.dtype, "dkv")
+    bf.assert_close(sink.grad, dsink64, a.q.dtype, "dsink")
+    assert not torch.isnan(q.grad).any() and not torch.isnan(kv.grad).any()

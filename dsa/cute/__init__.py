@@ -1,15 +1,17 @@
 """CuTe DSL backend: hand-tuned kernels for Hopper (SM90).
 
-Served: ``sparse_attention_fwd`` on SM90 (``dsa.cute.sparse_attention``).
-Every other op is declined with that reason, so asking for
-``backend="cute"`` raises a ``ValueError`` that says so (the backward of a
-cute forward included: train with ``backend="auto"`` or ``"triton"``).
+Served on SM90: ``sparse_attention_fwd`` (``dsa.cute.sparse_attention``)
+and ``sparse_attention_bwd`` (``dsa.cute.sparse_attention_bwd``, both
+modes of ``deterministic``).  Every other op is declined with that reason,
+so asking for ``backend="cute"`` raises a ``ValueError`` that says so.
 
-Under ``backend="auto"`` a call the kernel can serve goes to cute only where
-the measured placement table (``dsa.cute.placement``) says cute is faster;
-``explain()`` names the table entry that decided.  Without a readable table
-measured on a GPU of this name (``bench/place_cute.py`` writes one only when
-it passes its holdout check) auto keeps Triton.
+Under ``backend="auto"`` a forward call the kernel can serve goes to cute
+only where the measured placement table (``dsa.cute.placement``) says cute
+is faster; ``explain()`` names the table entry that decided.  Without a
+readable table measured on a GPU of this name (``bench/place_cute.py``
+writes one only when it passes its holdout check) auto keeps Triton.  No
+placement study covers the backward yet, so auto keeps Triton for it;
+``backend="cute"`` runs it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from dsa._args import Unsupported
+
+# Why auto does not pick the cute backward (backend="cute" runs it).
+NO_BWD_PLACEMENT = ("no measured placement for the cute backward; backend='cute' runs it (1.4-2.3x the "
+                    "Triton backward at the model shapes on an H200, bench/RESULTS.md)")
 
 
 class _Chosen:
@@ -30,6 +36,8 @@ class _Chosen:
 
 
 def backend_op(op: str, args: Any, auto: bool = False) -> Callable[..., Any]:
+    if op == "sparse_attention_bwd":
+        return _backward(args, auto)
     if op != "sparse_attention_fwd":
         raise Unsupported(f"the cute backend has no kernel for {op} in this release")
     from dsa.cute import sparse_attention
@@ -50,3 +58,15 @@ def backend_op(op: str, args: Any, auto: bool = False) -> Callable[..., Any]:
     if entry.backend != "cute":
         raise Unsupported(f"placement table entry {entry.describe()} says {entry.backend} is faster")
     return _Chosen(sparse_attention.forward, f"placement table entry {entry.describe()}")
+
+
+def _backward(args: Any, auto: bool) -> Callable[..., Any]:
+    """The cute backward when asked for by name and the kernel serves ``args``."""
+    from dsa.cute import sparse_attention_bwd
+
+    why = sparse_attention_bwd.supports_backward(args)
+    if why is not None:
+        raise Unsupported(why)
+    if auto:
+        raise Unsupported(NO_BWD_PLACEMENT)
+    return sparse_attention_bwd.backward

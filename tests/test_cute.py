@@ -305,19 +305,6 @@ def test_cute_profile_build_matches_and_counts():
 @pytest.mark.gpu
 @gpu
 @pytest.mark.usefixtures("grid")
-def test_cute_backward_is_declined_with_reason():
-    gen = _gen(19)
-    q = _rand((2, 64, 512), torch.bfloat16, gen).requires_grad_(True)
-    kv = _rand((64, 512), torch.bfloat16, gen)
-    idx = _indices(2, 1, 64, 64, gen)[:, 0].cuda()
-    out = dsa.sparse_attention(q, kv, idx, backend="cute")
-    with pytest.raises(ValueError, match="cute.*sparse_attention_bwd"):
-        out.sum().backward()
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.usefixtures("grid")
 def test_cute_unserved_shape_raises_with_reason():
     gen = _gen(23)
     q, kv = _rand((2, 32, 512), torch.bfloat16, gen), _rand((64, 512), torch.bfloat16, gen)

@@ -390,6 +390,58 @@ def test_list_build_compiles_for_every_arch():
         assert c["converts"] == 0 and c["v4"] >= 2, (cap, c)
 
 
+# The routes against made-up shared-memory limits (sm_90 otherwise): the
+# resident kernel at 16384 keys needs 2048 B, the streaming one 1024 B.
+_FIT = r"""
+import json, torch
+from dsa.triton import fit, topk as tk
+out = {}
+for S, limit in ((16384, 232448), (16384, 1500), (16384, 600), (65536, 232448)):
+    # rows of 16384 keys take the resident kernel where the list path is off
+    route, why = tk.pick(S, 2048, torch.float32, fit.Target(90, fit.DeviceLimits(90, limit)),
+                         list_min=tk.LIST_MIN if S > 16384 else 1 << 30)
+    specs = tk.route_specs(route, torch.float32, True) if route else []
+    need = [fit.shared_bytes(s, fit.Target.of(90)) for s in specs]
+    out[f"{S}/{limit}"] = [route and route[0], route and repr(route[1]), why, need]
+print(json.dumps(out))
+"""
+
+
+def test_the_first_route_that_fits_the_limits_runs():
+    """Where the resident kernel's shared memory is over the limit the
+    streaming kernel takes its rows; where nothing fits, the reason names
+    the limit; at the real sm_90 limit the measured routes stay."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=root)
+    proc = subprocess.run([sys.executable, "-c", _FIT], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    kind, cfg, why, need = got["16384/232448"]
+    assert kind == "resident" and cfg == repr((16384, tk._resident_config(16384))) and why == "", got
+    assert 1500 < max(need) <= 232448, got
+    kind, cfg, why, need = got["16384/1500"]
+    assert (kind, cfg, why) == ("stream", "4096", "") and max(need) <= 1500, got
+    kind, _, why, _ = got["16384/600"]
+    assert kind is None and "does not fit sm_90's 600 B" in why, got
+    kind, cfg, why, need = got["65536/232448"]
+    assert kind == "list" and cfg == repr(tk._list_plan(65536, 2048)) and len(need) == 4, got
+
+
+def test_tiles_reason_without_a_device_limit():
+    """Off CUDA (the interpreter) there is no limit to fit: no reason, and the
+    backend hook hands out the op."""
+    from dsa import triton as backend
+
+    a = TopkArgs(torch.zeros(2, 40), 3)
+    assert tk.tiles_reason("topk", a) is None
+    assert backend.backend_op("topk", a) is tk.topk
+    assert tk.pick(40, 3, torch.float32, None) == (("resident", (64, tk._resident_config(64))), "")
+
+
 def test_ptx_enabled_only_on_nvidia():
     from dsa.triton import ptx
 

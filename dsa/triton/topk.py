@@ -13,76 +13,64 @@ found exactly, then one prefix scan emits, in position order, every key
 flag when the cut splits no tie, the usual case: see ``_emit_gt``). The
 stores keep the load's layout (``dsa.triton.ptx``).
 
-* Resident kernel (S <= RESIDENT_MAX): one program per row holds the whole
-  row in registers (read from memory once) and finds ``thr`` with one of the
-  searches of ``ResidentConfig.search``; each round is one block-wide
-  reduction (its barriers and shuffles are the cost), so fewer rounds is
-  faster. All keep ``count(key >= lo) >= k > count(key >= hi)`` and stop as
-  soon as exactly k keys are >= a candidate (that set is the top k, ties at
-  the cut included whole). Rows with at most k selectable keys skip it.
+* Resident kernel (S <= RESIDENT_MAX): one program per row holds the row in
+  registers (read once) and finds ``thr`` with the search of
+  ``ResidentConfig.search``; a round is one block-wide reduction (its
+  barriers and shuffles are the cost). All keep ``count(key >= lo) >= k >
+  count(key >= hi)`` and stop once exactly k keys are >= a candidate (the
+  top k, a tie at the cut whole); rows of at most k selectable keys skip it.
 
-  - ``bisect``: one key bit a round, MSB first (about log2(S) + a few rounds
-    on distinct scores, 32 at most), then one more count for ``need``.
-  - ``radix``: ``radix_bits`` = b bits a round, the 2^b - 1 candidate digits
-    counted in one multi-operand reduction (two 16-bit counts per int32);
-    16-bit inputs stop at their last significant key bit.
-  - ``interp``: two candidates a round, counted in one packed reduction,
-    placed by a model of the row's values: a normal fit (sum and sum of
-    squares, reduced with the valid-key count) for the first round, then
-    linear interpolation between the bracket ends, or a secant through the
-    last round's two points when both fell on one side, aiming at counts
-    k +- a spread that shrinks with the bracket. A round that does not halve
-    the bracket is answered by a snap round (both ends move onto the nearest
-    keys inside: a tied cut ends there) and then by a split of the bracket's
-    key range in thirds (distributions the model misses), so the rounds stay
-    bounded. About 4 rounds on randn rows of 4096 / 16384 keys instead of 12
-    / 20 (NumPy model of the search).
+  - ``bisect``: a key bit a round, MSB first (about log2(S) + a few rounds).
+  - ``radix``: ``radix_bits`` bits a round, the 2^b - 1 candidate digits in
+    one packed reduction; 16-bit inputs stop at their last key bit.
+  - ``interp``: two candidates a round in one packed reduction, placed by a
+    model of the values: a normal fit (sums reduced with the valid count) in
+    round 1, then interpolation between the bracket ends or a secant through
+    the last two points, aiming at counts k +- a shrinking spread. A round
+    that does not halve the bracket brings a snap (both ends onto the
+    nearest keys inside: a tied cut ends there), then a split in thirds, so
+    the rounds stay bounded: about 4 on randn rows of 4096 / 16384 keys
+    instead of 12 / 20.
   - ``guess``: interp's first round, then thirds of the key range.
 
-  ``vec_load=False`` runs the same kernel compiled without the vectorized
-  row load (see ``_topk_resident_kernel_scalar``).
-* List path (rows of at least LIST_MIN keys, k well below S): three kernels
-  over batches of rows. The build kernel takes a sample of the row (1/16 of
-  it, at most 4096 scores in runs of 8) and its rank-r key ``lo`` (the
-  interp search), r chosen so that count(key >= lo) over the row falls
-  below k only 5 binomial spreads out; one read of the row then appends
-  every score with key >= lo, and its position, to the row's list (a scan a
-  chunk, skipped when the chunk keeps nothing). The list holds every key
-  >= the k-th largest in position order, so the select kernel runs the
-  resident search and emit on it (lists longer than its block: a second
-  select with the capacity as block). Rows the bound missed (fewer than k
-  keys above it, or more than the capacity) run the streaming select in
-  the fallback kernel, so the result never depends on the sample. H200,
-  fp32 randn, k 2048: 8192x32768 0.73 ms, 65536^2 causal 8.3 ms (the
-  streaming kernel: 5.1 and 82 ms).
-* Streaming kernel (longer rows without a list plan, and the fallback): the
-  row is read in chunks, ``thr`` comes from a 4-pass radix select (8-bit
-  digits, 256-bin histograms), and the emit pass walks the chunks in order
-  with running counters.
+  ``vec_load=False``: the kernel without the vectorized row load.
+* List path (rows of at least LIST_MIN keys, k well below S): the build
+  kernel takes the rank-r key ``lo`` of a sample of the row (1/16 of it, at
+  most 4096 scores in runs of 8; r puts count(key >= lo) below k only 5
+  binomial spreads out), then one read of the row appends every score with
+  key >= lo, and its position, to the row's list. The list holds every key
+  >= the k-th largest in position order: the select kernel runs the
+  resident search and emit on it (longer lists: a second select at the
+  capacity). Rows the bound missed run the streaming select in the fallback
+  kernel, so the result never depends on the sample. H200, fp32 randn, k
+  2048: 8192x32768 0.73 ms, 65536^2 causal 8.3 ms (streaming: 5.1, 82 ms).
+* Streaming kernel (other long rows, and the fallback): chunks of the row,
+  ``thr`` from a 4-pass radix select (8-bit digits, 256-bin histograms),
+  then an emit pass over the chunks in order with running counters.
+
+The first of these that fits the device runs (``pick``, ``dsa.triton.fit``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
 from dsa._args import TopkArgs
-from dsa.triton import ptx
+from dsa.triton import fit, ptx
 
-# Longest row held in registers (BLOCK_S = next_pow2(S)); beyond this the
-# streaming kernel runs. 32768 spills registers even at 16 warps (ptxas,
-# sm_90a). The packed 16-bit counters of the scans need BLOCK_S <= 32768.
+# Longest row held in registers (BLOCK_S = next_pow2(S)): 32768 spills even at
+# 16 warps (sm_90a), and the packed 16-bit scan counters need BLOCK_S <= 32768.
 RESIDENT_MAX = 16384
 STREAM_CHUNK = 4096
 _FILL_BLOCK = 1024
-# List path (rows of at least LIST_MIN keys, see _list_plan): chunk of the
-# row read, sample size (at most 1 / LIST_SAMPLE_FRACTION of the row), the
-# longest list and the list scratch of one batch of rows (entries).
+# List path (rows of at least LIST_MIN keys, see _list_plan): chunk read, sample
+# (at most 1 / LIST_SAMPLE_FRACTION of the row), longest list, batch scratch.
 LIST_MIN = 16384
 LIST_CHUNK = 1024  # 512 up to LIST_SMALL_CHUNK_MAX keys (H200: up to 3% faster there, 7% slower at 65536)
 LIST_SMALL_CHUNK_MAX = 32768
@@ -98,10 +86,9 @@ SEARCHES = ("bisect", "radix", "interp", "guess")  # ResidentConfig.search; SEAR
 # finite-or-inf keys; NaN and -inf are 0 and no valid key lies in between).
 _KEY_PINF = tl.constexpr(0xFF800000)
 _KEY_MIN = tl.constexpr(0x00800000)
-# interp: first-round spread in standard deviations of the count at the normal
-# guess; later spreads in those of the cut's rank (bracket interpolation) and
-# of the secant's reach (tuned on a NumPy model of the search over randn,
-# exponential, uniform and fp16 rows: about 4.3 rounds on average).
+# interp: spreads in sd of the count at the normal guess (round 1), of the cut's
+# rank (interpolation) and of the secant's reach (tuned on a NumPy model of the
+# search over randn, exponential, uniform and fp16 rows: 4.3 rounds on average).
 _GUESS_SPREAD = tl.constexpr(1.0)
 _INTERP_SPREAD = tl.constexpr(0.75)
 _SECANT_SPREAD = tl.constexpr(0.375)
@@ -113,7 +100,6 @@ _MODE_SPLIT = tl.constexpr(3)
 
 # --------------------------------------------------------------------------
 # Device helpers
-# --------------------------------------------------------------------------
 
 
 @triton.jit
@@ -212,19 +198,29 @@ def _pad_row(idx_row_ptr, length, K, BLOCK: tl.constexpr):
         tl.store(idx_row_ptr + o_j, tl.full([BLOCK], -1, tl.int32), mask=(o_j >= length) & (o_j < K))
 
 
+@triton.jit
+def _emit_row(idx_row_ptr, len_ptr, r, key, pos, m, thr, need, K, FILL: tl.constexpr, ASM: tl.constexpr):
+    """A row's output from one block: the selected positions (keys > thr, the
+    first ``need`` keys == thr), the length at len_ptr + r, -1 up to K."""
+    if need == 0:  # the cut splits no tie
+        length = _emit_gt(idx_row_ptr, key, pos, thr, K, ASM)
+    else:
+        n_gt, n_eq = _emit_block(idx_row_ptr, key, pos, m, thr, need, 0, 0, K, True, ASM)
+        length = n_gt + tl.minimum(n_eq, need)
+    tl.store(len_ptr + r, length)
+    _pad_row(idx_row_ptr, length, K, FILL)
+
+
 # --------------------------------------------------------------------------
-# Threshold searches of the resident kernel. Each returns (thr, need): emit
-# every key > thr and the first ``need`` keys == thr.
-# --------------------------------------------------------------------------
+# Threshold searches: (thr, need): every key > thr, the first ``need`` == thr.
 
 
 @triton.jit
 def _search_bisect(b_key, n_valid, K, EARLY_EXIT: tl.constexpr):
     thr = tl.zeros([], tl.uint32)
     if EARLY_EXIT:
-        # The same bisection, stopped once exactly K keys are >= thr: that
-        # set is the top K, ties included whole (distinct scores get there
-        # after about log2(S) + a few bits instead of 32).
+        # Stopped once exactly K keys are >= thr: the top K, ties whole
+        # (distinct scores: after about log2(S) + a few bits instead of 32).
         bit = 31
         cnt = n_valid
         while (bit >= 0) & (cnt != K):
@@ -335,10 +331,76 @@ def _search_radix(b_key, K, BITS: tl.constexpr, LOW_BITS: tl.constexpr):
 
 
 @triton.jit
+def _interp_candidates(lo, hi, m, r, K, mode, snapped, na, nb, va_p, vb_p, va_g, vb_g):
+    """A round's keys lo < ca <= cb < hi: interpolation at the cut's rank +-
+    INTERP_SPREAD sd, the secant through the last two candidates when both
+    fell on one side, the normal guess (round 1), the bracket's thirds
+    (split) or the keys next to a snapped end."""
+    mf = m.to(tl.float32)
+    rf = r.to(tl.float32)
+    f_lo = _key_value(lo)
+    f_hi = _key_value(hi - 1)
+    d = tl.maximum(_INTERP_SPREAD * tl.sqrt(rf * (mf - rf) / mf), 0.5)
+    pa = tl.clamp((rf - d) / mf, 0.0, 1.0)
+    pb = tl.clamp((rf + d) / mf, 0.0, 1.0)
+    va = f_lo * (1.0 - pa) + f_hi * pa
+    vb = f_lo * (1.0 - pb) + f_hi * pb
+    same_side = ((na >= K) == (nb >= K)) & (na != nb) & (snapped == 0) & (mode == _MODE_INTERP)
+    slope = (na - nb).to(tl.float32) / (vb_p - va_p)
+    above = nb >= K
+    near_v = tl.where(above, vb_p, va_p)
+    near_n = tl.where(above, nb, na).to(tl.float32)
+    reach = tl.abs(near_n - K)
+    ds = 0.5 + _SECANT_SPREAD * (tl.sqrt(reach) + reach / tl.sqrt((na - nb).to(tl.float32)))
+    va = tl.where(same_side, near_v + (near_n - (K + ds)) / slope, va)
+    vb = tl.where(same_side, near_v + (near_n - (K - ds)) / slope, vb)
+    va = tl.where(mode == _MODE_GUESS, va_g, va)
+    vb = tl.where(mode == _MODE_GUESS, vb_g, vb)
+    ca = _order_key(va)  # NaN -> 0, clamped to lo + 1 below
+    cb = _order_key(vb)
+    # right after a snap lo and hi - 1 are keys: one above lo (or hi - 1
+    # itself) is the cut when one key of the bracket lies on that side
+    ca = tl.where((snapped != 0) & (r == 1), lo + 1, ca)
+    cb = tl.where((snapped != 0) & (m - r == 1), hi - 1, cb)
+    third = tl.maximum((hi - lo) // 3, 1)
+    ca = tl.where(mode == _MODE_SPLIT, lo + third, ca)
+    cb = tl.where(mode == _MODE_SPLIT, hi - third, cb)
+    ca = tl.minimum(tl.maximum(ca, lo + 1), hi - 1)
+    cb = tl.minimum(tl.maximum(cb, ca), hi - 1)
+    return ca, cb
+
+
+@triton.jit
+def _interp_step(b_key, lo, hi, c_lo, c_hi, ca, cb, m, K, mode, fails, INTERP: tl.constexpr):
+    """Count the candidates and move the bracket ends onto them; the next
+    mode: interpolation while rounds halve the bracket, else a snap and a
+    split in turn (without INTERP always a split)."""
+    na, nb = _count_pair(b_key, ca, cb)
+    va_p = _key_value(ca)
+    vb_p = _key_value(cb)
+    up = nb >= K
+    mid = na >= K
+    lo = tl.where(up, cb, tl.where(mid, ca, lo))
+    c_lo = tl.where(up, nb, tl.where(mid, na, c_lo))
+    hi = tl.where(up, hi, tl.where(mid, cb, ca))
+    c_hi = tl.where(up, c_hi, tl.where(mid, nb, na))
+    # the first round is a guess, not a step of the model: not judged
+    fails = tl.where((2 * (c_lo - c_hi) > m) & (mode != _MODE_GUESS), fails + 1, 0)
+    if INTERP:
+        mode = tl.where(fails == 0, _MODE_INTERP, tl.where(fails % 2 == 1, _MODE_SNAP, _MODE_SPLIT))
+        # an end still at the start key and no slope from this round:
+        # snap for a data value there first
+        unbounded = (lo == _KEY_MIN) | (hi == _KEY_PINF)
+        mode = tl.where(unbounded & (na == nb) & (mode == _MODE_INTERP), _MODE_SNAP, mode)
+    else:
+        mode = tl.zeros([], tl.int32) + _MODE_SPLIT
+    return lo, hi, c_lo, c_hi, na, nb, va_p, vb_p, fails, mode
+
+
+@triton.jit
 def _search_interp(b_key, n_valid, n_pinf, s1, s2, K, INTERP: tl.constexpr, SLACK=0):
     """Candidates from a model of the values (see the module header).
     SLACK > 0: also stop once count(>= lo) <= K + SLACK (a bound, not a cut).
-
     State: lo < hi keys with c_lo = count(>= lo) >= K > c_hi = count(>= hi),
     start [key(-FLT_MAX), key(+inf)). Candidates only decide how fast the
     bracket shrinks; every count is exact, so any placement is correct.
@@ -353,7 +415,6 @@ def _search_interp(b_key, n_valid, n_pinf, s1, s2, K, INTERP: tl.constexpr, SLAC
         hi = lo + 1
         c_lo = n_pinf
         c_hi = tl.zeros([], tl.int32)
-
     # Round 1: a normal fit to the finite values, counts K +- GUESS_SPREAD sd.
     nf = (n_valid - n_pinf).to(tl.float32)
     mean = s1 / nf
@@ -385,60 +446,10 @@ def _search_interp(b_key, n_valid, n_pinf, s1, s2, K, INTERP: tl.constexpr, SLAC
         else:
             m = c_lo - c_hi
             r = c_lo - K  # keys of the bracket below the cut
-            mf = m.to(tl.float32)
-            rf = r.to(tl.float32)
-            # bracket interpolation, the cut's rank +- INTERP_SPREAD sd
-            f_lo = _key_value(lo)
-            f_hi = _key_value(hi - 1)
-            d = tl.maximum(_INTERP_SPREAD * tl.sqrt(rf * (mf - rf) / mf), 0.5)
-            pa = tl.clamp((rf - d) / mf, 0.0, 1.0)
-            pb = tl.clamp((rf + d) / mf, 0.0, 1.0)
-            va = f_lo * (1.0 - pa) + f_hi * pa
-            vb = f_lo * (1.0 - pb) + f_hi * pb
-            # secant through the last two candidates when both fell on one side
-            same_side = ((na >= K) == (nb >= K)) & (na != nb) & (snapped == 0) & (mode == _MODE_INTERP)
-            slope = (na - nb).to(tl.float32) / (vb_p - va_p)
-            above = nb >= K
-            near_v = tl.where(above, vb_p, va_p)
-            near_n = tl.where(above, nb, na).to(tl.float32)
-            reach = tl.abs(near_n - K)
-            ds = 0.5 + _SECANT_SPREAD * (tl.sqrt(reach) + reach / tl.sqrt((na - nb).to(tl.float32)))
-            va = tl.where(same_side, near_v + (near_n - (K + ds)) / slope, va)
-            vb = tl.where(same_side, near_v + (near_n - (K - ds)) / slope, vb)
-            va = tl.where(mode == _MODE_GUESS, va_g, va)
-            vb = tl.where(mode == _MODE_GUESS, vb_g, vb)
-            ca = _order_key(va)  # NaN -> 0, clamped to lo + 1 below
-            cb = _order_key(vb)
-            # right after a snap lo and hi - 1 are keys: one above lo (or hi - 1
-            # itself) is the cut when one key of the bracket lies on that side
-            ca = tl.where((snapped != 0) & (r == 1), lo + 1, ca)
-            cb = tl.where((snapped != 0) & (m - r == 1), hi - 1, cb)
-            third = tl.maximum((hi - lo) // 3, 1)
-            ca = tl.where(mode == _MODE_SPLIT, lo + third, ca)
-            cb = tl.where(mode == _MODE_SPLIT, hi - third, cb)
-            ca = tl.minimum(tl.maximum(ca, lo + 1), hi - 1)
-            cb = tl.minimum(tl.maximum(cb, ca), hi - 1)
-
-            na, nb = _count_pair(b_key, ca, cb)
-            va_p = _key_value(ca)
-            vb_p = _key_value(cb)
-            up = nb >= K
-            mid = na >= K
-            lo = tl.where(up, cb, tl.where(mid, ca, lo))
-            c_lo = tl.where(up, nb, tl.where(mid, na, c_lo))
-            hi = tl.where(up, hi, tl.where(mid, cb, ca))
-            c_hi = tl.where(up, c_hi, tl.where(mid, nb, na))
-            # the first round is a guess, not a step of the model: not judged
-            fails = tl.where((2 * (c_lo - c_hi) > m) & (mode != _MODE_GUESS), fails + 1, 0)
+            ca, cb = _interp_candidates(lo, hi, m, r, K, mode, snapped, na, nb, va_p, vb_p, va_g, vb_g)
+            lo, hi, c_lo, c_hi, na, nb, va_p, vb_p, fails, mode = _interp_step(b_key, lo, hi, c_lo, c_hi, ca, cb, m, K,
+                                                                               mode, fails, INTERP)
             snapped = zero
-            if INTERP:
-                mode = tl.where(fails == 0, _MODE_INTERP, tl.where(fails % 2 == 1, _MODE_SNAP, _MODE_SPLIT))
-                # an end still at the start key and no slope from this round:
-                # snap for a data value there first
-                unbounded = (lo == _KEY_MIN) | (hi == _KEY_PINF)
-                mode = tl.where(unbounded & (na == nb) & (mode == _MODE_INTERP), _MODE_SNAP, mode)
-            else:
-                mode = zero + _MODE_SPLIT
     exact = c_lo == K  # keys >= lo are the top K
     thr = tl.where(exact, lo - 1, lo)
     need = tl.where(exact, 0, K - c_hi)
@@ -447,7 +458,6 @@ def _search_interp(b_key, n_valid, n_pinf, s1, s2, K, INTERP: tl.constexpr, SLAC
 
 # --------------------------------------------------------------------------
 # Kernels
-# --------------------------------------------------------------------------
 
 
 def _topk_resident_kernel(
@@ -456,8 +466,7 @@ def _topk_resident_kernel(
     SEARCH: tl.constexpr = 0, RADIX_BITS: tl.constexpr = 2, LOW_BITS: tl.constexpr = 0,
     ASM_STORE: tl.constexpr = False,
 ):
-    # SEARCH: index in SEARCHES; LOW_BITS: key bits below the input's precision;
-    # ASM_STORE: ptx.store_i32 may emit PTX (dsa/triton/ptx.py)
+    # SEARCH: index in SEARCHES; LOW_BITS: key bits below the input's precision; ASM_STORE: see ptx.py
     r = tl.program_id(0).to(tl.int64)
     o_s = tl.arange(0, BLOCK_S)
     m_s = o_s < S
@@ -489,20 +498,13 @@ def _topk_resident_kernel(
                 thr, need = _search_radix(b_key, K, RADIX_BITS, LOW_BITS)
             else:
                 thr, need = _search_interp(b_key, n_valid, (n_packed >> 16) & 0xFFFF, s1, s2, K, SEARCH == 2, 0)
-    if need == 0:  # the cut splits no tie
-        length = _emit_gt(idx_row, b_key, o_s, thr, K, ASM_STORE)
-    else:
-        n_gt, n_eq = _emit_block(idx_row, b_key, o_s, m_s, thr, need, 0, 0, K, True, ASM_STORE)
-        length = n_gt + tl.minimum(n_eq, need)
-    tl.store(len_ptr + r, length)
-    _pad_row(idx_row, length, K, FILL)
+    _emit_row(idx_row, len_ptr, r, b_key, o_s, m_s, thr, need, K, FILL, ASM_STORE)
 
 
-# The same kernel with S and the row stride left unspecialized: the row load
-# can no longer be vectorized, so every tensor keeps the one-key-a-thread
-# layout of the scattered store and the emit needs no shared-memory layout
-# conversion of its 64-bit pointers (sm_90a, 16384 keys: 13 instead of 25
-# barriers a row, same registers).
+# The same kernel with S and the row stride unspecialized: the row load is not
+# vectorized, so every tensor keeps the one-key-a-thread layout of the store and
+# the emit converts no 64-bit pointers through shared memory (sm_90a, 16384
+# keys: 13 instead of 25 barriers a row, same registers).
 _topk_resident_kernel_scalar = triton.jit(do_not_specialize=["S", "stride_s"])(_topk_resident_kernel)
 _topk_resident_kernel = triton.jit(_topk_resident_kernel)
 
@@ -565,9 +567,7 @@ def _topk_stream_kernel(
 
 
 # --------------------------------------------------------------------------
-# List path (long rows): a sample bounds the cut from below, one read of the
-# row compacts every key above the bound, an exact select runs on that list.
-# --------------------------------------------------------------------------
+# List path: a sampled bound, the keys above it compacted, an exact select.
 
 
 @triton.jit
@@ -675,13 +675,7 @@ def _list_select_kernel(
         thr, need, _ = _select_rank(x, key, K, 0, SEARCH)
         r = (row0 + b).to(tl.int64)
         idx_row = idx_ptr + r * stride_i
-        if need == 0:  # the cut splits no tie
-            length = _emit_gt(idx_row, key, pos, thr, K, ASM_STORE)
-        else:
-            n_gt, n_eq = _emit_block(idx_row, key, pos, m, thr, need, 0, 0, K, True, ASM_STORE)
-            length = n_gt + tl.minimum(n_eq, need)
-        tl.store(len_ptr + r, length)
-        _pad_row(idx_row, length, K, FILL)
+        _emit_row(idx_row, len_ptr, r, key, pos, m, thr, need, K, FILL, ASM_STORE)
 
 
 @triton.jit
@@ -700,25 +694,19 @@ def _list_fallback_kernel(
 
 # --------------------------------------------------------------------------
 # Host side
-# --------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class ResidentConfig:
     num_warps: int
-    # H200, fp32, k=2048 (bench/tune_topk.py): 4096x4096 0.189 -> 0.122 ms,
-    # 4096x16384 0.949 -> 0.721 ms; same results, ties included
+    # H200, fp32, k=2048: 4096x4096 0.189 -> 0.122 ms, 4096x16384 0.949 -> 0.721
     early_exit: bool = True
-    # one of SEARCHES (see the module header); _resident_config picks interp
-    search: str = "bisect"
+    search: str = "bisect"  # one of SEARCHES; _resident_config picks interp
     radix_bits: int = 2  # radix: bits a round, 1..4
     # ptxas register cap (None: its choice). 4 warps at 4096 keys take 168
-    # registers, 3 programs an SM; 128 allows 4 without spills (sm_90a; 96
-    # spills).
+    # registers, 3 programs an SM; 128: 4 without spills (sm_90a; 96 spills).
     maxnreg: Optional[int] = None
-    # False: the kernel without the vectorized row load (see
-    # _topk_resident_kernel_scalar); slower on the H200 (C10).
-    vec_load: bool = True
+    vec_load: bool = True  # False: _topk_resident_kernel_scalar (slower on the H200, C10)
 
     def __post_init__(self):
         if self.search not in SEARCHES:
@@ -736,13 +724,11 @@ class ResidentConfig:
 
 
 def _resident_config(block_s: int) -> ResidentConfig:
-    # H200, fp32 rows, k=2048, 4096 rows (bench/tune_topk.py, RESULTS.md C10,
-    # C17, C22; every variant exact against the reference first): interp beats
-    # the early-exit bisection, radix (2-4 bits) and guess at both lengths.
-    # With the one-flag emit (C22): 4096 keys, 4 warps capped at 128
-    # registers 0.082 ms (uncapped 0.123, 8 warps 0.096); 16384 keys, 8 warps
-    # capped at 128 registers (2 programs an SM) 0.335 ms, 16 warps capped at
-    # 64 0.333 (a tie), 16 warps 0.400, 32 warps 0.461, 8 warps uncapped 0.480.
+    # H200, fp32, k=2048, 4096 rows (bench/tune_topk.py, RESULTS.md C10, C17,
+    # C22): interp beats bisect, radix (2-4 bits) and guess at both lengths.
+    # 4096 keys: 4 warps capped at 128 registers 0.082 ms (uncapped 0.123, 8
+    # warps 0.096); 16384: 8 warps at 128 (2 programs an SM) 0.335 ms, 16 at
+    # 64 0.333, 16 uncapped 0.400, 32 0.461, 8 uncapped 0.480.
     if block_s == 16384:
         return ResidentConfig(num_warps=8, search="interp", maxnreg=128)
     warps = max(4, min(16, block_s // 1024))
@@ -805,29 +791,73 @@ def _launch_list(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: t
     vals = torch.empty((rows, plan.cap), dtype=torch.int32, device=dev)  # fp32 bit patterns
     poss = torch.empty((rows, plan.cap), dtype=torch.int32, device=dev)
     meta = torch.empty((rows, 2), dtype=torch.int32, device=dev)
-    asm = ptx.enabled(scores)
-    # the larger select block runs only for the rows the first one leaves
-    first = {} if plan.select_maxnreg is None else {"maxnreg": plan.select_maxnreg}
-    tiers = [(-1, plan.block, plan.select_warps, first)]
-    if plan.cap > plan.block:
-        tiers.append((plan.block, plan.cap, 8 if plan.cap <= 8192 else 16, {}))
+    build, *selects, fallback = route_specs(("list", plan), scores.dtype, ptx.enabled(scores))
     for r0 in range(0, R, rows):
         n = min(rows, R - r0)
-        _list_build_kernel[(n,)](
-            scores, vals, poss, meta, r0, S, scores.stride(0), plan.rank, plan.slack, plan.stride,
-            CAP=plan.cap, CHUNK=plan.chunk, SAMPLE=plan.sample, ASM_STORE=asm, num_warps=plan.build_warps,
-            num_stages=1,
-        )
-        for len_lo, block, warps, opts in tiers:
-            _list_select_kernel[(n,)](
-                vals, poss, meta, indices, lengths, r0, k, indices.stride(0), len_lo,
-                CAP=plan.cap, BLOCK=block, FILL=_FILL_BLOCK, ASM_STORE=asm, SEARCH=SEARCHES.index(plan.list_search),
-                num_warps=warps, **opts,
-            )
-        _list_fallback_kernel[(n,)](
-            scores, meta, indices, lengths, r0, S, k, scores.stride(0), indices.stride(0),
-            CAP=plan.cap, CHUNK=STREAM_CHUNK, FILL=_FILL_BLOCK, num_warps=8,
-        )
+        build.fn[(n,)](scores, vals, poss, meta, r0, S, scores.stride(0), plan.rank, plan.slack, plan.stride,
+                       **build.launch_kwargs())
+        for select in selects:  # the larger block takes the rows of longer lists
+            len_lo = -1 if select.constexprs["BLOCK"] == plan.block else plan.block
+            select.fn[(n,)](vals, poss, meta, indices, lengths, r0, k, indices.stride(0), len_lo,
+                            **select.launch_kwargs())
+        fallback.fn[(n,)](scores, meta, indices, lengths, r0, S, k, scores.stride(0), indices.stride(0),
+                          **fallback.launch_kwargs())
+
+
+def route_specs(route: Tuple[str, Any], dtype: torch.dtype, asm: bool) -> List[fit.KernelSpec]:
+    """Every kernel a route launches for ``dtype`` scores (asm: whether
+    ptx.store_i32 may emit PTX). Routes: ("list", ListPlan): build, select
+    (a second one at the capacity when it exceeds the block), fallback;
+    ("resident", (BLOCK_S, ResidentConfig)); ("stream", CHUNK)."""
+    kind, p = route
+    i32, el = "*i32", fit.ptr(dtype)
+    if kind == "list":
+        tiers = [(p.block, p.select_warps, {} if p.select_maxnreg is None else {"maxnreg": p.select_maxnreg})]
+        tiers += [(p.cap, 8 if p.cap <= 8192 else 16, {})] if p.cap > p.block else []
+        types = dict(val_ptr=i32, pos_ptr=i32, meta_ptr=i32, idx_ptr=i32, len_ptr=i32)
+        const = dict(CAP=p.cap, FILL=_FILL_BLOCK, ASM_STORE=asm, SEARCH=SEARCHES.index(p.list_search))
+        return [fit.KernelSpec(_list_build_kernel, dict(s_ptr=el, val_ptr=i32, pos_ptr=i32, meta_ptr=i32),
+                               dict(CAP=p.cap, CHUNK=p.chunk, SAMPLE=p.sample, ASM_STORE=asm), p.build_warps, 1),
+                *(fit.KernelSpec(_list_select_kernel, types, dict(const, BLOCK=b), w, 3, o) for b, w, o in tiers),
+                fit.KernelSpec(_list_fallback_kernel, dict(s_ptr=el, meta_ptr=i32, idx_ptr=i32, len_ptr=i32),
+                               dict(CAP=p.cap, CHUNK=STREAM_CHUNK, FILL=_FILL_BLOCK), 8, 3)]
+    types = dict(s_ptr=el, idx_ptr=i32, len_ptr=i32)
+    if kind == "stream":
+        return [fit.KernelSpec(_topk_stream_kernel, types, dict(CHUNK=p, FILL=_FILL_BLOCK), 8, 3)]
+    block_s, cfg = p
+    kernel = _topk_resident_kernel if cfg.vec_load else _topk_resident_kernel_scalar
+    const = dict(BLOCK_S=block_s, FILL=_FILL_BLOCK, **cfg.constexprs(dtype), ASM_STORE=asm)
+    opts = {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
+    return [fit.KernelSpec(kernel, types, const, cfg.num_warps, 3, opts)]
+
+
+def pick(S: int, k: int, dtype: torch.dtype, target: Optional[fit.Target], asm: bool = True,
+         resident_max: int = RESIDENT_MAX, chunk: int = STREAM_CHUNK, config: Optional[ResidentConfig] = None,
+         list_min: int = LIST_MIN, plan: Optional[ListPlan] = None) -> Tuple[Optional[Tuple[str, Any]], str]:
+    """(the first route for rows of S keys whose kernels all fit ``target``,
+    "") or (None, why); keywords as in :func:`launch`. Ranked: the list path
+    or the resident kernel where they apply, then streaming at halved chunks."""
+    if plan is None and S >= list_min and config is None:
+        plan = _list_plan(S, k)
+    routes: Tuple[Tuple[str, Any], ...] = ()
+    if plan is not None:
+        routes = (("list", plan),)
+    elif S <= resident_max:
+        block_s = max(16, triton.next_power_of_2(S))
+        routes = (("resident", (block_s, config or _resident_config(block_s))),)
+    routes += tuple(("stream", c) for c in fit.halvings(chunk, 256))
+
+    def spec_of(route) -> fit.KernelSpec:  # the route's kernel with the most shared memory
+        specs = route_specs(route, dtype, asm)
+        return specs[0] if target is None else max(specs, key=lambda sp: fit.shared_bytes(sp, target))
+
+    return fit.pick(lambda: routes, spec_of, target, ("topk", dtype, asm, routes))
+
+
+def tiles_reason(fn_name: str, a: TopkArgs) -> Optional[str]:
+    """Why no top-k kernel fits a's device (None if one does)."""
+    s = a.scores
+    return pick(s.shape[1], a.topk, s.dtype, fit.device_target(s), ptx.enabled(s))[1] or None
 
 
 def supports(a: TopkArgs) -> Optional[str]:
@@ -842,35 +872,23 @@ def supports(a: TopkArgs) -> Optional[str]:
 
 
 def launch(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: torch.Tensor,
-           resident_max: int = RESIDENT_MAX, chunk: int = STREAM_CHUNK,
-           config: Optional[ResidentConfig] = None, list_min: int = LIST_MIN,
-           plan: Optional[ListPlan] = None) -> None:
+           resident_max: int = RESIDENT_MAX, chunk: int = STREAM_CHUNK, config: Optional[ResidentConfig] = None,
+           list_min: int = LIST_MIN, plan: Optional[ListPlan] = None) -> None:
     """Top-k of each row of ``scores`` [R, S] into ``indices`` [R, k] and
     ``lengths`` [R] (both int32, rows unit-stride in the last dim). The
     keywords override the kernel choice (tests and tuning): rows of at least
     ``list_min`` keys take the list path where ``_list_plan`` (or ``plan``)
     allows, else rows up to ``resident_max`` the resident kernel, else the
-    streaming one."""
+    streaming one (the first of ``pick``'s routes that fits the device)."""
     R, S = scores.shape
-    if plan is None and S >= list_min and config is None:
-        plan = _list_plan(S, k)
-    if plan is not None:
-        _launch_list(scores, k, indices, lengths, plan)
-    elif S <= resident_max:
-        block_s = max(16, triton.next_power_of_2(S))
-        cfg = config or _resident_config(block_s)
-        opts = {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
-        kernel = _topk_resident_kernel if cfg.vec_load else _topk_resident_kernel_scalar
-        kernel[(R,)](
-            scores, indices, lengths, S, k, scores.stride(0), indices.stride(0),
-            BLOCK_S=block_s, FILL=_FILL_BLOCK, num_warps=cfg.num_warps, **cfg.constexprs(scores.dtype),
-            ASM_STORE=ptx.enabled(scores), **opts,
-        )
-    else:
-        _topk_stream_kernel[(R,)](
-            scores, indices, lengths, S, k, scores.stride(0), indices.stride(0),
-            CHUNK=chunk, FILL=_FILL_BLOCK, num_warps=8,
-        )
+    route, why = pick(S, k, scores.dtype, fit.device_target(scores), ptx.enabled(scores), resident_max, chunk,
+                      config, list_min, plan)
+    if route is None:
+        raise ValueError(why)
+    if route[0] == "list":
+        return _launch_list(scores, k, indices, lengths, route[1])
+    spec = route_specs(route, scores.dtype, ptx.enabled(scores))[0]
+    spec.fn[(R,)](scores, indices, lengths, S, k, scores.stride(0), indices.stride(0), **spec.launch_kwargs())
 
 
 def topk(a: TopkArgs) -> Tuple[torch.Tensor, torch.Tensor]:

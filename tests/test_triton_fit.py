@@ -30,6 +30,8 @@ ATTENTION = {
     "H16/D576": (16, 576, 512, 2048, False),
 }
 INDEXER = (64, 128, 2048)  # H_i, D_i, K
+TOPK = {"topk list path": 65536, "topk resident": 4096}  # row length of each top-k route
+TOPK_K = 2048
 FULL_COMPILE_CAPS = (80, 90)
 SM90_V32_BWD_SPILL = 764  # bytes of spill stores ptxas reports for the shipped sm_90 V3.2 backward
 
@@ -47,7 +49,7 @@ def _rows(caps):
     import torch
 
     from dsa._args import IndexerArgs, SparseAttnArgs, SparseIndexerArgs
-    from dsa.triton import fit, indexer, indexer_bwd, segment_sum, sparse_attention as sa, training
+    from dsa.triton import fit, indexer, indexer_bwd, segment_sum, sparse_attention as sa, topk, training
 
     def mt(*shape, dtype=torch.bfloat16):
         return torch.empty(*shape, dtype=dtype, device="meta")
@@ -109,6 +111,10 @@ def _rows(caps):
                  for imp in (False, True)] if cfg else [])
         seg = [segment_sum.spec(D, parts, bd) for D, parts, bd in ((576, 2, 64), (128, 1, 128))]
         add("segment_sum", "dkv D576 / dk D128", "fixed", "", seg)
+        for what, S in TOPK.items():  # every kernel of the route, fp32 scores
+            route, why = topk.pick(S, TOPK_K, torch.float32, tgt)
+            add(what, f"{S} cols k{TOPK_K}", route, why,
+                topk.route_specs(route, torch.float32, True) if route else [])
     return rows
 
 
@@ -133,7 +139,7 @@ def test_every_kernel_fits_every_target(table):
     bad = [r for r in fits if r[3] is None or r[4] > r[5]]
     assert not bad, "\n".join(map(str, bad))
     assert {r[0] for r in fits} == set(CAPS)
-    assert len(fits) == len(CAPS) * (2 * len(ATTENTION) + 8)
+    assert len(fits) == len(CAPS) * (2 * len(ATTENTION) + 8 + len(TOPK))
 
 
 def test_fitted_shared_memory_is_the_compilers(table):
@@ -156,6 +162,10 @@ def test_sm90_picks_are_the_measured_defaults(table):
     assert "BN=64, NCOLS=128, num_warps=4, num_stages=2" in other["indexer_scores"]
     assert "BK=64, num_warps=4, num_stages=1, keys_as_rows=True" in other["sparse_indexer_bwd / KL bwd"]
     assert "BK=64, BD=128, num_warps=4, num_stages=3" in other["sparse_indexer_fwd / KL fwd"]
+    from dsa.triton import topk
+
+    assert other["topk list path"] == repr(("list", topk._list_plan(TOPK["topk list path"], TOPK_K)))
+    assert other["topk resident"] == repr(("resident", (4096, topk._resident_config(4096))))
 
 
 def test_heads_per_program_is_a_knob(table):

@@ -79,6 +79,21 @@ def slot_source(slot, L, n, N, kv_ptr: cute.Pointer, zero_ptr: cute.Pointer, g,
 
 
 @cute.jit
+def block_sources(base, mk, ns, block, L, N, kv_ptr: cute.Pointer, zero_ptr: cute.Pointer, g,
+                  G: cutlass.Constexpr, row_bytes: cutlass.Constexpr, col_bytes,
+                  block_slots: cutlass.Constexpr, row_in_pass, rows_per_pass: cutlass.Constexpr):
+    """The sources of one copying thread's rows of a block: for its m-th row,
+    slot ``block * block_slots + row_in_pass + rows_per_pass * m`` whose index
+    is ns[m], base[m] = the byte address it copies from (``slot_source``'s
+    row, plus ``col_bytes``) and mk[m] = its mask (0 valid, -inf not)."""
+    for m in cutlass.range_constexpr(block_slots // rows_per_pass):
+        slot = block * block_slots + row_in_pass + m * rows_per_pass
+        addr, mask = slot_source(slot, L, ns[m], N, kv_ptr, zero_ptr, g, G, row_bytes)
+        base[m] = addr + col_bytes
+        mk[m] = mask
+
+
+@cute.jit
 def finite_shift(m):
     """The subtrahend of exp2(x - m): m, or 0 for a row whose maximum is -inf."""
     mu = m

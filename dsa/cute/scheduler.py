@@ -19,6 +19,22 @@ import cutlass
 import cutlass.cute as cute
 
 
+@dataclass(frozen=True)
+class ProblemConfig:
+    """The static problem a compiled attention kernel serves, the first
+    fields of every kernel's config (its compile key): dtype
+    ``cutlass.BFloat16`` or ``cutlass.Float16``; D the q / kv head dim, d_v
+    the value columns; H query heads over G kv heads; has_len: the call
+    passes ``topk_length``."""
+
+    dtype: Any
+    D: int
+    d_v: int
+    H: int
+    G: int
+    has_len: bool
+
+
 def tile_count(T, G: int, head_blocks: int):
     """Tiles of a call: T tokens x G kv heads x ``head_blocks`` head blocks."""
     return T * G * head_blocks

@@ -75,24 +75,15 @@ class Barrier(NamedBarrier):
 
 
 @dataclass(frozen=True)
-class BwdSm90Config:
-    """The static configuration one compiled kernel serves (its compile key).
-
-    dtype: ``cutlass.BFloat16`` or ``cutlass.Float16`` (q, kv, dout, dq); D
-    the q / kv head dim, d_v the value columns; H query heads over G kv
-    heads; has_len: the call passes ``topk_length``; deterministic: dkv rows
-    stored per slot instead of added.  The build options: pipelined (two dkv
-    accumulators, a chunk's wgmma under the previous chunk's scatter), v4
+class BwdSm90Config(scheduler.ProblemConfig):
+    """The static configuration one compiled kernel serves (its compile key):
+    the problem (dtype of q, kv, dout and dq), then deterministic (dkv rows
+    stored per slot instead of added) and the build options: pipelined (two
+    dkv accumulators, a chunk's wgmma under the previous chunk's scatter), v4
     (16-byte atomics after quad shuffles; 8-byte ones without), c0_chunks
     (the 64-column dkv chunks consumer 0 takes), scatter False (a timing
     build that adds none of dkv: its dkv is not the gradient)."""
 
-    dtype: Any
-    D: int
-    d_v: int
-    H: int
-    G: int
-    has_len: bool
     deterministic: bool
     pipelined: bool = True
     v4: bool = True
@@ -344,16 +335,11 @@ class SparseAttnBwdSm90:
 
     @cute.jit
     def resolve_rows(self, base, mk, ns, i, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0):
-        """base[m]: the address this thread copies from for slot i * 64 +
-        row_in_pass + 16 m (the zero row when the slot is not valid), mk[m]
-        its mask: 0 when valid, else -inf.  The one place the producer
-        decides validity (``rules.slot_source``)."""
+        """base[m] / mk[m]: source address and mask of this thread's m-th row
+        of block i; the one place the producer decides validity."""
         ES = self.dtype.width // 8
-        for m in cutlass.range_constexpr(BN // 16):
-            slot = i * BN + row_in_pass + m * 16
-            addr, mask = rules.slot_source(slot, L, ns[m], N, kv_ptr, zero_ptr, g, self.G, self.D * ES)
-            base[m] = addr + col0 * ES
-            mk[m] = mask
+        rules.block_sources(base, mk, ns, i, L, N, kv_ptr, zero_ptr, g, self.G, self.D * ES, col0 * ES,
+                            BN, row_in_pass, 16)
 
     # -------------------------------------------------------------- consumer
     @cute.jit

@@ -89,23 +89,14 @@ PAIR_THREADS = 256
 
 
 @dataclass(frozen=True)
-class FwdSm90Config:
-    """The static configuration one compiled kernel serves (its compile key).
+class FwdSm90Config(scheduler.ProblemConfig):
+    """The static configuration one compiled kernel serves (its compile key):
+    the problem, then has_sink (the call passes ``sink``), profile (per-warp
+    cycle counters into prof_ptr, ``PROF_*``) and refill (False: a timing
+    build whose producer gathers each stage on its first use only and
+    afterwards just signals it, so the consumers never wait for a gather's
+    round trip; its out is not the attention)."""
 
-    dtype: ``cutlass.BFloat16`` or ``cutlass.Float16`` (q, kv, out); D the
-    q / kv head dim, d_v the value columns; H query heads over G kv heads;
-    has_len / has_sink: the call passes ``topk_length`` / ``sink``.
-    profile: per-warp cycle counters into prof_ptr (``PROF_*``).  refill
-    False: a timing build whose producer gathers each stage on its first use
-    only and afterwards just signals it, so the consumers never wait for a
-    gather's round trip; its out is not the attention."""
-
-    dtype: Any
-    D: int
-    d_v: int
-    H: int
-    G: int
-    has_len: bool
     has_sink: bool
     profile: bool = False
     refill: bool = True
@@ -440,17 +431,12 @@ class SparseAttnFwdSm90:
 
     @cute.jit
     def resolve_rows(self, base, mk, ns, b, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0):
-        """base[m]: the address this thread copies from for slot b * 64 +
-        row_in_pass + 16 m (the zero row when the slot is not valid), mk[m]
-        its mask: 0 when valid, else -inf.  The one place the kernel decides
-        validity (``rules.slot_source``)."""
+        """base[m] / mk[m]: source address and mask of this thread's m-th row
+        of block b; the one place the kernel decides validity."""
         t0 = self.timer.tick()
         ES = self.dtype.width // 8
-        for m in cutlass.range_constexpr(BN // 16):
-            slot = b * BN + row_in_pass + m * 16
-            addr, mask = rules.slot_source(slot, L, ns[m], N, kv_ptr, zero_ptr, g, self.G, self.D * ES)
-            base[m] = addr + col0 * ES
-            mk[m] = mask
+        rules.block_sources(base, mk, ns, b, L, N, kv_ptr, zero_ptr, g, self.G, self.D * ES, col0 * ES,
+                            BN, row_in_pass, 16)
         self.timer.tock(PROF_LOOKUP, t0)
 
     @cute.jit

@@ -79,6 +79,16 @@ def slot_source(slot, L, n, N, kv_ptr: cute.Pointer, zero_ptr: cute.Pointer, g,
 
 
 @cute.jit
+def slot_index(idx_row: cute.Pointer, slot, L):
+    """The index of slot ``slot`` of a row, or -1 (invalid) for a slot at or
+    past L, whose index is never read."""
+    n = Int32(-1)
+    if slot < L:
+        n = load(idx_row, Int64(slot))
+    return n
+
+
+@cute.jit
 def block_sources(base, mk, ns, block, L, N, kv_ptr: cute.Pointer, zero_ptr: cute.Pointer, g,
                   G: cutlass.Constexpr, row_bytes: cutlass.Constexpr, col_bytes,
                   block_slots: cutlass.Constexpr, row_in_pass, rows_per_pass: cutlass.Constexpr):

@@ -478,9 +478,7 @@ class SparseAttnBwdSm90:
         tl, t, g, hb, head0, L, n_blocks, _ = tile
         for r in cutlass.range_constexpr(2):
             slot = i * BN + row_lo + 8 * r
-            n = Int32(-1)
-            if slot < L:
-                n = load(idx_row, Int64(slot))
+            n = rules.slot_index(idx_row, slot, L)  # -1 past L: invalid without a read
             v = Int32(0)
             row = Int64(0)
             if n >= 0 and n < N:

@@ -219,25 +219,34 @@ def _run_all(cases, group, rank, world, backends=BACKENDS, device="cpu"):
     return results
 
 
-def _child(rank, world, tmp):
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported in this process
+def _in_group(backend, rank, world, tmp, work):
+    """work() inside a process group; a failure leaves its traceback in tmp/error{rank}.txt for the parent."""
     dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world,
+        backend, init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=120),
     )
     try:
-        cases = torch.load(f"{tmp}/cases.pt")
-        torch.save(_run_all(cases, None, rank, world), f"{tmp}/w{world}_rank{rank}.pt")
-        pair = dist.new_group(list(PAIR))  # every rank takes part in creating it
-        if rank in PAIR:
-            sub = dist.get_rank(pair)
-            torch.save(_run_all(cases, pair, sub, 2), f"{tmp}/w2_rank{sub}.pt")
+        work()
     except BaseException:
         with open(f"{tmp}/error{rank}.txt", "w") as f:
             f.write(traceback.format_exc())
         raise
     finally:
         dist.destroy_process_group()
+
+
+def _child(rank, world, tmp):
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported in this process
+
+    def work():
+        cases = torch.load(f"{tmp}/cases.pt")
+        torch.save(_run_all(cases, None, rank, world), f"{tmp}/w{world}_rank{rank}.pt")
+        pair = dist.new_group(list(PAIR))  # every rank takes part in creating it
+        if rank in PAIR:
+            sub = dist.get_rank(pair)
+            torch.save(_run_all(cases, pair, sub, 2), f"{tmp}/w2_rank{sub}.pt")
+
+    _in_group("gloo", rank, world, tmp, work)
 
 
 GPU_BACKENDS = ("reference", "triton")
@@ -245,20 +254,13 @@ GPU_BACKENDS = ("reference", "triton")
 
 def _nccl_child(rank, world, tmp):
     torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "nccl", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    try:
+
+    def work():
         cases = torch.load(f"{tmp}/cases.pt")
         results = _run_all(cases, None, rank, world, GPU_BACKENDS, f"cuda:{rank}")
         torch.save(results, f"{tmp}/w{world}_rank{rank}.pt")
-    except BaseException:
-        with open(f"{tmp}/error{rank}.txt", "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+
+    _in_group("nccl", rank, world, tmp, work)
 
 
 # --------------------------------------------------------------------------
@@ -308,17 +310,22 @@ def _compare(name, c, full, ranks, world):
                 torch.testing.assert_close(got, part, atol=ATOL, rtol=1e-5, msg=lambda m: f"{name} {key} r{rank}: {m}")
 
 
+def _spawn(child, world, tmp):
+    """``world`` processes running child(rank, world, tmp); a failed rank fails the test with its traceback."""
+    try:
+        mp.spawn(child, args=(world, str(tmp)), nprocs=world, join=True)
+    except Exception:
+        errs = [p.read_text() for p in sorted(tmp.glob("error*.txt"))]
+        pytest.fail("a rank failed:\n" + "\n".join(errs))
+
+
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     """(cases, {world size: each group rank's results}) from one spawn of 4 processes."""
     cases = _cases()
     tmp = tmp_path_factory.mktemp("gloo")
     torch.save(cases, tmp / "cases.pt")
-    try:
-        mp.spawn(_child, args=(4, str(tmp)), nprocs=4, join=True)
-    except Exception:
-        errs = [p.read_text() for p in sorted(tmp.glob("error*.txt"))]
-        pytest.fail("a rank failed:\n" + "\n".join(errs))
+    _spawn(_child, 4, tmp)
     return cases, {w: [torch.load(tmp / f"w{w}_rank{r}.pt") for r in range(w)] for w in (2, 4)}
 
 
@@ -356,11 +363,7 @@ def test_nccl_two_gpus_match_one(tmp_path):
     """Every case on 2 GPUs over NCCL (rank r on cuda:r) against one call on cuda:0."""
     cases = _cases()
     torch.save(cases, tmp_path / "cases.pt")
-    try:
-        mp.spawn(_nccl_child, args=(2, str(tmp_path)), nprocs=2, join=True)
-    except Exception:
-        errs = [p.read_text() for p in sorted(tmp_path.glob("error*.txt"))]
-        pytest.fail("a rank failed:\n" + "\n".join(errs))
+    _spawn(_nccl_child, 2, tmp_path)
     ranks = [torch.load(tmp_path / f"w2_rank{r}.pt") for r in range(2)]
     for backend in GPU_BACKENDS:
         for name, c in cases.items():

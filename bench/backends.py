@@ -40,7 +40,7 @@ def skip_unless_runnable(backend: str, shape: Any) -> None:
 def skip_on(backend: str) -> Tuple[Type[BaseException], ...]:
     """Exceptions of the first call that mean "cannot run" rather than a bug."""
     if backend in DSA_BACKENDS:
-        return (ValueError,)  # DESIGN.md: a backend that cannot serve a call raises ValueError
+        return (ValueError,)  # docs/semantics.md: a backend that cannot serve a call raises ValueError
     return (Exception,)  # peers: any failure of a third-party or plain implementation
 
 

@@ -2,8 +2,8 @@
 
 Every benchmark in this folder takes its problem sizes from here, so a shape
 has one name across ops, backends, JSON files and plots. Sizes follow
-DESIGN.md's shape table (V3.2, V4-pro, V4-flash, GLM-style H64/D576) and the
-benchmark issue:
+the shape table of docs/semantics.md (V3.2, V4-pro, V4-flash, GLM-style
+H64/D576):
 
 * sparse attention, packed MQA layout: q [T, H, D], kv [N, D],
   indices [T, K] (distinct random rows of kv, ascending, as ``topk_indices``

@@ -4,7 +4,7 @@ Not a ``dsa`` backend (that is ``dsa.reference``): no custom kernels, only
 gather + einsum + softmax for sparse attention, einsum for the indexer and
 ``torch.topk`` for top-k, each chunked over query rows so memory stays
 bounded (about ``chunk_bytes`` per intermediate) at every registered shape.
-Results follow DESIGN.md's contract closely enough to do the same work
+Results follow the contract of docs/semantics.md closely enough to do the same work
 (valid-slot masking, sink in the denominator, top-k padded with -1 and its
 valid positions ascending); tie order and the last bits may differ.
 Autograd differentiates :func:`sparse_attention` (q, kv, sink).

@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python bench/tune_sparse_attention.py [--quick] [--out DIR]
 
-Shapes of DESIGN.md at full size, bf16, fresh random inputs.  FLOPs:
+Shapes of docs/semantics.md at full size, bf16, fresh random inputs.  FLOPs:
 forward 2*T*H*K*(D + d_v), backward 2*T*H*K*(3*D + 2*d_v) (valid slots only
 for the half-valid rows).  Prints one table row per (shape, pass, variant).
 """

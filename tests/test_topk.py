@@ -1,4 +1,4 @@
-"""topk_indices and indexer_topk against the brute force of DESIGN.md's
+"""topk_indices and indexer_topk against the brute force of docs/semantics.md's
 "Top-k": valid positions first in ascending order, -1 padding, ties at the
 cut to the smaller position, NaN / -inf never selected, +inf selectable."""
 

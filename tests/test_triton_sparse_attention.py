@@ -2,7 +2,7 @@
 
 On a machine without CUDA the kernels run under the Triton interpreter
 (TRITON_INTERPRET=1, set below before triton is imported) with tiny shapes in
-fp32 and fp16; the tests marked ``gpu`` run bf16 / fp16 at the DESIGN.md
+fp32 and fp16; the tests marked ``gpu`` run bf16 / fp16 at the docs/semantics.md
 shapes (reduced T) on CUDA.
 """
 
@@ -382,7 +382,7 @@ def test_fit_pick_order(monkeypatch):
 
 
 # ----------------------------------------------------------------------------
-# GPU tests at the DESIGN.md shapes (reduced T)
+# GPU tests at the docs/semantics.md shapes (reduced T)
 
 SHAPES = {  # name: (H, D, d_v, K, sink)
     "V3.2": (128, 576, 512, 2048, False),

@@ -24,7 +24,7 @@ NAN = float("nan")
 
 
 def topk_contract(scores: torch.Tensor, k: int):
-    """DESIGN.md's top-k in plain torch: the k largest scores (NaN, -inf never),
+    """The top-k of docs/semantics.md in plain torch: the k largest scores (NaN, -inf never),
     ties to the smaller position, positions ascending, -1 padded."""
     x = scores.double()
     R, S = x.shape

@@ -1,7 +1,8 @@
 """The CuTe SM90 sparse attention backward against the Triton backward.
 
     compute-sanitizer --tool memcheck python bench/bench_cute_bwd.py --sanitize
-    python bench/bench_cute_bwd.py [--shapes v32,v4pro,...,v32-v2,...]   (SHAPES, VARIANTS)
+    python bench/bench_cute_bwd.py [--shapes v32,v4pro,...,v32-half,...]   (SHAPES, VARIANTS)
+    python bench/bench_cute_bwd.py --shapes 'v32@pipelined=0+c0_chunks=1'      (any build at a shape)
 
 One process, the same inputs for both (fresh ``torch.randn``, bf16, sink on,
 random indices), ``triton.testing.do_bench`` medians (warmup 25 ms, rep
@@ -34,14 +35,27 @@ SHAPES = {
 # other builds of the kernel (sparse_attention_bwd.BUILD) at a shape; their
 # Triton time is not measured again
 VARIANTS = {
-    "v32-v2": ("v32", dict(v4=False)),
+    "v32-half": ("v32", dict(atomics="half_lines", evict_last=False)),
+    "v32-nohint": ("v32", dict(evict_last=False)),
     "v32-serial": ("v32", dict(pipelined=False)),
-    "v32-c0x4": ("v32", dict(c0_chunks=4)),
     "v32-c0x3": ("v32", dict(c0_chunks=3)),
-    "v4pro-v2": ("v4pro", dict(v4=False)),
     # timing only (dkv is not added): the cost of everything but the atomics
     "v32-noscatter": ("v32", dict(scatter=False)),
 }
+
+
+def _variant(name: str):
+    """(shape, build) of a VARIANTS name or of 'shape@key=value+...'."""
+    if "@" not in name:
+        return VARIANTS.get(name, (name, {}))
+    shape, spec = name.split("@", 1)
+    build = {}
+    for item in spec.split("+"):
+        key, value = item.split("=", 1)
+        build[key] = int(value) if value.lstrip("-").isdigit() else value
+        if key in ("pipelined", "evict_last", "scatter"):
+            build[key] = bool(build[key])
+    return shape, build
 DEFAULT_BUILD = dict(cbwd.BUILD)
 
 
@@ -62,7 +76,7 @@ def _rel(a, b) -> float:
 
 
 def run(name: str) -> None:
-    shape, build = VARIANTS.get(name, (name, {}))
+    shape, build = _variant(name)
     cbwd.BUILD = dict(DEFAULT_BUILD, **build)
     T, N, H, D, K, half, det = SHAPES[shape]
     a = _args(T, N, H, D, K, half, det)
@@ -71,7 +85,7 @@ def run(name: str) -> None:
     flop = 2 * T * H * K * (3 * D + 2 * 512)
     res = {}
     grads = {}
-    backends = (("cute", cbwd.backward),) + ((("triton", tsa.backward),) if name not in VARIANTS else ())
+    backends = (("cute", cbwd.backward),) + ((("triton", tsa.backward),) if name in SHAPES else ())
     for backend, fn in backends:
         grads[backend] = fn(a, out, lse, dout)
         torch.cuda.synchronize()

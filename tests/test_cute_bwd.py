@@ -43,14 +43,15 @@ needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl is not i
 
 _NEEDLES = (
     "wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc",
-    "red.relaxed.gpu.global.add.v2.f32", "st.global.v2.f32", "red.relaxed.gpu.global.add.v4.f32",
+    "red.relaxed.gpu.global.add.v4.f32", "red.relaxed.gpu.global.add.L2::cache_hint.v4.f32", "createpolicy",
     "st.global.v4.f32", "shfl.sync", "setmaxnreg.inc", "setmaxnreg.dec", "mbarrier.try_wait", "bar.sync",
     "bar.arrive")
 
 _CONFIGS = [
     ("v32_bf16_len", "bfloat16", 576, 128, 1, True, False, {}),
-    # the other build options: 8-byte atomics, one dkv accumulator
-    ("fp16_d512_h64_v2", "float16", 512, 64, 1, False, False, {"v4": False, "pipelined": False}),
+    # the other build options: half lines in column order, no L2 hint, one dkv accumulator
+    ("fp16_d512_h64_half", "float16", 512, 64, 1, False, False,
+     {"atomics": "half_lines", "evict_last": False, "pipelined": False}),
     ("v32_bf16_det", "bfloat16", 576, 128, 1, True, True, {}),
 ]
 
@@ -63,7 +64,8 @@ def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
                      tmp_path)
     for name, dt, D, H, G, has_len, det, build in _CONFIGS:
         r = res[name]
-        v = 2 if build.get("v4", True) is False else 4
+        lines = build.get("atomics", cbwd.BUILD["atomics"]) == "lines"
+        hint = build.get("evict_last", cbwd.BUILD["evict_last"]) and not det
         # per block: S (D / 16) and dP (d_v / 16) on consumer 0, dQ (4 a
         # tile, one tile on each consumer and the RoPE one), dkv (8 per value
         # chunk, 4 per RoPE chunk)
@@ -71,15 +73,17 @@ def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
         assert r["wgmma.mma_async"] == n_wgmma, (name, r)
         assert r["cp.async.cg.shared.global"] >= D // 64 * 4, (name, r)  # the gather
         assert r["cp.async.mbarrier.arrive.noinc"] >= 2, (name, r)       # Q and dO; each block
-        # per thread and 64-column chunk, for each of its two slot rows: 8
-        # two-float adds (or stores), or 4 four-float ones after the shuffles
-        n_out = 2 * (16 // v) * (D // 64)
-        for op in ("red.relaxed.gpu.global.add", "st.global"):
-            for w in (2, 4):
-                want = n_out if (w == v and (op == "st.global") == det) else 0
-                assert r[f"{op}.v{w}.f32"] == want, (name, op, w, r)
-        # 6 shuffles per 4 floats: 48 per chunk in the 16-byte build
-        assert (r["shfl.sync"] >= 48 * (D // 64)) == (v == 4), (name, r)
+        # per thread and 64-column chunk: 8 four-float adds (or stores), two
+        # rows of 16 floats; under the L2 policy made once a thread
+        n_out = 8 * (D // 64)
+        assert r["st.global.v4.f32"] == (n_out if det else 0), (name, r)
+        assert r["red.relaxed.gpu.global.add.L2::cache_hint.v4.f32"] == (n_out if hint else 0), (name, r)
+        assert r["red.relaxed.gpu.global.add.v4.f32"] == (0 if det or hint else n_out), (name, r)
+        assert r["createpolicy"] == (2 if hint else 0), (name, r)  # one in each consumer
+        # shuffles a chunk: whole lines 16 (one per float of the swapped
+        # halves), half lines 48 (three per float)
+        n_shfl = r["shfl.sync"]
+        assert (16 * (D // 64) <= n_shfl < 17 * (D // 64)) if lines else n_shfl >= 48 * (D // 64), (name, r)
         assert r["setmaxnreg.inc"] >= 1 and r["setmaxnreg.dec"] >= 1, (name, r)
         assert r["mbarrier.try_wait"] >= 3, (name, r)
         # the dS / P hand-off between the consumers: written (READY), free again (FREE)
@@ -154,6 +158,23 @@ def test_row_terms_match_float64(sink):
     assert torch.equal(torch.isposinf(lg2), torch.isposinf(exp))
     fin = torch.isfinite(exp)
     torch.testing.assert_close(lg2.double()[fin], exp[fin], rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("D", [512, 576])
+def test_natural_columns_undo_the_fragment_order(D):
+    """The "lines" build writes column 8 h + 2 q + e of each 16-column group
+    at 4 q + 2 h + e (lane q of a quad holds columns 8 j + 2 q + {0, 1});
+    natural_columns puts each back, in one pass to the output dtype."""
+    nat = torch.randn(3, 2, D)
+    frag = torch.empty_like(nat)
+    for m in range(D // 16):
+        for q in range(4):
+            for h in range(2):
+                for e in range(2):
+                    frag[..., 16 * m + 4 * q + 2 * h + e] = nat[..., 16 * m + 8 * h + 2 * q + e]
+    got = cbwd.natural_columns(frag, "lines", torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.is_contiguous() and torch.equal(got, nat.to(torch.bfloat16))
+    assert torch.equal(cbwd.natural_columns(nat, "half_lines", torch.float32), nat)
 
 
 def test_slot_keys_name_the_kv_row_of_valid_slots():
@@ -236,8 +257,8 @@ def test_compiled_kernels_are_cached_per_config_and_device(monkeypatch):
     # the same config on another device is compiled again; a repeated call is not
     assert fns[2] is fns[0] and len({id(f) for f in fns}) == 3 and len(configs) == 3
     assert configs[0] == configs[1] == cbwd.kernel_config(calls[0]) and configs[2].deterministic
-    monkeypatch.setattr(cbwd, "BUILD", dict(cbwd.BUILD, v4=False))  # a build option is part of the key
-    assert cbwd._compiled(calls[0], (), (), None) is not fns[0] and not configs[3].v4
+    monkeypatch.setattr(cbwd, "BUILD", dict(cbwd.BUILD, atomics="half_lines"))  # a build option is part of the key
+    assert cbwd._compiled(calls[0], (), (), None) is not fns[0] and configs[3].atomics == "half_lines"
 
 
 def test_launch_runs_under_the_device_with_the_shared_zero_row(monkeypatch):

@@ -33,9 +33,10 @@ DETERMINISTIC_SLOT_BYTES = 1 << 30
 
 # Build options of the kernel (``BwdSm90Config``): pipelined, two dkv
 # accumulators on the consumer scattering most (its next chunk's wgmma under
-# the current chunk's atomics); v4, 16-byte atomics over 64 contiguous bytes a
-# quad; c0_chunks, the dkv chunks consumer 0 scatters.
-BUILD = dict(pipelined=True, v4=True, c0_chunks=2)
+# the current chunk's atomics); atomics "lines", whole 128-byte lines a warp
+# instruction with dkv's columns in fragment order (``natural_columns``);
+# evict_last, dkv kept in L2; c0_chunks, the dkv chunks consumer 0 scatters.
+BUILD = dict(pipelined=True, atomics="lines", evict_last=True, c0_chunks=2)
 
 # (BwdSm90Config, device index) -> compiled kernel: a compiled kernel's
 # module is loaded in the context of the device it was compiled on.
@@ -138,6 +139,18 @@ def _launch(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv_buf, t0: int, tc: in
         _compiled(a, ptrs, scalars, stream)(*ptrs, *scalars, stream)
 
 
+def natural_columns(buf: torch.Tensor, atomics: str, dtype: torch.dtype) -> torch.Tensor:
+    """dkv rows [..., D] fp32 as the kernel wrote them, in column order and
+    ``dtype``, in one pass.  The "lines" build writes each 16-column group in
+    fragment order: position 4 q + 2 h + e holds column 8 h + 2 q + e."""
+    if atomics != "lines":
+        return buf.to(dtype)
+    *lead, D = buf.shape
+    out = torch.empty(buf.shape, dtype=dtype, device=buf.device)
+    out.view(*lead, D // 16, 2, 4, 2).copy_(buf.view(*lead, D // 16, 4, 2, 2).transpose(-3, -2))
+    return out
+
+
 def slot_keys(a: SparseAttnArgs, t0: int, tc: int) -> torch.Tensor:
     """The kv row n * G + g of every slot ((t - t0) * G + g) * K + j of the
     tokens [t0, t0 + tc), flat int64; N * G (never summed) for an invalid slot."""
@@ -166,7 +179,7 @@ def backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor,
             _launch(a, dout, lg2den, delta, dq, dkv, 0, a.T)
         else:
             _deterministic_dkv(a, dout, lg2den, delta, dq, dkv)
-        return dq, dkv.to(a.kv.dtype), dsink
+        return dq, natural_columns(dkv, kernel_config(a).atomics, a.kv.dtype), dsink
 
 
 def _deterministic_dkv(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv) -> None:

@@ -19,10 +19,14 @@ One CTA per (token t, kv head g, block of 64 query heads), three warpgroups:
   after which the stage is released to the producer.  dKV of the block is
   computed per 64-column chunk c (consumer 0: chunks 0-1, consumer 1: the
   rest), dKV_c = dS^T Q[:, c] (+ P^T dO[:, c] for value columns) [64 slots,
-  64], and added into dkv[idx] (fp32) with ``red.global.add.v4.f32`` after
-  a quad shuffle that gives each quad 64 contiguous bytes of a row per
-  instruction (``v4``; 8-byte adds without it), or stored per (token, slot)
-  for the deterministic reduction.  The atomics are the cost: at V3.2 the
+  64], and added into dkv[idx] (fp32) with 16-byte
+  ``red.global.add.v4.f32``, or stored per (token, slot) for the
+  deterministic reduction.  The dkv buffer holds each row's columns in the
+  order the accumulator fragments hold them (the host's
+  ``natural_columns`` puts them back), so a thread's four floats of a 16-column group are
+  adjacent, and the two quads of a row pair swap half their values with one
+  shuffle each, so that every warp instruction covers four whole 128-byte
+  lines.  The atomics are the cost: at V3.2 the
   build without them takes 9.2 ms of the 20.4 ms on an H200.  Consumer 1
   keeps two chunk accumulators: the next chunk's wgmma runs under the
   current chunk's atomics.  V is the K tile itself (its first d_v columns);
@@ -79,37 +83,59 @@ class BwdSm90Config(scheduler.ProblemConfig):
     """The static configuration one compiled kernel serves (its compile key):
     the problem (dtype of q, kv, dout and dq), then deterministic (dkv rows
     stored per slot instead of added) and the build options: pipelined (two
-    dkv accumulators, a chunk's wgmma under the previous chunk's scatter), v4
-    (16-byte atomics after quad shuffles; 8-byte ones without), c0_chunks
-    (the 64-column dkv chunks consumer 0 takes), scatter False (a timing
-    build that adds none of dkv: its dkv is not the gradient)."""
+    dkv accumulators, a chunk's wgmma under the previous chunk's scatter),
+    atomics ("lines": dkv columns in fragment order, see
+    ``sparse_attention_bwd.natural_columns``, each warp instruction covering four whole 128-byte lines; "half_lines":
+    natural column order, eight half lines an instruction after three
+    shuffles a float), evict_last (the adds keep dkv's lines in L2 ahead of
+    the gathered rows), c0_chunks (the 64-column dkv chunks consumer 0
+    takes), scatter False (a timing build that adds none of dkv: its dkv is
+    not the gradient)."""
 
     deterministic: bool
     pipelined: bool = True
-    v4: bool = True
+    atomics: str = "lines"
+    evict_last: bool = True
     c0_chunks: int = 2
     scatter: bool = True
 
 
 @dsl_user_op
-def _global_f32(op: str, addr: Int64, *values: Float32, loc=None, ip=None) -> None:
+def _global_f32(op: str, addr: Int64, *values: Float32, policy: Optional[Int64] = None, loc=None,
+                ip=None) -> None:
     """``op``.v{n}.f32 of the n = len(values) adjacent fp32 at global address
     addr (aligned to 4 n bytes): op "red.relaxed.gpu.global.add" adds them
-    atomically, "st.global" stores them."""
-    regs = ", ".join(f"${i + 1}" for i in range(len(values)))
+    atomically, "st.global" stores them; with an L2 cache ``policy``
+    (``_evict_last_policy``) under that policy."""
+    n = len(values)
+    regs = ", ".join(f"${i + 1}" for i in range(n))
+    operands = [Int64(addr).ir_value(loc=loc, ip=ip)] + [Float32(x).ir_value(loc=loc, ip=ip) for x in values]
+    hint, tail, cons = "", "", ""
+    if policy is not None:
+        hint, tail, cons = ".L2::cache_hint", f", ${n + 1}", ",l"
+        operands.append(Int64(policy).ir_value(loc=loc, ip=ip))
     llvm.inline_asm(
-        None,
-        [Int64(addr).ir_value(loc=loc, ip=ip)] + [Float32(x).ir_value(loc=loc, ip=ip) for x in values],
-        f"{op}.v{len(values)}.f32 [$0], {{{regs}}};",
-        "l," + ",".join("f" * len(values)),
+        None, operands,
+        f"{op}{hint}.v{n}.f32 [$0], {{{regs}}}{tail};",
+        "l," + ",".join("f" * n) + cons,
         has_side_effects=True,
         asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc, ip=ip,
     )
 
 
+@dsl_user_op
+def _evict_last_policy(*, loc=None, ip=None) -> Int64:
+    """An L2 cache policy that keeps the lines it touches ahead of normal ones."""
+    return Int64(llvm.inline_asm(
+        Int64.mlir_type, [], "createpolicy.fractional.L2::evict_last.b64 $0, 1.0;", "=l",
+        has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    ))
+
+
 RED_ADD = "red.relaxed.gpu.global.add"
 STORE = "st.global"
+ATOMICS = ("lines", "half_lines")
 
 
 class SparseAttnBwdSm90:
@@ -122,14 +148,17 @@ class SparseAttnBwdSm90:
     them)."""
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, deterministic: bool,
-                 pipelined: bool = True, v4: bool = True, c0_chunks: int = 2, scatter: bool = True):
+                 pipelined: bool = True, atomics: str = "lines", evict_last: bool = True, c0_chunks: int = 2,
+                 scatter: bool = True):
         why = self.can_implement(dtype, D, d_v, H, G)
         if why is not None:
             raise ValueError(f"SparseAttnBwdSm90: {why}")
         if not 0 <= c0_chunks < D // 64:  # consumer 1 releases the dS / P buffers after its last chunk
             raise ValueError(f"SparseAttnBwdSm90: c0_chunks={c0_chunks} is not in [0, {D // 64})")
-        self.config = BwdSm90Config(dtype, D, d_v, H, G, has_len, deterministic, pipelined, v4, c0_chunks,
-                                    scatter)
+        if atomics not in ATOMICS:
+            raise ValueError(f"SparseAttnBwdSm90: atomics={atomics!r} is not one of {ATOMICS}")
+        self.config = BwdSm90Config(dtype, D, d_v, H, G, has_len, deterministic, pipelined, atomics,
+                                    evict_last, c0_chunks, scatter)
         self.dtype = dtype
         self.D, self.d_v, self.H, self.G = D, d_v, H, G
         self.HG = H // G
@@ -137,10 +166,13 @@ class SparseAttnBwdSm90:
         # pipelined: two dkv accumulators, a chunk's wgmma under the previous
         # chunk's scatter (False: one, each chunk's wgmma waited for)
         self.pipelined = pipelined
-        # v4: each quad's row segments regrouped by shuffles so that a row's
-        # 64 columns go out as 4 x 16-byte adds (64 contiguous bytes per quad
-        # and instruction) instead of 8 x 8-byte ones
-        self.v4 = v4
+        # lines: a quad pair's two rows go out as whole 128-byte lines, in
+        # fragment column order; half_lines: each quad's row segment in
+        # natural order, 64 contiguous bytes a quad and instruction
+        self.lines = atomics == "lines"
+        # evict_last on the adds (non-deterministic only): dkv (N D fp32)
+        # stays in L2 while the gathered kv rows stream through
+        self.evict_last = evict_last and not deterministic
         # scatter False: a timing build that computes dkv but adds none of
         # it (its dkv is not the gradient), the cost of everything else
         self.do_scatter = scatter
@@ -370,16 +402,20 @@ class SparseAttnBwdSm90:
         acc_dqr = cute.make_rmem_tensor(thr_r.partition_shape_C((BLOCK_H, 64)), Float32)
         acc_dqr.fill(0.0)
         dq = (dq_mma, tQrdS, tQrK, acc_dq, dq1_mma, tRrdS, tRrK, acc_dqr, rope)
-        rows = cute.make_rmem_tensor((2,), Int64)   # dkv byte address of this thread's two slots
-        rok = cute.make_rmem_tensor((2,), Int32)
-        dkv = (kv_mma, t64_layout, wtid, sQ, sdO, raw_ds, raw_p, rows, rok, col_lane)
+        # dkv byte address and validity of each slot row this thread writes:
+        # its two rows, or with whole lines the two rows of its quad pair twice
+        n_rows = 4 if self.lines else 2
+        rows = cute.make_rmem_tensor((n_rows,), Int64)
+        rok = cute.make_rmem_tensor((n_rows,), Int32)
+        pol = _evict_last_policy() if const_expr(self.evict_last) else None
+        dkv = (kv_mma, t64_layout, wtid, sQ, sdO, raw_ds, raw_p, (rows, rok, col_lane, pol))
 
         cute.arch.mbarrier_wait(q_full, 0)
         if const_expr(w == 0):
             sc = self.scores_setup(s_mma, sp_layout, wtid, sQ, sdO, sK, raw_ds, raw_p, sOk, t, head0,
                                    row_lo, col_lane, lg2den_ptr, delta_ptr)
             for i in cutlass.range(n_blocks, unroll=1):
-                self.slot_rows(rows, rok, i, row_lo, tile, idx_row, dkv_ptr, T, N, K)
+                self.slot_rows(rows, rok, i, row_lo, lane, tile, idx_row, dkv_ptr, T, N, K)
                 cute.arch.mbarrier_wait(full, phase(i))
                 self.scores(sc, i, scale_log2, sm_scale)
                 pipeline.arrive(Barrier.READY, PAIR_THREADS)
@@ -387,7 +423,7 @@ class SparseAttnBwdSm90:
                 self.dkv_block(0, dkv, False)
         else:
             for i in cutlass.range(n_blocks, unroll=1):
-                self.slot_rows(rows, rok, i, row_lo, tile, idx_row, dkv_ptr, T, N, K)
+                self.slot_rows(rows, rok, i, row_lo, lane, tile, idx_row, dkv_ptr, T, N, K)
                 cute.arch.barrier(barrier_id=Barrier.READY, number_of_threads=PAIR_THREADS)
                 self.dq_step(dq, empty)
                 self.dkv_block(1, dkv, i + 1 < n_blocks)
@@ -472,23 +508,35 @@ class SparseAttnBwdSm90:
         cute.arch.mbarrier_arrive(empty)
 
     @cute.jit
-    def slot_rows(self, rows, rok, i, row_lo, tile, idx_row, dkv_ptr, T, N, K):
-        """For this thread's two slots of block i (rows row_lo + 8 r of a dKV
-        tile): whether each is valid and the byte address of its dkv row."""
+    def slot_rows(self, rows, rok, i, row_lo, lane, tile, idx_row, dkv_ptr, T, N, K):
+        """For each slot row of block i this thread writes (rows of a dKV
+        tile): whether it is valid and the byte address the thread writes at.
+        half_lines: its own rows row_lo + 8 r; lines: entry 2 r + k is row
+        2 p + k + 8 r of its quad pair (p = row_lo // 2), at the offset of the
+        half of each 128-byte line the thread writes for that row."""
         tl, t, g, hb, head0, L, n_blocks, _ = tile
-        for r in cutlass.range_constexpr(2):
-            slot = i * BN + row_lo + 8 * r
+        odd = row_lo % 2
+        for s_ in cutlass.range_constexpr(cute.size(rows)):
+            row = row_lo + 8 * s_
+            col = Int32(0)
+            if const_expr(self.lines):
+                r, k = s_ // 2, s_ % 2
+                row = row_lo - odd + k + 8 * r
+                # its 4 floats of a 16-column group sit at 4 q, in the first
+                # group of a line for its own row, the second for its partner's
+                col = 4 * (lane % 4) + 16 * (odd if k == 0 else 1 - odd)
+            slot = i * BN + row
             n = rules.slot_index(idx_row, slot, L)  # -1 past L: invalid without a read
             v = Int32(0)
-            row = Int64(0)
+            off = Int64(0)
             if n >= 0 and n < N:
                 v = Int32(1)
                 if const_expr(self.deterministic):
-                    row = ((Int64(hb) * Int64(T) + Int64(tl)) * Int64(self.G) + Int64(g)) * Int64(K) + Int64(slot)
+                    off = ((Int64(hb) * Int64(T) + Int64(tl)) * Int64(self.G) + Int64(g)) * Int64(K) + Int64(slot)
                 else:
-                    row = Int64(n) * Int64(self.G) + Int64(g)
-            rok[r] = v
-            rows[r] = dkv_ptr.toint() + row * Int64(self.D * 4)
+                    off = Int64(n) * Int64(self.G) + Int64(g)
+            rok[s_] = v
+            rows[s_] = dkv_ptr.toint() + off * Int64(self.D * 4) + Int64(col * 4)
 
     @cute.jit
     def dkv_block(self, w: cutlass.Constexpr, dkv, release):
@@ -496,11 +544,11 @@ class SparseAttnBwdSm90:
         at) the slots' rows; dS^T and P^T are the dS / P buffers read MN-major.
         Two accumulators: chunk c + 1's wgmma runs while chunk c's rows go out.
         release: consumer 1 frees the dS / P buffers once its last wgmma is done."""
-        kv_mma, t64_layout, wtid, sQ, sdO, raw_ds, raw_p, rows, rok, col_lane = dkv
+        kv_mma, t64_layout, wtid, sQ, sdO, raw_ds, raw_p, dst = dkv
         thr = kv_mma.get_slice(wtid)
-        dst = cute.make_tensor(cute.recast_ptr(raw_ds, t64_layout.inner), t64_layout.outer)
+        dst_ = cute.make_tensor(cute.recast_ptr(raw_ds, t64_layout.inner), t64_layout.outer)
         pt = cute.make_tensor(cute.recast_ptr(raw_p, t64_layout.inner), t64_layout.outer)
-        tArdS = kv_mma.make_fragment_A(thr.partition_A(dst))
+        tArdS = kv_mma.make_fragment_A(thr.partition_A(dst_))
         tArP = kv_mma.make_fragment_A(thr.partition_A(pt))
         raw_q = cute.recast_ptr(sQ.iterator, None)
         raw_do = cute.recast_ptr(sdO.iterator, None)
@@ -508,12 +556,12 @@ class SparseAttnBwdSm90:
                 cute.make_rmem_tensor(thr.partition_shape_C((BN, 64)), Float32))
         ops = (kv_mma, thr, t64_layout, tArdS, tArP, raw_q, raw_do)
         if const_expr(self.pipelined and w == PIPELINED_W):
-            self.dkv_pipelined(w, ops, accs, release, rows, rok, col_lane)
+            self.dkv_pipelined(w, ops, accs, release, dst)
         else:
-            self.dkv_serial(w, ops, accs[0], release, rows, rok, col_lane)
+            self.dkv_serial(w, ops, accs[0], release, dst)
 
     @cute.jit
-    def dkv_serial(self, w: cutlass.Constexpr, ops, acc, release, rows, rok, col_lane):
+    def dkv_serial(self, w: cutlass.Constexpr, ops, acc, release, dst):
         chunks = self.chunks[w]
         n = len(chunks)
         for c in cutlass.range_constexpr(n):
@@ -522,10 +570,10 @@ class SparseAttnBwdSm90:
             if const_expr(w == 1 and c + 1 == n):
                 if release:
                     pipeline.arrive(Barrier.FREE, PAIR_THREADS)
-            self.scatter(acc, chunks[c], rows, rok, col_lane)
+            self.scatter(acc, chunks[c], dst)
 
     @cute.jit
-    def dkv_pipelined(self, w: cutlass.Constexpr, ops, accs, release, rows, rok, col_lane):
+    def dkv_pipelined(self, w: cutlass.Constexpr, ops, accs, release, dst):
         chunks = self.chunks[w]
         n = len(chunks)
         self.dkv_chunk(*ops, chunks[0], accs[0])
@@ -538,7 +586,7 @@ class SparseAttnBwdSm90:
                 if const_expr(w == 1):
                     if release:
                         pipeline.arrive(Barrier.FREE, PAIR_THREADS)
-            self.scatter(accs[c % 2], chunks[c], rows, rok, col_lane)
+            self.scatter(accs[c % 2], chunks[c], dst)
 
     @cute.jit
     def dkv_chunk(self, kv_mma, thr, t64_layout, tArdS, tArP, raw_q, raw_do, ch: cutlass.Constexpr, acc):
@@ -558,24 +606,53 @@ class SparseAttnBwdSm90:
         warpgroup.commit_group()
 
     @cute.jit
-    def scatter(self, acc, ch: cutlass.Constexpr, rows, rok, col_lane):
-        """A [64 slots, 64 columns] dKV chunk into the slots' rows (valid slots only)."""
+    def scatter(self, acc, ch: cutlass.Constexpr, dst):
+        """A [64 slots, 64 columns] dKV chunk into the slots' rows (valid slots
+        only): added, or stored in the deterministic build."""
+        rows, rok, col_lane, pol = dst
         if const_expr(not self.do_scatter):
             pass
-        elif const_expr(self.v4):
-            self.scatter_v4(acc, ch, rows, rok, col_lane)
+        elif const_expr(self.lines):
+            self.scatter_lines(acc, ch, rows, rok, pol)
         else:
-            for r in cutlass.range_constexpr(2):
-                if rok[r] != 0:
-                    for j in cutlass.range_constexpr(cute.size(acc) // 4):
-                        addr = rows[r] + (ch * 64 + 8 * j + col_lane) * 4
-                        if const_expr(self.deterministic):
-                            _global_f32(STORE, addr, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1])
-                        else:
-                            _global_f32(RED_ADD, addr, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1])
+            self.scatter_half_lines(acc, ch, rows, rok, col_lane, pol)
 
     @cute.jit
-    def scatter_v4(self, acc, ch: cutlass.Constexpr, rows, rok, col_lane):
+    def write4(self, ok, addr, vals, pol):
+        """Four adjacent floats to addr when ok: added (under the L2 policy
+        pol, None for none) or, deterministic, stored."""
+        if ok != 0:
+            if const_expr(self.deterministic):
+                _global_f32(STORE, addr, *vals)
+            else:
+                _global_f32(RED_ADD, addr, *vals, policy=pol)
+
+    @cute.jit
+    def scatter_lines(self, acc, ch: cutlass.Constexpr, rows, rok, pol):
+        """Lanes l and l ^ 4 hold rows 2 p and 2 p + 1 (+ 8 r).  For each
+        128-byte line (16-column groups 2 l' and 2 l' + 1 of the chunk) each
+        sends the other its second group: the first instruction then writes
+        row 2 p (the even lane its first group, the odd lane the received
+        second) and the second row 2 p + 1, so a warp's instruction covers
+        four whole lines.  A thread's floats of a group go out as they sit in
+        its fragment, columns 8 h + 2 q + e at 4 q + 2 h + e."""
+        odd = (cute.arch.lane_idx() // 4) % 2 == 1
+        for r in cutlass.range_constexpr(2):
+            for l_ in cutlass.range_constexpr(2):
+                first = cute.make_rmem_tensor((4,), Float32)
+                second = cute.make_rmem_tensor((4,), Float32)
+                for k in cutlass.range_constexpr(4):
+                    j, e = 4 * l_ + k // 2, k % 2     # fragment column pair j: columns 8 j + 2 q + e
+                    mine = acc[4 * j + 2 * r + e]
+                    recv = cute.arch.shuffle_sync_bfly(Float32(acc[4 * (j + 2) + 2 * r + e]), 4)
+                    first[k] = Float32(cutlass.select_(odd, recv, mine))
+                    second[k] = Float32(cutlass.select_(odd, mine, recv))
+                for k2, vals in ((0, first), (1, second)):
+                    addr = rows[2 * r + k2] + (ch * 64 + 32 * l_) * 4
+                    self.write4(rok[2 * r + k2], addr, [vals[0], vals[1], vals[2], vals[3]], pol)
+
+    @cute.jit
+    def scatter_half_lines(self, acc, ch: cutlass.Constexpr, rows, rok, col_lane, pol):
         """Lane q of a quad holds the column pairs 8j + 2q of its rows.  For
         each 16 columns 16m.. (pairs X_a at j = 2m + a), a butterfly on lane
         bit 0 gives lane (q1, q0) the pairs (a = q0, lanes 2 q1 + {0, 1}), and
@@ -595,12 +672,8 @@ class SparseAttnBwdSm90:
                     slot1 = Float32(cutlass.select_(odd, x1, recv))
                     out[e] = cute.arch.shuffle_sync(slot0, src)
                     out[2 + e] = cute.arch.shuffle_sync(slot1, src)
-                if rok[r] != 0:
-                    addr = rows[r] + (ch * 64 + 16 * m + 4 * q) * 4
-                    if const_expr(self.deterministic):
-                        _global_f32(STORE, addr, out[0], out[1], out[2], out[3])
-                    else:
-                        _global_f32(RED_ADD, addr, out[0], out[1], out[2], out[3])
+                addr = rows[r] + (ch * 64 + 16 * m + 4 * q) * 4
+                self.write4(rok[r], addr, [out[0], out[1], out[2], out[3]], pol)
 
     @cute.jit
     def store_dq(self, acc_dq, c0: cutlass.Constexpr, t, head0, row_lo, col_lane, dq_ptr):

@@ -53,7 +53,7 @@ def _variant(name: str):
     for item in spec.split("+"):
         key, value = item.split("=", 1)
         build[key] = int(value) if value.lstrip("-").isdigit() else value
-        if key in ("pipelined", "evict_last", "scatter"):
+        if key in ("pipelined", "evict_last", "scatter", "stagger"):
             build[key] = bool(build[key])
     return shape, build
 DEFAULT_BUILD = dict(cbwd.BUILD)

@@ -1,6 +1,6 @@
 """Sparse attention against its peers in one process, on the same inputs (H200).
 
-    PYTHONPATH=$PWD python bench/peers.py [--out DIR] [--shapes V3.2,V4-pro]
+    PYTHONPATH=$PWD python bench/peers.py [--out DIR] [--shapes V3.2,V4-pro] [--cute-build JSON]
 
 Forward: dsa ``cute`` and ``triton`` against FlashMLA's SM90 sparse prefill
 kernel (``flash_mla.flash_mla_sparse_fwd(..., use_legacy=True)``). Backward:
@@ -143,7 +143,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--cute-build", default=None,
+                   help='options of the cute backward build (dsa.cute.sparse_attention_bwd.BUILD), JSON')
     args = p.parse_args()
+    if args.cute_build:
+        from dsa.cute import sparse_attention_bwd as cbwd
+
+        cbwd.BUILD = dict(cbwd.BUILD, **json.loads(args.cute_build))
+        print("cute backward build:", cbwd.BUILD)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     rows = [run_shape(n, *SHAPES[n]) for n in args.shapes.split(",")]
     if args.out:

@@ -36,7 +36,7 @@ DETERMINISTIC_SLOT_BYTES = 1 << 30
 # the current chunk's atomics); atomics "lines", whole 128-byte lines a warp
 # instruction with dkv's columns in fragment order (``natural_columns``);
 # evict_last, dkv kept in L2; c0_chunks, the dkv chunks consumer 0 scatters.
-BUILD = dict(pipelined=True, atomics="lines", evict_last=True, c0_chunks=2)
+BUILD = dict(pipelined=False, atomics="lines", evict_last=True, c0_chunks=2, stagger=False)
 
 # (BwdSm90Config, device index) -> compiled kernel: a compiled kernel's
 # module is loaded in the context of the device it was compiled on.

@@ -90,7 +90,8 @@ class BwdSm90Config(scheduler.ProblemConfig):
     shuffles a float), evict_last (the adds keep dkv's lines in L2 ahead of
     the gathered rows), c0_chunks (the 64-column dkv chunks consumer 0
     takes), scatter False (a timing build that adds none of dkv: its dkv is
-    not the gradient)."""
+    not the gradient), stagger (odd head blocks walk the slot blocks last to
+    first, so that a token's two CTAs add into different kv rows at a time)."""
 
     deterministic: bool
     pipelined: bool = True
@@ -98,6 +99,7 @@ class BwdSm90Config(scheduler.ProblemConfig):
     evict_last: bool = True
     c0_chunks: int = 2
     scatter: bool = True
+    stagger: bool = False
 
 
 @dsl_user_op
@@ -149,7 +151,7 @@ class SparseAttnBwdSm90:
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, deterministic: bool,
                  pipelined: bool = True, atomics: str = "lines", evict_last: bool = True, c0_chunks: int = 2,
-                 scatter: bool = True):
+                 scatter: bool = True, stagger: bool = False):
         why = self.can_implement(dtype, D, d_v, H, G)
         if why is not None:
             raise ValueError(f"SparseAttnBwdSm90: {why}")
@@ -158,7 +160,7 @@ class SparseAttnBwdSm90:
         if atomics not in ATOMICS:
             raise ValueError(f"SparseAttnBwdSm90: atomics={atomics!r} is not one of {ATOMICS}")
         self.config = BwdSm90Config(dtype, D, d_v, H, G, has_len, deterministic, pipelined, atomics,
-                                    evict_last, c0_chunks, scatter)
+                                    evict_last, c0_chunks, scatter, stagger)
         self.dtype = dtype
         self.D, self.d_v, self.H, self.G = D, d_v, H, G
         self.HG = H // G
@@ -176,6 +178,7 @@ class SparseAttnBwdSm90:
         # scatter False: a timing build that computes dkv but adds none of
         # it (its dkv is not the gradient), the cost of everything else
         self.do_scatter = scatter
+        self.stagger = stagger
         # 64-column chunks of dkv computed and scattered by each consumer:
         # consumer 0 also computes S, dP and dS, so consumer 1 takes most
         self.chunks = (tuple(range(c0_chunks)), tuple(range(c0_chunks, D // 64)))
@@ -319,6 +322,17 @@ class SparseAttnBwdSm90:
         n_blocks = rules.block_count(L, BN)
         return tl, t, g, hb, head0, L, n_blocks, idx_ptr + (Int64(t) * Int64(G) + Int64(g)) * Int64(K)
 
+    @cute.jit
+    def block(self, i, tile):
+        """The slot block of loop step i: i, or with stagger on an odd head
+        block n_blocks - 1 - i."""
+        b = i
+        if const_expr(self.stagger):
+            hb, n_blocks = tile[3], tile[6]
+            if hb % 2 == 1:
+                b = n_blocks - 1 - i
+        return b
+
     # -------------------------------------------------------------- producer
     @cute.jit
     def producer(self, tidx, sQ, sdO, sK, sOk, bars, tile, q_ptr, dout_ptr, kv_ptr, zero_ptr, N):
@@ -350,9 +364,9 @@ class SparseAttnBwdSm90:
             # dropped.  rules.fetch_indices less its L > 0 test: a block runs
             # only when L > 0
             for m in cutlass.range_constexpr(BN // 16):
-                slot = i * BN + row_in_pass + m * 16
+                slot = self.block(i, tile) * BN + row_in_pass + m * 16
                 ns[m] = load(idx_row, Int64(cutlass.min(slot, L - 1)))
-            self.resolve_rows(base, mk, ns, i, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0)
+            self.resolve_rows(base, mk, ns, self.block(i, tile), kv_ptr, zero_ptr, g, L, N, row_in_pass, col0)
             if i > 0:
                 cute.arch.mbarrier_wait(empty, freed_phase(i))  # both consumers past block i - 1's dQ
             for m in cutlass.range_constexpr(BN // 16):
@@ -408,6 +422,7 @@ class SparseAttnBwdSm90:
         rows = cute.make_rmem_tensor((n_rows,), Int64)
         rok = cute.make_rmem_tensor((n_rows,), Int32)
         pol = _evict_last_policy() if const_expr(self.evict_last) else None
+        row0 = self.dkv_row0(tile, T, K)
         dkv = (kv_mma, t64_layout, wtid, sQ, sdO, raw_ds, raw_p, (rows, rok, col_lane, pol))
 
         cute.arch.mbarrier_wait(q_full, 0)
@@ -415,7 +430,7 @@ class SparseAttnBwdSm90:
             sc = self.scores_setup(s_mma, sp_layout, wtid, sQ, sdO, sK, raw_ds, raw_p, sOk, t, head0,
                                    row_lo, col_lane, lg2den_ptr, delta_ptr)
             for i in cutlass.range(n_blocks, unroll=1):
-                self.slot_rows(rows, rok, i, row_lo, lane, tile, idx_row, dkv_ptr, T, N, K)
+                self.slot_rows(rows, rok, self.block(i, tile), row_lo, lane, L, row0, idx_row, dkv_ptr, N)
                 cute.arch.mbarrier_wait(full, phase(i))
                 self.scores(sc, i, scale_log2, sm_scale)
                 pipeline.arrive(Barrier.READY, PAIR_THREADS)
@@ -423,7 +438,7 @@ class SparseAttnBwdSm90:
                 self.dkv_block(0, dkv, False)
         else:
             for i in cutlass.range(n_blocks, unroll=1):
-                self.slot_rows(rows, rok, i, row_lo, lane, tile, idx_row, dkv_ptr, T, N, K)
+                self.slot_rows(rows, rok, self.block(i, tile), row_lo, lane, L, row0, idx_row, dkv_ptr, N)
                 cute.arch.barrier(barrier_id=Barrier.READY, number_of_threads=PAIR_THREADS)
                 self.dq_step(dq, empty)
                 self.dkv_block(1, dkv, i + 1 < n_blocks)
@@ -508,13 +523,24 @@ class SparseAttnBwdSm90:
         cute.arch.mbarrier_arrive(empty)
 
     @cute.jit
-    def slot_rows(self, rows, rok, i, row_lo, lane, tile, idx_row, dkv_ptr, T, N, K):
+    def dkv_row0(self, tile, T, K):
+        """The dkv buffer row of the tile's slot 0 (deterministic: of slot j
+        it is row0 + j) or, atomic, the kv head g (kv row n is n G + row0);
+        computed once so that the loop keeps one value live, not five."""
+        tl, t, g, hb = tile[0], tile[1], tile[2], tile[3]
+        row0 = Int64(g)
+        if const_expr(self.deterministic):
+            row0 = ((Int64(hb) * Int64(T) + Int64(tl)) * Int64(self.G) + Int64(g)) * Int64(K)
+        return row0
+
+    @cute.jit
+    def slot_rows(self, rows, rok, i, row_lo, lane, L, row0, idx_row, dkv_ptr, N):
         """For each slot row of block i this thread writes (rows of a dKV
         tile): whether it is valid and the byte address the thread writes at.
         half_lines: its own rows row_lo + 8 r; lines: entry 2 r + k is row
         2 p + k + 8 r of its quad pair (p = row_lo // 2), at the offset of the
-        half of each 128-byte line the thread writes for that row."""
-        tl, t, g, hb, head0, L, n_blocks, _ = tile
+        half of each 128-byte line the thread writes for that row.  row0:
+        ``dkv_row0`` of the tile."""
         odd = row_lo % 2
         for s_ in cutlass.range_constexpr(cute.size(rows)):
             row = row_lo + 8 * s_
@@ -532,9 +558,9 @@ class SparseAttnBwdSm90:
             if n >= 0 and n < N:
                 v = Int32(1)
                 if const_expr(self.deterministic):
-                    off = ((Int64(hb) * Int64(T) + Int64(tl)) * Int64(self.G) + Int64(g)) * Int64(K) + Int64(slot)
+                    off = row0 + Int64(slot)
                 else:
-                    off = Int64(n) * Int64(self.G) + Int64(g)
+                    off = Int64(n) * Int64(self.G) + row0
             rok[s_] = v
             rows[s_] = dkv_ptr.toint() + off * Int64(self.D * 4) + Int64(col * 4)
 

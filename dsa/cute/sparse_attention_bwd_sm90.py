@@ -91,7 +91,10 @@ class BwdSm90Config(scheduler.ProblemConfig):
     the gathered rows), c0_chunks (the 64-column dkv chunks consumer 0
     takes), scatter False (a timing build that adds none of dkv: its dkv is
     not the gradient), stagger (odd head blocks walk the slot blocks last to
-    first, so that a token's two CTAs add into different kv rows at a time)."""
+    first, so that a token's two CTAs add into different kv rows at a time),
+    producer_wg (a producer warpgroup and two consumers at 240 registers;
+    False: two warpgroups of up to 255 registers, the first also loading Q
+    and dO and gathering each next block once both are past its dQ)."""
 
     deterministic: bool
     pipelined: bool = True
@@ -100,6 +103,7 @@ class BwdSm90Config(scheduler.ProblemConfig):
     c0_chunks: int = 2
     scatter: bool = True
     stagger: bool = False
+    producer_wg: bool = True
 
 
 @dsl_user_op
@@ -151,7 +155,7 @@ class SparseAttnBwdSm90:
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, deterministic: bool,
                  pipelined: bool = True, atomics: str = "lines", evict_last: bool = True, c0_chunks: int = 2,
-                 scatter: bool = True, stagger: bool = False):
+                 scatter: bool = True, stagger: bool = False, producer_wg: bool = True):
         why = self.can_implement(dtype, D, d_v, H, G)
         if why is not None:
             raise ValueError(f"SparseAttnBwdSm90: {why}")
@@ -160,7 +164,7 @@ class SparseAttnBwdSm90:
         if atomics not in ATOMICS:
             raise ValueError(f"SparseAttnBwdSm90: atomics={atomics!r} is not one of {ATOMICS}")
         self.config = BwdSm90Config(dtype, D, d_v, H, G, has_len, deterministic, pipelined, atomics,
-                                    evict_last, c0_chunks, scatter, stagger)
+                                    evict_last, c0_chunks, scatter, stagger, producer_wg)
         self.dtype = dtype
         self.D, self.d_v, self.H, self.G = D, d_v, H, G
         self.HG = H // G
@@ -179,6 +183,8 @@ class SparseAttnBwdSm90:
         # it (its dkv is not the gradient), the cost of everything else
         self.do_scatter = scatter
         self.stagger = stagger
+        self.producer_wg = producer_wg
+        self.threads = THREADS if producer_wg else PAIR_THREADS
         # 64-column chunks of dkv computed and scattered by each consumer:
         # consumer 0 also computes S, dP and dS, so consumer 1 takes most
         self.chunks = (tuple(range(c0_chunks)), tuple(range(c0_chunks, D // 64)))
@@ -257,7 +263,7 @@ class SparseAttnBwdSm90:
             sq_layout, sdo_layout, sk_layout, sp_layout, kt0_layout, kt1_layout, t64_layout,
             q_ptr, kv_ptr, idx_ptr, len_ptr, dout_ptr, lg2den_ptr, delta_ptr, dq_ptr, dkv_ptr, zero_ptr,
             T, t0, N, K, scale_log2, sm_scale,
-        ).launch(grid=[n_tiles, 1, 1], block=[THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
+        ).launch(grid=[n_tiles, 1, 1], block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device
     @cute.kernel
@@ -289,21 +295,27 @@ class SparseAttnBwdSm90:
         tile = self.tile(tile_id, t0, idx_ptr, len_ptr, K)
         for m_ in (s_mma, dq_mma, dq1_mma, kv_mma):
             m_.set(warpgroup.Field.ACCUMULATE, True)
-        if wg == 0:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            self.producer(tidx, sQ, sdO, sK, st.sOk.data_ptr(), bars, tile, q_ptr, dout_ptr, kv_ptr,
-                          zero_ptr, N)
-        else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            raw_p = cute.recast_ptr(st.sP.data_ptr(), None)
-            raw_ds = cute.recast_ptr(st.sdS.data_ptr(), None)
-            args = (s_mma, dq_mma, dq1_mma, kv_mma, sp_layout, kt0_layout, kt1_layout, t64_layout,
-                    tidx % 128, sQ, sdO, sK, raw_ds, raw_p, st.sOk.data_ptr(), bars, tile,
-                    idx_ptr, lg2den_ptr, delta_ptr, dq_ptr, dkv_ptr, T, t0, N, K, scale_log2, sm_scale)
-            if wg == 1:
-                self.consumer(0, *args)
+        raw_p = cute.recast_ptr(st.sP.data_ptr(), None)
+        raw_ds = cute.recast_ptr(st.sdS.data_ptr(), None)
+        gather = (sQ, sdO, sK, st.sOk.data_ptr(), q_ptr, dout_ptr, kv_ptr, zero_ptr)
+        args = (s_mma, dq_mma, dq1_mma, kv_mma, sp_layout, kt0_layout, kt1_layout, t64_layout,
+                tidx % 128, sQ, sdO, sK, raw_ds, raw_p, st.sOk.data_ptr(), bars, tile,
+                idx_ptr, lg2den_ptr, delta_ptr, dq_ptr, dkv_ptr, T, t0, N, K, scale_log2, sm_scale)
+        if const_expr(self.producer_wg):
+            if wg == 0:
+                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+                self.producer(tidx, gather, bars, tile, N)
             else:
-                self.consumer(1, *args)
+                cute.arch.setmaxregister_increase(CONSUMER_REGS)
+                if wg == 1:
+                    self.consumer(0, None, *args)
+                else:
+                    self.consumer(1, None, *args)
+        else:
+            if wg == 0:
+                self.consumer(0, gather, *args)
+            else:
+                self.consumer(1, None, *args)
 
     @cute.jit
     def tile(self, tile_id, t0, idx_ptr, len_ptr, K):
@@ -335,9 +347,11 @@ class SparseAttnBwdSm90:
 
     # -------------------------------------------------------------- producer
     @cute.jit
-    def producer(self, tidx, sQ, sdO, sK, sOk, bars, tile, q_ptr, dout_ptr, kv_ptr, zero_ptr, N):
-        q_full, full, empty = bars
-        tl, t, g, hb, head0, L, n_blocks, idx_row = tile
+    def loader(self, tidx, gather, tile, q_full):
+        """Issue the copies of Q and dO (signalled on q_full) by the 128 threads
+        tidx of the loading warpgroup; return what its block gathers need."""
+        sQ, sdO, sK, sOk, q_ptr, dout_ptr, kv_ptr, zero_ptr = gather
+        t, head0 = tile[1], tile[4]
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                    self.dtype, num_bits_per_copy=128)
         # 8 threads per row (its 128-byte segments as full sectors), 16 rows a pass
@@ -346,38 +360,50 @@ class SparseAttnBwdSm90:
         thr = tiled.get_slice(tidx)
         row_in_pass = tidx // 8
         col0 = (tidx % 8) * 8
-        ES = self.dtype.width // 8
         copy_head_rows(atom, thr.partition_D(sQ), q_ptr, self.dtype, t, self.H, head0, BLOCK_H, self.D,
                        row_in_pass, col0)
         copy_head_rows(atom, thr.partition_D(sdO), dout_ptr, self.dtype, t, self.H, head0, BLOCK_H, self.d_v,
                        row_in_pass, col0)
         cute.arch.cp_async_mbarrier_arrive_noinc(q_full)
+        regs = (cute.make_rmem_tensor((BN // 16,), Int32), cute.make_rmem_tensor((BN // 16,), Int64),
+                cute.make_rmem_tensor((BN // 16,), Float32))
+        return (atom, thr.partition_D(sK), cute.make_tensor(sOk, cute.make_layout((BN,))), regs, kv_ptr,
+                zero_ptr, row_in_pass, col0)
 
-        tK = thr.partition_D(sK)
-        ok = cute.make_tensor(sOk, cute.make_layout((BN,)))
-        ns = cute.make_rmem_tensor((BN // 16,), Int32)
-        base = cute.make_rmem_tensor((BN // 16,), Int64)
-        mk = cute.make_rmem_tensor((BN // 16,), Float32)
-        for i in cutlass.range(n_blocks, unroll=1):
-            # indices first, all loads in flight together; a slot past L reads
-            # slot L - 1 instead (nothing past topk_length is read) and is
-            # dropped.  rules.fetch_indices less its L > 0 test: a block runs
-            # only when L > 0
+    @cute.jit
+    def gather_block(self, ld, i, tile, N, full, empty):
+        """Gather the kv rows of loop step i into the stage, once both
+        consumers are past step i - 1's dQ; the stage's mask with it."""
+        atom, tK, ok, (ns, base, mk), kv_ptr, zero_ptr, row_in_pass, col0 = ld
+        g, L, idx_row = tile[2], tile[5], tile[7]
+        ES = self.dtype.width // 8
+        b = self.block(i, tile)
+        # indices first, all loads in flight together; a slot past L reads
+        # slot L - 1 instead (nothing past topk_length is read) and is
+        # dropped.  rules.fetch_indices less its L > 0 test: a block runs
+        # only when L > 0
+        for m in cutlass.range_constexpr(BN // 16):
+            slot = b * BN + row_in_pass + m * 16
+            ns[m] = load(idx_row, Int64(cutlass.min(slot, L - 1)))
+        self.resolve_rows(base, mk, ns, b, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0)
+        if i > 0:
+            cute.arch.mbarrier_wait(empty, freed_phase(i))  # both consumers past block i - 1's dQ
+        for m in cutlass.range_constexpr(BN // 16):
+            for c in cutlass.range_constexpr(self.D // 64):
+                src = cute.make_tensor(aligned(self.dtype, base[m] + c * 64 * ES), cute.make_layout((8,)))
+                cute.copy(atom, src, tK[None, m, c])
+        cute.arch.cp_async_mbarrier_arrive_noinc(full)
+        if col0 == 0:
             for m in cutlass.range_constexpr(BN // 16):
-                slot = self.block(i, tile) * BN + row_in_pass + m * 16
-                ns[m] = load(idx_row, Int64(cutlass.min(slot, L - 1)))
-            self.resolve_rows(base, mk, ns, self.block(i, tile), kv_ptr, zero_ptr, g, L, N, row_in_pass, col0)
-            if i > 0:
-                cute.arch.mbarrier_wait(empty, freed_phase(i))  # both consumers past block i - 1's dQ
-            for m in cutlass.range_constexpr(BN // 16):
-                for c in cutlass.range_constexpr(self.D // 64):
-                    src = cute.make_tensor(aligned(self.dtype, base[m] + c * 64 * ES), cute.make_layout((8,)))
-                    cute.copy(atom, src, tK[None, m, c])
-            cute.arch.cp_async_mbarrier_arrive_noinc(full)
-            if col0 == 0:
-                for m in cutlass.range_constexpr(BN // 16):
-                    ok[row_in_pass + 16 * m] = mk[m]
-                cute.arch.mbarrier_arrive(full)
+                ok[row_in_pass + 16 * m] = mk[m]
+            cute.arch.mbarrier_arrive(full)
+
+    @cute.jit
+    def producer(self, tidx, gather, bars, tile, N):
+        q_full, full, empty = bars
+        ld = self.loader(tidx, gather, tile, q_full)
+        for i in cutlass.range(tile[6], unroll=1):
+            self.gather_block(ld, i, tile, N, full, empty)
 
     @cute.jit
     def resolve_rows(self, base, mk, ns, i, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0):
@@ -389,7 +415,7 @@ class SparseAttnBwdSm90:
 
     # -------------------------------------------------------------- consumer
     @cute.jit
-    def consumer(self, w: cutlass.Constexpr, s_mma, dq_mma, dq1_mma, kv_mma, sp_layout, kt0_layout,
+    def consumer(self, w: cutlass.Constexpr, gather, s_mma, dq_mma, dq1_mma, kv_mma, sp_layout, kt0_layout,
                  kt1_layout, t64_layout, wtid, sQ, sdO, sK, raw_ds, raw_p, sOk, bars, tile,
                  idx_ptr, lg2den_ptr, delta_ptr, dq_ptr, dkv_ptr, T, t0, N, K, scale_log2, sm_scale):
         q_full, full, empty = bars
@@ -425,6 +451,10 @@ class SparseAttnBwdSm90:
         row0 = self.dkv_row0(tile, T, K)
         dkv = (kv_mma, t64_layout, wtid, sQ, sdO, raw_ds, raw_p, (rows, rok, col_lane, pol))
 
+        if const_expr(gather is not None):  # this warpgroup also loads
+            ld = self.loader(wtid, gather, tile, q_full)
+            if n_blocks > 0:
+                self.gather_block(ld, 0, tile, N, full, empty)
         cute.arch.mbarrier_wait(q_full, 0)
         if const_expr(w == 0):
             sc = self.scores_setup(s_mma, sp_layout, wtid, sQ, sdO, sK, raw_ds, raw_p, sOk, t, head0,
@@ -435,6 +465,9 @@ class SparseAttnBwdSm90:
                 self.scores(sc, i, scale_log2, sm_scale)
                 pipeline.arrive(Barrier.READY, PAIR_THREADS)
                 self.dq_step(dq, empty)
+                if const_expr(gather is not None):
+                    if i + 1 < n_blocks:  # the stage is free once both are past this dQ
+                        self.gather_block(ld, i + 1, tile, N, full, empty)
                 self.dkv_block(0, dkv, False)
         else:
             for i in cutlass.range(n_blocks, unroll=1):

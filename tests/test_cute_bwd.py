@@ -51,7 +51,7 @@ _CONFIGS = [
     ("v32_bf16_len", "bfloat16", 576, 128, 1, True, False, {}),
     # the other build options: half lines in column order, no L2 hint, one dkv accumulator
     ("fp16_d512_h64_half", "float16", 512, 64, 1, False, False,
-     {"atomics": "half_lines", "evict_last": False, "pipelined": False}),
+     {"atomics": "half_lines", "evict_last": False, "pipelined": True, "producer_wg": True}),
     ("v32_bf16_det", "bfloat16", 576, 128, 1, True, True, {}),
 ]
 
@@ -84,7 +84,9 @@ def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
         # halves), half lines 48 (three per float)
         n_shfl = r["shfl.sync"]
         assert (16 * (D // 64) <= n_shfl < 17 * (D // 64)) if lines else n_shfl >= 48 * (D // 64), (name, r)
-        assert r["setmaxnreg.inc"] >= 1 and r["setmaxnreg.dec"] >= 1, (name, r)
+        # registers are moved between warpgroups only with a producer warpgroup
+        wg3 = build.get("producer_wg", cbwd.BUILD["producer_wg"])
+        assert (r["setmaxnreg.inc"] >= 1 and r["setmaxnreg.dec"] >= 1) == wg3, (name, r)
         assert r["mbarrier.try_wait"] >= 3, (name, r)
         # the dS / P hand-off between the consumers: written (READY), free again (FREE)
         assert r["bar.sync"] >= 2 and r["bar.arrive"] >= 2, (name, r)
@@ -128,38 +130,6 @@ def test_shape_reasons():
     assert "d_v=448" in cbwd.shape_reason(short)
 
 
-@pytest.mark.parametrize("sink", [False, True])
-def test_row_terms_match_float64(sink):
-    a = _args(T=6, H=64, dtype=torch.float32, sink=sink)
-    gen = torch.Generator().manual_seed(1)
-    out = torch.randn(6, 64, 512, generator=gen)
-    dout = torch.randn(6, 64, 512, generator=gen)
-    lse = torch.randn(6, 64, generator=gen)
-    lse[0, :5] = INF  # empty rows
-    if sink:
-        a.sink[:4] = torch.tensor([INF, -INF, 1e30, 3.4e38])
-    delta, lg2, dsink = cbwd.row_terms(a, out, lse, dout)
-    d64 = (out.double() * dout.double()).sum(-1)
-    torch.testing.assert_close(delta.double(), d64, rtol=1e-5, atol=1e-4)
-    l64 = torch.where(torch.isposinf(lse), -INF, lse).double()
-    if sink:
-        l64 = torch.logaddexp(l64, a.sink.double()[None])
-        ps = torch.exp(a.sink.double()[None] - l64)
-        ps = torch.where(torch.isposinf(a.sink.double())[None], 1.0, ps)
-        ps = torch.where(torch.isneginf(a.sink.double())[None], 0.0, ps)
-        torch.testing.assert_close(dsink.double(), -(ps * d64).sum(0), rtol=1e-5, atol=1e-4)
-        assert torch.isfinite(dsink).all()
-    else:
-        assert dsink is None
-    # in fp32: log2 den of a sink near the fp32 maximum overflows to +inf
-    exp = torch.where(torch.isneginf(l64), INF, l64 * 1.4426950408889634).float().double()
-    # every row whose probabilities are all 0 has +inf, nothing is NaN
-    assert not torch.isnan(lg2).any()
-    assert torch.equal(torch.isposinf(lg2), torch.isposinf(exp))
-    fin = torch.isfinite(exp)
-    torch.testing.assert_close(lg2.double()[fin], exp[fin], rtol=1e-6, atol=1e-5)
-
-
 @pytest.mark.parametrize("D", [512, 576])
 def test_natural_columns_undo_the_fragment_order(D):
     """The "lines" build writes column 8 h + 2 q + e of each 16-column group
@@ -175,24 +145,6 @@ def test_natural_columns_undo_the_fragment_order(D):
     got = cbwd.natural_columns(frag, "lines", torch.bfloat16)
     assert got.dtype == torch.bfloat16 and got.is_contiguous() and torch.equal(got, nat.to(torch.bfloat16))
     assert torch.equal(cbwd.natural_columns(nat, "half_lines", torch.float32), nat)
-
-
-def test_slot_keys_name_the_kv_row_of_valid_slots():
-    a = _args(T=5, N=16, H=128, G=2, D=512, K=24, length=True)
-    a.indices[0, 0, :3] = torch.tensor([-5, 16, 2**30], dtype=torch.int32)
-    a.indices[1, 1, :4] = 7  # duplicates
-    t0, tc = 1, 3
-    keys = cbwd.slot_keys(a, t0, tc)
-    G, K, N = a.G, a.K, a.N
-    assert keys.shape == (tc * G * K,)
-    L = a.topk_length.clamp(0, K)
-    for t in range(t0, t0 + tc):
-        for g in range(G):
-            for j in range(K):
-                n = int(a.indices[t, g, j])
-                ok = j < int(L[t]) and 0 <= n < N
-                # the kernel's deterministic row ((t - t0) * G + g) * K + j
-                assert int(keys[((t - t0) * G + g) * K + j]) == (n * G + g if ok else N * G), (t, g, j)
 
 
 # --------------------------------------------------------------------------

@@ -319,6 +319,70 @@ def test_column_chunks():
             assert all(w & (w - 1) == 0 and w >= 16 for w in c.WS)
 
 
+@pytest.mark.parametrize("sink", [False, True])
+def test_preprocess_matches_float64(sink):
+    """Delta, log2 den (sink folded in, +inf where every p is 0) and dsink's
+    parts: the per-row terms both backwards (Triton and cute) read."""
+    gen = torch.Generator().manual_seed(1)
+    s_ = torch.randn(64, generator=gen) if sink else None
+    a = SparseAttnArgs(torch.randn(6, 64, 576, generator=gen, device=DEV), torch.randn(32, 1, 576, device=DEV),
+                       torch.zeros(6, 1, 8, dtype=torch.int32, device=DEV), None,
+                       None if s_ is None else s_.to(DEV), 576 ** -0.5, 512)
+    out = torch.randn(6, 64, 512, generator=gen)
+    dout = torch.randn(6, 64, 512, generator=gen)
+    lse = torch.randn(6, 64, generator=gen)
+    lse[0, :5] = math.inf  # empty rows
+    if sink:
+        a.sink[:4] = torch.tensor([math.inf, -math.inf, 1e30, 3.4e38], device=DEV)
+    delta, lg2, parts = (x.cpu() if x is not None else None
+                         for x in sa.preprocess(a, out.to(DEV), lse.to(DEV), dout.to(DEV)))
+    dsink = parts.sum(0) if parts is not None else None
+    a = SparseAttnArgs(*(x.cpu() if x is not None else None for x in (a.q, a.kv, a.indices, a.topk_length,
+                                                                        a.sink)), a.sm_scale, a.d_v)
+    d64 = (out.double() * dout.double()).sum(-1)
+    torch.testing.assert_close(delta.double(), d64, rtol=1e-5, atol=1e-4)
+    l64 = torch.where(torch.isposinf(lse), -math.inf, lse).double()
+    if sink:
+        l64 = torch.logaddexp(l64, a.sink.double()[None])
+        ps = torch.exp(a.sink.double()[None] - l64)
+        ps = torch.where(torch.isposinf(a.sink.double())[None], 1.0, ps)
+        ps = torch.where(torch.isneginf(a.sink.double())[None], 0.0, ps)
+        torch.testing.assert_close(dsink.double(), -(ps * d64).sum(0), rtol=1e-5, atol=1e-4)
+        assert torch.isfinite(dsink).all()
+    else:
+        assert dsink is None
+    # in fp32: log2 den of a sink near the fp32 maximum overflows to +inf
+    exp = torch.where(torch.isneginf(l64), math.inf, l64 * 1.4426950408889634).float().double()
+    # every row whose probabilities are all 0 has +inf, nothing is NaN
+    assert not torch.isnan(lg2).any()
+    assert torch.equal(torch.isposinf(lg2), torch.isposinf(exp))
+    fin = torch.isfinite(exp)
+    torch.testing.assert_close(lg2.double()[fin], exp[fin], rtol=1e-6, atol=1e-5)
+
+
+
+def test_slot_keys_name_the_kv_row_of_valid_slots():
+    """The kv row of each slot of the deterministic backwards' per-slot rows."""
+    gen = torch.Generator().manual_seed(0)
+    a = SparseAttnArgs(torch.zeros(5, 128, 512), torch.zeros(16, 2, 512),
+                       torch.randint(0, 16, (5, 2, 24), generator=gen, dtype=torch.int32),
+                       torch.randint(-3, 29, (5,), generator=gen, dtype=torch.int32), None, 0.1, 512)
+    a.indices[0, 0, :3] = torch.tensor([-5, 16, 2**30], dtype=torch.int32)
+    a.indices[1, 1, :4] = 7  # duplicates
+    t0, tc = 1, 3
+    keys = sa.slot_keys(a, t0, tc)
+    G, K, N = a.G, a.K, a.N
+    assert keys.shape == (tc * G * K,)
+    L = a.topk_length.clamp(0, K)
+    for t in range(t0, t0 + tc):
+        for g in range(G):
+            for j in range(K):
+                n = int(a.indices[t, g, j])
+                ok = j < int(L[t]) and 0 <= n < N
+                # the kernel's deterministic row ((t - t0) * G + g) * K + j
+                assert int(keys[((t - t0) * G + g) * K + j]) == (n * G + g if ok else N * G), (t, g, j)
+
+
 def test_supports():
     q, kv, idx, L, s, _ = make_inputs(2, 2, 1, 4, 3, 32, 16, torch.float32, device="cpu")
     assert sa.supports(args(q, kv, idx)) is None

@@ -6,8 +6,9 @@
 on the canonical packed layout of :class:`dsa._args.SparseAttnArgs`.  The
 kernel is ``sparse_attention_bwd_sm90.SparseAttnBwdSm90``; what it can serve
 is its ``can_implement``.  The per-row terms it reads (Delta = dO . out and
-log2 of the softmax denominator, sink included) and dsink are O(T H d_v)
-torch work here.  ``deterministic`` runs the kernel storing one fp32 dkv row
+log2 of the softmax denominator, sink included) and dsink's parts come from
+the Triton backward's one-pass preprocess (``dsa.triton.sparse_attention.
+preprocess``).  ``deterministic`` runs the kernel storing one fp32 dkv row
 per (head block, token, slot) for a chunk of tokens, then the Triton
 ``segment_sum`` (a stable sort by kv row, each row summed in that fixed
 order), so dkv is bitwise reproducible.  Compiled kernels are cached per
@@ -23,7 +24,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from dsa._args import SparseAttnArgs
-from dsa._rules import LOG2E, slot_validity
+from dsa._rules import LOG2E
 from dsa.cute.host import cutlass_dtype, current_stream, dsl_reason, gmem_ptr, sm90_reason, zero_row
 
 HEADS_PER_CTA = 64
@@ -31,12 +32,17 @@ SERVED_DV = 512
 # Bytes of per-slot fp32 dkv rows held at once by the deterministic backward.
 DETERMINISTIC_SLOT_BYTES = 1 << 30
 
-# Build options of the kernel (``BwdSm90Config``): pipelined, two dkv
-# accumulators on the consumer scattering most (its next chunk's wgmma under
-# the current chunk's atomics); atomics "lines", whole 128-byte lines a warp
-# instruction with dkv's columns in fragment order (``natural_columns``);
-# evict_last, dkv kept in L2; c0_chunks, the dkv chunks consumer 0 scatters.
-BUILD = dict(pipelined=False, atomics="lines", evict_last=True, c0_chunks=2, stagger=False)
+# Build options of the kernel (``BwdSm90Config``), each measured at V3.2,
+# V4-pro and V4-flash on an H200 (bench/RESULTS.md C46-C48): two warpgroups
+# of up to 255 registers, the first also gathering (producer_wg False: no
+# spill, where a producer warpgroup leaves the consumers 240 and ptxas spills
+# or serialises wgmma; the times are within 1%); one dkv accumulator
+# (pipelined False: the second buys nothing once the adds are whole lines);
+# atomics "lines", whole 128-byte lines a warp instruction with dkv's columns
+# in fragment order (``natural_columns``; 10% faster than "half_lines");
+# evict_last, dkv kept in L2; c0_chunks, the dkv chunks the first warpgroup
+# adds (0-3 within 1%); stagger off (no gain).
+BUILD = dict(producer_wg=False, pipelined=False, atomics="lines", evict_last=True, c0_chunks=2, stagger=False)
 
 # (BwdSm90Config, device index) -> compiled kernel: a compiled kernel's
 # module is loaded in the context of the device it was compiled on.
@@ -70,24 +76,6 @@ def supports_backward(a: SparseAttnArgs) -> Optional[str]:
         if getattr(a, name).data_ptr() % 16:
             return f"{name} is not 16-byte aligned"
     return None
-
-
-def row_terms(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor):
-    """delta [T, H] = dO . out, lg2den [T, H] = log2 of the softmax
-    denominator (sink included; +inf where every p is 0: empty rows, a sink of
-    +inf or one whose exp overflows) and dsink [H] (None without a sink), fp32."""
-    delta = (dout.float() * out.float()).sum(-1)
-    log_den = torch.where(torch.isposinf(lse), float("-inf"), lse.float())  # log(0) of empty rows
-    dsink = None
-    if a.sink is not None:
-        sink = a.sink.float()[None, :]
-        log_den = torch.logaddexp(log_den, sink)
-        p_sink = torch.exp(sink - log_den)
-        p_sink = torch.where(torch.isposinf(sink), 1.0, p_sink)
-        p_sink = torch.where(torch.isneginf(sink), 0.0, p_sink)
-        dsink = -(p_sink * delta).sum(0)
-    lg2den = torch.where(torch.isneginf(log_den), float("inf"), log_den * LOG2E)
-    return delta.contiguous(), lg2den.contiguous(), dsink
 
 
 def kernel_config(a: SparseAttnArgs, build: Optional[dict] = None):
@@ -151,15 +139,6 @@ def natural_columns(buf: torch.Tensor, atomics: str, dtype: torch.dtype) -> torc
     return out
 
 
-def slot_keys(a: SparseAttnArgs, t0: int, tc: int) -> torch.Tensor:
-    """The kv row n * G + g of every slot ((t - t0) * G + g) * K + j of the
-    tokens [t0, t0 + tc), flat int64; N * G (never summed) for an invalid slot."""
-    length = None if a.topk_length is None else a.topk_length[t0:t0 + tc]
-    valid, safe = slot_validity(a.indices[t0:t0 + tc], length, a.N)
-    g = torch.arange(a.G, device=a.q.device)[None, :, None]
-    return torch.where(valid, safe * a.G + g, a.N * a.G).flatten()
-
-
 def backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor,
              dout: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """dq [T, H, D] (q.dtype), dkv [N, G, D] (kv.dtype, accumulated in fp32),
@@ -170,15 +149,18 @@ def backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor,
         raise ValueError(why)
     # Under a's device: the torch work, the Triton reduction and the kernel
     # launches are that device's, whatever device is current.
+    from dsa.triton.sparse_attention import preprocess
+
     with torch.cuda.device(a.q.device):
         dout = dout.contiguous()
-        delta, lg2den, dsink = row_terms(a, out, lse, dout)
+        delta, lg2den, dsink_part = preprocess(a, out.contiguous(), lse.contiguous(), dout)
         dq = torch.empty_like(a.q)
         dkv = torch.zeros((a.N, a.G, a.D), dtype=torch.float32, device=a.q.device)
         if not a.deterministic:
             _launch(a, dout, lg2den, delta, dq, dkv, 0, a.T)
         else:
             _deterministic_dkv(a, dout, lg2den, delta, dq, dkv)
+        dsink = dsink_part.sum(0) if dsink_part is not None else None
         return dq, natural_columns(dkv, kernel_config(a).atomics, a.kv.dtype), dsink
 
 
@@ -187,6 +169,7 @@ def _deterministic_dkv(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv) -> None:
     per-slot rows [HB, Tc, G, K, D] for chunks of Tc tokens, each chunk's
     rows summed into their kv rows by ``segment_sum``."""
     from dsa.triton.segment_sum import segment_sum
+    from dsa.triton.sparse_attention import slot_keys
 
     T, N, G, D = a.T, a.N, a.G, a.D
     HB = a.H // G // HEADS_PER_CTA

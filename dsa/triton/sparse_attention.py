@@ -206,8 +206,11 @@ def forward(a: SparseAttnArgs, config: Optional[TileConfig] = None) -> Tuple[tor
 # Backward
 
 
-def _preprocess(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor):
-    """Delta = dO . out, log2(den) and the per-row dsink terms, all [T, H] fp32."""
+def preprocess(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor):
+    """Delta = dO . out, log2(den) (sink included; +inf where every p is 0:
+    empty rows, a sink of +inf or one whose exp overflows) and the per-row
+    dsink terms (None without a sink), all [T, H] fp32, in one pass over out
+    and dO [T, H, d_v] (contiguous).  Shared by the Triton and cute backwards."""
     T, H = a.T, a.H
     f32 = dict(dtype=torch.float32, device=a.q.device)
     delta = torch.empty((T, H), **f32)
@@ -238,7 +241,7 @@ def _launch_bwd(a, cfg, dout, lg2den, delta, dq, dkv_buf, t0, tc, store_slots):
     )
 
 
-def _slot_keys(a: SparseAttnArgs, t0: int, tc: int) -> torch.Tensor:
+def slot_keys(a: SparseAttnArgs, t0: int, tc: int) -> torch.Tensor:
     """The kv row (n, g) as n * G + g of every slot (t - t0, g, j) of the
     tokens [t0, t0 + tc), flat; N * G (never summed) for an invalid slot."""
     length = None if a.topk_length is None else a.topk_length[t0:t0 + tc]
@@ -254,7 +257,7 @@ def backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: torc
     cfg = config or bwd_config(a)
     T, N, G, K, D = a.T, a.N, a.G, a.K, a.D
     dout = dout.contiguous()
-    delta, lg2den, dsink_part = _preprocess(a, out.contiguous(), lse.contiguous(), dout)
+    delta, lg2den, dsink_part = preprocess(a, out.contiguous(), lse.contiguous(), dout)
     dq = torch.empty_like(a.q)
     dkv = torch.zeros((N, G, D), dtype=torch.float32, device=a.q.device)
     if not a.deterministic:
@@ -267,7 +270,7 @@ def backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: torc
         for t0 in range(0, T, Tc):
             tc = min(Tc, T - t0)
             _launch_bwd(a, cfg, dout, lg2den, delta, dq, slots, t0, tc, store_slots=True)
-            segment_sum(slots, _slot_keys(a, t0, tc), dkv.view(N * G, D), parts=HB)
+            segment_sum(slots, slot_keys(a, t0, tc), dkv.view(N * G, D), parts=HB)
     if a.kv.dtype != torch.float32:
         dkv = dkv.to(a.kv.dtype)
     dsink = dsink_part.sum(0) if dsink_part is not None else None

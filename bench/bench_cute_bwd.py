@@ -2,7 +2,7 @@
 
     compute-sanitizer --tool memcheck python bench/bench_cute_bwd.py --sanitize
     python bench/bench_cute_bwd.py [--shapes v32,v4pro,...,v32-half,...]   (SHAPES, VARIANTS)
-    python bench/bench_cute_bwd.py --shapes 'v32@pipelined=0+c0_chunks=1'      (any build at a shape)
+    python bench/bench_cute_bwd.py --shapes 'v32@evict_last=0+c0_chunks=1'     (any build at a shape)
 
 One process, the same inputs for both (fresh ``torch.randn``, bf16, sink on,
 random indices), ``triton.testing.do_bench`` medians (warmup 25 ms, rep
@@ -35,9 +35,8 @@ SHAPES = {
 # other builds of the kernel (sparse_attention_bwd.BUILD) at a shape; their
 # Triton time is not measured again
 VARIANTS = {
-    "v32-half": ("v32", dict(atomics="half_lines", evict_last=False)),
     "v32-nohint": ("v32", dict(evict_last=False)),
-    "v32-serial": ("v32", dict(pipelined=False)),
+    "v32-c0x0": ("v32", dict(c0_chunks=0)),
     "v32-c0x3": ("v32", dict(c0_chunks=3)),
     # timing only (dkv is not added): the cost of everything but the atomics
     "v32-noscatter": ("v32", dict(scatter=False)),
@@ -53,7 +52,7 @@ def _variant(name: str):
     for item in spec.split("+"):
         key, value = item.split("=", 1)
         build[key] = int(value) if value.lstrip("-").isdigit() else value
-        if key in ("pipelined", "evict_last", "scatter", "stagger"):
+        if key in ("evict_last", "scatter"):
             build[key] = bool(build[key])
     return shape, build
 DEFAULT_BUILD = dict(cbwd.BUILD)

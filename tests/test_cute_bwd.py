@@ -49,9 +49,8 @@ _NEEDLES = (
 
 _CONFIGS = [
     ("v32_bf16_len", "bfloat16", 576, 128, 1, True, False, {}),
-    # the other build options: half lines in column order, no L2 hint, one dkv accumulator
-    ("fp16_d512_h64_half", "float16", 512, 64, 1, False, False,
-     {"atomics": "half_lines", "evict_last": False, "pipelined": True, "producer_wg": True}),
+    # the other build options: no L2 hint, every dkv chunk on warpgroup 1
+    ("fp16_d512_h64_nohint", "float16", 512, 64, 1, False, False, {"evict_last": False, "c0_chunks": 0}),
     ("v32_bf16_det", "bfloat16", 576, 128, 1, True, True, {}),
 ]
 
@@ -64,7 +63,6 @@ def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
                      tmp_path)
     for name, dt, D, H, G, has_len, det, build in _CONFIGS:
         r = res[name]
-        lines = build.get("atomics", cbwd.BUILD["atomics"]) == "lines"
         hint = build.get("evict_last", cbwd.BUILD["evict_last"]) and not det
         # per block: S (D / 16) and dP (d_v / 16) on consumer 0, dQ (4 a
         # tile, one tile on each consumer and the RoPE one), dkv (8 per value
@@ -80,13 +78,10 @@ def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
         assert r["red.relaxed.gpu.global.add.L2::cache_hint.v4.f32"] == (n_out if hint else 0), (name, r)
         assert r["red.relaxed.gpu.global.add.v4.f32"] == (0 if det or hint else n_out), (name, r)
         assert r["createpolicy"] == (2 if hint else 0), (name, r)  # one in each consumer
-        # shuffles a chunk: whole lines 16 (one per float of the swapped
-        # halves), half lines 48 (three per float)
-        n_shfl = r["shfl.sync"]
-        assert (16 * (D // 64) <= n_shfl < 17 * (D // 64)) if lines else n_shfl >= 48 * (D // 64), (name, r)
-        # registers are moved between warpgroups only with a producer warpgroup
-        wg3 = build.get("producer_wg", cbwd.BUILD["producer_wg"])
-        assert (r["setmaxnreg.inc"] >= 1 and r["setmaxnreg.dec"] >= 1) == wg3, (name, r)
+        # 16 shuffles a chunk, one per float of the swapped halves of lines
+        assert 16 * (D // 64) <= r["shfl.sync"] < 17 * (D // 64), (name, r)
+        # two warpgroups of up to 255 registers: none moved between them
+        assert r["setmaxnreg.inc"] == 0 and r["setmaxnreg.dec"] == 0, (name, r)
         assert r["mbarrier.try_wait"] >= 3, (name, r)
         # the dS / P hand-off between the consumers: written (READY), free again (FREE)
         assert r["bar.sync"] >= 2 and r["bar.arrive"] >= 2, (name, r)
@@ -132,8 +127,8 @@ def test_shape_reasons():
 
 @pytest.mark.parametrize("D", [512, 576])
 def test_natural_columns_undo_the_fragment_order(D):
-    """The "lines" build writes column 8 h + 2 q + e of each 16-column group
-    at 4 q + 2 h + e (lane q of a quad holds columns 8 j + 2 q + {0, 1});
+    """The kernel writes column 8 h + 2 q + e of each 16-column group at
+    4 q + 2 h + e (lane q of a quad holds columns 8 j + 2 q + {0, 1});
     natural_columns puts each back, in one pass to the output dtype."""
     nat = torch.randn(3, 2, D)
     frag = torch.empty_like(nat)
@@ -142,9 +137,9 @@ def test_natural_columns_undo_the_fragment_order(D):
             for h in range(2):
                 for e in range(2):
                     frag[..., 16 * m + 4 * q + 2 * h + e] = nat[..., 16 * m + 8 * h + 2 * q + e]
-    got = cbwd.natural_columns(frag, "lines", torch.bfloat16)
+    got = cbwd.natural_columns(frag, torch.bfloat16)
     assert got.dtype == torch.bfloat16 and got.is_contiguous() and torch.equal(got, nat.to(torch.bfloat16))
-    assert torch.equal(cbwd.natural_columns(nat, "half_lines", torch.float32), nat)
+    assert torch.equal(cbwd.natural_columns(frag, torch.float32), nat)
 
 
 # --------------------------------------------------------------------------
@@ -209,8 +204,8 @@ def test_compiled_kernels_are_cached_per_config_and_device(monkeypatch):
     # the same config on another device is compiled again; a repeated call is not
     assert fns[2] is fns[0] and len({id(f) for f in fns}) == 3 and len(configs) == 3
     assert configs[0] == configs[1] == cbwd.kernel_config(calls[0]) and configs[2].deterministic
-    monkeypatch.setattr(cbwd, "BUILD", dict(cbwd.BUILD, atomics="half_lines"))  # a build option is part of the key
-    assert cbwd._compiled(calls[0], (), (), None) is not fns[0] and configs[3].atomics == "half_lines"
+    monkeypatch.setattr(cbwd, "BUILD", dict(cbwd.BUILD, c0_chunks=0))  # a build option is part of the key
+    assert cbwd._compiled(calls[0], (), (), None) is not fns[0] and configs[3].c0_chunks == 0
 
 
 def test_launch_runs_under_the_device_with_the_shared_zero_row(monkeypatch):
@@ -279,7 +274,7 @@ gpu = pytest.mark.skipif(not (SM90 and HAVE_DSL), reason="needs an SM90 GPU and 
 
 @pytest.fixture(autouse=True)
 def _build(monkeypatch):
-    """DSA_TEST_CUTE_BWD_BUILD (JSON, e.g. '{"v4": false}') runs the GPU
+    """DSA_TEST_CUTE_BWD_BUILD (JSON, e.g. '{"c0_chunks": 0}') runs the GPU
     tests on another build of the kernel (sparse_attention_bwd.BUILD)."""
     extra = os.environ.get("DSA_TEST_CUTE_BWD_BUILD")
     if extra:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from dsa._args import Unsupported
 
 # Why auto does not pick the cute backward (backend="cute" runs it).
-NO_BWD_PLACEMENT = ("no measured placement for the cute backward; backend='cute' runs it (1.4-2.3x the "
+NO_BWD_PLACEMENT = ("no measured placement for the cute backward; backend='cute' runs it (2.0-3.4x the "
                     "Triton backward at the model shapes on an H200, bench/RESULTS.md)")
 
 

@@ -32,17 +32,10 @@ SERVED_DV = 512
 # Bytes of per-slot fp32 dkv rows held at once by the deterministic backward.
 DETERMINISTIC_SLOT_BYTES = 1 << 30
 
-# Build options of the kernel (``BwdSm90Config``), each measured at V3.2,
-# V4-pro and V4-flash on an H200 (bench/RESULTS.md C46-C48): two warpgroups
-# of up to 255 registers, the first also gathering (producer_wg False: no
-# spill, where a producer warpgroup leaves the consumers 240 and ptxas spills
-# or serialises wgmma; the times are within 1%); one dkv accumulator
-# (pipelined False: the second buys nothing once the adds are whole lines);
-# atomics "lines", whole 128-byte lines a warp instruction with dkv's columns
-# in fragment order (``natural_columns``; 10% faster than "half_lines");
-# evict_last, dkv kept in L2; c0_chunks, the dkv chunks the first warpgroup
-# adds (0-3 within 1%); stagger off (no gain).
-BUILD = dict(producer_wg=False, pipelined=False, atomics="lines", evict_last=True, c0_chunks=2, stagger=False)
+# Build options of the kernel (``BwdSm90Config``): evict_last, dkv kept in
+# L2; c0_chunks, the dkv chunks warpgroup 0 adds (0-3 within 1% at V3.2 on an
+# H200, bench/RESULTS.md C46-C47).
+BUILD = dict(evict_last=True, c0_chunks=2)
 
 # (BwdSm90Config, device index) -> compiled kernel: a compiled kernel's
 # module is loaded in the context of the device it was compiled on.
@@ -127,12 +120,10 @@ def _launch(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv_buf, t0: int, tc: in
         _compiled(a, ptrs, scalars, stream)(*ptrs, *scalars, stream)
 
 
-def natural_columns(buf: torch.Tensor, atomics: str, dtype: torch.dtype) -> torch.Tensor:
+def natural_columns(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """dkv rows [..., D] fp32 as the kernel wrote them, in column order and
-    ``dtype``, in one pass.  The "lines" build writes each 16-column group in
+    ``dtype``, in one pass.  The kernel writes each 16-column group in
     fragment order: position 4 q + 2 h + e holds column 8 h + 2 q + e."""
-    if atomics != "lines":
-        return buf.to(dtype)
     *lead, D = buf.shape
     out = torch.empty(buf.shape, dtype=dtype, device=buf.device)
     out.view(*lead, D // 16, 2, 4, 2).copy_(buf.view(*lead, D // 16, 4, 2, 2).transpose(-3, -2))
@@ -161,7 +152,7 @@ def backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor,
         else:
             _deterministic_dkv(a, dout, lg2den, delta, dq, dkv)
         dsink = dsink_part.sum(0) if dsink_part is not None else None
-        return dq, natural_columns(dkv, kernel_config(a).atomics, a.kv.dtype), dsink
+        return dq, natural_columns(dkv, a.kv.dtype), dsink
 
 
 def _deterministic_dkv(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv) -> None:

@@ -1,41 +1,40 @@
 """Sparse attention backward for Hopper (SM90) in CuTe DSL.
 
-One CTA per (token t, kv head g, block of 64 query heads), three warpgroups:
+One CTA per (token t, kv head g, block of 64 query heads), two warpgroups of
+up to 255 registers each (with a third, producer warpgroup the consumers get
+240 and ptxas spills and serialises their wgmma):
 
-* warpgroup 0, the producer, loads Q [64, D] and dO [64, d_v] of the tile
-  once, then gathers the kv rows of each block of 64 slots by index with
-  16-byte cp.async into one swizzled stage [64, D], signalled on ``full``
-  with ``cp.async.mbarrier.arrive``.  An invalid slot copies a row of zeros,
-  so whatever is stored in kv rows no valid slot names is never read; the
-  producer publishes the block's mask (0 or -inf by slot) with the stage.
-* warpgroups 1 and 2, the consumers, with different roles so that one's
-  tensor-core work runs under the other's atomics.  Consumer 0 computes
-  S = Q K^T and dP = dO V^T (wgmma, both operands in shared memory),
-  P = exp2(S log2e scale - log2 den) (masked) and dS = P (dP - Delta)
-  sm_scale, and stores dS and P, [64 heads, 64 slots] K-major, in shared
-  memory.  Then both, for their share of the columns (consumer 0: [0, 256),
-  consumer 1: [256, D)):
+* warpgroup 0 loads Q [64, D] and dO [64, d_v] of the tile once and gathers
+  the kv rows of each block of 64 slots by index with 16-byte cp.async into
+  one swizzled stage [64, D], signalled on ``full`` with
+  ``cp.async.mbarrier.arrive``; block i + 1's gather is issued as soon as
+  both warpgroups are past block i's dQ, the last reader of the stage.  An
+  invalid slot copies a row of zeros, so whatever is stored in kv rows no
+  valid slot names is never read; the block's mask (0 or -inf by slot) is
+  published with the stage.  It computes S = Q K^T and dP = dO V^T (wgmma,
+  both operands in shared memory), P = exp2(S log2e scale - log2 den)
+  (masked) and dS = P (dP - Delta) sm_scale, and stores dS and P, [64 heads,
+  64 slots] K-major, in shared memory.
+* Then both, for their share of the columns (warpgroup 0: [0, 256),
+  warpgroup 1: [256, D)):
     dQ[:, own] += dS K[:, own]        (register accumulator, the whole loop)
-  after which the stage is released to the producer.  dKV of the block is
-  computed per 64-column chunk c (consumer 0: chunks 0-1, consumer 1: the
-  rest), dKV_c = dS^T Q[:, c] (+ P^T dO[:, c] for value columns) [64 slots,
-  64], and added into dkv[idx] (fp32) with 16-byte
-  ``red.global.add.v4.f32``, or stored per (token, slot) for the
-  deterministic reduction.  The dkv buffer holds each row's columns in the
-  order the accumulator fragments hold them (the host's
-  ``natural_columns`` puts them back), so a thread's four floats of a 16-column group are
-  adjacent, and the two quads of a row pair swap half their values with one
-  shuffle each, so that every warp instruction covers four whole 128-byte
-  lines.  The atomics are the cost: at V3.2 the
-  build without them takes 9.2 ms of the 20.4 ms on an H200.  Consumer 1
-  keeps two chunk accumulators: the next chunk's wgmma runs under the
-  current chunk's atomics.  V is the K tile itself (its first d_v columns);
-  transposed operands are the same shared-memory bytes read MN-major, as in
-  the forward.
-* Two named barriers hand the dS / P buffers between the consumers: READY
-  (consumer 0 has stored the block's) and FREE (consumer 1's last wgmma on
-  the previous block's is done), so consumer 0 computes block i + 1's
-  scores while consumer 1 still scatters block i.
+  after which the stage is free.  dKV of the block is computed per 64-column
+  chunk c (warpgroup 0: the first ``c0_chunks``, warpgroup 1: the rest),
+  dKV_c = dS^T Q[:, c] (+ P^T dO[:, c] for value columns) [64 slots, 64],
+  and added into dkv[idx] (fp32) with 16-byte ``red.global.add.v4.f32``, or
+  stored per (token, slot) for the deterministic reduction.  The dkv buffer
+  holds each row's columns in the order the accumulator fragments hold them
+  (the host's ``natural_columns`` puts them back), so a thread's four floats
+  of a 16-column group are adjacent, and the two quads of a row pair swap
+  half their values with one shuffle each, so that every warp instruction
+  covers four whole 128-byte lines.  The adds are the cost: at V3.2 a build
+  without them takes 9.2 of the 14.2 ms on an H200.  V is the K tile itself
+  (its first d_v columns); transposed operands are the same shared-memory
+  bytes read MN-major, as in the forward.
+* Two named barriers hand the dS / P buffers between the warpgroups: READY
+  (warpgroup 0 has stored the block's) and FREE (warpgroup 1's last wgmma on
+  the previous block's is done), so warpgroup 0 computes block i + 1's
+  scores while warpgroup 1 still adds block i.
 
 The loop stops after the last block holding a valid slot (topk_length), so a
 row of length L costs about L / K of a full row.  The validity rules are
@@ -61,20 +60,16 @@ from dsa.cute.pipeline import NamedBarrier, freed_phase, named_barriers, phase
 
 BLOCK_H = 64   # query heads per CTA: the M of one wgmma
 BN = 64        # slots per block
-THREADS = 384  # producer + two consumer warpgroups
-PRODUCER_REGS = 24
-CONSUMER_REGS = 240
 MASK_WRITERS = 16  # producer threads that write a block's mask: one per row of a copy pass
-PAIR_THREADS = 256
-PIPELINED_W = 1  # the consumer whose dkv chunks are pipelined (the one scattering most)
-DQ_N = 256     # columns of consumer 0's dQ tile; consumer 1 holds [256, D)
+PAIR_THREADS = 256  # the two warpgroups
+DQ_N = 256     # columns of warpgroup 0's dQ tile; warpgroup 1 holds [256, D)
 
 
 @named_barriers
 class Barrier(NamedBarrier):
-    """Named barriers between the consumers: one side arrives, the other waits."""
+    """Named barriers between the warpgroups: one side arrives, the other waits."""
 
-    FREE = 1   # both consumers are done reading the dS / P buffers
+    FREE = 1   # warpgroup 1 is done reading the dS / P buffers
     READY = 2  # dS and P of the block are in shared memory
 
 
@@ -82,28 +77,15 @@ class Barrier(NamedBarrier):
 class BwdSm90Config(scheduler.ProblemConfig):
     """The static configuration one compiled kernel serves (its compile key):
     the problem (dtype of q, kv, dout and dq), then deterministic (dkv rows
-    stored per slot instead of added) and the build options: pipelined (two
-    dkv accumulators, a chunk's wgmma under the previous chunk's scatter),
-    atomics ("lines": dkv columns in fragment order, see
-    ``sparse_attention_bwd.natural_columns``, each warp instruction covering four whole 128-byte lines; "half_lines":
-    natural column order, eight half lines an instruction after three
-    shuffles a float), evict_last (the adds keep dkv's lines in L2 ahead of
-    the gathered rows), c0_chunks (the 64-column dkv chunks consumer 0
-    takes), scatter False (a timing build that adds none of dkv: its dkv is
-    not the gradient), stagger (odd head blocks walk the slot blocks last to
-    first, so that a token's two CTAs add into different kv rows at a time),
-    producer_wg (a producer warpgroup and two consumers at 240 registers;
-    False: two warpgroups of up to 255 registers, the first also loading Q
-    and dO and gathering each next block once both are past its dQ)."""
+    stored per slot instead of added) and the build options: evict_last (the
+    adds keep dkv's lines in L2 ahead of the gathered rows), c0_chunks (the
+    64-column dkv chunks warpgroup 0 takes), scatter False (a timing build
+    that adds none of dkv: its dkv is not the gradient)."""
 
     deterministic: bool
-    pipelined: bool = True
-    atomics: str = "lines"
     evict_last: bool = True
     c0_chunks: int = 2
     scatter: bool = True
-    stagger: bool = False
-    producer_wg: bool = True
 
 
 @dsl_user_op
@@ -141,7 +123,6 @@ def _evict_last_policy(*, loc=None, ip=None) -> Int64:
 
 RED_ADD = "red.relaxed.gpu.global.add"
 STORE = "st.global"
-ATOMICS = ("lines", "half_lines")
 
 
 class SparseAttnBwdSm90:
@@ -154,39 +135,26 @@ class SparseAttnBwdSm90:
     them)."""
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, deterministic: bool,
-                 pipelined: bool = True, atomics: str = "lines", evict_last: bool = True, c0_chunks: int = 2,
-                 scatter: bool = True, stagger: bool = False, producer_wg: bool = True):
+                 evict_last: bool = True, c0_chunks: int = 2, scatter: bool = True):
         why = self.can_implement(dtype, D, d_v, H, G)
         if why is not None:
             raise ValueError(f"SparseAttnBwdSm90: {why}")
-        if not 0 <= c0_chunks < D // 64:  # consumer 1 releases the dS / P buffers after its last chunk
+        if not 0 <= c0_chunks < D // 64:  # warpgroup 1 releases the dS / P buffers after its last chunk
             raise ValueError(f"SparseAttnBwdSm90: c0_chunks={c0_chunks} is not in [0, {D // 64})")
-        if atomics not in ATOMICS:
-            raise ValueError(f"SparseAttnBwdSm90: atomics={atomics!r} is not one of {ATOMICS}")
-        self.config = BwdSm90Config(dtype, D, d_v, H, G, has_len, deterministic, pipelined, atomics,
-                                    evict_last, c0_chunks, scatter, stagger, producer_wg)
+        self.config = BwdSm90Config(dtype, D, d_v, H, G, has_len, deterministic, evict_last, c0_chunks,
+                                    scatter)
         self.dtype = dtype
         self.D, self.d_v, self.H, self.G = D, d_v, H, G
         self.HG = H // G
         self.has_len, self.deterministic = has_len, deterministic
-        # pipelined: two dkv accumulators, a chunk's wgmma under the previous
-        # chunk's scatter (False: one, each chunk's wgmma waited for)
-        self.pipelined = pipelined
-        # lines: a quad pair's two rows go out as whole 128-byte lines, in
-        # fragment column order; half_lines: each quad's row segment in
-        # natural order, 64 contiguous bytes a quad and instruction
-        self.lines = atomics == "lines"
         # evict_last on the adds (non-deterministic only): dkv (N D fp32)
         # stays in L2 while the gathered kv rows stream through
         self.evict_last = evict_last and not deterministic
         # scatter False: a timing build that computes dkv but adds none of
         # it (its dkv is not the gradient), the cost of everything else
         self.do_scatter = scatter
-        self.stagger = stagger
-        self.producer_wg = producer_wg
-        self.threads = THREADS if producer_wg else PAIR_THREADS
-        # 64-column chunks of dkv computed and scattered by each consumer:
-        # consumer 0 also computes S, dP and dS, so consumer 1 takes most
+        # 64-column chunks of dkv computed and added by each warpgroup:
+        # warpgroup 0 also gathers and computes S, dP and dS, so 1 takes most
         self.chunks = (tuple(range(c0_chunks)), tuple(range(c0_chunks, D // 64)))
 
     @staticmethod
@@ -263,7 +231,7 @@ class SparseAttnBwdSm90:
             sq_layout, sdo_layout, sk_layout, sp_layout, kt0_layout, kt1_layout, t64_layout,
             q_ptr, kv_ptr, idx_ptr, len_ptr, dout_ptr, lg2den_ptr, delta_ptr, dq_ptr, dkv_ptr, zero_ptr,
             T, t0, N, K, scale_log2, sm_scale,
-        ).launch(grid=[n_tiles, 1, 1], block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+        ).launch(grid=[n_tiles, 1, 1], block=[PAIR_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device
     @cute.kernel
@@ -288,9 +256,9 @@ class SparseAttnBwdSm90:
         sdO = st.sdO.get_tensor(sdo_layout.outer, swizzle=sdo_layout.inner)
         sK = st.sK.get_tensor(sk_layout.outer, swizzle=sk_layout.inner)
 
-        pipeline.init_mbarriers(tidx, [(bars[0], 0, 128),                  # the producer's threads
+        pipeline.init_mbarriers(tidx, [(bars[0], 0, 128),                  # warpgroup 0's copies
                                        (bars[1], 0, 128 + MASK_WRITERS),   # copies, then the mask writers
-                                       (bars[2], 0, PAIR_THREADS)])        # both consumers, past their dQ
+                                       (bars[2], 0, PAIR_THREADS)])        # both warpgroups, past their dQ
 
         tile = self.tile(tile_id, t0, idx_ptr, len_ptr, K)
         for m_ in (s_mma, dq_mma, dq1_mma, kv_mma):
@@ -301,21 +269,10 @@ class SparseAttnBwdSm90:
         args = (s_mma, dq_mma, dq1_mma, kv_mma, sp_layout, kt0_layout, kt1_layout, t64_layout,
                 tidx % 128, sQ, sdO, sK, raw_ds, raw_p, st.sOk.data_ptr(), bars, tile,
                 idx_ptr, lg2den_ptr, delta_ptr, dq_ptr, dkv_ptr, T, t0, N, K, scale_log2, sm_scale)
-        if const_expr(self.producer_wg):
-            if wg == 0:
-                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-                self.producer(tidx, gather, bars, tile, N)
-            else:
-                cute.arch.setmaxregister_increase(CONSUMER_REGS)
-                if wg == 1:
-                    self.consumer(0, None, *args)
-                else:
-                    self.consumer(1, None, *args)
+        if wg == 0:
+            self.warpgroup_main(0, gather, *args)
         else:
-            if wg == 0:
-                self.consumer(0, gather, *args)
-            else:
-                self.consumer(1, None, *args)
+            self.warpgroup_main(1, None, *args)
 
     @cute.jit
     def tile(self, tile_id, t0, idx_ptr, len_ptr, K):
@@ -334,22 +291,11 @@ class SparseAttnBwdSm90:
         n_blocks = rules.block_count(L, BN)
         return tl, t, g, hb, head0, L, n_blocks, idx_ptr + (Int64(t) * Int64(G) + Int64(g)) * Int64(K)
 
-    @cute.jit
-    def block(self, i, tile):
-        """The slot block of loop step i: i, or with stagger on an odd head
-        block n_blocks - 1 - i."""
-        b = i
-        if const_expr(self.stagger):
-            hb, n_blocks = tile[3], tile[6]
-            if hb % 2 == 1:
-                b = n_blocks - 1 - i
-        return b
-
-    # -------------------------------------------------------------- producer
+    # --------------------------------------------------------- loads, gathers
     @cute.jit
     def loader(self, tidx, gather, tile, q_full):
-        """Issue the copies of Q and dO (signalled on q_full) by the 128 threads
-        tidx of the loading warpgroup; return what its block gathers need."""
+        """Issue the copies of Q and dO (signalled on q_full) by warpgroup 0's
+        thread tidx; return what its block gathers need."""
         sQ, sdO, sK, sOk, q_ptr, dout_ptr, kv_ptr, zero_ptr = gather
         t, head0 = tile[1], tile[4]
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
@@ -372,22 +318,21 @@ class SparseAttnBwdSm90:
 
     @cute.jit
     def gather_block(self, ld, i, tile, N, full, empty):
-        """Gather the kv rows of loop step i into the stage, once both
-        consumers are past step i - 1's dQ; the stage's mask with it."""
+        """Gather the kv rows of block i into the stage, once both warpgroups
+        are past block i - 1's dQ; the stage's mask with it."""
         atom, tK, ok, (ns, base, mk), kv_ptr, zero_ptr, row_in_pass, col0 = ld
         g, L, idx_row = tile[2], tile[5], tile[7]
         ES = self.dtype.width // 8
-        b = self.block(i, tile)
         # indices first, all loads in flight together; a slot past L reads
         # slot L - 1 instead (nothing past topk_length is read) and is
         # dropped.  rules.fetch_indices less its L > 0 test: a block runs
         # only when L > 0
         for m in cutlass.range_constexpr(BN // 16):
-            slot = b * BN + row_in_pass + m * 16
+            slot = i * BN + row_in_pass + m * 16
             ns[m] = load(idx_row, Int64(cutlass.min(slot, L - 1)))
-        self.resolve_rows(base, mk, ns, b, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0)
+        self.resolve_rows(base, mk, ns, i, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0)
         if i > 0:
-            cute.arch.mbarrier_wait(empty, freed_phase(i))  # both consumers past block i - 1's dQ
+            cute.arch.mbarrier_wait(empty, freed_phase(i))  # both warpgroups past block i - 1's dQ
         for m in cutlass.range_constexpr(BN // 16):
             for c in cutlass.range_constexpr(self.D // 64):
                 src = cute.make_tensor(aligned(self.dtype, base[m] + c * 64 * ES), cute.make_layout((8,)))
@@ -399,23 +344,16 @@ class SparseAttnBwdSm90:
             cute.arch.mbarrier_arrive(full)
 
     @cute.jit
-    def producer(self, tidx, gather, bars, tile, N):
-        q_full, full, empty = bars
-        ld = self.loader(tidx, gather, tile, q_full)
-        for i in cutlass.range(tile[6], unroll=1):
-            self.gather_block(ld, i, tile, N, full, empty)
-
-    @cute.jit
     def resolve_rows(self, base, mk, ns, i, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0):
         """base[m] / mk[m]: source address and mask of this thread's m-th row
-        of block i; the one place the producer decides validity."""
+        of block i; the one place the kernel decides validity."""
         ES = self.dtype.width // 8
         rules.block_sources(base, mk, ns, i, L, N, kv_ptr, zero_ptr, g, self.G, self.D * ES, col0 * ES,
                             BN, row_in_pass, 16)
 
-    # -------------------------------------------------------------- consumer
+    # ------------------------------------------------------------- warpgroups
     @cute.jit
-    def consumer(self, w: cutlass.Constexpr, gather, s_mma, dq_mma, dq1_mma, kv_mma, sp_layout, kt0_layout,
+    def warpgroup_main(self, w: cutlass.Constexpr, gather, s_mma, dq_mma, dq1_mma, kv_mma, sp_layout, kt0_layout,
                  kt1_layout, t64_layout, wtid, sQ, sdO, sK, raw_ds, raw_p, sOk, bars, tile,
                  idx_ptr, lg2den_ptr, delta_ptr, dq_ptr, dkv_ptr, T, t0, N, K, scale_log2, sm_scale):
         q_full, full, empty = bars
@@ -424,7 +362,7 @@ class SparseAttnBwdSm90:
         row_lo = (wtid // 32) * 16 + lane // 4
         col_lane = 2 * (lane % 4)
         # dQ: A = dS [heads, slots] K-major, B = the K tile's columns read
-        # MN-major; consumer w holds [256 w, 256 w + 256), consumer 1 also
+        # MN-major; warpgroup w holds [256 w, 256 w + 256), warpgroup 1 also
         # the RoPE columns [512, D)
         sdS_k = cute.make_tensor(cute.recast_ptr(raw_ds, sp_layout.inner), sp_layout.outer)
         raw_k = cute.recast_ptr(sK.iterator, None)
@@ -442,36 +380,34 @@ class SparseAttnBwdSm90:
         acc_dqr = cute.make_rmem_tensor(thr_r.partition_shape_C((BLOCK_H, 64)), Float32)
         acc_dqr.fill(0.0)
         dq = (dq_mma, tQrdS, tQrK, acc_dq, dq1_mma, tRrdS, tRrK, acc_dqr, rope)
-        # dkv byte address and validity of each slot row this thread writes:
-        # its two rows, or with whole lines the two rows of its quad pair twice
-        n_rows = 4 if self.lines else 2
-        rows = cute.make_rmem_tensor((n_rows,), Int64)
-        rok = cute.make_rmem_tensor((n_rows,), Int32)
+        # dkv byte address and validity of the slot rows this thread writes:
+        # entry 2 r + k is row 2 p + k + 8 r of its quad pair
+        rows = cute.make_rmem_tensor((4,), Int64)
+        rok = cute.make_rmem_tensor((4,), Int32)
         pol = _evict_last_policy() if const_expr(self.evict_last) else None
         row0 = self.dkv_row0(tile, T, K)
-        dkv = (kv_mma, t64_layout, wtid, sQ, sdO, raw_ds, raw_p, (rows, rok, col_lane, pol))
+        dkv = (kv_mma, t64_layout, wtid, sQ, sdO, raw_ds, raw_p, (rows, rok, pol))
 
-        if const_expr(gather is not None):  # this warpgroup also loads
+        if const_expr(w == 0):
             ld = self.loader(wtid, gather, tile, q_full)
             if n_blocks > 0:
                 self.gather_block(ld, 0, tile, N, full, empty)
-        cute.arch.mbarrier_wait(q_full, 0)
-        if const_expr(w == 0):
+            cute.arch.mbarrier_wait(q_full, 0)
             sc = self.scores_setup(s_mma, sp_layout, wtid, sQ, sdO, sK, raw_ds, raw_p, sOk, t, head0,
                                    row_lo, col_lane, lg2den_ptr, delta_ptr)
             for i in cutlass.range(n_blocks, unroll=1):
-                self.slot_rows(rows, rok, self.block(i, tile), row_lo, lane, L, row0, idx_row, dkv_ptr, N)
+                self.slot_rows(rows, rok, i, row_lo, lane, L, row0, idx_row, dkv_ptr, N)
                 cute.arch.mbarrier_wait(full, phase(i))
                 self.scores(sc, i, scale_log2, sm_scale)
                 pipeline.arrive(Barrier.READY, PAIR_THREADS)
                 self.dq_step(dq, empty)
-                if const_expr(gather is not None):
-                    if i + 1 < n_blocks:  # the stage is free once both are past this dQ
-                        self.gather_block(ld, i + 1, tile, N, full, empty)
+                if i + 1 < n_blocks:  # the stage is free once both are past this dQ
+                    self.gather_block(ld, i + 1, tile, N, full, empty)
                 self.dkv_block(0, dkv, False)
         else:
+            cute.arch.mbarrier_wait(q_full, 0)
             for i in cutlass.range(n_blocks, unroll=1):
-                self.slot_rows(rows, rok, self.block(i, tile), row_lo, lane, L, row0, idx_row, dkv_ptr, N)
+                self.slot_rows(rows, rok, i, row_lo, lane, L, row0, idx_row, dkv_ptr, N)
                 cute.arch.barrier(barrier_id=Barrier.READY, number_of_threads=PAIR_THREADS)
                 self.dq_step(dq, empty)
                 self.dkv_block(1, dkv, i + 1 < n_blocks)
@@ -482,7 +418,7 @@ class SparseAttnBwdSm90:
     @cute.jit
     def scores_setup(self, s_mma, sp_layout, wtid, sQ, sdO, sK, raw_ds, raw_p, sOk, t, head0, row_lo,
                      col_lane, lg2den_ptr, delta_ptr):
-        """Consumer 0's fragments and registers for S, dP, P and dS."""
+        """Warpgroup 0's fragments and registers for S, dP, P and dS."""
         thr_s = s_mma.get_slice(wtid)
         tSrQ = s_mma.make_fragment_A(thr_s.partition_A(sQ))     # (MMA, 1, D / 16)
         tSrK = s_mma.make_fragment_B(thr_s.partition_B(sK))     # (MMA, 1, D / 16)
@@ -508,9 +444,9 @@ class SparseAttnBwdSm90:
 
     @cute.jit
     def scores(self, sc, i, scale_log2, sm_scale):
-        """Consumer 0, block i: S = Q K^T and dP = dO V^T (both operands in
+        """Warpgroup 0, block i: S = Q K^T and dP = dO V^T (both operands in
         shared memory), P and dS = P (dP - Delta) sm_scale, stored once
-        consumer 1 is done with the previous block's."""
+        warpgroup 1 is done with the previous block's."""
         s_mma, tSrQ, tSrK, tSrdO, acc_s, acc_dp, tDs, tPs, r_ds, r_p, mask, lg2, dl, ok, col_lane = sc
         NS = cute.size(acc_s)
         acc_s.fill(0.0)
@@ -543,7 +479,7 @@ class SparseAttnBwdSm90:
 
     @cute.jit
     def dq_step(self, dq, empty):
-        """dQ += dS K over this consumer's columns; then the stage is released."""
+        """dQ += dS K over this warpgroup's columns; then the stage is released."""
         dq_mma, tQrdS, tQrK, acc_dq, dq1_mma, tRrdS, tRrK, acc_dqr, rope = dq
         warpgroup.fence()
         for k in cutlass.range_constexpr(BN // 16):
@@ -570,20 +506,16 @@ class SparseAttnBwdSm90:
     def slot_rows(self, rows, rok, i, row_lo, lane, L, row0, idx_row, dkv_ptr, N):
         """For each slot row of block i this thread writes (rows of a dKV
         tile): whether it is valid and the byte address the thread writes at.
-        half_lines: its own rows row_lo + 8 r; lines: entry 2 r + k is row
-        2 p + k + 8 r of its quad pair (p = row_lo // 2), at the offset of the
-        half of each 128-byte line the thread writes for that row.  row0:
-        ``dkv_row0`` of the tile."""
+        Entry 2 r + k is row 2 p + k + 8 r of its quad pair (p = row_lo // 2),
+        at the offset of the half of each 128-byte line the thread writes for
+        that row.  row0: ``dkv_row0`` of the tile."""
         odd = row_lo % 2
-        for s_ in cutlass.range_constexpr(cute.size(rows)):
-            row = row_lo + 8 * s_
-            col = Int32(0)
-            if const_expr(self.lines):
-                r, k = s_ // 2, s_ % 2
-                row = row_lo - odd + k + 8 * r
-                # its 4 floats of a 16-column group sit at 4 q, in the first
-                # group of a line for its own row, the second for its partner's
-                col = 4 * (lane % 4) + 16 * (odd if k == 0 else 1 - odd)
+        for s_ in cutlass.range_constexpr(4):
+            r, k = s_ // 2, s_ % 2
+            row = row_lo - odd + k + 8 * r
+            # its 4 floats of a 16-column group sit at 4 q, in the first group
+            # of a line for its own row, the second for its partner's
+            col = 4 * (lane % 4) + 16 * (odd if k == 0 else 1 - odd)
             slot = i * BN + row
             n = rules.slot_index(idx_row, slot, L)  # -1 past L: invalid without a read
             v = Int32(0)
@@ -599,10 +531,10 @@ class SparseAttnBwdSm90:
 
     @cute.jit
     def dkv_block(self, w: cutlass.Constexpr, dkv, release):
-        """dKV of this block for the consumer's own chunks, added to (or stored
-        at) the slots' rows; dS^T and P^T are the dS / P buffers read MN-major.
-        Two accumulators: chunk c + 1's wgmma runs while chunk c's rows go out.
-        release: consumer 1 frees the dS / P buffers once its last wgmma is done."""
+        """dKV of this block for the warpgroup's own chunks, each added to (or
+        stored at) the slots' rows once its wgmma is done; dS^T and P^T are
+        the dS / P buffers read MN-major.  release: warpgroup 1 frees the
+        dS / P buffers once its last wgmma is done."""
         kv_mma, t64_layout, wtid, sQ, sdO, raw_ds, raw_p, dst = dkv
         thr = kv_mma.get_slice(wtid)
         dst_ = cute.make_tensor(cute.recast_ptr(raw_ds, t64_layout.inner), t64_layout.outer)
@@ -611,41 +543,16 @@ class SparseAttnBwdSm90:
         tArP = kv_mma.make_fragment_A(thr.partition_A(pt))
         raw_q = cute.recast_ptr(sQ.iterator, None)
         raw_do = cute.recast_ptr(sdO.iterator, None)
-        accs = (cute.make_rmem_tensor(thr.partition_shape_C((BN, 64)), Float32),
-                cute.make_rmem_tensor(thr.partition_shape_C((BN, 64)), Float32))
-        ops = (kv_mma, thr, t64_layout, tArdS, tArP, raw_q, raw_do)
-        if const_expr(self.pipelined and w == PIPELINED_W):
-            self.dkv_pipelined(w, ops, accs, release, dst)
-        else:
-            self.dkv_serial(w, ops, accs[0], release, dst)
-
-    @cute.jit
-    def dkv_serial(self, w: cutlass.Constexpr, ops, acc, release, dst):
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((BN, 64)), Float32)
         chunks = self.chunks[w]
         n = len(chunks)
         for c in cutlass.range_constexpr(n):
-            self.dkv_chunk(*ops, chunks[c], acc)
+            self.dkv_chunk(kv_mma, thr, t64_layout, tArdS, tArP, raw_q, raw_do, chunks[c], acc)
             warpgroup.wait_group(0)
             if const_expr(w == 1 and c + 1 == n):
                 if release:
                     pipeline.arrive(Barrier.FREE, PAIR_THREADS)
             self.scatter(acc, chunks[c], dst)
-
-    @cute.jit
-    def dkv_pipelined(self, w: cutlass.Constexpr, ops, accs, release, dst):
-        chunks = self.chunks[w]
-        n = len(chunks)
-        self.dkv_chunk(*ops, chunks[0], accs[0])
-        for c in cutlass.range_constexpr(n):
-            if const_expr(c + 1 < n):
-                self.dkv_chunk(*ops, chunks[c + 1], accs[(c + 1) % 2])
-                warpgroup.wait_group(1)
-            else:
-                warpgroup.wait_group(0)
-                if const_expr(w == 1):
-                    if release:
-                        pipeline.arrive(Barrier.FREE, PAIR_THREADS)
-            self.scatter(accs[c % 2], chunks[c], dst)
 
     @cute.jit
     def dkv_chunk(self, kv_mma, thr, t64_layout, tArdS, tArP, raw_q, raw_do, ch: cutlass.Constexpr, acc):
@@ -667,14 +574,30 @@ class SparseAttnBwdSm90:
     @cute.jit
     def scatter(self, acc, ch: cutlass.Constexpr, dst):
         """A [64 slots, 64 columns] dKV chunk into the slots' rows (valid slots
-        only): added, or stored in the deterministic build."""
-        rows, rok, col_lane, pol = dst
-        if const_expr(not self.do_scatter):
-            pass
-        elif const_expr(self.lines):
-            self.scatter_lines(acc, ch, rows, rok, pol)
-        else:
-            self.scatter_half_lines(acc, ch, rows, rok, col_lane, pol)
+        only): added, or stored in the deterministic build.  Lanes l and l ^ 4
+        hold rows 2 p and 2 p + 1 (+ 8 r).  For each 128-byte line (16-column
+        groups 2 l' and 2 l' + 1 of the chunk) each sends the other its second
+        group: the first instruction then writes row 2 p (the even lane its
+        first group, the odd lane the received second) and the second row
+        2 p + 1, so a warp's instruction covers four whole lines.  A thread's
+        floats of a group go out as they sit in its fragment, columns
+        8 h + 2 q + e at 4 q + 2 h + e."""
+        rows, rok, pol = dst
+        if const_expr(self.do_scatter):
+            odd = (cute.arch.lane_idx() // 4) % 2 == 1
+            for r in cutlass.range_constexpr(2):
+                for l_ in cutlass.range_constexpr(2):
+                    first = cute.make_rmem_tensor((4,), Float32)
+                    second = cute.make_rmem_tensor((4,), Float32)
+                    for k in cutlass.range_constexpr(4):
+                        j, e = 4 * l_ + k // 2, k % 2     # fragment column pair j: columns 8 j + 2 q + e
+                        mine = acc[4 * j + 2 * r + e]
+                        recv = cute.arch.shuffle_sync_bfly(Float32(acc[4 * (j + 2) + 2 * r + e]), 4)
+                        first[k] = Float32(cutlass.select_(odd, recv, mine))
+                        second[k] = Float32(cutlass.select_(odd, mine, recv))
+                    for k2, vals in ((0, first), (1, second)):
+                        addr = rows[2 * r + k2] + (ch * 64 + 32 * l_) * 4
+                        self.write4(rok[2 * r + k2], addr, [vals[0], vals[1], vals[2], vals[3]], pol)
 
     @cute.jit
     def write4(self, ok, addr, vals, pol):
@@ -685,54 +608,6 @@ class SparseAttnBwdSm90:
                 _global_f32(STORE, addr, *vals)
             else:
                 _global_f32(RED_ADD, addr, *vals, policy=pol)
-
-    @cute.jit
-    def scatter_lines(self, acc, ch: cutlass.Constexpr, rows, rok, pol):
-        """Lanes l and l ^ 4 hold rows 2 p and 2 p + 1 (+ 8 r).  For each
-        128-byte line (16-column groups 2 l' and 2 l' + 1 of the chunk) each
-        sends the other its second group: the first instruction then writes
-        row 2 p (the even lane its first group, the odd lane the received
-        second) and the second row 2 p + 1, so a warp's instruction covers
-        four whole lines.  A thread's floats of a group go out as they sit in
-        its fragment, columns 8 h + 2 q + e at 4 q + 2 h + e."""
-        odd = (cute.arch.lane_idx() // 4) % 2 == 1
-        for r in cutlass.range_constexpr(2):
-            for l_ in cutlass.range_constexpr(2):
-                first = cute.make_rmem_tensor((4,), Float32)
-                second = cute.make_rmem_tensor((4,), Float32)
-                for k in cutlass.range_constexpr(4):
-                    j, e = 4 * l_ + k // 2, k % 2     # fragment column pair j: columns 8 j + 2 q + e
-                    mine = acc[4 * j + 2 * r + e]
-                    recv = cute.arch.shuffle_sync_bfly(Float32(acc[4 * (j + 2) + 2 * r + e]), 4)
-                    first[k] = Float32(cutlass.select_(odd, recv, mine))
-                    second[k] = Float32(cutlass.select_(odd, mine, recv))
-                for k2, vals in ((0, first), (1, second)):
-                    addr = rows[2 * r + k2] + (ch * 64 + 32 * l_) * 4
-                    self.write4(rok[2 * r + k2], addr, [vals[0], vals[1], vals[2], vals[3]], pol)
-
-    @cute.jit
-    def scatter_half_lines(self, acc, ch: cutlass.Constexpr, rows, rok, col_lane, pol):
-        """Lane q of a quad holds the column pairs 8j + 2q of its rows.  For
-        each 16 columns 16m.. (pairs X_a at j = 2m + a), a butterfly on lane
-        bit 0 gives lane (q1, q0) the pairs (a = q0, lanes 2 q1 + {0, 1}), and
-        a read from lane (q0, q1) the columns 16m + 4q .. 16m + 4q + 3."""
-        q = col_lane // 2
-        odd = (q & 1) == 1
-        lane = cute.arch.lane_idx()
-        src = (lane - q) + ((q & 1) << 1) + (q >> 1)
-        for r in cutlass.range_constexpr(2):
-            for m in cutlass.range_constexpr(4):
-                out = cute.make_rmem_tensor((4,), Float32)
-                for e in cutlass.range_constexpr(2):
-                    x0 = acc[4 * (2 * m) + 2 * r + e]
-                    x1 = acc[4 * (2 * m + 1) + 2 * r + e]
-                    recv = cute.arch.shuffle_sync_bfly(Float32(cutlass.select_(odd, x0, x1)), 1)
-                    slot0 = Float32(cutlass.select_(odd, recv, x0))
-                    slot1 = Float32(cutlass.select_(odd, x1, recv))
-                    out[e] = cute.arch.shuffle_sync(slot0, src)
-                    out[2 + e] = cute.arch.shuffle_sync(slot1, src)
-                addr = rows[r] + (ch * 64 + 16 * m + 4 * q) * 4
-                self.write4(rok[r], addr, [out[0], out[1], out[2], out[3]], pol)
 
     @cute.jit
     def store_dq(self, acc_dq, c0: cutlass.Constexpr, t, head0, row_lo, col_lane, dq_ptr):

@@ -84,7 +84,7 @@ def supports(a: SparseAttnArgs) -> Optional[str]:
 # Tile selection
 
 
-def _heads_per_program(hg: int) -> int:
+def heads_per_program(hg: int) -> int:
     # 64 heads share one gathered kv tile; wgmma needs M = 64 per warpgroup
     # and a [64, 512] fp32 accumulator already fills 8 warps' registers.
     return max(16, min(64, triton.next_power_of_2(hg)))
@@ -133,9 +133,9 @@ def _candidates(a: SparseAttnArgs, bwd: bool) -> Iterator[TileConfig]:
     """Fastest first: the preferred tiles, then one pipeline stage, then fewer
     slots a step, then (only then) fewer heads a program."""
     if a.q.device.type == "cpu":  # the interpreter: small tiles run fastest
-        yield TileConfig(_heads_per_program(a.H // a.G), 16, 256, 4, 1)
+        yield TileConfig(heads_per_program(a.H // a.G), 16, 256, 4, 1)
         return
-    top = 16 if a.q.dtype == torch.float32 else _heads_per_program(a.H // a.G)
+    top = 16 if a.q.dtype == torch.float32 else heads_per_program(a.H // a.G)
     for BH in fit.halvings(top, 16):
         yield from fit.shrinking(_preferred(a, BH, bwd), (("num_stages", 1), ("BN", 16)))
 
@@ -189,7 +189,16 @@ def tiles_reason(fn_name: str, a: SparseAttnArgs) -> Optional[str]:
 
 
 def forward(a: SparseAttnArgs, config: Optional[TileConfig] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """out [T, H, d_v] in q.dtype and lse [T, H] fp32 (sink excluded, +inf on empty rows)."""
+    """out [T, H, d_v] in q.dtype and lse [T, H] fp32 (sink excluded, +inf on empty rows).
+
+    Without a ``config``, a call whose rows are too few to fill the GPU takes
+    the split kernels of sparse decode (dsa.triton.decode)."""
+    if config is None:
+        from dsa.triton import decode  # imports this module
+
+        routed = decode.attention_forward(a)
+        if routed is not None:
+            return routed
     cfg = config or fwd_config(a)
     T, H, G = a.T, a.H, a.G
     out = torch.empty((T, H, a.d_v), dtype=a.q.dtype, device=a.q.device)

@@ -38,8 +38,7 @@ from dsa._args import SparseAttnArgs, SparseDecodeArgs
 from dsa._rules import LOG2E
 from dsa.kv_cache import FORMATS, NATIVE
 from dsa.triton import fit
-from dsa.triton.decode_kernels import BF16, E4M3, decode_combine_kernel, sparse_decode_kernel
-from dsa.triton.decode_kernels import NATIVE as KIND_NATIVE
+from dsa.triton.decode_kernels import KIND_BF16, KIND_E4M3, KIND_NATIVE, decode_combine_kernel, sparse_decode_kernel
 from dsa.triton.rules import input_precision
 from dsa.triton.sparse_attention import MAX_D, TileConfig, heads_per_program
 from dsa.triton.sparse_attention_common import ColumnChunks
@@ -87,17 +86,17 @@ def row_layout(a: SparseDecodeArgs, CW: int) -> Tuple[Optional[RowLayout], str]:
     kind, src, sc_off = [], [], []
     for o, w in zip(ch.OFFS, ch.WS):
         if o + w <= fmt.d_nope and o // fmt.tile == (o + w - 1) // fmt.tile:
-            kind.append(E4M3)
+            kind.append(KIND_E4M3)
             src.append(o)
             sc_off.append((o // fmt.tile) * fmt.scale_bytes)
         elif o >= fmt.d_nope:
-            kind.append(BF16)
+            kind.append(KIND_BF16)
             src.append(fmt.rope_offset // 2 + o - fmt.d_nope)
             sc_off.append(0)
         else:
             return None, (f"d_v={a.d_v} does not fall on {a.cache_format}'s boundaries (scale tiles of {fmt.tile} "
                           f"values, RoPE from {fmt.d_nope}): its column chunks would straddle one")
-    scaled = tuple(k == E4M3 and not deq for k in kind)
+    scaled = tuple(k == KIND_E4M3 and not deq for k in kind)
     return RowLayout(ch, tuple(kind), tuple(src), tuple(sc_off), scaled, fmt.scale_bytes == 4, fmt.token_bytes,
                      fmt.scale_base(a.page_size), fmt.scale_stride(), deq), ""
 

@@ -46,10 +46,10 @@ from dsa.triton.rules import (
 )
 from dsa.triton.sparse_attention_common import load_chunks, store_chunks
 
-# KIND of a column chunk
-NATIVE = 0  # q's dtype, read as is
-E4M3 = 1  # FP8 NoPE values of one scale tile
-BF16 = 2  # bf16 RoPE values (stored as uint16 bits)
+# KIND of a column chunk (plain ints for the host, constexprs for the kernels)
+KIND_NATIVE, KIND_E4M3, KIND_BF16 = 0, 1, 2  # q's dtype as is; FP8 NoPE values of one scale tile; bf16 RoPE bits
+_NATIVE = tl.constexpr(KIND_NATIVE)
+_E4M3 = tl.constexpr(KIND_E4M3)
 
 
 @triton.jit
@@ -68,9 +68,9 @@ def kv_tiles(p_rows, p_scales, valid, WS: tl.constexpr, KIND: tl.constexpr, SRC:
     for c in tl.static_range(len(WS)):
         o_c = SRC[c] + tl.arange(0, WS[c])
         sc = tl.full([BN], 1.0, tl.float32)
-        if KIND[c] == NATIVE:
+        if KIND[c] == _NATIVE:
             tile = tl.load(p_rows[:, None] + o_c[None, :], mask=valid[:, None], other=0.0)
-        elif KIND[c] == E4M3:
+        elif KIND[c] == _E4M3:
             b = tl.load(p_rows[:, None] + o_c[None, :], mask=valid[:, None], other=0)
             if SC_FP32:
                 sc = tl.load((p_scales + SC_OFF[c]).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)

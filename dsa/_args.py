@@ -18,6 +18,7 @@ backend).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -149,6 +150,13 @@ class SparseDecodeArgs(_SlotSizes):
     def len_div(self) -> int:
         """Rows sharing one topk_length entry: 1, or rows_per_seq for per-sequence lengths."""
         return 1 if self.topk_length is None else self.T // max(1, self.topk_length.shape[0])
+
+    @functools.cached_property
+    def shape_key(self) -> tuple:
+        """Everything but the tensors' values that a backend's choice and launch depend on (hashable)."""
+        return (self.q.dtype, self.q.device, self.T, self.H, self.D, self.kv.dtype, self.G, self.page_size, self.K,
+                self.d_v, self.cache_format, self.indices.dtype, *(None if t is None else t.dtype for t in (
+                    self.topk_length, self.block_table, self.seq_lens, self.sink)))
 
     def kernel_dtype_reason(self) -> Optional[str]:
         """Why the dtypes the kernels read directly do not hold (None if they do)."""

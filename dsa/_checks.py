@@ -318,7 +318,9 @@ def _decode_tables(block_table, seq_lens, B: int, num_pages: int, page_size: int
         block_table = _safe_indices(block_table, num_pages, None)
     if seq_lens is not None:
         _shape("seq_lens", seq_lens, (B,), "one length per sequence [B]")
-        seq_lens = _int32(seq_lens.clamp(-1, block_table.shape[1] * page_size)).contiguous()
+        if seq_lens.dtype != torch.int32:  # clamped before the cast, so no length wraps
+            seq_lens = _int32(seq_lens.clamp(-1, block_table.shape[1] * page_size))
+        seq_lens = seq_lens.contiguous()
     return block_table.contiguous(), seq_lens
 
 
@@ -359,8 +361,9 @@ def sparse_decode_args(
         if not (batched and tuple(topk_length.shape) == (B,)):
             _shape("topk_length", topk_length, row_shape,
                    f"one length per query row {rows}" + (" or per sequence [B]" if batched else ""))
-        # clamp before the cast so int64 lengths past 2**31 cannot wrap negative
-        topk_length = _int32(topk_length.reshape(-1).clamp(-1, K)).contiguous()
+        # int64: clamped before the cast so lengths past 2**31 cannot wrap (int32 is clamped where it is read)
+        topk_length = topk_length.reshape(-1)
+        topk_length = (topk_length if topk_length.dtype == torch.int32 else _int32(topk_length.clamp(-1, K))).contiguous()
     pages = block_table.shape[1] if block_table is not None else kv.shape[0]
     idx = indices.reshape(T, G, K)
     if idx.dtype != torch.int32:

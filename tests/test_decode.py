@@ -454,3 +454,55 @@ def test_model_shapes_against_reference(fmt, B, H):
                                      backend="reference", **kw)
     assert bf.rel_l2(out, ref) < 1e-2
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+
+
+# --------------------------------------------------------------------------
+# the launcher that skips Triton's per-call binding
+
+
+def test_launcher_spec_holds_tritons_specialization():
+    """Two arguments with equal arg_spec (and dtype) get equal Triton specializations."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from dsa.triton.launch import arg_spec
+
+    buf = torch.zeros(64, dtype=torch.uint8)
+    values = [1, 0, 16, 17, -16, 2**31 - 16, 2**31, 2**40 + 1, 2**63, -(2**31), -(2**31) - 16, 0.5, None,
+              buf, buf[1:], buf[16:], buf[8:]]
+    tritons = {}
+    for v in values:
+        spec = (getattr(v, "dtype", None), arg_spec(v))
+        got = native_specialize_impl(BaseBackend, v, False, True, True)
+        assert tritons.setdefault(spec, got) == got, (v, spec, got, tritons[spec])
+
+
+def test_launcher_calls_the_compiled_kernel_directly():
+    from dsa.triton.launch import Launcher
+
+    calls = []
+
+    class Compiled:
+        packed_metadata = object()
+
+        def __getitem__(self, grid):
+            return lambda *args: calls.append(("direct", grid, args))
+
+    class Jit:
+        arg_names = ["x", "n", "A", "B"]
+
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                calls.append(("jit", grid, args, kw))
+                return Compiled()
+            return run
+
+    launch = Launcher(Jit())
+    x = torch.zeros(32)
+    consts = dict(A=3, B=(1, 2), num_warps=4)
+    launch((2,), (x, 32), consts, "k")
+    launch((3,), (x, 48), consts, "k")  # same specialization: the compiled kernel, constexprs appended
+    launch((3,), (x[1:], 48), consts, "k")  # another alignment: through the JIT again
+    launch((3,), (x, 17), consts, "k")  # another int class
+    assert [c[0] for c in calls] == ["jit", "direct", "jit", "jit"]
+    assert calls[1] == ("direct", (3,), (x, 48, 3, (1, 2)))

@@ -39,6 +39,7 @@ from dsa._rules import LOG2E
 from dsa.kv_cache import FORMATS, NATIVE
 from dsa.triton import fit
 from dsa.triton.decode_kernels import KIND_BF16, KIND_E4M3, KIND_NATIVE, decode_combine_kernel, sparse_decode_kernel
+from dsa.triton.launch import Launcher
 from dsa.triton.rules import input_precision
 from dsa.triton.sparse_attention import MAX_D, TileConfig, heads_per_program
 from dsa.triton.sparse_attention_common import ColumnChunks
@@ -181,6 +182,7 @@ def combine_spec(a: SparseDecodeArgs, splits: int) -> fit.KernelSpec:
 
 
 def _key(a: SparseDecodeArgs) -> Tuple:
+    """What the tiles depend on (not the rows, slots or device)."""
     return ("decode", a.q.dtype, a.H, a.G, a.D, a.d_v, a.cache_format, a.page_size, a.topk_length is not None,
             a.block_table is not None, a.seq_lens is not None, a.sink is not None)
 
@@ -234,8 +236,9 @@ def split_plan(programs: int, K: int, BN: int, sms: int, splits: Optional[int] =
 # Launch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Plan:
+    key: Tuple  # what it was built from: equal keys, equal plans
     cfg: TileConfig
     splits: int
     chunk: int
@@ -249,7 +252,7 @@ _PLANS: Dict[Tuple, _Plan] = {}
 _MAX_PLANS = 4096  # distinct (shape, flags, device) keys kept; a serving loop has a few hundred at most
 
 
-def _build(a: SparseDecodeArgs, splits: Optional[int]) -> _Plan:
+def _build(key: Tuple, a: SparseDecodeArgs, splits: Optional[int]) -> _Plan:
     cfg, why = pick(a)
     if cfg is None:
         raise ValueError(why)
@@ -260,39 +263,41 @@ def _build(a: SparseDecodeArgs, splits: Optional[int]) -> _Plan:
     comb = combine_spec(a, S)
     c = comb.constexprs
     comb_grid = (a.T, triton.cdiv(a.H, c["BHC"]), triton.cdiv(a.d_v, c["BV"]))
-    return _Plan(cfg, S, chunk, grid, spec.launch_kwargs(), comb_grid, comb.launch_kwargs())
+    return _Plan(key, cfg, S, chunk, grid, spec.launch_kwargs(), comb_grid, comb.launch_kwargs())
 
 
 def plan(a: SparseDecodeArgs, splits: Optional[int] = None) -> _Plan:
     """The launch of ``a``: built once per shape, dtype, flag and device (no tensor is kept)."""
-    key = _key(a) + (a.T, a.K, a.q.device, splits)
+    key = (a.shape_key, splits)
     p = _PLANS.get(key)
     if p is None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
-        p = _PLANS[key] = _build(a, splits)
+        p = _PLANS[key] = _build(key, a, splits)
     return p
+
+
+_DECODE = Launcher(sparse_decode_kernel)
+_COMBINE = Launcher(decode_combine_kernel)
 
 
 def forward(a: SparseDecodeArgs, splits: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """out [T, H, d_v] in q.dtype and lse [T, H] fp32 (sink excluded, +inf on empty rows)."""
     p = plan(a, splits)
-    T, H, dev = a.T, a.H, a.q.device
+    T, H, S, dev = a.T, a.H, p.splits, a.q.device
     out = torch.empty((T, H, a.d_v), dtype=a.q.dtype, device=dev)
     lse = torch.empty((T, H), dtype=torch.float32, device=dev)
-    bt = a.block_table
-    if p.splits == 1:
+    if S == 1:
         part_out, part_lse = out, lse
-    else:
-        part_out = torch.empty((T, H, p.splits, a.d_v), dtype=torch.float32, device=dev)
-        part_lse = torch.empty((T, H, p.splits), dtype=torch.float32, device=dev)
-    sparse_decode_kernel[p.grid](
-        a.q, a.kv, a.indices, a.topk_length, bt, a.seq_lens, a.sink, part_out, part_lse,
-        a.N, a.num_pages, a.K, p.chunk, a.len_div, a.rows_per_seq, bt.shape[1] if bt is not None else 0,
-        a.kv.stride(0), a.sm_scale * LOG2E, **p.launch,
-    )
-    if p.splits > 1:
-        decode_combine_kernel[p.combine_grid](part_out, part_lse, a.sink, out, lse, p.splits, **p.combine)
+    else:  # one workspace: the parts' lse [T, H, S], then their outputs [T, H, S, d_v]
+        work = torch.empty(T * H * S * (a.d_v + 1), dtype=torch.float32, device=dev)
+        part_lse, part_out = work[: T * H * S], work[T * H * S:]
+    bt = a.block_table
+    _DECODE(p.grid, (a.q, a.kv, a.indices, a.topk_length, bt, a.seq_lens, a.sink, part_out, part_lse,
+                     a.N, a.num_pages, a.K, p.chunk, a.len_div, a.rows_per_seq, bt.shape[1] if bt is not None else 0,
+                     a.kv.stride(0), a.sm_scale * LOG2E), p.launch, p.key)
+    if S > 1:
+        _COMBINE(p.combine_grid, (part_out, part_lse, a.sink, out, lse, S), p.combine, p.key)
     return out, lse
 
 

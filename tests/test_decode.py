@@ -143,12 +143,17 @@ def test_rows_per_sequence(fast_case, call, S):
 # the contract's edge cases
 
 
+def flat_problem(case, seed, T, H, N, K, low=0, D=32):
+    """q [T, H, D], a flat kv [N, D] and indices [T, K] drawn from [low, N), in the case's dtype and device."""
+    gen = _gen(seed)
+    q, kv = rand((T, H, D), case, gen), rand((N, D), case, gen)
+    return q, kv, torch.randint(low, N, (T, K), generator=gen).int().to(case.device)
+
+
 def test_topk_length_regimes(fast_case, call):
     case = fast_case
-    gen = _gen(7)
-    T, H, D, N, K = 5, 2, 32, 30, 12
-    q, kv = rand((T, H, D), case, gen), rand((N, D), case, gen)
-    idx = torch.randint(0, N, (T, K), generator=gen).int().to(case.device)
+    K = 12
+    q, kv, idx = flat_problem(case, 7, T=5, H=2, N=30, K=K)
     out, lse, _ = run_and_check(call, case, q, kv, idx, d_v=16, topk_length=ints([0, -3, K + 5, 2, K], case.device))
     assert torch.isposinf(lse[:2]).all() and (out[:2] == 0).all()
 
@@ -156,10 +161,8 @@ def test_topk_length_regimes(fast_case, call):
 def test_empty_rows_and_sink_extremes(fast_case, call):
     """A row with no valid slot: out 0, lse +inf, whatever the sink. Sinks +inf, huge, -inf, finite."""
     case = fast_case
-    gen = _gen(8)
-    T, H, D, N, K = 3, 4, 32, 16, 8
-    q, kv = rand((T, H, D), case, gen), rand((N, D), case, gen)
-    idx = torch.randint(0, N, (T, K), generator=gen).int().to(case.device)
+    N = 16
+    q, kv, idx = flat_problem(case, 8, T=3, H=4, N=N, K=8)
     idx[1] = -1
     idx[2, ::2] = N + 100
     sink = torch.tensor([INF, 3e38, -INF, 0.5], device=case.device)
@@ -193,10 +196,7 @@ def test_poison_outside_the_referenced_rows(fast_case, call):
 
 def test_nan_in_q_and_in_a_valid_row_propagates(fast_case, call):
     case = fast_case
-    gen = _gen(10)
-    T, H, D, N, K = 3, 2, 32, 12, 6
-    q, kv = rand((T, H, D), case, gen), rand((N, D), case, gen)
-    idx = torch.randint(1, N, (T, K), generator=gen).int().to(case.device)
+    q, kv, idx = flat_problem(case, 10, T=3, H=2, N=12, K=6, low=1)
     q[0, 1, 3] = float("nan")
     idx[2, 0] = 0
     kv[0, 5] = float("nan")

@@ -41,10 +41,9 @@ from dsa.triton import fit
 from dsa.triton.decode_kernels import KIND_BF16, KIND_E4M3, KIND_NATIVE, decode_combine_kernel, sparse_decode_kernel
 from dsa.triton.launch import Launcher
 from dsa.triton.rules import input_precision
-from dsa.triton.sparse_attention import MAX_D, TileConfig, heads_per_program
+from dsa.triton.sparse_attention import TileConfig, heads_per_program, shared_reason
 from dsa.triton.sparse_attention_common import ColumnChunks
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INTERPRETER_SMS = 8  # the SM count the split rule assumes under the interpreter
 _COMBINE_HEADS = 16  # heads a merge program holds ([16, 128] fp32: 16 registers a thread at 4 warps)
 
@@ -108,18 +107,7 @@ def row_layout(a: SparseDecodeArgs, CW: int) -> Tuple[Optional[RowLayout], str]:
 
 def supports(a: SparseDecodeArgs) -> Optional[str]:
     """None when the Triton kernels can serve ``a``, else the reason."""
-    if a.q.dtype not in _DTYPES:
-        return f"q dtype {a.q.dtype} is not fp16, bf16 or fp32"
-    if a.D % 16 or a.d_v % 16:
-        return f"D={a.D} and d_v={a.d_v} must be multiples of 16"
-    if a.D > MAX_D:
-        return f"D={a.D} exceeds {MAX_D}"
-    why = a.kernel_dtype_reason()
-    if why:
-        return why
-    if a.q.device.type == "cpu" and a.q.dtype == torch.bfloat16:
-        return "the Triton interpreter does not compute bf16 correctly on CPU"
-    return row_layout(a, 128)[1] or None
+    return shared_reason(a) or row_layout(a, 128)[1] or None
 
 
 # ----------------------------------------------------------------------------

@@ -58,20 +58,26 @@ class TileConfig:
 
 def supports(a: SparseAttnArgs) -> Optional[str]:
     """None when the Triton kernels can serve ``a``, else the reason."""
-    if a.q.dtype not in _DTYPES:
-        return f"q dtype {a.q.dtype} is not fp16, bf16 or fp32"
     if a.kv.dtype != a.q.dtype:
         return f"kv dtype {a.kv.dtype} differs from q dtype {a.q.dtype}"
     if a.q.dim() != 3 or a.kv.dim() != 3 or a.indices.dim() != 3:
         return "expected the canonical layout q [T,H,D], kv [N,G,D], indices [T,G,K]"
-    if a.D % 16 or a.d_v % 16:
-        return f"D={a.D} and d_v={a.d_v} must be multiples of 16"
-    if a.D > MAX_D:
-        return f"D={a.D} exceeds {MAX_D}"
     if not 0 < a.d_v <= a.D:
         return f"d_v={a.d_v} must be in (0, D={a.D}]"
     if a.kv.shape[2] != a.D or a.H % a.G:
         return f"H={a.H} is not a multiple of G={a.G}, or kv's D differs from q's"
+    return shared_reason(a)
+
+
+def shared_reason(a) -> Optional[str]:
+    """What every sparse-attention kernel (forward, backward, decode) needs of
+    ``a``'s dtypes and head dims: None, or the reason it does not hold."""
+    if a.q.dtype not in _DTYPES:
+        return f"q dtype {a.q.dtype} is not fp16, bf16 or fp32"
+    if a.D % 16 or a.d_v % 16:
+        return f"D={a.D} and d_v={a.d_v} must be multiples of 16"
+    if a.D > MAX_D:
+        return f"D={a.D} exceeds {MAX_D}"
     why = a.kernel_dtype_reason()
     if why:
         return why

@@ -309,6 +309,9 @@ def attention_forward(a: SparseAttnArgs) -> Optional[Tuple[torch.Tensor, torch.T
     rows to fill the GPU (on CUDA, where the SM count is real), else None."""
     if not a.q.is_cuda:
         return None
+    # the fewest programs the rows can take (64 heads each): with no room for a second split, nothing to build
+    if sm_count(a.q.device) < 2 * a.T * a.G * triton.cdiv(a.H // a.G, 64):
+        return None
     d = as_decode(a)
     if supports(d) is not None or pick(d)[0] is None or plan(d).splits == 1:
         return None

@@ -288,13 +288,16 @@ def test_quantize_rejects_bad_input():
 # the split rule, and sparse attention through the split kernels
 
 
+@pytest.mark.parametrize("BN", [64, 32])
 @pytest.mark.parametrize("B,H,splits", [(1, 64, 32), (1, 128, 32), (32, 64, 4), (32, 128, 2), (128, 64, 1),
                                         (128, 128, 1)])
-def test_split_plan_fills_one_wave(B, H, splits):
-    """At the issue's shapes on a 132-SM H200 (64 heads a program, K = 2048 in blocks of 64)."""
+def test_split_plan_fills_one_wave(B, H, splits, BN):
+    """At the issue's shapes on a 132-SM H200 (64 heads a program, K = 2048 in blocks of BN, at least 64
+    slots a split)."""
     programs = B * (H // 64)
-    S, chunk = tdecode.split_plan(programs, 2048, 64, 132)
-    assert S == splits and programs * S <= max(132, programs) and chunk * S >= 2048 and chunk % 64 == 0
+    S, chunk = tdecode.split_plan(programs, 2048, BN, 132)
+    assert S == splits and programs * S <= max(132, programs) and chunk * S >= 2048 and chunk % BN == 0
+    assert tdecode.split_plan(1, 2048, BN, 132, splits=64) == (2048 // BN, BN)  # forced: down to one block
 
 
 def test_sparse_attention_of_few_rows_through_the_split_kernels():

@@ -12,13 +12,13 @@ module checks what they serve, picks tiles that fit the device
 
 Splits. A decode step has few rows: B1 at H = 128 is 2 programs of 64
 heads, 2 of an H200's 132 SMs. Each row's K slots are cut into S chunks of
-whole BN blocks, S = min(SMs // programs, K / BN), so the programs fill
+whole BN blocks, S = min(SMs // programs, K / 64), so the programs fill
 about one wave; a merge kernel then combines the parts by their lse. S
 depends on the shapes and the device only, so the workspace
 ([T, H, S, d_v] + [T, H, S] fp32) is the same for every call of a shape and
 nothing is read back from the device (CUDA graphs capture it). Under the
-interpreter the device is taken to have ``INTERPRETER_SMS`` SMs, so the
-tests' few rows run the split path.
+interpreter the device is taken to have ``INTERPRETER_SMS`` SMs and a split
+may be one block, so the tests' few rows and slots run the split path.
 
 Host time. A call's launch parameters (tiles, splits, the constexprs, the
 grids) depend only on the shapes, dtypes and flags, and are built once per
@@ -118,10 +118,20 @@ def _chunk_width(a: SparseDecodeArgs, preferred: int) -> int:
     return FORMATS[a.cache_format].tile if a.cache_format != NATIVE else preferred
 
 
+# Tiles. A native cache takes the sparse-attention forward's measured tiles
+# (64 heads, BN = 64, CW = 128, 2 stages: bench/notes_sparse_attention.md).
+# An FP8 tile is converted in registers before it reaches shared memory, and
+# at BN = 64 that spills (ptxas, sm_90, H = 128 with a block table: 752 B of
+# spill stores in V3.2, 1784 B in MODEL1, against 136 B and 480 B at BN = 32
+# and 156 B for the native kernel), so FP8 starts at BN = 32. Not yet timed
+# on a GPU: bench/decode_peers.py is the measurement to make.
+_FP8_BN = 32
+
+
 def _candidates(a: SparseDecodeArgs) -> Iterator[TileConfig]:
-    """Fastest first, as the sparse-attention forward's (whose kernel this one
-    extends): 64 heads a program, BN = 64, 2 stages, CW = 128 (an FP8 cache:
-    its scale tile); then one stage, fewer slots a step, fewer heads."""
+    """Fastest first: 64 heads a program, BN = 64 (FP8: 32), 2 stages, CW =
+    128 (an FP8 cache: its scale tile); then one stage, fewer slots a step,
+    fewer heads."""
     hg = a.H // a.G
     if a.q.device.type == "cpu":  # the interpreter: small tiles run fastest
         yield TileConfig(heads_per_program(hg), 16, _chunk_width(a, 256), 4, 1)
@@ -129,9 +139,10 @@ def _candidates(a: SparseDecodeArgs) -> Iterator[TileConfig]:
     if a.q.dtype == torch.float32:
         yield from fit.shrinking(TileConfig(16, 32, _chunk_width(a, 64), 4, 1), (("BN", 16),))
         return
+    BN = 64 if a.cache_format == NATIVE else _FP8_BN
     for BH in fit.halvings(heads_per_program(hg), 16):
         warps = 8 if BH * a.d_v >= 64 * 256 else 4
-        yield from fit.shrinking(TileConfig(BH, 64, _chunk_width(a, 128), warps, 2), (("num_stages", 1), ("BN", 16)))
+        yield from fit.shrinking(TileConfig(BH, BN, _chunk_width(a, 128), warps, 2), (("num_stages", 1), ("BN", 16)))
 
 
 def _smem_bytes(a: SparseDecodeArgs, c: TileConfig) -> int:
@@ -206,16 +217,22 @@ def sm_count(device: torch.device) -> int:
     return _SMS[key]
 
 
-def split_plan(programs: int, K: int, BN: int, sms: int, splits: Optional[int] = None) -> Tuple[int, int]:
+_MIN_SPLIT_SLOTS = 64  # a split reads q and writes a [heads, d_v] fp32 part: give it at least 64 slots
+
+
+def split_plan(programs: int, K: int, BN: int, sms: int, splits: Optional[int] = None,
+               min_slots: int = _MIN_SPLIT_SLOTS) -> Tuple[int, int]:
     """(S, CHUNK): the split count and the slots of a split (whole BN blocks).
 
-    S = min(SMs // programs, blocks of K) fills about one wave without a
-    second, partial one (B32 at H = 128: 64 programs, 2 splits, 128 of 132
-    SMs); ``splits`` forces S (clamped to [1, blocks]). S is recomputed from
-    CHUNK so that no split starts past K."""
+    S = min(SMs // programs, K / 64) fills about one wave without a second,
+    partial one (B32 at H = 128: 64 programs, 2 splits, 128 of 132 SMs);
+    ``splits`` forces S (clamped to [1, K / BN]). S is recomputed from CHUNK
+    so that no split starts past K."""
     blocks = triton.cdiv(K, BN)
-    S = max(1, sms // max(programs, 1)) if splits is None else splits
-    S = min(max(S, 1), blocks)
+    if splits is None:
+        S = min(max(1, sms // max(programs, 1)), triton.cdiv(K, max(BN, min_slots)))
+    else:
+        S = min(max(splits, 1), blocks)
     chunk = triton.cdiv(blocks, S) * BN
     return triton.cdiv(K, chunk), chunk
 
@@ -245,7 +262,8 @@ def _build(key: Tuple, a: SparseDecodeArgs, splits: Optional[int]) -> _Plan:
     if cfg is None:
         raise ValueError(why)
     programs = a.T * a.G * triton.cdiv(a.H // a.G, cfg.BH)
-    S, chunk = split_plan(programs, a.K, cfg.BN, sm_count(a.q.device), splits)
+    # under the interpreter a split may be a single block, so the tests' few slots still split
+    S, chunk = split_plan(programs, a.K, cfg.BN, sm_count(a.q.device), splits, _MIN_SPLIT_SLOTS if a.q.is_cuda else 1)
     spec = kernel_spec(a, cfg, S > 1, fit.device_target(a.q))
     grid = (a.T * a.G, triton.cdiv(a.H // a.G, cfg.BH), S)
     comb = combine_spec(a, S)

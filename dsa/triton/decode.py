@@ -122,7 +122,7 @@ def _chunk_width(a: SparseDecodeArgs, preferred: int) -> int:
 # (64 heads, BN = 64, CW = 128, 2 stages: bench/notes_sparse_attention.md).
 # An FP8 tile is converted in registers before it reaches shared memory, and
 # at BN = 64 that spills (ptxas, sm_90, H = 128 with a block table: 752 B of
-# spill stores in V3.2, 1784 B in MODEL1, against 136 B and 480 B at BN = 32
+# spill stores in V3.2, 1784 B in MODEL1 at H = 64, against 136 B and 480 B at BN = 32
 # and 156 B for the native kernel), so FP8 starts at BN = 32. Not yet timed
 # on a GPU: bench/decode_peers.py is the measurement to make.
 _FP8_BN = 32

@@ -1,6 +1,7 @@
 """dsa: DeepSeek Sparse Attention kernels.
 
     from dsa import sparse_attention, indexer_scores, topk_indices, indexer_topk, explain
+    from dsa import sparse_decode, quantize_kv_cache, dequantize_kv_cache   # serving
 
 Backends: ``reference`` (plain PyTorch, any device), ``triton`` (every CUDA
 GPU), ``cute`` (CuTe DSL kernels for Hopper/Blackwell where measured faster).
@@ -8,6 +9,8 @@ GPU), ``cute`` (CuTe DSL kernels for Hopper/Blackwell where measured faster).
 """
 
 from dsa.api import explain, indexer_scores, indexer_topk, sparse_attention, topk_indices
+from dsa.decode import sparse_decode
+from dsa.kv_cache import dequantize_kv_cache, quantize_kv_cache
 from dsa.training import attention_target, dense_attention_target, indexer_kl_loss, sparse_indexer_scores
 
 __all__ = [
@@ -20,6 +23,9 @@ __all__ = [
     "sparse_indexer_scores",
     "indexer_kl_loss",
     "dense_attention_target",
+    "sparse_decode",
+    "quantize_kv_cache",
+    "dequantize_kv_cache",
 ]
 
 __version__ = "0.1.0"

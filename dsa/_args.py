@@ -18,6 +18,7 @@ backend).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -91,6 +92,78 @@ class SparseAttnArgs(_SlotSizes):
             return f"indices dtype {self.indices.dtype} is not int32"
         if self.topk_length is not None and self.topk_length.dtype != torch.int32:
             return f"topk_length dtype {self.topk_length.dtype} is not int32"
+        if self.sink is not None and self.sink.dtype != torch.float32:
+            return f"sink dtype {self.sink.dtype} is not fp32"
+        return None
+
+
+@dataclass(frozen=True)
+class SparseDecodeArgs(_SlotSizes):
+    """Sparse decode over a (paged, possibly FP8) KV cache, canonical form.
+
+    q:            [T, H, D]   bf16 / fp16 / fp32 (fp64 on the reference); T = B * rows_per_seq
+    kv:           the cache, its last dims contiguous, any page stride:
+                  ``native``: [P, page_size, G, D] in q's dtype (a flat cache
+                  [N, G, D] is P = N pages of one row);
+                  ``fp8_v32`` / ``fp8_model1``: uint8 [P, page_size, bytes]
+                  (dsa.kv_cache), G = 1
+    indices:      [T, G, K] int32; without block_table the cache slot
+                  page * page_size + offset, with it the position within the
+                  row's sequence; any value allowed (invalid slots are never read)
+    topk_length:  [T] (per row) or [B] (per sequence, B = T / rows_per_seq) int32, or None
+    block_table:  [B, W] int32 or None: page of logical page i of sequence b
+    seq_lens:     [B] int32 or None (only with block_table): positions >= seq_lens[b] are invalid
+    sink:         [H] fp32 or None
+    sm_scale, d_v: as in SparseAttnArgs (V = the dequantised row's first d_v values)
+    cache_format: "native", "fp8_v32" or "fp8_model1"
+    rows_per_seq: query rows of a sequence (row t belongs to sequence t // rows_per_seq)
+
+    Slot j of row t (sequence b) is valid iff j < clamp(topk_length, 0, K),
+    0 <= indices[t, g, j] < N (N = P * page_size, or W * page_size with a
+    block table) and, with a block table, indices < seq_lens[b] and the page
+    block_table[b, indices // page_size] is in [0, P).
+    """
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    indices: torch.Tensor
+    topk_length: Optional[torch.Tensor]
+    block_table: Optional[torch.Tensor]
+    seq_lens: Optional[torch.Tensor]
+    sink: Optional[torch.Tensor]
+    sm_scale: float
+    d_v: int
+    cache_format: str
+    rows_per_seq: int
+
+    num_pages = property(lambda self: self.kv.shape[0], doc="pages of the cache (P)")
+    page_size = property(lambda self: self.kv.shape[1], doc="tokens a page")
+    G = property(lambda self: self.kv.shape[2] if self.kv.dim() == 4 else 1, doc="kv heads (H_kv)")
+
+    @property
+    def N(self) -> int:
+        """How many slots an index may address."""
+        pages = self.block_table.shape[1] if self.block_table is not None else self.num_pages
+        return pages * self.page_size if self.num_pages else 0
+
+    @property
+    def len_div(self) -> int:
+        """Rows sharing one topk_length entry: 1, or rows_per_seq for per-sequence lengths."""
+        return 1 if self.topk_length is None else self.T // max(1, self.topk_length.shape[0])
+
+    @functools.cached_property
+    def shape_key(self) -> tuple:
+        """Everything but the tensors' values that a backend's choice and launch depend on (hashable)."""
+        return (self.q.dtype, self.q.device, self.T, self.H, self.D, self.kv.dtype, self.G, self.page_size, self.K,
+                self.d_v, self.cache_format, self.indices.dtype, *(None if t is None else t.dtype for t in (
+                    self.topk_length, self.block_table, self.seq_lens, self.sink)))
+
+    def kernel_dtype_reason(self) -> Optional[str]:
+        """Why the dtypes the kernels read directly do not hold (None if they do)."""
+        for name in ("indices", "topk_length", "block_table", "seq_lens"):
+            t = getattr(self, name)
+            if t is not None and t.dtype != torch.int32:
+                return f"{name} dtype {t.dtype} is not int32"
         if self.sink is not None and self.sink.dtype != torch.float32:
             return f"sink dtype {self.sink.dtype} is not fp32"
         return None

@@ -23,7 +23,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from dsa._args import DenseTargetArgs, IndexerArgs, SparseAttnArgs, SparseIndexerArgs, TopkArgs
+from dsa import kv_cache as kv_formats
+from dsa._args import DenseTargetArgs, IndexerArgs, SparseAttnArgs, SparseDecodeArgs, SparseIndexerArgs, TopkArgs
 from dsa._rules import acc_dtype, slot_validity
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -184,12 +185,16 @@ def _sparse_shapes(q, kv, indices):
     if G < 1 or H % G != 0:
         raise ValueError(f"kv: the number of kv heads H_kv={G} must divide the query heads H={H}")
 
-    row_shape = (B, S) if batched else (S,)
-    rows = "[B, S]" if batched else "[T]"
+    _indices_shape(indices, *_row_shape(B, S), G, "kv")
+    return B, S, H, D, N, G, indices.shape[-1]
+
+
+def _indices_shape(indices: torch.Tensor, row_shape: Tuple[int, ...], rows: str, G: int, kv_name: str) -> None:
+    """indices [*row_shape, K], or [*row_shape, G, K] (required when G > 1)."""
     if indices.dim() == len(row_shape) + 2:
         if indices.shape[len(row_shape)] != G:
             raise ValueError(
-                f"indices: expected {G} kv heads on dim {len(row_shape)} (that of kv), "
+                f"indices: expected {G} kv heads on dim {len(row_shape)} (that of {kv_name}), "
                 f"got shape {tuple(indices.shape)}"
             )
     elif not (indices.dim() == len(row_shape) + 1 and G == 1):
@@ -199,11 +204,24 @@ def _sparse_shapes(q, kv, indices):
         raise ValueError(
             f"indices: expected leading dims {tuple(row_shape)} (those of q), got {tuple(indices.shape)}"
         )
-    return B, S, H, D, N, G, indices.shape[-1]
 
 
 def _row_shape(B: Optional[int], S: int) -> Tuple[Tuple[int, ...], str]:
     return ((B, S), "[B, S]") if B is not None else ((S,), "[T]")
+
+
+def _scale_dv_sink(q: torch.Tensor, D: int, H: int, sm_scale, d_v, sink) -> Tuple[float, int, Optional[torch.Tensor]]:
+    """sm_scale (default 1/sqrt(D)), d_v (default min(D, 512), at most D) and the sink [H] fp32, checked."""
+    d_v = _int("d_v", min(D, 512) if d_v is None else d_v, low=1)
+    if d_v > D:
+        raise ValueError(f"d_v: expected d_v <= D={D}, got {d_v}")
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else _float("sm_scale", sm_scale)
+    if sink is not None:
+        _shape("sink", sink, (H,), "one value per query head")
+        if q.dtype != torch.float64 and sink.dtype != torch.float32:
+            raise TypeError(f"sink: expected dtype float32, got {sink.dtype}")
+        sink = sink.contiguous()
+    return sm_scale, d_v, sink
 
 
 def sparse_attention_args(
@@ -216,16 +234,8 @@ def sparse_attention_args(
     _same_device("q", q, kv=kv, indices=indices, sink=sink, topk_length=topk_length)
     B, S, H, D, N, G, K = _sparse_shapes(q, kv, indices)
 
-    d_v = _int("d_v", min(D, 512) if d_v is None else d_v, low=1)
-    if d_v > D:
-        raise ValueError(f"d_v: expected d_v <= D={D}, got {d_v}")
-    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else _float("sm_scale", sm_scale)
+    sm_scale, d_v, sink = _scale_dv_sink(q, D, H, sm_scale, d_v, sink)
     flag("deterministic", deterministic)
-    if sink is not None:
-        _shape("sink", sink, (H,), "one value per query head")
-        if q.dtype != torch.float64 and sink.dtype != torch.float32:
-            raise TypeError(f"sink: expected dtype float32, got {sink.dtype}")
-        sink = sink.contiguous()
     row_shape, rows = _row_shape(B, S)
     if topk_length is not None:
         _shape("topk_length", topk_length, row_shape, f"one length per query row {rows}")
@@ -244,6 +254,123 @@ def sparse_attention_args(
     args = SparseAttnArgs(q.reshape(T, H, D).contiguous(), kvc, idx.contiguous(), topk_length, sink, sm_scale, d_v,
                           deterministic)
     return args, SparseAttnLayout(batch=B, seqlen=S)
+
+
+# --------------------------------------------------------------------------
+# sparse decode
+
+
+def _decode_format(kv_cache: torch.Tensor, cache_format) -> str:
+    """The cache's format: the one named, else inferred (a byte cache by its bytes a token)."""
+    if cache_format is not None and not isinstance(cache_format, str):
+        raise TypeError(f"cache_format: expected a str or None, got {type(cache_format).__name__}")
+    byte_cache = kv_cache.dtype in kv_formats.BYTE_DTYPES
+    if cache_format is None:
+        if not byte_cache:
+            return kv_formats.NATIVE
+        name = kv_formats.format_of_bytes(kv_cache.shape[-1]) if kv_cache.dim() else None
+        if name is None:
+            sizes = ", ".join(f"{n}: {f.bytes_per_token}" for n, f in kv_formats.FORMATS.items())
+            raise ValueError(f"kv_cache: a byte cache of {kv_cache.shape[-1] if kv_cache.dim() else 0} bytes a token "
+                             f"matches no FP8 format ({sizes}); pass cache_format")
+        return name
+    if cache_format not in kv_formats.CACHE_FORMATS:
+        raise ValueError(f"cache_format: expected one of {kv_formats.CACHE_FORMATS} or None, got {cache_format!r}")
+    if (cache_format == kv_formats.NATIVE) == byte_cache:
+        want = "q's dtype" if cache_format == kv_formats.NATIVE else "a byte dtype (uint8, int8, float8_e4m3fn)"
+        raise ValueError(f"kv_cache: cache_format={cache_format!r} needs {want}, got {kv_cache.dtype}")
+    return cache_format
+
+
+def _decode_cache(q: torch.Tensor, kv_cache: torch.Tensor, name: str) -> Tuple[torch.Tensor, int, bool]:
+    """-> (the canonical cache, the D of its rows, whether it is paged); its last dims contiguous."""
+    if name != kv_formats.NATIVE:
+        fmt = kv_formats.cache_format_of(kv_cache, name)
+        c = kv_cache.view(torch.uint8) if kv_cache.dtype != torch.uint8 else kv_cache
+        c = c[:, :, 0] if c.dim() == 4 else c
+        if (c.shape[2] > 1 and c.stride(2) != 1) or (c.shape[1] > 1 and c.stride(1) != c.shape[2]):
+            raise ValueError(f"kv_cache: the {fmt.bytes_per_token} bytes of each token and the tokens of a page "
+                             f"must be contiguous, got strides {tuple(kv_cache.stride())}")
+        return c, fmt.D, True
+    if kv_cache.dtype != q.dtype:
+        raise ValueError(f"kv_cache: expected dtype {q.dtype} (that of q) for a native cache, got {kv_cache.dtype}")
+    _rank("kv_cache", kv_cache, (2, 3, 4),
+          "[N, D] or [N, H_kv, D] (flat) or [num_pages, page_size, H_kv, D] (paged)")
+    kv4 = {2: lambda c: c[:, None, None], 3: lambda c: c[:, None], 4: lambda c: c}[kv_cache.dim()](kv_cache)
+    _, PS, G, D = kv4.shape
+    if (D > 1 and kv4.stride(3) != 1) or (G > 1 and kv4.stride(2) != D) or (PS > 1 and kv4.stride(1) != G * D):
+        kv4 = kv4.contiguous()  # a page's rows must be contiguous; the page stride may be anything
+    return kv4, D, kv_cache.dim() == 4
+
+
+def _decode_tables(block_table, seq_lens, B: int, num_pages: int, page_size: int, paged: bool):
+    """block_table [B, W] (entries outside [0, P) become -1) and seq_lens [B], int32, checked."""
+    if block_table is None:
+        if seq_lens is not None:
+            raise ValueError("seq_lens: only with a block_table (it bounds the positions the table translates)")
+        return None, None
+    if not paged:
+        raise ValueError("block_table: needs a paged kv_cache ([num_pages, page_size, ...]); this one is flat")
+    _rank("block_table", block_table, (2,), f"[B={B}, max_pages]")
+    if block_table.shape[0] != B:
+        raise ValueError(f"block_table: expected {B} rows (one per sequence), got shape {tuple(block_table.shape)}")
+    if block_table.dtype != torch.int32:
+        block_table = _safe_indices(block_table, num_pages, None)
+    if seq_lens is not None:
+        _shape("seq_lens", seq_lens, (B,), "one length per sequence [B]")
+        if seq_lens.dtype != torch.int32:  # clamped before the cast, so no length wraps
+            seq_lens = _int32(seq_lens.clamp(-1, block_table.shape[1] * page_size))
+        seq_lens = seq_lens.contiguous()
+    return block_table.contiguous(), seq_lens
+
+
+def sparse_decode_args(
+    q, kv_cache, indices, block_table, seq_lens, topk_length, sink, sm_scale, d_v, cache_format
+) -> Tuple[SparseDecodeArgs, SparseAttnLayout]:
+    """Sparse decode: batched q [B, S_q, H, D] (indices [B, S_q, K], topk_length
+    [B, S_q] or [B]) or packed q [T, H, D] (each row its own sequence: indices
+    [T, K], topk_length [T]); indices carry an H_kv axis before K when the
+    native cache has H_kv > 1. block_table [B, W], seq_lens [B]."""
+    q = _tensor("q", q, dtypes=FLOAT_DTYPES)
+    _rank("q", q, (3, 4), "[B, S_q, H, D] (batched) or [T, H, D] (packed)")
+    kv_cache = _tensor("kv_cache", kv_cache)
+    indices = _tensor("indices", indices, dtypes=INT_DTYPES)
+    _optional("block_table", block_table, INT_DTYPES)
+    _optional("seq_lens", seq_lens, INT_DTYPES)
+    _optional("topk_length", topk_length, INT_DTYPES)
+    _optional("sink", sink, (torch.float32, torch.float64))
+    _same_device("q", q, kv_cache=kv_cache, indices=indices, block_table=block_table, seq_lens=seq_lens,
+                 topk_length=topk_length, sink=sink)
+    name = _decode_format(kv_cache, cache_format)
+    kv, D_kv, paged = _decode_cache(q, kv_cache, name)
+    batched = q.dim() == 4
+    B, S = (q.shape[0], q.shape[1]) if batched else (q.shape[0], 1)
+    H, D = q.shape[-2], q.shape[-1]
+    if D != D_kv:
+        raise ValueError(f"q: expected head dim {D_kv} (that of the {name} kv_cache), got {D}")
+    G = kv.shape[2] if kv.dim() == 4 else 1
+    if G < 1 or H % G != 0:
+        raise ValueError(f"kv_cache: the number of kv heads H_kv={G} must divide the query heads H={H}")
+    row_shape, rows = _row_shape(B if batched else None, S if batched else B)
+    _indices_shape(indices, row_shape, rows, G, "kv_cache")
+    K = indices.shape[-1]
+    sm_scale, d_v, sink = _scale_dv_sink(q, D, H, sm_scale, d_v, sink)
+    block_table, seq_lens = _decode_tables(block_table, seq_lens, B, kv.shape[0], kv.shape[1], paged)
+    T = B * S
+    if topk_length is not None:
+        if not (batched and tuple(topk_length.shape) == (B,)):
+            _shape("topk_length", topk_length, row_shape,
+                   f"one length per query row {rows}" + (" or per sequence [B]" if batched else ""))
+        # int64: clamped before the cast so lengths past 2**31 cannot wrap (int32 is clamped where it is read)
+        topk_length = topk_length.reshape(-1)
+        topk_length = (topk_length if topk_length.dtype == torch.int32 else _int32(topk_length.clamp(-1, K))).contiguous()
+    pages = block_table.shape[1] if block_table is not None else kv.shape[0]
+    idx = indices.reshape(T, G, K)
+    if idx.dtype != torch.int32:
+        idx = _safe_indices(idx, pages * kv.shape[1], None)
+    args = SparseDecodeArgs(q.reshape(T, H, D).contiguous(), kv, idx.contiguous(), topk_length, block_table,
+                            seq_lens, sink, sm_scale, d_v, name, S)
+    return args, SparseAttnLayout(batch=B if batched else None, seqlen=S if batched else B)
 
 
 # --------------------------------------------------------------------------

@@ -7,6 +7,9 @@
 * ``LOG2E``: kernels work in base 2, so natural-log scales are multiplied by it;
 * slot validity: slot j of a row is valid iff ``j < clamp(topk_length, 0, K)``
   and ``0 <= index < N``;
+* paged slots (``decode_slots``): an index is a cache slot ``page * page_size
+  + offset``, or with a block table a position within the sequence that the
+  table turns into one; a page or position out of range is an invalid slot;
 * the indexer's dense rows: the keys a packed query row sees
   (``j < clamp((q_offset + i + 1) // ratio, 0, S_k)`` when causal);
 * empty calls: a problem with no rows, slots or keys is answered without a
@@ -54,6 +57,32 @@ def slot_validity(
     if length is not None:
         valid &= torch.arange(K, device=idx.device) < length.view(-1, *([1] * (idx.dim() - 1)))
     return valid, torch.where(valid, idx, 0)
+
+
+def decode_slots(a) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(valid [T, G, K] bool, page [T, G, K] int64, offset [T, G, K] int64) of
+    a :class:`dsa._args.SparseDecodeArgs`; page and offset are 0 where invalid.
+
+    Without a block table an index is the slot page * page_size + offset of
+    the cache. With one it is a position p of the row's sequence b: valid
+    only if p < seq_lens[b] (when given) and p // page_size < W, and then the
+    slot is block_table[b, p // page_size] * page_size + p % page_size, valid
+    only if that page is in [0, P)."""
+    T, PS = a.T, a.page_size
+    length = a.topk_length
+    if length is not None and a.len_div > 1:
+        length = length.repeat_interleave(a.len_div)
+    valid, pos = slot_validity(a.indices, length, a.N)
+    if a.block_table is not None:
+        seq = torch.arange(T, device=pos.device) // a.rows_per_seq
+        if a.seq_lens is not None:
+            valid &= pos < a.seq_lens.long()[seq].view(T, 1, 1)
+        page = a.block_table.long()[seq.view(T, 1, 1), torch.where(valid, pos // PS, 0)]
+        valid &= (page >= 0) & (page < a.num_pages)
+    else:
+        page = pos // PS
+    pos = torch.where(valid, pos, 0)
+    return valid, torch.where(valid, page, 0), pos % PS
 
 
 def visible_keys(pos: torch.Tensor, ratio: int, s_k) -> torch.Tensor:

@@ -15,8 +15,8 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from dsa import _checks, ops, training
-from dsa._args import IndexerArgs, SparseAttnArgs, SparseIndexerArgs, TopkArgs
+from dsa import _checks, decode, ops, training
+from dsa._args import IndexerArgs, SparseAttnArgs, SparseDecodeArgs, SparseIndexerArgs, TopkArgs
 from dsa.selector import select
 
 Backend = str  # "auto" | "reference" | "triton" | "cute"
@@ -172,6 +172,9 @@ def shape_line(a) -> str:
     """The canonical problem size of an argument dataclass, for explain()."""
     if isinstance(a, SparseAttnArgs):
         return f"T={a.T} H={a.H} H_kv={a.G} D={a.D} d_v={a.d_v} K={a.K} N={a.N} {_dtype(a.q)}"
+    if isinstance(a, SparseDecodeArgs):
+        return (f"T={a.T} H={a.H} H_kv={a.G} D={a.D} d_v={a.d_v} K={a.K} pages={a.num_pages}x{a.page_size} "
+                f"{a.cache_format} {_dtype(a.q)}" + (" block_table" if a.block_table is not None else ""))
     if isinstance(a, SparseIndexerArgs):
         return f"T={a.T} H_i={a.H} D_i={a.D} K={a.K} N={a.N} {_dtype(a.q)}"
     if isinstance(a, TopkArgs):
@@ -186,7 +189,8 @@ _EXPLAIN = {
     "indexer_scores": (indexer_scores, _indexer, ("indexer_scores",)),
     "indexer_topk": (indexer_topk, _indexer_topk, ("indexer_topk",)),
     "topk_indices": (topk_indices, _topk, ("topk",)),
-    **training.EXPLAIN,  # attention_target, sparse_indexer_scores, indexer_kl_loss, dense_attention_target
+    **training.EXPLAIN,
+    **decode.EXPLAIN,  # sparse_decode  # attention_target, sparse_indexer_scores, indexer_kl_loss, dense_attention_target
 }
 
 

@@ -16,6 +16,10 @@ rows and infinite sinks give exact zeros rather than NaN. With
 ``deterministic`` the kv gradient sums duplicate rows through
 :func:`dsa._rules.segment_sum` (a fixed order, no atomics), bitwise
 reproducible on CUDA too.
+
+Sparse decode is the same computation on the rows that the paged slots of
+:func:`dsa._rules.decode_slots` address, dequantised by :mod:`dsa.kv_cache`
+for an FP8 cache.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 
 from dsa import reference_training
-from dsa._args import IndexerArgs, SparseAttnArgs, TopkArgs, Unsupported
-from dsa._rules import acc_dtype, segment_sum, slot_validity, visible_keys
+from dsa._args import IndexerArgs, SparseAttnArgs, SparseDecodeArgs, TopkArgs, Unsupported
+from dsa._rules import acc_dtype, decode_slots, segment_sum, slot_validity, visible_keys
+from dsa.kv_cache import NATIVE, dequantize_rows
 
 # elements of the largest per-chunk intermediate (fp32: 128 MiB)
 _CHUNK_ELEMS = 1 << 25
@@ -50,31 +55,45 @@ class _Slots:
     probabilities [C, G, H/G, K].
     """
 
-    def __init__(self, a: SparseAttnArgs, t0: int, t1: int):
-        acc = acc_dtype(a.q)
-        C, G = t1 - t0, a.G
-        length = None if a.topk_length is None else a.topk_length[t0:t1]
-        valid, safe = slot_validity(a.indices[t0:t1], length, a.N)
-        g = torch.arange(G, device=safe.device).view(1, G, 1)
-        k = a.kv[safe, g].to(acc)  # [C, G, K, D]
-        self.k = torch.where(valid[..., None], k, 0.0)
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, sm_scale: float,
+                 sink: Optional[torch.Tensor]):
+        """q [C, H, D], k [C, G, K, D] (the gathered rows, any value on invalid slots), valid [C, G, K]."""
+        acc = acc_dtype(q)
+        C, H, D = q.shape
+        G = k.shape[1]
+        self.k = torch.where(valid[..., None], k.to(acc), 0.0)
         self.valid = valid
-        self.safe = safe
-        self.q = a.q[t0:t1].to(acc).view(C, G, a.H // G, a.D)
-        s = torch.einsum("cgmd,cgkd->cgmk", self.q, self.k) * a.sm_scale
+        self.q = q.to(acc).view(C, G, H // G, D)
+        s = torch.einsum("cgmd,cgkd->cgmk", self.q, self.k) * sm_scale
         self.s = torch.where(valid[:, :, None, :], s, _NEG_INF)
         self.lse = torch.logsumexp(self.s, dim=-1)  # [C, G, M]; -inf when empty
         log_den = self.lse
-        if a.sink is not None:
-            sink = a.sink.to(acc).view(1, G, a.H // G)
-            log_den = torch.logaddexp(self.lse, sink)
+        if sink is not None:
+            log_den = torch.logaddexp(self.lse, sink.to(acc).view(1, G, H // G))
         self.log_den = log_den
         # exp(-inf - (-inf)) is NaN on empty rows: select 0 on invalid slots instead
         p = torch.exp(self.s - log_den[..., None])
         self.p = torch.where(valid[:, :, None, :], p, 0.0)
 
+    @staticmethod
+    def of(a: SparseAttnArgs, t0: int, t1: int) -> "_Slots":
+        """The slots of rows [t0, t1) of a sparse-attention call (``safe``: their rows, 0 where invalid)."""
+        length = None if a.topk_length is None else a.topk_length[t0:t1]
+        valid, safe = slot_validity(a.indices[t0:t1], length, a.N)
+        g = torch.arange(a.G, device=safe.device).view(1, a.G, 1)
+        sl = _Slots(a.q[t0:t1], a.kv[safe, g], valid, a.sm_scale, a.sink)  # kv rows [C, G, K, D]
+        sl.safe = safe
+        return sl
+
     def v(self, d_v: int) -> torch.Tensor:
         return self.k[..., :d_v]
+
+    def output(self, d_v: int, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """out [C, H, d_v] in dtype and lse [C, H] in the accumulation dtype (+inf on empty rows)."""
+        C, G, M, _ = self.q.shape
+        o = torch.einsum("cgmk,cgkd->cgmd", self.p, self.v(d_v))
+        lse = self.lse.reshape(C, G * M)
+        return o.reshape(C, G * M, d_v).to(dtype), torch.where(torch.isneginf(lse), float("inf"), lse)
 
 
 def sparse_attention_fwd(a: SparseAttnArgs) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -85,11 +104,26 @@ def sparse_attention_fwd(a: SparseAttnArgs) -> Tuple[torch.Tensor, torch.Tensor]
     step = _row_chunk(a.G * a.K * a.D + H * a.K)
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
-        sl = _Slots(a, t0, t1)
-        o = torch.einsum("cgmk,cgkd->cgmd", sl.p, sl.v(a.d_v))
-        out[t0:t1] = o.reshape(t1 - t0, H, a.d_v).to(out.dtype)
-        l = sl.lse.reshape(t1 - t0, H)
-        lse[t0:t1] = torch.where(torch.isneginf(l), float("inf"), l).to(lse.dtype)
+        out[t0:t1], lse[t0:t1] = _Slots.of(a, t0, t1).output(a.d_v, out.dtype)
+    return out, lse
+
+
+def sparse_decode(a: SparseDecodeArgs) -> Tuple[torch.Tensor, torch.Tensor]:
+    """-> out [T, H, d_v] (q.dtype), lse [T, H] fp32 (+inf on empty rows), on the
+    dequantised cache (dsa.kv_cache) through the paged slots of dsa._rules.decode_slots."""
+    T, H, G, K = a.T, a.H, a.G, a.K
+    out = torch.empty(T, H, a.d_v, device=a.q.device, dtype=a.q.dtype)
+    lse = torch.empty(T, H, device=a.q.device, dtype=acc_dtype(a.q))
+    valid, page, offset = decode_slots(a)
+    step = _row_chunk(G * K * a.D + H * K)
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        pg, off = page[t0:t1], offset[t0:t1]
+        if a.cache_format == NATIVE:
+            k = a.kv[pg, off, torch.arange(G, device=pg.device).view(1, G, 1)]  # [C, G, K, D]
+        else:
+            k = dequantize_rows(a.kv, a.cache_format, pg, off).view(t1 - t0, G, K, a.D)
+        out[t0:t1], lse[t0:t1] = _Slots(a.q[t0:t1], k, valid[t0:t1], a.sm_scale, a.sink).output(a.d_v, out.dtype)
     return out, lse
 
 
@@ -114,7 +148,7 @@ def sparse_attention_bwd(
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         C = t1 - t0
-        sl = _Slots(a, t0, t1)
+        sl = _Slots.of(a, t0, t1)
         do = dout[t0:t1].to(acc).view(C, G, M, a.d_v)
         o = torch.einsum("cgmk,cgkd->cgmd", sl.p, sl.v(a.d_v))
         delta = (do * o).sum(-1)  # [C, G, M]
@@ -229,6 +263,7 @@ def topk(a: TopkArgs) -> Tuple[torch.Tensor, torch.Tensor]:
 _OPS = {
     "sparse_attention_fwd": sparse_attention_fwd,
     "sparse_attention_bwd": sparse_attention_bwd,
+    "sparse_decode": sparse_decode,
     "indexer_scores": indexer_scores,
     "indexer_topk": indexer_topk,
     "topk": topk,

@@ -146,6 +146,178 @@ def sparse_attention(
 
 
 # --------------------------------------------------------------------------
+# Sparse decode: paged caches, block tables, FP8 bytes
+# --------------------------------------------------------------------------
+
+# FP8 layouts, re-derived from the contract: (bytes a token, NoPE values,
+# values a scale, scale bytes, NoPE / scale / RoPE byte offsets in a token
+# record, token record bytes, scales per page after the records)
+_V32 = dict(bytes=656, nope=512, tile=128, scale_bytes=4, rope_at=528, scale_at=512, record=656, per_page=False)
+_MODEL1 = dict(bytes=584, nope=448, tile=64, scale_bytes=1, rope_at=448, scale_at=None, record=576, per_page=True)
+FP8_LAYOUTS = {"fp8_v32": _V32, "fp8_model1": _MODEL1}
+
+
+def e4m3_value(byte: int) -> float:
+    """OCP E4M3FN: 1 sign, 4 exponent (bias 7), 3 mantissa bits; S.1111.111 is NaN, no infinities."""
+    sign = -1.0 if byte & 0x80 else 1.0
+    e, m = (byte >> 3) & 0xF, byte & 0x7
+    if e == 0xF and m == 0x7:
+        return float("nan")
+    if e == 0:
+        return sign * m / 8.0 * 2.0 ** -6
+    return sign * (1.0 + m / 8.0) * 2.0 ** (e - 7)
+
+
+def e8m0_value(byte: int) -> float:
+    return float("nan") if byte == 255 else 2.0 ** (byte - 127)
+
+
+def _bf16_value(lo: int, hi: int) -> float:
+    return float(np.array([(hi << 24) | (lo << 16)], dtype=np.uint32).view(np.float32)[0])
+
+
+def _fp32_value(b4) -> float:
+    return float(np.array(b4, dtype=np.uint8).view(np.float32)[0])
+
+
+def fp8_cache_rows(cache: torch.Tensor, cache_format: str) -> np.ndarray:
+    """Every token of an FP8 cache [P, page_size, bytes] (or [P, page_size, 1, bytes], any page
+    stride) dequantised byte by byte: float64 [P, page_size, D]."""
+    L = FP8_LAYOUTS[cache_format]
+    c = cache.detach().cpu()
+    c = c.view(torch.uint8) if c.dtype != torch.uint8 else c
+    if c.dim() == 4:
+        c = c[:, :, 0]
+    P, PS, B = c.shape
+    assert B == L["bytes"]
+    n_tiles, d_rope = L["nope"] // L["tile"], 64
+    rows = np.zeros((P, PS, L["nope"] + d_rope))
+    for p in range(P):
+        page = c[p].reshape(-1).numpy().astype(np.int64)  # the page's bytes, in order
+        for i in range(PS):
+            rec = page[i * L["record"]:(i + 1) * L["record"]]
+            if L["per_page"]:
+                sb = page[PS * L["record"] + 8 * i: PS * L["record"] + 8 * i + n_tiles]
+                scales = [e8m0_value(int(b)) for b in sb]
+            else:
+                scales = [_fp32_value(rec[L["scale_at"] + 4 * k: L["scale_at"] + 4 * k + 4]) for k in range(n_tiles)]
+            for v in range(L["nope"]):
+                rows[p, i, v] = e4m3_value(int(rec[v])) * scales[v // L["tile"]]
+            for v in range(d_rope):
+                lo, hi = int(rec[L["rope_at"] + 2 * v]), int(rec[L["rope_at"] + 2 * v + 1])
+                rows[p, i, L["nope"] + v] = _bf16_value(lo, hi)
+    return rows
+
+
+def _e4m3_nearest(x: np.ndarray) -> np.ndarray:
+    """The e4m3 bytes nearest to the values x (|x| <= 448), ties to the even
+    mantissa; the sign bit is x's own (a tiny negative value gives -0)."""
+    x = np.asarray(x, dtype=np.float64).reshape(-1)
+    codes = [b for b in range(128) if not math.isnan(e4m3_value(b))]  # the non-negative codes
+    values = np.array([e4m3_value(b) for b in codes])
+    dist = np.abs(values[None, :] - np.abs(x)[:, None])
+    best = dist.min(axis=1, keepdims=True)
+    odd = np.array([b & 1 for b in codes])[None, :]
+    # among the nearest codes the even one wins: rank by (distance, odd)
+    pick = np.argmin(np.where(dist == best, odd, 2), axis=1)
+    return np.array(codes, dtype=np.uint8)[pick] | np.where(np.signbit(x), 0x80, 0).astype(np.uint8)
+
+
+def quantize_fp8(kv: torch.Tensor, cache_format: str) -> np.ndarray:
+    """The contract's quantiser, written out: [P, page_size, D] floats -> uint8 [P, page_size, bytes]."""
+    L = FP8_LAYOUTS[cache_format]
+    x = kv.detach().cpu().float().numpy()
+    P, PS, _ = x.shape
+    n_tiles = L["nope"] // L["tile"]
+    out = np.zeros((P, PS * L["bytes"]), dtype=np.uint8)
+    for p in range(P):
+        for i in range(PS):
+            rec = np.zeros(L["record"], dtype=np.uint8)
+            scale_bytes = []
+            for k in range(n_tiles):
+                tile = x[p, i, k * L["tile"]:(k + 1) * L["tile"]]
+                amax = np.float32(np.max(np.abs(tile)))
+                ratio = max(float(np.float32(amax / np.float32(448.0))), float(np.float32(1e-4)))
+                scale = 2.0 ** math.ceil(math.log2(ratio))
+                rec[k * L["tile"]:(k + 1) * L["tile"]] = _e4m3_nearest(np.clip(tile.astype(np.float64) / scale,
+                                                                               -448.0, 448.0))
+                if L["per_page"]:
+                    scale_bytes.append(int(round(math.log2(scale))) + 127)
+                else:
+                    rec[L["scale_at"] + 4 * k: L["scale_at"] + 4 * k + 4] = np.array([scale], np.float32).view(np.uint8)
+            rope = torch.from_numpy(x[p, i, L["nope"]:].copy()).to(torch.bfloat16).view(torch.int16).numpy()
+            rec[L["rope_at"]:L["rope_at"] + 128] = rope.view(np.uint8)
+            out[p, i * L["record"]:(i + 1) * L["record"]] = rec
+            if L["per_page"]:
+                at = PS * L["record"] + 8 * i
+                out[p, at:at + n_tiles] = scale_bytes
+    return out.reshape(P, PS, L["bytes"])
+
+
+def sparse_decode(
+    q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, *, block_table: Optional[torch.Tensor] = None,
+    seq_lens: Optional[torch.Tensor] = None, topk_length: Optional[torch.Tensor] = None,
+    sink: Optional[torch.Tensor] = None, sm_scale: Optional[float] = None, d_v: Optional[int] = None,
+    cache_format: str = "native",
+) -> Dict[str, torch.Tensor]:
+    """Brute-force sparse decode in float64 (docs/semantics.md, "Sparse decode").
+
+    q [B, S_q, H, D] or [T, H, D] (each row its own sequence); kv_cache native
+    [N, D] / [N, H_kv, D] (flat: an index is a row) or [P, page_size, H_kv, D],
+    or an FP8 byte cache; indices [.., K] or [.., H_kv, K]. Each slot is
+    resolved to a cache row here (or -1), then attended as in
+    :func:`sparse_attention`. Returns {"out", "lse"} shaped like the API's."""
+    batched = q.dim() == 4
+    qn = _np(q)
+    B, S = (qn.shape[0], qn.shape[1]) if batched else (qn.shape[0], 1)
+    H, D = qn.shape[-2], qn.shape[-1]
+    T = B * S
+    if cache_format == "native":
+        kvn = _np(kv_cache)
+        flat = kvn.ndim <= 3
+        if kvn.ndim == 2:
+            kvn = kvn[:, None, :]
+        rows = kvn if flat else kvn.reshape(-1, kvn.shape[-2], kvn.shape[-1])  # [P * page_size, G, D]
+        PS = 1 if flat else kvn.shape[1]
+    else:
+        deq = fp8_cache_rows(kv_cache, cache_format)
+        PS = deq.shape[1]
+        rows = deq.reshape(-1, 1, deq.shape[-1])
+    G = rows.shape[1]
+    P = rows.shape[0] // PS
+    idx = _np(indices).reshape(T, G, -1)
+    K = idx.shape[-1]
+    tl = None
+    if topk_length is not None:
+        tln = _np(topk_length).reshape(-1)
+        tl = np.repeat(tln, T // len(tln)) if len(tln) else tln
+    bt = None if block_table is None else _np(block_table)
+    sl = None if seq_lens is None else _np(seq_lens)
+    slot = np.full((T, G, K), -1, dtype=np.int64)
+    for t in range(T):
+        b = t // S
+        for g in range(G):
+            for j in range(K):
+                i = int(idx[t, g, j])
+                if i < 0:
+                    continue
+                if bt is None:
+                    if i < P * PS:
+                        slot[t, g, j] = i
+                    continue
+                if (sl is not None and i >= int(sl[b])) or i // PS >= bt.shape[1]:
+                    continue
+                page = int(bt[b, i // PS])
+                if 0 <= page < P:
+                    slot[t, g, j] = page * PS + i % PS
+    d_v = min(D, 512) if d_v is None else int(d_v)
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
+    out, lse, *_ = _sparse_attention_packed(qn.reshape(T, H, D), rows, slot, sm_scale, d_v, _np(sink), tl, None)
+    lead = (B, S) if batched else (T,)
+    return {"out": _t(out.reshape(*lead, H, d_v)), "lse": _t(lse.reshape(*lead, H))}
+
+
+# --------------------------------------------------------------------------
 # Indexer
 # --------------------------------------------------------------------------
 

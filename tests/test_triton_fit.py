@@ -29,6 +29,13 @@ ATTENTION = {
     "V4-flash": (64, 512, 512, 640, True),
     "H16/D576": (16, 576, 512, 2048, False),
 }
+# (H, cache format, D, d_v, block table) of the sparse decode shapes (K = 2048, pages of 64)
+DECODE = {
+    "V3.2 fp8": (128, "fp8_v32", 576, 512, True),
+    "V4 fp8 H64": (64, "fp8_model1", 512, 512, True),
+    "V4 fp8 H128": (128, "fp8_model1", 512, 512, False),
+    "V3.2 bf16": (128, "native", 576, 512, True),
+}
 INDEXER = (64, 128, 2048)  # H_i, D_i, K
 TOPK = {"topk list path": 65536, "topk resident": 4096}  # row length of each top-k route
 TOPK_K = 2048
@@ -48,8 +55,9 @@ def _rows(caps):
     """[(target, kernel, shape, config, shared bytes, limit)] for the given targets."""
     import torch
 
-    from dsa._args import IndexerArgs, SparseAttnArgs, SparseIndexerArgs
-    from dsa.triton import fit, indexer, indexer_bwd, segment_sum, sparse_attention as sa, topk, training
+    from dsa._args import IndexerArgs, SparseAttnArgs, SparseDecodeArgs, SparseIndexerArgs
+    from dsa.kv_cache import FORMATS
+    from dsa.triton import decode, fit, indexer, indexer_bwd, segment_sum, sparse_attention as sa, topk, training
 
     def mt(*shape, dtype=torch.bfloat16):
         return torch.empty(*shape, dtype=dtype, device="meta")
@@ -58,6 +66,13 @@ def _rows(caps):
         return SparseAttnArgs(q=mt(4, H, D), kv=mt(64, 1, D), indices=mt(4, 1, K, dtype=torch.int32),
                               topk_length=mt(4, dtype=torch.int32), sink=mt(H, dtype=torch.float32) if sink else None,
                               sm_scale=0.1, d_v=d_v)
+
+    def dec(H, fmt, D, d_v, paged):
+        kv = mt(8, 64, 1, D) if fmt == "native" else mt(8, 64, FORMATS[fmt].bytes_per_token, dtype=torch.uint8)
+        return SparseDecodeArgs(q=mt(2, H, D), kv=kv, indices=mt(2, 1, 2048, dtype=torch.int32),
+                                topk_length=mt(2, dtype=torch.int32), block_table=mt(2, 32, dtype=torch.int32)
+                                if paged else None, seq_lens=None, sink=mt(H, dtype=torch.float32), sm_scale=0.1,
+                                d_v=d_v, cache_format=fmt, rows_per_seq=1)
 
     Hi, Di, Ki = INDEXER
     i32 = dict(dtype=torch.int32)
@@ -90,6 +105,11 @@ def _rows(caps):
                     rows.append((cap, "full compile", name, repr(cfg), full, rows[-1][4], regs, spill))
             if name == "V3.2":
                 add("bwd_preprocess", name, "fixed", "", [sa.preprocess_spec(a)])
+        for name, shape in DECODE.items():  # both launch forms (one split, parts) and the merge
+            d = dec(*shape)
+            cfg, why = decode.pick(d, tgt)
+            add("sparse_decode", name, cfg, why, [decode.kernel_spec(d, cfg, split, tgt) for split in (False, True)]
+                + [decode.combine_spec(d, 32)] if cfg else [])
         cfg, why = indexer.pick(ia, tgt)
         add("indexer_scores", "H64/D128", cfg, why, [indexer.scores_spec(ia, cfg)] if cfg else [])
         for what, K in (("indexer_scores_bwd", 64), ("sparse_indexer_bwd / KL bwd", Ki)):
@@ -139,7 +159,7 @@ def test_every_kernel_fits_every_target(table):
     bad = [r for r in fits if r[3] is None or r[4] > r[5]]
     assert not bad, "\n".join(map(str, bad))
     assert {r[0] for r in fits} == set(CAPS)
-    assert len(fits) == len(CAPS) * (2 * len(ATTENTION) + 8 + len(TOPK))
+    assert len(fits) == len(CAPS) * (2 * len(ATTENTION) + len(DECODE) + 8 + len(TOPK))
 
 
 def test_fitted_shared_memory_is_the_compilers(table):

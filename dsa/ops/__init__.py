@@ -10,6 +10,7 @@ so that no kernel is ever launched on them.
 """
 
 from dsa.ops._core import Op, call, flat
+from dsa.ops.decode import sparse_decode
 from dsa.ops.indexer import indexer_scores, indexer_scores_bwd, indexer_topk
 from dsa.ops.sparse_attention import sparse_attention_bwd, sparse_attention_fwd
 from dsa.ops.topk import topk
@@ -28,6 +29,7 @@ __all__ = [
     "flat",
     "sparse_attention_fwd",
     "sparse_attention_bwd",
+    "sparse_decode",
     "indexer_scores",
     "indexer_scores_bwd",
     "indexer_topk",

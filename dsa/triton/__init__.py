@@ -19,6 +19,7 @@ from dsa._args import Unsupported
 # module in this package -> {op name: the module's function}
 _MODULES = {
     "sparse_attention": {"sparse_attention_fwd": "forward", "sparse_attention_bwd": "backward"},
+    "decode": {"sparse_decode": "decode"},
     "indexer": {"indexer_scores": "scores", "indexer_topk": "indexer_topk"},
     "topk": {"topk": "topk"},
     # indexer training

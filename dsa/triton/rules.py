@@ -7,6 +7,13 @@
   ``0 <= index < N``. Every gather is masked with it, so an invalid slot is
   never read (NaN in unreferenced rows cannot leak, and an index like
   2**31 - 1 cannot fault);
+* paged slots (``decode_slots``): an index is a cache slot page * PS +
+  offset, or with a block table a position the table turns into one; a
+  position past seq_lens or a page outside [0, P) is an invalid slot;
+* the sink fold (``sink_factor``): exp(lse) / (exp(lse) + exp(sink)), 0 on a
+  row with no valid slot;
+* the FP8 cache values (dsa/kv_cache.py): e4m3 and e8m0 bytes and bf16 bits
+  decoded exactly, without the hardware's fp8 types where it has none;
 * the online-softmax step in the log2 domain (scores pre-multiplied by
   ``LOG2E``), with a row that has seen no valid slot kept at max = -inf;
 * the dot products' input precision (:func:`input_precision`, the constexpr
@@ -89,6 +96,77 @@ def slot_rows(IDX, row, K, base, start, L, N, BN: tl.constexpr, IMPLICIT: tl.con
         o_n, m_n, idx, valid = load_slots(IDX, row, K, start, L, N, BN)
         rows = idx.to(tl.int64)
     return o_n, m_n, rows, valid
+
+
+@triton.jit
+def decode_slots(idx, in_row, p_bt, seq_len, N, P, PS: tl.constexpr, HAS_BT: tl.constexpr,
+                 HAS_SEQLEN: tl.constexpr):
+    """Cache pages and offsets of loaded decode indices (dsa._rules.decode_slots).
+
+    idx [BN] as loaded, in_row [BN] slot < row length, p_bt the row's
+    block-table row (HAS_BT), seq_len its sequence length (HAS_SEQLEN), N
+    the addressable slots (W * PS with a block table, else P * PS). Returns
+    (page [BN] int64, offset [BN] int64, valid [BN]); page and offset are 0
+    where invalid, so the addresses they make are always in range."""
+    valid = index_valid(idx, in_row, N)
+    if HAS_SEQLEN:
+        valid = valid & (idx < seq_len)
+    pos = tl.where(valid, idx, 0)
+    if HAS_BT:
+        page = tl.load(p_bt + pos // PS, mask=valid, other=-1)
+        valid = valid & (page >= 0) & (page < P)
+        page = tl.where(valid, page, 0)
+    else:
+        page = pos // PS
+    off = tl.where(valid, pos % PS, 0)
+    return page.to(tl.int64), off.to(tl.int64), valid
+
+
+@triton.jit
+def sink_factor(lse2, p_sink, head, m_h, HAS_SINK: tl.constexpr):
+    """exp(lse) / (exp(lse) + exp(sink[head])) per row from the log2-domain
+    lse2 (-inf on a row with no valid slot, which gets 0): 1 without a sink or
+    with sink = -inf, 0 with sink = +inf or one whose exponential overflows;
+    NaN in lse2 or the sink stays NaN."""
+    empty = lse2 == float("-inf")
+    if HAS_SINK:
+        s2 = tl.load(p_sink + head, mask=m_h, other=float("-inf")) * LOG2E
+        f = 1.0 / (1.0 + tl.exp2(s2 - tl.where(empty, 0.0, lse2)))
+    else:
+        f = tl.full(lse2.shape, 1.0, tl.float32)
+    return tl.where(empty, 0.0, f)
+
+
+@triton.jit
+def e4m3_to(b, DT: tl.constexpr, HW_FP8: tl.constexpr):
+    """E4M3FN bytes (uint8) as DT, exactly (0x7F / 0xFF are NaN). HW_FP8 uses
+    the hardware conversion (sm_89+); otherwise the bits are placed in an
+    fp16 (exponent bias 15 against 7, so times 2**8), subnormals included."""
+    if HW_FP8:
+        v = b.to(tl.float8e4nv, bitcast=True).to(DT)
+    else:
+        u = b.to(tl.uint16)
+        h = (((u & 0x7F) << 7) | ((u & 0x80) << 8)).to(tl.float16, bitcast=True) * 256.0
+        v = tl.where((u & 0x7F) == 0x7F, float("nan"), h.to(tl.float32)).to(DT)
+    return v
+
+
+@triton.jit
+def e8m0_to_f32(b):
+    """E8M0 scale bytes (uint8): 2**(b - 127), NaN for 255 (b = 0 is 2**-127, an fp32 subnormal)."""
+    v = (b.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    v = tl.where(b == 0, 5.877471754111438e-39, v)
+    return tl.where(b == 255, float("nan"), v)
+
+
+@triton.jit
+def bf16_bits_to(bits, DT: tl.constexpr):
+    """bf16 values stored as uint16 bits, as DT (exact for bf16 and fp32)."""
+    if DT == tl.bfloat16:
+        v = bits.to(tl.bfloat16, bitcast=True)
+    else:
+        v = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True).to(DT)
+    return v
 
 
 @triton.jit

@@ -58,20 +58,26 @@ class TileConfig:
 
 def supports(a: SparseAttnArgs) -> Optional[str]:
     """None when the Triton kernels can serve ``a``, else the reason."""
-    if a.q.dtype not in _DTYPES:
-        return f"q dtype {a.q.dtype} is not fp16, bf16 or fp32"
     if a.kv.dtype != a.q.dtype:
         return f"kv dtype {a.kv.dtype} differs from q dtype {a.q.dtype}"
     if a.q.dim() != 3 or a.kv.dim() != 3 or a.indices.dim() != 3:
         return "expected the canonical layout q [T,H,D], kv [N,G,D], indices [T,G,K]"
-    if a.D % 16 or a.d_v % 16:
-        return f"D={a.D} and d_v={a.d_v} must be multiples of 16"
-    if a.D > MAX_D:
-        return f"D={a.D} exceeds {MAX_D}"
     if not 0 < a.d_v <= a.D:
         return f"d_v={a.d_v} must be in (0, D={a.D}]"
     if a.kv.shape[2] != a.D or a.H % a.G:
         return f"H={a.H} is not a multiple of G={a.G}, or kv's D differs from q's"
+    return shared_reason(a)
+
+
+def shared_reason(a) -> Optional[str]:
+    """What every sparse-attention kernel (forward, backward, decode) needs of
+    ``a``'s dtypes and head dims: None, or the reason it does not hold."""
+    if a.q.dtype not in _DTYPES:
+        return f"q dtype {a.q.dtype} is not fp16, bf16 or fp32"
+    if a.D % 16 or a.d_v % 16:
+        return f"D={a.D} and d_v={a.d_v} must be multiples of 16"
+    if a.D > MAX_D:
+        return f"D={a.D} exceeds {MAX_D}"
     why = a.kernel_dtype_reason()
     if why:
         return why
@@ -84,7 +90,7 @@ def supports(a: SparseAttnArgs) -> Optional[str]:
 # Tile selection
 
 
-def _heads_per_program(hg: int) -> int:
+def heads_per_program(hg: int) -> int:
     # 64 heads share one gathered kv tile; wgmma needs M = 64 per warpgroup
     # and a [64, 512] fp32 accumulator already fills 8 warps' registers.
     return max(16, min(64, triton.next_power_of_2(hg)))
@@ -133,9 +139,9 @@ def _candidates(a: SparseAttnArgs, bwd: bool) -> Iterator[TileConfig]:
     """Fastest first: the preferred tiles, then one pipeline stage, then fewer
     slots a step, then (only then) fewer heads a program."""
     if a.q.device.type == "cpu":  # the interpreter: small tiles run fastest
-        yield TileConfig(_heads_per_program(a.H // a.G), 16, 256, 4, 1)
+        yield TileConfig(heads_per_program(a.H // a.G), 16, 256, 4, 1)
         return
-    top = 16 if a.q.dtype == torch.float32 else _heads_per_program(a.H // a.G)
+    top = 16 if a.q.dtype == torch.float32 else heads_per_program(a.H // a.G)
     for BH in fit.halvings(top, 16):
         yield from fit.shrinking(_preferred(a, BH, bwd), (("num_stages", 1), ("BN", 16)))
 
@@ -189,7 +195,16 @@ def tiles_reason(fn_name: str, a: SparseAttnArgs) -> Optional[str]:
 
 
 def forward(a: SparseAttnArgs, config: Optional[TileConfig] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """out [T, H, d_v] in q.dtype and lse [T, H] fp32 (sink excluded, +inf on empty rows)."""
+    """out [T, H, d_v] in q.dtype and lse [T, H] fp32 (sink excluded, +inf on empty rows).
+
+    Without a ``config``, a call whose rows are too few to fill the GPU takes
+    the split kernels of sparse decode (dsa.triton.decode)."""
+    if config is None:
+        from dsa.triton import decode  # imports this module
+
+        routed = decode.attention_forward(a)
+        if routed is not None:
+            return routed
     cfg = config or fwd_config(a)
     T, H, G = a.T, a.H, a.G
     out = torch.empty((T, H, a.d_v), dtype=a.q.dtype, device=a.q.device)

@@ -1,0 +1,244 @@
+"""Sparse decode against FlashMLA's FP8 sparse decode, in one process, on the same caches (H200).
+
+    python3 -m pip install --no-deps --target /tmp/site .devpeers/sgl_flash_mla-*.whl
+    PYTHONPATH=/tmp/site:$PWD python3 bench/decode_peers.py [--out DIR] [--formats fp8_v32,fp8_model1]
+        [--batches 1,32,128] [--heads 64,128] [--cache-lens 8192,32768] [--no-sweep]
+
+One query token a sequence, top-k K = 2048 distinct positions of the
+sequence's cache (ascending, as dsa.topk_indices gives them), pages of 64
+tokens scattered over the pool by a random block table, a sink. Each row
+times, eagerly and as a CUDA-graph replay (``triton.testing.do_bench``
+medians, warmup 25 ms, rep 100 ms):
+
+- ``flashmla``: ``flash_mla_with_kvcache(q, cache, None, None, 512, meta,
+  indices=slots, is_fp8_kvcache=True, attn_sink=sink)`` on the FP8 cache,
+  its indices the physical slots page * 64 + offset (``use_legacy=True``
+  first: SM90 is on FlashMLA's legacy side);
+- ``dsa_fp8_bt``: ``dsa.sparse_decode`` on the same cache with the block
+  table and logical positions (what a serving engine holds);
+- ``dsa_fp8``: the same with FlashMLA's physical slots;
+- ``dsa_bf16``: the dequantised cache in bf16, paged, block table;
+- ``sparse_attention``: ``dsa.sparse_attention`` on that bf16 cache as a flat
+  [N, D] kv with physical slots (the path the issue measured).
+
+Per row: milliseconds, GB/s (bytes of the K gathered rows in the cache's
+format, q and out) and the fraction of 4.24 TB/s, the host microseconds a
+call takes (a loop of eager calls without synchronising: launches are
+queued, so the loop measures the host), and the relative L2 error of out
+against the float64 reference on the dequantised cache. With the sweep
+(default), B = 1 and 32 also time dsa's FP8 decode at forced split counts
+(``dsa.triton.decode.forward(a, splits=s)``), the evidence for the split rule.
+A peer that is not installed or refuses a shape is a row with the reason.
+Prints a table; ``--out DIR`` writes DIR/decode_peers.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Callable, Dict, Optional
+
+import torch
+import triton
+
+import dsa
+from dsa import _checks
+from dsa.kv_cache import FORMATS
+from dsa.triton import decode as tdecode
+
+PAGE = 64
+K = 2048
+HBM_TBS = 4.24  # the H200's measured achievable HBM bandwidth, TB/s
+SWEEP = (1, 2, 4, 8, 16, 32)
+
+
+def bench(fn: Callable[[], Any]) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """fn captured in a CUDA graph (warmed up on a side stream first); returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def host_us(fn: Callable[[], Any], n: int = 200) -> float:
+    """Host time of one call: n eager calls queued without a synchronisation."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return dt / n * 1e6
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def problem(fmt: str, B: int, H: int, L: int, seed: int = 0) -> Dict[str, Any]:
+    """Caches of B sequences of L tokens (pages scattered by a block table), q, top-k positions, sink."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    f = FORMATS[fmt]
+    per_seq = L // PAGE
+    P = B * per_seq
+    cache = torch.empty(P, PAGE, f.bytes_per_token, dtype=torch.uint8, device=dev)
+    step = max(1, (1 << 27) // (PAGE * f.D))  # pages quantised at once (fp32 staging of ~512 MB)
+    for p0 in range(0, P, step):
+        p1 = min(P, p0 + step)
+        cache[p0:p1] = dsa.quantize_kv_cache(torch.randn(p1 - p0, PAGE, f.D, device=dev, generator=g), fmt)
+    bt = torch.randperm(P, device=dev, generator=g).view(B, per_seq).int()
+    keys = torch.rand(B, L, device=dev, generator=g)
+    pos = keys.topk(K, dim=-1).indices.sort(dim=-1).values.int().view(B, 1, K)
+    slots = (bt.long().gather(1, pos.view(B, K).long() // PAGE) * PAGE + pos.view(B, K).long() % PAGE)
+    q = torch.randn(B, 1, H, f.D, device=dev, dtype=torch.bfloat16, generator=g)
+    sink = torch.randn(H, device=dev, generator=g)
+    return dict(fmt=fmt, q=q, cache=cache, bt=bt, pos=pos, slots=slots.int().view(B, 1, K), sink=sink,
+                scale=f.D ** -0.5)
+
+
+def dequantised_bf16(pb: Dict[str, Any]) -> torch.Tensor:
+    """The cache dequantised (exact in bf16 for dsa's quantiser), paged [P, 64, 1, D]."""
+    c = pb["cache"]
+    out = torch.empty(c.shape[0], PAGE, 1, FORMATS[pb["fmt"]].D, dtype=torch.bfloat16, device=c.device)
+    step = 1 << 10
+    for p0 in range(0, c.shape[0], step):
+        out[p0:p0 + step, :, 0] = dsa.dequantize_kv_cache(c[p0:p0 + step], pb["fmt"]).bfloat16()
+    return out
+
+
+def flashmla_fn(pb: Dict[str, Any]) -> Callable[[], Any]:
+    try:
+        import flash_mla
+    except ImportError:
+        if "/tmp/site" not in sys.path and os.path.isdir("/tmp/site"):
+            sys.path.insert(0, "/tmp/site")
+        import flash_mla
+    cache = pb["cache"].view(pb["cache"].shape[0], PAGE, 1, -1)
+    errors = []
+    for legacy in (True, False):
+        meta = flash_mla.get_mla_metadata()[0]
+
+        def run(meta=meta, legacy=legacy):
+            return flash_mla.flash_mla_with_kvcache(pb["q"], cache, None, None, 512, meta, softmax_scale=pb["scale"],
+                                                    is_fp8_kvcache=True, indices=pb["slots"], attn_sink=pb["sink"],
+                                                    use_legacy=legacy)[0]
+        try:
+            run()
+            torch.cuda.synchronize()
+            return run
+        except Exception as e:  # the other side of the wheel may serve this GPU
+            errors.append(f"use_legacy={legacy}: {type(e).__name__}: {str(e)[:160]}")
+    raise RuntimeError("; ".join(errors))
+
+
+def measure(row: Dict[str, Any], name: str, build: Callable[[], Callable[[], Any]], nbytes: int,
+            ref: Optional[torch.Tensor]) -> Optional[Callable[[], Any]]:
+    try:
+        fn = build()
+        out = fn()
+        torch.cuda.synchronize()
+        eager = bench(fn)
+        replay = graphed(fn)
+        graph = bench(replay)
+        host = host_us(fn)
+    except Exception as e:  # a missing or refusing peer is a row, not a crash
+        row[name] = f"{type(e).__name__}: {str(e)[:240]}"
+        print(f"  {name:18s} {row[name]}")
+        return None
+    res = dict(eager_ms=eager, graph_ms=graph, host_us=host, gbps=nbytes / graph / 1e6,
+               frac_hbm=nbytes / graph / 1e6 / (HBM_TBS * 1e3))
+    if ref is not None:
+        res["rel_l2"] = rel_l2(out.view_as(ref), ref)
+    row[name] = res
+    print(f"  {name:18s} graph {graph * 1e3:8.1f} us  eager {eager * 1e3:8.1f} us  host {host:6.1f} us  "
+          f"{res['gbps']:7.0f} GB/s ({res['frac_hbm']:.2f})" + (f"  rel_l2 {res['rel_l2']:.2e}" if ref is not None
+                                                                 else ""))
+    return fn
+
+
+def run_row(fmt: str, B: int, H: int, L: int, sweep: bool) -> Dict[str, Any]:
+    pb = problem(fmt, B, H, L)
+    f = FORMATS[fmt]
+    q, cache, bt, pos, slots, sink, scale = (pb[k] for k in ("q", "cache", "bt", "pos", "slots", "sink", "scale"))
+    row: Dict[str, Any] = dict(format=fmt, B=B, H=H, cache_len=L, K=K, page=PAGE, D=f.D, d_v=512)
+    print(f"{fmt} B={B} H={H} cache_len={L} K={K}")
+    kv16 = dequantised_bf16(pb)
+    # float64 on the dequantised cache: the reference backend dequantises the gathered rows exactly
+    ref = dsa.sparse_decode(q.double(), cache, pos, block_table=bt, sink=sink, sm_scale=scale, backend="reference")
+    io = q.numel() * 2 + B * H * 512 * 2
+    fp8_bytes = B * K * f.bytes_per_token + io
+    bf16_bytes = B * K * f.D * 2 + io
+    measure(row, "flashmla", lambda: flashmla_fn(pb), fp8_bytes, ref)
+    measure(row, "dsa_fp8_bt", lambda: (lambda: dsa.sparse_decode(q, cache, pos, block_table=bt, sink=sink,
+                                                                   sm_scale=scale)), fp8_bytes, ref)
+    measure(row, "dsa_fp8", lambda: (lambda: dsa.sparse_decode(q, cache, slots, sink=sink, sm_scale=scale)),
+            fp8_bytes, ref)
+    measure(row, "dsa_bf16_bt", lambda: (lambda: dsa.sparse_decode(q, kv16, pos, block_table=bt, sink=sink,
+                                                                    sm_scale=scale)), bf16_bytes, ref)
+    flat, q2, s2 = kv16.view(-1, f.D), q.view(B, H, f.D), slots.view(B, K)
+    measure(row, "sparse_attention", lambda: (lambda: dsa.sparse_attention(q2, flat, s2, sink=sink, sm_scale=scale)),
+            bf16_bytes, ref.view(B, H, -1))
+    a, _ = _checks.sparse_decode_args(q, cache, pos, bt, None, None, sink, scale, None, None)
+    row["dsa_splits"] = tdecode.plan(a).splits
+    if sweep and B <= 32:
+        for s in SWEEP:
+            measure(row, f"dsa_fp8_bt_splits{s}", lambda s=s: (lambda: tdecode.forward(a, splits=s)[0]), fp8_bytes,
+                    ref.view(B, H, -1))
+    fm, ours = row.get("flashmla"), row.get("dsa_fp8_bt")
+    if isinstance(fm, dict) and isinstance(ours, dict):
+        row["speedup_graph"] = fm["graph_ms"] / ours["graph_ms"]
+        row["speedup_eager"] = fm["eager_ms"] / ours["eager_ms"]
+        print(f"  dsa_fp8_bt vs flashmla: {row['speedup_graph']:.2f}x (graphs), {row['speedup_eager']:.2f}x (eager)")
+    del pb, kv16, ref
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--formats", default="fp8_v32")
+    p.add_argument("--batches", default="1,32,128")
+    p.add_argument("--heads", default="64,128")
+    p.add_argument("--cache-lens", default="8192,32768")
+    p.add_argument("--no-sweep", action="store_true")
+    args = p.parse_args()
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    rows = [run_row(fmt, B, H, L, not args.no_sweep) for fmt in args.formats.split(",")
+            for H in ints(args.heads) for L in ints(args.cache_lens) for B in ints(args.batches)]
+    print("\nformat       H  cache_len    B   flashmla us  dsa_fp8_bt us  speedup(graphs)  dsa host us")
+    for r in rows:
+        fm, ours = r.get("flashmla"), r.get("dsa_fp8_bt")
+        fmt_us = lambda x: f"{x['graph_ms'] * 1e3:11.1f}" if isinstance(x, dict) else f"{'n/a':>11s}"  # noqa: E731
+        sp = f"{r['speedup_graph']:15.2f}" if "speedup_graph" in r else f"{'n/a':>15s}"
+        host = f"{ours['host_us']:11.1f}" if isinstance(ours, dict) else f"{'n/a':>11s}"
+        print(f"{r['format']:10s} {r['H']:3d} {r['cache_len']:10d} {r['B']:4d} {fmt_us(fm)}   {fmt_us(ours)}  {sp}  "
+              f"{host}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "decode_peers.json"), "w") as fh:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                           rows=rows), fh, indent=1)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -39,13 +39,13 @@ def ints(values, device, dtype=torch.int32) -> torch.Tensor:
 def fp8_cache(fmt, P, PS, gen, device, pad=0) -> torch.Tensor:
     """A quantised cache of P pages; with ``pad``, each page is followed by ``pad`` bytes of NaN (0x7F)
     in memory: the page stride is past the page's bytes, and nothing there may be read."""
-    cache = dsa.quantize_kv_cache(torch.randn(P, PS, FP8[fmt], generator=gen) * 2, fmt)
-    if pad:
+    cache = dsa.quantize_kv_cache(torch.randn(P, PS, FP8[fmt], generator=gen) * 2, fmt).to(device)
+    if pad:  # on the device: a copy there would be contiguous
         page = cache[0].numel()
-        buf = torch.full((P, page + pad), 0x7F, dtype=torch.uint8)
+        buf = torch.full((P, page + pad), 0x7F, dtype=torch.uint8, device=device)
         buf[:, :page] = cache.view(P, page)
         cache = buf[:, :page].view(P, PS, -1)
-    return cache.to(device)
+    return cache
 
 
 def run_and_check(call, case, q, cache, idx, cache_format="native", **kw):

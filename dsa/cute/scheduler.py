@@ -13,7 +13,7 @@ previous tile's tail.  The same compiled kernel serves both.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -33,6 +33,22 @@ class ProblemConfig:
     H: int
     G: int
     has_len: bool
+
+
+def head_block_reason(dtype, D: int, d_v: int, H: int, G: int, block_h: int) -> Optional[str]:
+    """Why an attention kernel over blocks of ``block_h`` query heads cannot
+    serve this problem (None if it can): the dtypes, head dims and head
+    counts every arch's kernel is built for.  dtype: ``cutlass.BFloat16`` /
+    ``cutlass.Float16`` (anything else is refused, named as given)."""
+    if dtype not in (cutlass.BFloat16, cutlass.Float16):
+        return f"dtype {dtype} is not bf16 or fp16"
+    if D not in (512, 576) or d_v != 512:
+        return f"D={D}, d_v={d_v}: the cute kernel serves D in (512, 576) with d_v = 512"
+    if G <= 0 or H % G:
+        return f"{H} query heads do not split over {G} kv heads"
+    if (H // G) % block_h:
+        return f"{H // G} query heads per kv head: the cute kernel needs a multiple of {block_h}"
+    return None
 
 
 def tile_count(T, G: int, head_blocks: int):

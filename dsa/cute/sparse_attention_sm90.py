@@ -186,14 +186,9 @@ class SparseAttnFwdSm90:
         """None when the kernel serves this configuration, else the reason.
         dtype: ``cutlass.BFloat16`` / ``cutlass.Float16`` (anything else is
         refused, named as given)."""
-        if dtype not in (cutlass.BFloat16, cutlass.Float16):
-            return f"dtype {dtype} is not bf16 or fp16"
-        if D not in (512, 576) or d_v != 512:
-            return f"D={D}, d_v={d_v}: the cute kernel serves D in (512, 576) with d_v = 512"
-        if G <= 0 or H % G:
-            return f"{H} query heads do not split over {G} kv heads"
-        if (H // G) % BLOCK_H:
-            return f"{H // G} query heads per kv head: the cute kernel needs a multiple of {BLOCK_H}"
+        why = scheduler.head_block_reason(dtype, D, d_v, H, G, BLOCK_H)
+        if why is not None:
+            return why
         need = smem_bytes(D, d_v, dtype.width // 8)
         if need > SMEM_LIMIT:
             return f"needs {need} bytes of shared memory, more than the {SMEM_LIMIT} of an SM90 CTA"

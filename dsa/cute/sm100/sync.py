@@ -1,0 +1,46 @@
+"""tcgen05 ordering helpers for the SM100 kernels.
+
+The tensor core's asynchronous operations (``tcgen05.mma``, ``tcgen05.ld``,
+``tcgen05.st``) are ordered against a thread synchronisation (an mbarrier
+arrive or wait, a ``bar.sync``) only through the two tcgen05 fences:
+
+* ``before_sync()`` after a thread's TMEM loads / stores have completed
+  (``tcgen05.wait::ld`` / ``::st``) and before it arrives on the barrier
+  that hands the TMEM columns (or the MMA that may now overwrite them) to
+  another warp;
+* ``after_sync()`` after a wait on such a barrier and before the thread
+  issues the tcgen05 operations that depend on it.
+
+``wait_ld`` / ``wait_st`` wait for this thread's outstanding TMEM loads /
+stores.  ``commit(bar)`` arrives once on mbarrier ``bar`` when every MMA the
+issuing thread has launched so far has completed (one elected lane issues
+it).
+"""
+
+from __future__ import annotations
+
+import cutlass.cute as cute
+from cutlass._mlir.dialects import nvvm
+from cutlass.cute.nvgpu import tcgen05
+
+
+def before_sync() -> None:
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC)
+
+
+def after_sync() -> None:
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC)
+
+
+def wait_ld() -> None:
+    cute.arch.fence_view_async_tmem_load()
+
+
+def wait_st() -> None:
+    cute.arch.fence_view_async_tmem_store()
+
+
+@cute.jit
+def commit(bar):
+    with cute.arch.elect_one():
+        tcgen05.commit(bar)

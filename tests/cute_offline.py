@@ -7,14 +7,17 @@ name, how often each needle occurs in the PTX.  A call is ``(name, args,
 kwargs)``; an argument "torch.<dtype>" stands for that torch dtype.  The
 backward's builds go through
 ``"dsa.cute.sparse_attention_bwd:compile_offline_backward"`` the same way.
-``HAVE_DSL`` (the DSL imports), ``SM90`` (an SM90 GPU is here) and ``ROOT``
-(the repository) are shared by the cute tests.
+``compile_reports`` does the same and also returns what ptxas reported
+(registers, spill stores and loads) and the dynamic shared memory the
+launch asks for.  ``HAVE_DSL`` (the DSL imports), ``SM90`` (an SM90 GPU is
+here) and ``ROOT`` (the repository) are shared by the cute tests.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Dict, Iterable, Sequence, Tuple
@@ -58,3 +61,56 @@ def ptx_counts(target: str, calls: Sequence[Tuple[str, list, dict]], needles: It
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.split("RESULT", 1)[1])
+
+
+_REPORT_SCRIPT = r"""
+import importlib, json, os, re, sys, tempfile, torch
+target, needles, calls = json.loads(sys.argv[1])
+module, function = target.split(":")
+build = getattr(importlib.import_module(module), function)
+res = {}
+for name, args, kwargs in calls:
+    args = [getattr(torch, a[6:]) if isinstance(a, str) and a.startswith("torch.") else a for a in args]
+    # ptxas's report goes to file descriptor 2: capture it per compile
+    with tempfile.TemporaryFile(mode="w+") as err:
+        saved = os.dup(2)
+        os.dup2(err.fileno(), 2)
+        try:
+            compiled = build(*args, options="--keep-ptx remarks{ptx}", **kwargs)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        err.seek(0)
+        report = err.read()
+    ptx = compiled.artifacts.PTX
+    if len(ptx) < 4096 and os.path.exists(ptx):
+        ptx = open(ptx).read()
+    res[name] = dict(needles={k: ptx.count(k) for k in needles}, ptxas=report, ir=str(compiled.ir_module))
+print("RESULT" + json.dumps(res))
+"""
+
+
+def compile_reports(target: str, calls: Sequence[Tuple[str, list, dict]], needles: Iterable[str], arch: str,
+                    tmp_path) -> Dict[str, dict]:
+    """{call name: {"needles": {needle: count in the PTX}, "spill_stores",
+    "spill_loads", "registers": ptxas's figures, "smem": the launch's dynamic
+    shared memory in bytes, "smem_limit": the most the DSL lets the arch
+    launch with}}.  ``target`` takes an ``options`` keyword (the DSL's
+    compile options)."""
+    env = dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_DUMP_DIR=str(tmp_path), PYTHONPATH=ROOT)
+    spec = json.dumps([target, list(needles), [list(c) for c in calls]])
+    proc = subprocess.run([sys.executable, "-c", _REPORT_SCRIPT, spec], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = {}
+    for name, r in json.loads(proc.stdout.split("RESULT", 1)[1]).items():
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r["ptxas"])
+        regs = re.search(r"Used (\d+) registers", r["ptxas"])
+        assert spill and regs, f"{name}: no ptxas report in {r['ptxas'][-2000:]!r}"
+        # the host launcher's only 64-bit constant is the launch's dynamic shared memory
+        smem = re.findall(r"llvm.mlir.constant\((\d+) : i64\) : i64", r["ir"])
+        limit = re.search(r"Max: (\d+) bytes", r["ir"])
+        assert len(smem) == 1 and limit, f"{name}: launch shared memory not found in the host IR"
+        out[name] = dict(needles=r["needles"], spill_stores=int(spill.group(1)), spill_loads=int(spill.group(2)),
+                         registers=int(regs.group(1)), smem=int(smem[0]), smem_limit=int(limit.group(1)))
+    return out

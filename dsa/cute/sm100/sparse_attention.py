@@ -101,42 +101,39 @@ SELF_CHECK_CTAS = 3
 def hostile_problem(config, device: torch.device, seed: int = 0) -> SparseAttnArgs:
     """A small problem of ``config``'s static shape (dtype, D, H, G, with or
     without topk_length and sink) on ``device`` that exercises every rule:
-    indices -1, N, 2**31 - 1 and duplicates; topk_length past K, negative,
-    0 and mid-block; kv rows of NaN that only invalid slots name; a query
-    row of NaN (out and lse NaN); sinks +inf, -inf, huge and ordinary; and
-    scores that grow block by block, so that O is rescaled in flight."""
+    indices -1, N and 2**31 - 1 and duplicates; topk_length past K,
+    negative, 0 (tiles with no valid slot) and mid-block; kv rows of NaN
+    named only by slots past topk_length; a query head of NaN (its out and
+    lse are NaN); sinks +inf, -inf, 3e38 and ordinary; and, for half the
+    heads, scores that grow along the row by more than 2^8 every couple of
+    blocks, so that O is rescaled in flight (the other half's shrink)."""
     g = torch.Generator().manual_seed(seed)
-    dtype = torch.bfloat16 if "BFloat16" in str(config.dtype) else torch.float16
+    dtype = torch.bfloat16 if config.dtype.__name__ == "BFloat16" else torch.float16
     T, K, N, H, G, D = SELF_CHECK_T, SELF_CHECK_K, SELF_CHECK_N, config.H, config.G, config.D
-    q = torch.randn(T, H, D, generator=g)
-    # later slots score higher: each block's maximum exceeds the last by more than 2^8
-    ramp = torch.linspace(0.0, 6.0, N).view(N, 1, 1)
-    kv = torch.randn(N, G, D, generator=g) * 0.5 + ramp * torch.randn(1, G, D, generator=g).sign() * 0.25
-    q = q * torch.randn(1, 1, D, generator=g).sign()
-    idx = torch.randint(0, N - 2, (T, G, K), generator=g, dtype=torch.int32)
-    idx[:, :, 1::7] = -1
-    idx[:, :, 2::11] = N
-    idx[:, :, 3::13] = 2**31 - 1
-    idx[:, :, 4::17] = idx[:, :, 5::17][..., : idx[:, :, 4::17].shape[-1]]  # duplicates
-    idx[:, :, K // 2:] = torch.sort(idx[:, :, K // 2:], dim=-1).values  # ascending run: a growing maximum
-    kv[N - 2:] = float("nan")  # named only past topk_length below
-    lengths = torch.tensor([K + 50, -3, 0, 37, K, 1, 130], dtype=torch.int32)[:T]
-    for t in range(T):
-        stop = int(lengths[t].clamp(0, K))
-        idx[t, :, stop:stop + 5] = N - 1  # NaN rows right past topk_length
-    if not config.has_len:
-        lengths = None
-        idx[:, :, -3:] = N - 1  # NaN rows must not be read: make those slots invalid instead
-        idx[:, :, -3:] = -1
+    u = torch.randint(0, 2, (D,), generator=g).float() * 2 - 1            # a direction of +-1 entries
+    kv = torch.randn(N, G, D, generator=g) * 0.3 + torch.linspace(0, 5, N).view(N, 1, 1) * u
+    q = torch.randn(T, H, D, generator=g) + 0.2 * u
+    q[:, 1::2] -= 0.4 * u                                                  # odd heads: falling scores
     q[T - 1, H // 2] = float("nan")
+    # sorted rows: slot order is kv row order, so the scores rise (or fall) along the row
+    idx = torch.sort(torch.randint(0, N - 2, (T, G, K), generator=g, dtype=torch.int32), dim=-1).values
+    idx[..., 4::17] = idx[..., 3::17][..., : idx[..., 4::17].shape[-1]]   # duplicates
+    idx[..., 1::7] = -1
+    idx[..., 2::11] = N
+    idx[..., 3::13] = 2**31 - 1
+    lengths = torch.tensor([K + 50, -3, 0, 37, K, 1, 130], dtype=torch.int32)[:T]
+    kv[N - 2:] = float("nan")
+    if config.has_len:
+        for t in range(T):
+            stop = int(lengths[t].clamp(0, K))
+            idx[t, :, stop:stop + 5] = N - 2 + torch.arange(min(5, K - stop)) % 2  # NaN rows, past the length
     sink = None
     if config.has_sink:
         sink = torch.randn(H, generator=g)
-        sink[0], sink[1], sink[2] = float("inf"), float("-inf"), 3.0e38
-    args = SparseAttnArgs(q.to(dtype).to(device), kv.to(dtype).to(device), idx.to(device),
-                          None if lengths is None else lengths.to(device),
+        sink[:3] = torch.tensor([float("inf"), float("-inf"), 3.0e38])
+    return SparseAttnArgs(q.to(dtype).to(device), kv.to(dtype).to(device), idx.to(device),
+                          lengths.to(device) if config.has_len else None,
                           None if sink is None else sink.to(device), D ** -0.5, SERVED_DV, False)
-    return args
 
 
 def self_check(config, device: torch.device, kernel=None, reference=None) -> List[Tuple[torch.Tensor, torch.Tensor]]:

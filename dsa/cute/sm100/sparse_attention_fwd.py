@@ -94,17 +94,20 @@ class FwdSm100Config(scheduler.ProblemConfig):
 
 
 def smem_bytes(D: int, d_v: int, elem_bytes: int) -> int:
-    """Shared memory of the kernel's ``Smem`` struct: barriers and the TMEM
-    address, Q [64, D], two K stages [64, D], two P buffers when D == d_v
-    (with D > d_v, P of a stage lives in its RoPE columns, dead once S is
-    computed), the masks; the tiles 1024-byte aligned for the 128-byte
-    swizzle."""
-    def up(n: int) -> int:
-        return -(-n // 1024) * 1024
+    """Shared memory of the kernel's ``Smem`` struct, laid out as the DSL
+    lays it out: barriers and the TMEM address, Q [64, D], two K stages
+    [64, D], the P buffers (two [64, 64] when D == d_v; with D > d_v, P of a
+    stage lives in its RoPE columns, dead once S is computed, and the field
+    is one unused element), the masks; the tiles 1024-byte aligned for the
+    128-byte swizzle, and the whole rounded up to that alignment."""
+    def up(n: int, a: int = 1024) -> int:
+        return -(-n // a) * a
 
-    p_elems = 0 if D > d_v else 2 * BLOCK_H * BN
-    tiles = up(13 * 8 + 4) + up(BLOCK_H * D * elem_bytes) + up(2 * BN * D * elem_bytes)
-    return up(tiles + p_elems * elem_bytes) + 4 * 2 * BN
+    p_elems = 1 if D > d_v else 2 * BLOCK_H * BN
+    off = up(13 * 8 + 4) + BLOCK_H * D * elem_bytes
+    off = up(off) + 2 * BN * D * elem_bytes
+    off = up(off) + p_elems * elem_bytes
+    return up(up(off, 16) + 4 * 2 * BN)
 
 
 @dataclass(frozen=True)
@@ -164,6 +167,21 @@ def _check_p_layout(sp_layout, dtype):
         for c in range(0, BN, 8):
             if cute.crd2idx((r, c), sp_layout.outer) != r * BN + c:
                 raise ValueError(f"unexpected P layout {sp_layout}: ({r}, {c})")
+
+
+def _check_tmem_copy(tiled, load: bool):
+    """The 32-lane TMEM load / store as the softmax warpgroup uses it: thread
+    i of the warpgroup holds lane i, its register j column j (checked at
+    trace time on the register side's coordinates; the TMEM side is the
+    warp's 32 x 32 block)."""
+    lanes = 32 * SOFTMAX_WARPS
+    for i in (0, 1, 15, 16, 31, 32, 63, 64, lanes - 1):
+        thr = tiled.get_slice(i)
+        regs = thr.partition_D if load else thr.partition_S
+        c = regs(cute.make_identity_tensor((lanes, ROW_COLS)))
+        got = [c[j] for j in range(ROW_COLS)]
+        if got != [(i, j) for j in range(ROW_COLS)]:
+            raise ValueError(f"unexpected TMEM copy partition for thread {i}: {got}")
 
 
 def _check_tmem_rows(layout, n_atom: int):
@@ -478,10 +496,13 @@ class SparseAttnFwdSm100:
         """Thread wtid's TMEM copies, registers and shared-memory views."""
         lane = wtid % 32
         phys = cute.make_tensor(tmem, cute.make_layout((32 * SOFTMAX_WARPS, ROW_COLS), stride=(1 << 16, 1)))
-        t2r = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), Float32), phys).get_slice(wtid)
-        r2t = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition.x32), Float32), phys).get_slice(wtid)
+        load = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), Float32), phys)
+        store = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition.x32), Float32), phys)
+        _check_tmem_copy(load, True)
+        _check_tmem_copy(store, False)
+        t2r, r2t = load.get_slice(wtid), store.get_slice(wtid)
         frag = t2r.partition_D(cute.make_identity_tensor((32 * SOFTMAX_WARPS, ROW_COLS))).shape
         rS = cute.make_rmem_tensor(frag, Float32)
         rO = cute.make_rmem_tensor(frag, Float32)

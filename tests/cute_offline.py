@@ -37,11 +37,11 @@ SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0
 
 _SCRIPT = r"""
 import importlib, json, os, sys, torch
-target, needles, calls = json.loads(sys.argv[1])
-module, function = target.split(":")
-build = getattr(importlib.import_module(module), function)
+needles, calls = json.loads(sys.argv[1])
 res = {}
-for name, args, kwargs in calls:
+for name, target, args, kwargs in calls:
+    module, function = target.split(":")
+    build = getattr(importlib.import_module(module), function)
     args = [getattr(torch, a[6:]) if isinstance(a, str) and a.startswith("torch.") else a for a in args]
     ptx = build(*args, **kwargs).artifacts.PTX
     if len(ptx) < 4096 and os.path.exists(ptx):  # with a dump directory: the file's path
@@ -65,11 +65,11 @@ def ptx_counts(target: str, calls: Sequence[Tuple[str, list, dict]], needles: It
 
 _REPORT_SCRIPT = r"""
 import importlib, json, os, re, sys, tempfile, torch
-target, needles, calls = json.loads(sys.argv[1])
-module, function = target.split(":")
-build = getattr(importlib.import_module(module), function)
+needles, calls = json.loads(sys.argv[1])
 res = {}
-for name, args, kwargs in calls:
+for name, target, args, kwargs in calls:
+    module, function = target.split(":")
+    build = getattr(importlib.import_module(module), function)
     args = [getattr(torch, a[6:]) if isinstance(a, str) and a.startswith("torch.") else a for a in args]
     # ptxas's report goes to file descriptor 2: capture it per compile
     with tempfile.TemporaryFile(mode="w+") as err:
@@ -90,15 +90,16 @@ print("RESULT" + json.dumps(res))
 """
 
 
-def compile_reports(target: str, calls: Sequence[Tuple[str, list, dict]], needles: Iterable[str], arch: str,
+def compile_reports(calls: Sequence[Tuple[str, str, list, dict]], needles: Iterable[str], arch: str,
                     tmp_path) -> Dict[str, dict]:
-    """{call name: {"needles": {needle: count in the PTX}, "spill_stores",
-    "spill_loads", "registers": ptxas's figures, "smem": the launch's dynamic
-    shared memory in bytes, "smem_limit": the most the DSL lets the arch
-    launch with}}.  ``target`` takes an ``options`` keyword (the DSL's
-    compile options)."""
+    """Each call ``(name, "module:function", args, kwargs)`` compiled in one
+    fresh process -> {name: {"needles": {needle: count in the PTX},
+    "spill_stores", "spill_loads", "registers": ptxas's figures, "smem": the
+    launch's dynamic shared memory in bytes, "smem_limit": the most the DSL
+    lets the arch launch with}}.  A function takes an ``options`` keyword
+    (the DSL's compile options)."""
     env = dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_DUMP_DIR=str(tmp_path), PYTHONPATH=ROOT)
-    spec = json.dumps([target, list(needles), [list(c) for c in calls]])
+    spec = json.dumps([list(needles), [list(c) for c in calls]])
     proc = subprocess.run([sys.executable, "-c", _REPORT_SCRIPT, spec], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -107,10 +108,21 @@ def compile_reports(target: str, calls: Sequence[Tuple[str, list, dict]], needle
         spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r["ptxas"])
         regs = re.search(r"Used (\d+) registers", r["ptxas"])
         assert spill and regs, f"{name}: no ptxas report in {r['ptxas'][-2000:]!r}"
-        # the host launcher's only 64-bit constant is the launch's dynamic shared memory
-        smem = re.findall(r"llvm.mlir.constant\((\d+) : i64\) : i64", r["ir"])
         limit = re.search(r"Max: (\d+) bytes", r["ir"])
-        assert len(smem) == 1 and limit, f"{name}: launch shared memory not found in the host IR"
+        assert limit, f"{name}: the launch's shared-memory limit not found in the host IR"
         out[name] = dict(needles=r["needles"], spill_stores=int(spill.group(1)), spill_loads=int(spill.group(2)),
-                         registers=int(regs.group(1)), smem=int(smem[0]), smem_limit=int(limit.group(1)))
+                         registers=int(regs.group(1)), smem=_launch_smem(name, r["ir"]),
+                         smem_limit=int(limit.group(1)))
     return out
+
+
+def _launch_smem(name: str, ir: str) -> int:
+    """The dynamic shared memory the host launcher stores into the launch
+    config (field 2, i64, of the struct cudaLaunchKernelEx takes)."""
+    config = r"!llvm.struct<\(array<3 x i32>, array<3 x i32>, i64, ptr, ptr, i32\)>"
+    fields = re.findall(r"(%\d+) = llvm.getelementptr %\d+\[0, 2\] : \(!llvm.ptr\) -> !llvm.ptr, " + config, ir)
+    assert len(fields) == 1, f"{name}: {len(fields)} launch configs in the host IR"
+    value = re.search(r"llvm.store (%\d+), " + fields[0] + r" : i64", ir)
+    const = value and re.search(re.escape(value.group(1)) + r" = llvm.mlir.constant\((\d+) : i64\)", ir)
+    assert const, f"{name}: the launch's shared memory is not a constant in the host IR"
+    return int(const.group(1))

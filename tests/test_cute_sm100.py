@@ -42,26 +42,37 @@ FWD_CONFIGS = [
     ("h64_d512_bf16", "torch.bfloat16", 512, 64, 1, True, True),
     ("h64_d576_fp16", "torch.float16", 576, 64, 1, True, False),
 ]
+IDX_CONFIGS = [  # name, q dtype, weights dtype, causal, one sequence
+    ("indexer_bf16_causal_varlen", "torch.bfloat16", "torch.float32", True, False),
+    ("indexer_fp16_dense_single", "torch.float16", "torch.bfloat16", False, True),
+]
 FWD_NEEDLES = ("tcgen05.mma.cta_group::1.kind::f16", "tcgen05.ld.sync.aligned.32x32b", "tcgen05.st.sync.aligned",
                "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.commit", "tcgen05.fence::before_thread_sync",
                "tcgen05.fence::after_thread_sync", "tcgen05.wait::ld", "cp.async.cg.shared.global",
                "cp.async.wait_group", "fence.proxy.async", "mbarrier.try_wait", "max.NaN.f32")
 
 
+IDX_NEEDLES = ("tcgen05.mma.cta_group::1.kind::f16", "tcgen05.ld.sync.aligned.32x32b", "tcgen05.alloc",
+               "tcgen05.dealloc", "tcgen05.commit", "cp.async.bulk.tensor.2d", "mbarrier.arrive.expect_tx",
+               "max.NaN.f32", "bar.sync")
+
+
 @pytest.fixture(scope="module")
-def fwd_reports(tmp_path_factory):
-    calls = [(c[0], list(c[1:]), {}) for c in FWD_CONFIGS]
-    return compile_reports("dsa.cute.sm100.sparse_attention:compile_offline", calls, FWD_NEEDLES, "sm_100a",
-                           tmp_path_factory.mktemp("sm100_fwd"))
+def reports(tmp_path_factory):
+    """Every served configuration compiled for sm_100a in one process."""
+    calls = [(c[0], "dsa.cute.sm100.sparse_attention:compile_offline", list(c[1:]), {}) for c in FWD_CONFIGS]
+    calls += [(c[0], "dsa.cute.sm100.indexer:compile_offline", list(c[1:]), {}) for c in IDX_CONFIGS]
+    return compile_reports(calls, sorted(set(FWD_NEEDLES + IDX_NEEDLES)), "sm_100a",
+                           tmp_path_factory.mktemp("sm100"))
 
 
 @needs_dsl
 @pytest.mark.parametrize("cfg", FWD_CONFIGS, ids=[c[0] for c in FWD_CONFIGS])
-def test_forward_compiles_for_sm100_with_tcgen05(fwd_reports, cfg):
+def test_forward_compiles_for_sm100_with_tcgen05(reports, cfg):
     from dsa.cute.sm100.sparse_attention_fwd import smem_bytes
 
     name, dt, D, H, G, has_len, has_sink = cfg
-    r = fwd_reports[name]
+    r = reports[name]
     n = r["needles"]
     # S = Q K^T: two N = 32 atoms per 16 columns of D; O += P V: two N = 256 atoms per 16 slots
     assert n["tcgen05.mma.cta_group::1.kind::f16"] >= 2 * (D // 16) + 2 * (64 // 16), (name, n)
@@ -77,6 +88,25 @@ def test_forward_compiles_for_sm100_with_tcgen05(fwd_reports, cfg):
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
     dtype = getattr(torch, dt[6:])
     assert r["smem"] == smem_bytes(D, 512, dtype.itemsize) <= 227 * 1024 == r["smem_limit"], (name, r)
+
+
+@needs_dsl
+@pytest.mark.parametrize("cfg", IDX_CONFIGS, ids=[c[0] for c in IDX_CONFIGS])
+def test_indexer_compiles_for_sm100_with_tcgen05_and_tma(reports, cfg):
+    from dsa.cute.sm100.indexer_fwd import smem_bytes
+
+    name, dt = cfg[0], cfg[1]
+    r = reports[name]
+    n = r["needles"]
+    assert n["tcgen05.mma.cta_group::1.kind::f16"] >= 128 // 16, (name, n)  # M 128 keys, N 256, one per 16 dims
+    assert n["tcgen05.alloc"] == 1 and n["tcgen05.dealloc"] == 1, (name, n)
+    assert n["tcgen05.ld.sync.aligned.32x32b"] >= 4 * 2, (name, n)  # 4 queries x 2 chunks of 32 heads
+    assert n["tcgen05.commit"] >= 3, (name, n)  # key stage free, accumulator ready, Q free
+    assert n["cp.async.bulk.tensor.2d"] >= 2 and n["mbarrier.arrive.expect_tx"] >= 2, (name, n)  # Q and keys by TMA
+    assert n["max.NaN.f32"] >= 4 * 64, (name, n)  # relu keeps a NaN
+    assert n["bar.sync"] >= 2, (name, n)
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
+    assert r["smem"] == smem_bytes(getattr(torch, dt[6:]).itemsize) <= 227 * 1024 == r["smem_limit"], (name, r)
 
 
 # --------------------------------------------------------------------------

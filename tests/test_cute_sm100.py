@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 import warnings
@@ -390,3 +391,108 @@ def test_hostile_problem_exercises_every_rule(has_len, has_sink, G):
     s = (a.kv[idx[0, 0].clamp(0, SELF_CHECK_N - 1), 0].float() @ a.q[0, 0].float()) * a.sm_scale * 1.4427
     s = torch.where(ok, s, -float("inf"))
     assert s[-64:].max() - s[:64].max() > 2 * RESCALE_LOG2
+
+
+# --------------------------------------------------------------------------
+# the lean indexer's gate
+
+
+def _indexer_reference(a):
+    return dsa.reference.backend_op("indexer_scores", a)(a)
+
+
+@pytest.fixture
+def sm100_indexer(sm100, monkeypatch):
+    """As ``sm100``, for the indexer: a GPU of 2 SMs, the kernel's own checks pass."""
+    from dsa.cute.sm100 import indexer
+
+    monkeypatch.setattr(indexer, "supports", lambda a: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: types.SimpleNamespace(multi_processor_count=2))
+
+    def use(scores):
+        calls = []
+
+        def counted(a):
+            calls.append(a)
+            return scores(a)
+
+        def launch(a, out, blk_cum, r0, r1):  # the kernel's launcher, as indexer_topk drives it
+            out[: r1 - r0] = counted(a)[r0:r1]
+
+        monkeypatch.setattr(indexer, "scores", counted)
+        monkeypatch.setattr(indexer, "launch_scores", launch)
+        return calls
+
+    return use
+
+
+def _indexer_inputs(Tq=9):
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, Tq, 64, 128, generator=g).half()
+    k = torch.randn(2, 40, 128, generator=g).half()
+    w = torch.randn(2, Tq, 64, generator=g)
+    return (q, k, w), dict(ratio=2, q_offsets=torch.tensor([30, -3]), sm_scale=128 ** -0.5)
+
+
+def test_indexer_correct_kernel_is_upgraded(sm100_indexer):
+    calls = sm100_indexer(_indexer_reference)
+    args, kw = _indexer_inputs()
+    text = dsa.explain("indexer_scores", *args, **kw)
+    assert "indexer_scores: backend 'cute'" in text, text
+    assert "self-check at first use passed" in text and "its grid fills the GPU" in text, text
+    assert len(calls) == 1
+    s = dsa.indexer_scores(*args, **kw)
+    assert torch.equal(s, dsa.indexer_scores(*args, backend="reference", **kw))
+    # indexer_topk runs the same (already checked) kernel through the chunked top-k driver
+    idx, n = dsa.indexer_topk(*args, 5, return_lengths=True, **kw)
+    ref_idx, ref_n = dsa.topk_indices(s, 5, return_lengths=True, backend="triton")
+    assert torch.equal(idx, ref_idx) and torch.equal(n, ref_n)
+    assert len(gate.verdicts()) == 1
+
+
+def test_indexer_wrong_kernel_is_caught(sm100_indexer):
+    def arithmetic_mask(a):
+        """Masks by adding -inf: the hostile problem's NaN keys past every window come out NaN."""
+        dense = _indexer_reference(dataclasses.replace(a, causal=False))
+        visible = torch.isfinite(_indexer_reference(a))
+        return dense + torch.where(visible, 0.0, -float("inf"))
+
+    sm100_indexer(arithmetic_mask)
+    args, kw = _indexer_inputs()
+    with pytest.warns(RuntimeWarning, match="failed its self-check"):
+        text = dsa.explain("indexer_scores", *args, **kw)
+    assert "indexer_scores: backend 'triton'" in text and "self-check at first use failed: scores: NaN at" in text
+    with pytest.raises(ValueError, match="self-check at first use failed"):
+        dsa.indexer_topk(*args, 5, backend="cute", **kw)
+
+
+def test_indexer_keeps_triton_where_its_grid_does_not_fill_the_gpu(sm100_indexer, monkeypatch):
+    calls = sm100_indexer(_indexer_reference)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: types.SimpleNamespace(multi_processor_count=148))
+    args, kw = _indexer_inputs()
+    text = dsa.explain("indexer_topk", *args, 5, **kw)
+    assert "5 query blocks of 4 do not fill the 148 SMs; the Triton indexer serves this call" in text, text
+    assert "indexer_topk: backend 'triton'" in text and not calls  # no self-check needed
+
+
+@needs_dsl
+@pytest.mark.parametrize("single,causal", [(False, True), (True, True), (False, False)])
+def test_indexer_hostile_problem(single, causal):
+    import cutlass
+
+    from dsa.cute.sm100.indexer import hostile_problem
+    from dsa.cute.sm100.indexer_fwd import IndexerSm100Config
+
+    a = hostile_problem(IndexerSm100Config(cutlass.BFloat16, cutlass.Float32, causal, single), torch.device("cpu"))
+    assert (a.q.shape[1:], a.k.shape[1], a.batch) == ((64, 128), 128, 1 if single else 3)
+    s = _indexer_reference(a)
+    assert not torch.isnan(s).any()  # NaN keys exist only where no query sees them
+    assert a.max_seqlen_k > int(torch.diff(a.cu_seqlens_k).max())  # columns past every sequence
+    if causal:
+        assert torch.isnan(a.k.float()).any()
+        if not single:
+            assert (s == -float("inf")).all(-1).any()  # rows that see no key
+        dense = _indexer_reference(dataclasses.replace(a, causal=False))
+        assert torch.isnan(dense).any()  # those keys share computed tiles with visible ones

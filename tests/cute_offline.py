@@ -36,58 +36,52 @@ except Exception:  # not installed, or no usable install
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 _SCRIPT = r"""
-import importlib, json, os, sys, torch
-needles, calls = json.loads(sys.argv[1])
+import importlib, json, os, sys, tempfile, torch
+needles, calls, report = json.loads(sys.argv[1])
 res = {}
 for name, target, args, kwargs in calls:
     module, function = target.split(":")
     build = getattr(importlib.import_module(module), function)
     args = [getattr(torch, a[6:]) if isinstance(a, str) and a.startswith("torch.") else a for a in args]
-    ptx = build(*args, **kwargs).artifacts.PTX
+    with tempfile.TemporaryFile(mode="w+") as err:
+        if report:  # ptxas's report goes to file descriptor 2: capture it per compile
+            kwargs = dict(kwargs, options="--keep-ptx remarks{ptx}")
+            saved = os.dup(2)
+            os.dup2(err.fileno(), 2)
+        try:
+            compiled = build(*args, **kwargs)
+        finally:
+            if report:
+                os.dup2(saved, 2)
+                os.close(saved)
+        err.seek(0)
+        ptxas = err.read()
+    ptx = compiled.artifacts.PTX
     if len(ptx) < 4096 and os.path.exists(ptx):  # with a dump directory: the file's path
         ptx = open(ptx).read()
-    res[name] = {k: ptx.count(k) for k in needles}
+    res[name] = dict(needles={k: ptx.count(k) for k in needles}, ptxas=ptxas,
+                     ir=str(compiled.ir_module) if report else "")
 print("RESULT" + json.dumps(res))
 """
 
 
-def ptx_counts(target: str, calls: Sequence[Tuple[str, list, dict]], needles: Iterable[str], arch: str,
-               tmp_path) -> Dict[str, Dict[str, int]]:
-    """{call name: {needle: occurrences in its PTX}}; fails the test with the
-    compiler's stderr when the compile fails."""
+def _compile(calls: Sequence[Tuple[str, str, list, dict]], needles: Iterable[str], arch: str, tmp_path,
+             report: bool) -> Dict[str, dict]:
+    """Run the calls in one fresh process; fails the test with the compiler's
+    stderr when a compile fails."""
     env = dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_DUMP_DIR=str(tmp_path), PYTHONPATH=ROOT)
-    spec = json.dumps([target, list(needles), [list(c) for c in calls]])
+    spec = json.dumps([list(needles), [list(c) for c in calls], report])
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, spec], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.split("RESULT", 1)[1])
 
 
-_REPORT_SCRIPT = r"""
-import importlib, json, os, re, sys, tempfile, torch
-needles, calls = json.loads(sys.argv[1])
-res = {}
-for name, target, args, kwargs in calls:
-    module, function = target.split(":")
-    build = getattr(importlib.import_module(module), function)
-    args = [getattr(torch, a[6:]) if isinstance(a, str) and a.startswith("torch.") else a for a in args]
-    # ptxas's report goes to file descriptor 2: capture it per compile
-    with tempfile.TemporaryFile(mode="w+") as err:
-        saved = os.dup(2)
-        os.dup2(err.fileno(), 2)
-        try:
-            compiled = build(*args, options="--keep-ptx remarks{ptx}", **kwargs)
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-        err.seek(0)
-        report = err.read()
-    ptx = compiled.artifacts.PTX
-    if len(ptx) < 4096 and os.path.exists(ptx):
-        ptx = open(ptx).read()
-    res[name] = dict(needles={k: ptx.count(k) for k in needles}, ptxas=report, ir=str(compiled.ir_module))
-print("RESULT" + json.dumps(res))
-"""
+def ptx_counts(target: str, calls: Sequence[Tuple[str, list, dict]], needles: Iterable[str], arch: str,
+               tmp_path) -> Dict[str, Dict[str, int]]:
+    """{call name: {needle: occurrences in its PTX}}."""
+    res = _compile([(name, target, args, kwargs) for name, args, kwargs in calls], needles, arch, tmp_path, False)
+    return {name: r["needles"] for name, r in res.items()}
 
 
 def compile_reports(calls: Sequence[Tuple[str, str, list, dict]], needles: Iterable[str], arch: str,
@@ -98,13 +92,8 @@ def compile_reports(calls: Sequence[Tuple[str, str, list, dict]], needles: Itera
     launch's dynamic shared memory in bytes, "smem_limit": the most the DSL
     lets the arch launch with}}.  A function takes an ``options`` keyword
     (the DSL's compile options)."""
-    env = dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_DUMP_DIR=str(tmp_path), PYTHONPATH=ROOT)
-    spec = json.dumps([list(needles), [list(c) for c in calls]])
-    proc = subprocess.run([sys.executable, "-c", _REPORT_SCRIPT, spec], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
     out = {}
-    for name, r in json.loads(proc.stdout.split("RESULT", 1)[1]).items():
+    for name, r in _compile(calls, needles, arch, tmp_path, True).items():
         spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r["ptxas"])
         regs = re.search(r"Used (\d+) registers", r["ptxas"])
         assert spill and regs, f"{name}: no ptxas report in {r['ptxas'][-2000:]!r}"

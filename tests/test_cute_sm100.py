@@ -117,6 +117,7 @@ def test_indexer_compiles_for_sm100_with_tcgen05_and_tma(reports, cfg):
 @pytest.mark.parametrize("cap,arch", [((10, 0), "sm100"), ((10, 3), "sm100"), ((9, 0), "sm90"), ((12, 0), None),
                                       ((8, 0), None), ((10, 1), None)])
 def test_architecture_by_capability(monkeypatch, cap, arch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
     dev = torch.device("cuda", 0)
     assert host.arch_of(dev) == arch
@@ -147,6 +148,7 @@ def test_sm90_gpu_takes_the_sm90_path(monkeypatch, tmp_path):
     monkeypatch.setattr(placement, "TABLE", str(path))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     args = _fake_args(D=576, H=128, G=1, K=2048, T=4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     chosen = dsa.cute.backend_op("sparse_attention_fwd", args, auto=True)
     assert chosen.fn is cute_sa.forward and "placement table entry" in chosen.note and not asked

@@ -42,8 +42,8 @@ _ARCH_NAMES = {"sm90": "SM90 (Hopper)", "sm100": "SM100 (Blackwell, capability 1
 
 def arch_of(device: torch.device) -> Optional[str]:
     """The architecture ("sm90", "sm100") of a CUDA device, None for any
-    other device or GPU."""
-    if device.type != "cuda":
+    other device or GPU (and where this process has no CUDA to ask)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
         return None
     cap = tuple(torch.cuda.get_device_capability(device))
     return next((name for name, caps in ARCHS.items() if cap in caps), None)

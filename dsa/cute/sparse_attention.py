@@ -136,7 +136,16 @@ def forward(a: SparseAttnArgs, config: Optional[GridConfig] = None,
 
 
 def _pointers(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, profile: Optional[torch.Tensor]):
-    """The kernel's pointer arguments, in its order."""
+    """The kernel's pointer arguments, in its order: a forward's, then the
+    cycle counters (written only by the profiling build)."""
+    import cutlass
+
+    return kernel_pointers(a, out, lse) + (gmem_ptr(profile if profile is not None else lse, cutlass.Int64, 4),)
+
+
+def kernel_pointers(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor):
+    """The pointer arguments every arch's forward kernel takes first: q, kv,
+    indices, topk_length, sink, out, lse and the zero row."""
     import cutlass
 
     dt = cutlass_dtype(a.q.dtype)
@@ -147,8 +156,6 @@ def _pointers(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, profile: 
         gmem_ptr(a.q, dt, 16), gmem_ptr(a.kv, dt, 16), gmem_ptr(a.indices, cutlass.Int32, 4),
         gmem_ptr(length, cutlass.Int32, 4), gmem_ptr(sink, cutlass.Float32, 4), gmem_ptr(out, dt, 16),
         gmem_ptr(lse, cutlass.Float32, 4), gmem_ptr(zero_row(a.q.device, a.q.dtype, a.D), dt, 16),
-        # written only by the profiling build
-        gmem_ptr(profile if profile is not None else lse, cutlass.Int64, 4),
     )
 
 

@@ -187,10 +187,7 @@ class IndexerFwdSm100:
                 st.acc_full.data_ptr(), st.acc_empty.data_ptr())
         q_full, q_empty, k_full, k_empty, acc_full, acc_empty = bars
 
-        if warp == MMA_WARP:
-            cute.arch.alloc_tmem(TMEM_COLS, st.tmem_addr.ptr)
-            cute.arch.relinquish_tmem_alloc_permit()
-            sync.before_sync()
+        sync.alloc_tmem(warp, MMA_WARP, TMEM_COLS, st.tmem_addr.ptr)
         if warp == LOAD_WARP:
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_q)
@@ -200,8 +197,7 @@ class IndexerFwdSm100:
         for a in cutlass.range_constexpr(ACC):
             arrivals += [(acc_full, a, 1), (acc_empty, a, 32 * EPI_WARPS)]
         pipeline.init_mbarriers(tidx, arrivals)
-        sync.after_sync()
-        tmem = cute.arch.retrieve_tmem_ptr(Float32, 16, st.tmem_addr.ptr)
+        tmem = sync.tmem_pointer(st.tmem_addr.ptr)
 
         total = self.unit_count(units)
         if warp < EPI_WARPS:
@@ -212,11 +208,7 @@ class IndexerFwdSm100:
         else:
             self.mma(mma, sK, sQ, tmem, bars, units, total)
 
-        sync.before_sync()
-        cute.arch.sync_threads()
-        if warp == MMA_WARP:
-            sync.after_sync()
-            cute.arch.dealloc_tmem(tmem, TMEM_COLS)
+        sync.free_tmem(warp, MMA_WARP, TMEM_COLS, tmem)
 
     @cute.jit
     def unit_count(self, units: Units):

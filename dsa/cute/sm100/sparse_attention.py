@@ -19,8 +19,8 @@ import torch
 
 from dsa._args import SparseAttnArgs
 from dsa._rules import LOG2E
-from dsa.cute.host import arch_reason, cutlass_dtype, current_stream, gmem_ptr, zero_row
-from dsa.cute.sparse_attention import DEFAULT, SERVED_DV, GridConfig, call_reason, kernel_scalars
+from dsa.cute.host import arch_reason, cutlass_dtype, current_stream
+from dsa.cute.sparse_attention import DEFAULT, SERVED_DV, GridConfig, call_reason, kernel_pointers, kernel_scalars
 
 # (FwdSm100Config, device index) -> compiled kernel
 _COMPILED: Dict[tuple, object] = {}
@@ -67,26 +67,11 @@ def forward(a: SparseAttnArgs, config: Optional[GridConfig] = None) -> Tuple[tor
     with torch.cuda.device(a.q.device):
         out = torch.empty((a.T, a.H, a.d_v), dtype=a.q.dtype, device=a.q.device)
         lse = torch.empty((a.T, a.H), dtype=torch.float32, device=a.q.device)
-        ptrs = _pointers(a, out, lse)
+        ptrs = kernel_pointers(a, out, lse)
         scalars = kernel_scalars(a, cfg.grid(a.q.device))
         stream = current_stream(a.q.device)
         _compiled(a, ptrs, scalars, stream)(*ptrs, *scalars, stream)
     return out, lse
-
-
-def _pointers(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor):
-    """The kernel's pointer arguments, in its order."""
-    import cutlass
-
-    dt = cutlass_dtype(a.q.dtype)
-    # Absent optional inputs are never read; any valid address stands in.
-    length = a.topk_length if a.topk_length is not None else a.indices
-    sink = a.sink if a.sink is not None else lse
-    return (
-        gmem_ptr(a.q, dt, 16), gmem_ptr(a.kv, dt, 16), gmem_ptr(a.indices, cutlass.Int32, 4),
-        gmem_ptr(length, cutlass.Int32, 4), gmem_ptr(sink, cutlass.Float32, 4), gmem_ptr(out, dt, 16),
-        gmem_ptr(lse, cutlass.Float32, 4), gmem_ptr(zero_row(a.q.device, a.q.dtype, a.D), dt, 16),
-    )
 
 
 # --------------------------------------------------------------------------

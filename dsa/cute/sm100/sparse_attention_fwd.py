@@ -61,10 +61,10 @@ from typing import Any, Optional
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
+from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 
 from dsa.cute import pipeline, rules, scheduler
-from dsa.cute.gmem import aligned, copy_head_rows
+from dsa.cute.gmem import aligned, copy_head_rows, gather_copier
 from dsa.cute.rules import LOG2E, finite_shift
 from dsa.cute.sm100 import sync
 
@@ -108,17 +108,6 @@ def smem_bytes(D: int, d_v: int, elem_bytes: int) -> int:
     off = up(off) + 2 * BN * D * elem_bytes
     off = up(off) + p_elems * elem_bytes
     return up(up(off, 16) + 4 * 2 * BN)
-
-
-@dataclass(frozen=True)
-class Tiles:
-    """This CTA's tiles and what decoding one needs: the indices [T * G, K]
-    and topk_length [T] (read only when the call has one)."""
-
-    sched: scheduler.TileScheduler
-    idx_ptr: Any
-    len_ptr: Any
-    K: Any
 
 
 @dataclass(frozen=True)
@@ -218,13 +207,7 @@ class SparseAttnFwdSm100:
     def can_implement(dtype, D: int, d_v: int, H: int, G: int) -> Optional[str]:
         """None when the kernel serves this configuration, else the reason.
         dtype: ``cutlass.BFloat16`` / ``cutlass.Float16``."""
-        why = scheduler.head_block_reason(dtype, D, d_v, H, G, BLOCK_H)
-        if why is not None:
-            return why
-        need = smem_bytes(D, d_v, dtype.width // 8)
-        if need > SMEM_LIMIT:
-            return f"needs {need} bytes of shared memory, more than the {SMEM_LIMIT} of an SM100 CTA"
-        return None
+        return scheduler.kernel_reason(dtype, D, d_v, H, G, BLOCK_H, smem_bytes, SMEM_LIMIT, "SM100")
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -314,21 +297,15 @@ class SparseAttnFwdSm100:
         sK = st.sK.get_tensor(sk_layout.outer, swizzle=sk_layout.inner)
         tmem_addr = st.tmem_addr.ptr
 
-        # The MMA warp allocates the tensor memory before the CTA-wide
-        # synchronisation that publishes the barriers (and the address).
-        if warp == MMA_WARP:
-            cute.arch.alloc_tmem(TMEM_COLS, tmem_addr)
-            cute.arch.relinquish_tmem_alloc_permit()
-            sync.before_sync()
+        sync.alloc_tmem(warp, MMA_WARP, TMEM_COLS, tmem_addr)
         arrivals = [(bars.q_full, 0, 32 * LOADER_WARPS), (bars.q_empty, 0, 1), (bars.o_free, 0, 32 * SOFTMAX_WARPS)]
         for s in cutlass.range_constexpr(2):
             arrivals += [(bars.k_full, s, 32 * LOADER_WARPS), (bars.pv_done, s, 1), (bars.s_full, s, 1),
                          (bars.s_free, s, 32 * SOFTMAX_WARPS), (bars.p_full, s, 32 * SOFTMAX_WARPS)]
         pipeline.init_mbarriers(tidx, arrivals)
-        sync.after_sync()
-        tmem = cute.arch.retrieve_tmem_ptr(Float32, 16, tmem_addr)
+        tmem = sync.tmem_pointer(tmem_addr)
 
-        tiles = Tiles(sched, idx_ptr, len_ptr, K)
+        tiles = scheduler.SlotTiles(sched, idx_ptr, len_ptr, K)
         if warp < SOFTMAX_WARPS:
             ss = self.softmax_state(tidx, tmem, st.sK.data_ptr(), st.sP.data_ptr(), st.sOk.data_ptr(), scale_log2)
             self.softmax(ss, bars, tiles, sink_ptr, out_ptr, lse_ptr)
@@ -340,27 +317,18 @@ class SparseAttnFwdSm100:
 
         # Every TMEM access and MMA has completed (the softmax warpgroup waited
         # for the last P V of each of its tiles); the MMA warp frees the columns.
-        sync.before_sync()
-        cute.arch.sync_threads()
-        if warp == MMA_WARP:
-            sync.after_sync()
-            cute.arch.dealloc_tmem(tmem, TMEM_COLS)
+        sync.free_tmem(warp, MMA_WARP, TMEM_COLS, tmem)
 
     @cute.jit
-    def tile(self, tiles: Tiles, tile_id):
-        """Tile tile_id: (token t, kv head g, first query head head0, slots
-        [0, L) that may be valid, blocks holding them, the row's indices)."""
-        row, t, g, hblk = tiles.sched.decode(tile_id)
-        head0 = g * self.HG + hblk * BLOCK_H
-        L = rules.row_length(tiles.len_ptr, t, tiles.K, self.has_len)
-        n_blocks = rules.block_count(L, BN)
-        return t, g, head0, L, n_blocks, tiles.idx_ptr + Int64(row) * Int64(tiles.K)
+    def tile(self, tiles: scheduler.SlotTiles, tile_id):
+        """(t, g, head0, L, n_blocks, the row's indices) of tile tile_id."""
+        return tiles.tile(tile_id, self.HG, BLOCK_H, BN, self.has_len)
 
     # ---------------------------------------------------------------- loader
     @cute.jit
-    def loader(self, ltid, sQ, sK, sOk, bars: Bars, tiles: Tiles, q_ptr, kv_ptr, zero_ptr, N):
+    def loader(self, ltid, sQ, sK, sOk, bars: Bars, tiles: scheduler.SlotTiles, q_ptr, kv_ptr, zero_ptr, N):
         sched = tiles.sched
-        atom, thr, row_in_pass, col0 = self.copier(ltid)
+        atom, thr, row_in_pass, col0 = gather_copier(self.dtype, ltid)
         tK = thr.partition_D(sK)  # (copy, pass, 64-column chunk, stage)
         ns = cute.make_rmem_tensor((BN // 16,), Int32)    # indices of this thread's rows of a block
         base = cute.make_rmem_tensor((BN // 16,), Int64)  # their source addresses
@@ -408,19 +376,9 @@ class SparseAttnFwdSm100:
                 nb = nb + n_blocks
                 jq = jq + 1
 
-    def copier(self, ltid):
-        """The loader's 16-byte cp.async atom and this thread's slice: 8
-        threads per row, so each row's 128-byte segments go out as full
-        sectors; 16 rows per pass."""
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                   self.dtype, num_bits_per_copy=128)
-        tiled = cute.make_tiled_copy_tv(atom, cute.make_ordered_layout((16, 8), order=(1, 0)),
-                                        cute.make_layout((1, 8)))
-        return atom, tiled.get_slice(ltid), ltid // 8, (ltid % 8) * 8
-
     # ------------------------------------------------------------------- MMA
     @cute.jit
-    def mma(self, qk_mma, pv_mma, sv_layout, sp_layout, sQ, sK, sP, tmem, bars: Bars, tiles: Tiles):
+    def mma(self, qk_mma, pv_mma, sv_layout, sp_layout, sQ, sK, sP, tmem, bars: Bars, tiles: scheduler.SlotTiles):
         sched = tiles.sched
         thr_qk = qk_mma.get_slice(0)
         thr_pv = pv_mma.get_slice(0)
@@ -522,7 +480,7 @@ class SparseAttnFwdSm100:
         return phys
 
     @cute.jit
-    def softmax(self, ss: SoftmaxState, bars: Bars, tiles: Tiles, sink_ptr, out_ptr, lse_ptr):
+    def softmax(self, ss: SoftmaxState, bars: Bars, tiles: scheduler.SlotTiles, sink_ptr, out_ptr, lse_ptr):
         sched = tiles.sched
         nb = Int32(0)
         for tile_id in cutlass.range(sched.first, sched.n_tiles, sched.stride, unroll=1):

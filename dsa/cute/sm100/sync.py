@@ -14,12 +14,17 @@ arrive or wait, a ``bar.sync``) only through the two tcgen05 fences:
 ``wait_ld`` / ``wait_st`` wait for this thread's outstanding TMEM loads /
 stores.  ``commit(bar)`` arrives once on mbarrier ``bar`` when every MMA the
 issuing thread has launched so far has completed (one elected lane issues
-it).
+it).  ``alloc_tmem`` / ``tmem_pointer`` / ``free_tmem``: one warp allocates
+the columns before the CTA synchronisation of ``pipeline.init_mbarriers``,
+every thread reads the address after it, and the warp frees them once every
+thread is past its last TMEM access.
 """
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
+from cutlass import Float32
 from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import tcgen05
 
@@ -44,3 +49,30 @@ def wait_st() -> None:
 def commit(bar):
     with cute.arch.elect_one():
         tcgen05.commit(bar)
+
+
+@cute.jit
+def alloc_tmem(warp, owner: cutlass.Constexpr, cols: cutlass.Constexpr, addr):
+    """Warp ``owner`` allocates ``cols`` TMEM columns, their address written to
+    shared memory at ``addr``; call before ``pipeline.init_mbarriers``."""
+    if warp == owner:
+        cute.arch.alloc_tmem(cols, addr)
+        cute.arch.relinquish_tmem_alloc_permit()
+        before_sync()
+
+
+def tmem_pointer(addr):
+    """The allocated TMEM (fp32 view), read after the synchronisation."""
+    after_sync()
+    return cute.arch.retrieve_tmem_ptr(Float32, 16, addr)
+
+
+@cute.jit
+def free_tmem(warp, owner: cutlass.Constexpr, cols: cutlass.Constexpr, tmem):
+    """Every thread past its last TMEM access and (so) every MMA retired, warp
+    ``owner`` frees the columns."""
+    before_sync()
+    cute.arch.sync_threads()
+    if warp == owner:
+        after_sync()
+        cute.arch.dealloc_tmem(tmem, cols)

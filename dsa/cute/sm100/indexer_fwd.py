@@ -299,6 +299,7 @@ class IndexerFwdSm100:
         tSrK = mma.make_fragment_A(sK)   # (MMA, 1, DIM / 16, stage)
         tSrQ = mma.make_fragment_B(sQ)   # (MMA, 1, DIM / 16, 1)
         acc_layout = mma.make_fragment_C(mma.partition_shape_C((BK, N_COLS))).layout
+        sync.check_identity_acc(acc_layout, BK, N_COLS)  # key j of a tile in lane j, (query, head) n in column n
         cta, _, _ = cute.arch.block_idx()
         n_cta, _, _ = cute.arch.grid_dim()
         kt = Int32(0)
@@ -330,8 +331,10 @@ class IndexerFwdSm100:
     def epilogue(self, wtid, tmem, sW, bars, units: Units, total, w_ptr, out_ptr, max_k, sm_scale, out_stride):
         q_full, q_empty, k_full, k_empty, acc_full, acc_empty = bars
         phys = cute.make_tensor(tmem, cute.make_layout((32 * EPI_WARPS, CHUNK), stride=(1 << 16, 1)))
-        t2r = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), Float32), phys).get_slice(wtid)
+        tiled = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), Float32),
+                                       phys)
+        sync.check_lane_copy(tiled, True, 32 * EPI_WARPS, CHUNK)
+        t2r = tiled.get_slice(wtid)
         rS = cute.make_rmem_tensor(t2r.partition_D(cute.make_identity_tensor((32 * EPI_WARPS, CHUNK))).shape,
                                    Float32)
         w = cute.make_tensor(sW, cute.make_layout((N_COLS,)))

@@ -158,21 +158,6 @@ def _check_p_layout(sp_layout, dtype):
                 raise ValueError(f"unexpected P layout {sp_layout}: ({r}, {c})")
 
 
-def _check_tmem_copy(tiled, load: bool):
-    """The 32-lane TMEM load / store as the softmax warpgroup uses it: thread
-    i of the warpgroup holds lane i, its register j column j (checked at
-    trace time on the register side's coordinates; the TMEM side is the
-    warp's 32 x 32 block)."""
-    lanes = 32 * SOFTMAX_WARPS
-    for i in (0, 1, 15, 16, 31, 32, 63, 64, lanes - 1):
-        thr = tiled.get_slice(i)
-        regs = thr.partition_D if load else thr.partition_S
-        c = regs(cute.make_identity_tensor((lanes, ROW_COLS)))
-        got = [c[j] for j in range(ROW_COLS)]
-        if got != [(i, j) for j in range(ROW_COLS)]:
-            raise ValueError(f"unexpected TMEM copy partition for thread {i}: {got}")
-
-
 def _check_tmem_rows(layout, n_atom: int):
     """The MMA accumulator layout the kernel is written for (M = 64): row r,
     column c at TMEM lane (r % 16) + 32 (r // 16) + 16 (c // n_atom) and
@@ -458,8 +443,8 @@ class SparseAttnFwdSm100:
             cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), Float32), phys)
         store = tcgen05.make_tmem_copy(
             cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition.x32), Float32), phys)
-        _check_tmem_copy(load, True)
-        _check_tmem_copy(store, False)
+        sync.check_lane_copy(load, True, 32 * SOFTMAX_WARPS, ROW_COLS)
+        sync.check_lane_copy(store, False, 32 * SOFTMAX_WARPS, ROW_COLS)
         t2r, r2t = load.get_slice(wtid), store.get_slice(wtid)
         frag = t2r.partition_D(cute.make_identity_tensor((32 * SOFTMAX_WARPS, ROW_COLS))).shape
         rS = cute.make_rmem_tensor(frag, Float32)

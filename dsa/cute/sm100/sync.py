@@ -76,3 +76,27 @@ def free_tmem(warp, owner: cutlass.Constexpr, cols: cutlass.Constexpr, tmem):
     if warp == owner:
         after_sync()
         cute.arch.dealloc_tmem(tmem, cols)
+
+
+def check_lane_copy(tiled, load: bool, lanes: int, cols: int) -> None:
+    """A TMEM load (``load``) or store over a [lanes, cols] view of TMEM as
+    the kernels use it: thread i holds lane i, its register j column j.
+    Checked at trace time on the register side's coordinates (the TMEM side
+    is each warp's 32-lane block); a DSL that partitioned otherwise fails
+    the compile instead of the results."""
+    for i in sorted({0, 1, 15, 16, 31, 32, lanes // 2, lanes - 1}):
+        thr = tiled.get_slice(i)
+        regs = thr.partition_D if load else thr.partition_S
+        c = regs(cute.make_identity_tensor((lanes, cols)))
+        got = [c[j] for j in range(cols)]
+        if got != [(i, j) for j in range(cols)]:
+            raise ValueError(f"unexpected TMEM copy partition for thread {i}: {got}")
+
+
+def check_identity_acc(layout, rows: int, cols: int) -> None:
+    """An M = 128 accumulator as the kernels read it: row r in TMEM lane r,
+    column c in column c (checked at trace time)."""
+    for r in range(rows):
+        for c in (0, 1, cols - 1):
+            if cute.crd2idx(((r, c), 0, 0), layout) != (r << 16) + c:
+                raise ValueError(f"unexpected TMEM accumulator layout {layout} at ({r}, {c})")

@@ -14,7 +14,7 @@ env: $(STAMP)
 # Without a GPU, torch==2.13.0 is the CPU build (a local wheel on our machines):
 # never let a CPU machine pull a multi-GB CUDA build. triton 3.6 runs the
 # kernels under TRITON_INTERPRET=1 there and needs numpy<2.4 for it. The CuTe
-# DSL (the `cute` extra) compiles the SM90 kernels ahead of time without a GPU.
+# DSL (the `cute` extra) compiles the SM90 and SM100 kernels ahead of time without a GPU.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	if ! $(BIN)/python -c "import torch" 2>/dev/null; then \

@@ -10,7 +10,8 @@
    nearest entry (``dsa.cute.placement.nearest``); the regret of a shape is
    time(picked) / min(time(cute), time(triton)), and its geometric mean over
    the holdout must be <= 1.02 for the table to be written
-   (``DIR/placement_sm90.json``; copy it to ``dsa/cute/``).
+   (``DIR/placement_sm90.json``, or ``placement_sm100.json`` on an SM100 GPU,
+   where the SM100 kernel is timed; copy it to ``dsa/cute/``).
 
 Timing: every kernel configuration is compiled before anything is timed
 (an idle GPU during a compile lowers its clocks, and the next small shape
@@ -37,8 +38,9 @@ import torch
 import triton
 
 from dsa._args import SparseAttnArgs
-from dsa.cute import placement
+from dsa.cute import host, placement
 from dsa.cute import sparse_attention as cute_sa
+from dsa.cute.sm100 import sparse_attention as sm100_sa
 from dsa.triton import sparse_attention as triton_sa
 
 # (dtype, D, HG, K, T, N, sink, topk_length)
@@ -83,7 +85,9 @@ def make(shape, seed):
     return SparseAttnArgs(q, kv, idx, L, s, D ** -0.5, 512, False)
 
 
-BACKENDS = (("cute", cute_sa.forward), ("triton", triton_sa.forward))
+# the GPU's architecture names the table (placement_sm90.json, placement_sm100.json) and picks its kernel
+ARCH = host.arch_of(torch.device("cuda")) if torch.cuda.is_available() else None
+BACKENDS = (("cute", sm100_sa.forward if ARCH == "sm100" else cute_sa.forward), ("triton", triton_sa.forward))
 
 
 def compile_all(shapes):
@@ -162,7 +166,7 @@ def main():
         features="exact dtype and D; nearest in log2 of HG, K, T",
         entries=entries, holdout=dict(regret_geomean=round(geo, 4), shapes=rows),
     )
-    path = os.path.join(args.out, "placement_sm90.json" if geo <= 1.02 else "placement_sm90.rejected.json")
+    path = os.path.join(args.out, f"placement_{ARCH}.json" if geo <= 1.02 else f"placement_{ARCH}.rejected.json")
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"wrote {path}")

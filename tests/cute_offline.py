@@ -7,14 +7,17 @@ name, how often each needle occurs in the PTX.  A call is ``(name, args,
 kwargs)``; an argument "torch.<dtype>" stands for that torch dtype.  The
 backward's builds go through
 ``"dsa.cute.sparse_attention_bwd:compile_offline_backward"`` the same way.
-``HAVE_DSL`` (the DSL imports), ``SM90`` (an SM90 GPU is here) and ``ROOT``
-(the repository) are shared by the cute tests.
+``compile_reports`` does the same and also returns what ptxas reported
+(registers, spill stores and loads) and the dynamic shared memory the
+launch asks for.  ``HAVE_DSL`` (the DSL imports), ``SM90`` (an SM90 GPU is
+here) and ``ROOT`` (the repository) are shared by the cute tests.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Dict, Iterable, Sequence, Tuple
@@ -33,28 +36,82 @@ except Exception:  # not installed, or no usable install
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 _SCRIPT = r"""
-import importlib, json, os, sys, torch
-target, needles, calls = json.loads(sys.argv[1])
-module, function = target.split(":")
-build = getattr(importlib.import_module(module), function)
+import importlib, json, os, sys, tempfile, torch
+needles, calls, report = json.loads(sys.argv[1])
 res = {}
-for name, args, kwargs in calls:
+for name, target, args, kwargs in calls:
+    module, function = target.split(":")
+    build = getattr(importlib.import_module(module), function)
     args = [getattr(torch, a[6:]) if isinstance(a, str) and a.startswith("torch.") else a for a in args]
-    ptx = build(*args, **kwargs).artifacts.PTX
+    with tempfile.TemporaryFile(mode="w+") as err:
+        if report:  # ptxas's report goes to file descriptor 2: capture it per compile
+            kwargs = dict(kwargs, options="--keep-ptx remarks{ptx}")
+            saved = os.dup(2)
+            os.dup2(err.fileno(), 2)
+        try:
+            compiled = build(*args, **kwargs)
+        finally:
+            if report:
+                os.dup2(saved, 2)
+                os.close(saved)
+        err.seek(0)
+        ptxas = err.read()
+    ptx = compiled.artifacts.PTX
     if len(ptx) < 4096 and os.path.exists(ptx):  # with a dump directory: the file's path
         ptx = open(ptx).read()
-    res[name] = {k: ptx.count(k) for k in needles}
+    res[name] = dict(needles={k: ptx.count(k) for k in needles}, ptxas=ptxas,
+                     ir=str(compiled.ir_module) if report else "")
 print("RESULT" + json.dumps(res))
 """
 
 
-def ptx_counts(target: str, calls: Sequence[Tuple[str, list, dict]], needles: Iterable[str], arch: str,
-               tmp_path) -> Dict[str, Dict[str, int]]:
-    """{call name: {needle: occurrences in its PTX}}; fails the test with the
-    compiler's stderr when the compile fails."""
+def _compile(calls: Sequence[Tuple[str, str, list, dict]], needles: Iterable[str], arch: str, tmp_path,
+             report: bool) -> Dict[str, dict]:
+    """Run the calls in one fresh process; fails the test with the compiler's
+    stderr when a compile fails."""
     env = dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_DUMP_DIR=str(tmp_path), PYTHONPATH=ROOT)
-    spec = json.dumps([target, list(needles), [list(c) for c in calls]])
+    spec = json.dumps([list(needles), [list(c) for c in calls], report])
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, spec], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.split("RESULT", 1)[1])
+
+
+def ptx_counts(target: str, calls: Sequence[Tuple[str, list, dict]], needles: Iterable[str], arch: str,
+               tmp_path) -> Dict[str, Dict[str, int]]:
+    """{call name: {needle: occurrences in its PTX}}."""
+    res = _compile([(name, target, args, kwargs) for name, args, kwargs in calls], needles, arch, tmp_path, False)
+    return {name: r["needles"] for name, r in res.items()}
+
+
+def compile_reports(calls: Sequence[Tuple[str, str, list, dict]], needles: Iterable[str], arch: str,
+                    tmp_path) -> Dict[str, dict]:
+    """Each call ``(name, "module:function", args, kwargs)`` compiled in one
+    fresh process -> {name: {"needles": {needle: count in the PTX},
+    "spill_stores", "spill_loads", "registers": ptxas's figures, "smem": the
+    launch's dynamic shared memory in bytes, "smem_limit": the most the DSL
+    lets the arch launch with}}.  A function takes an ``options`` keyword
+    (the DSL's compile options)."""
+    out = {}
+    for name, r in _compile(calls, needles, arch, tmp_path, True).items():
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r["ptxas"])
+        regs = re.search(r"Used (\d+) registers", r["ptxas"])
+        assert spill and regs, f"{name}: no ptxas report in {r['ptxas'][-2000:]!r}"
+        limit = re.search(r"Max: (\d+) bytes", r["ir"])
+        assert limit, f"{name}: the launch's shared-memory limit not found in the host IR"
+        out[name] = dict(needles=r["needles"], spill_stores=int(spill.group(1)), spill_loads=int(spill.group(2)),
+                         registers=int(regs.group(1)), smem=_launch_smem(name, r["ir"]),
+                         smem_limit=int(limit.group(1)))
+    return out
+
+
+def _launch_smem(name: str, ir: str) -> int:
+    """The dynamic shared memory the host launcher stores into the launch
+    config (field 2, i64, of the struct cudaLaunchKernelEx takes)."""
+    config = r"!llvm.struct<\(array<3 x i32>, array<3 x i32>, i64, ptr, ptr, i32\)>"
+    fields = re.findall(r"(%\d+) = llvm.getelementptr %\d+\[0, 2\] : \(!llvm.ptr\) -> !llvm.ptr, " + config, ir)
+    assert len(fields) == 1, f"{name}: {len(fields)} launch configs in the host IR"
+    value = re.search(r"llvm.store (%\d+), " + fields[0] + r" : i64", ir)
+    const = value and re.search(re.escape(value.group(1)) + r" = llvm.mlir.constant\((\d+) : i64\)", ir)
+    assert const, f"{name}: the launch's shared memory is not a constant in the host IR"
+    return int(const.group(1))

@@ -1,4 +1,11 @@
-"""CuTe DSL backend: hand-tuned kernels for Hopper (SM90).
+"""CuTe DSL backend: hand-tuned kernels for Hopper (SM90) and Blackwell (SM100).
+
+One module or folder per architecture, sharing the rules (``rules``), the
+pipeline helpers (``pipeline``), the tile schedule (``scheduler``) and the
+host helpers (``host``).  A call on an SM100 GPU (capability 10.0 or 10.3)
+goes to ``dsa.cute.sm100``, whose kernels are trusted only after their
+self-check at first use (``dsa.cute.gate``); every other call takes the SM90
+path below.
 
 Served on SM90: ``sparse_attention_fwd`` (``dsa.cute.sparse_attention``)
 and ``sparse_attention_bwd`` (``dsa.cute.sparse_attention_bwd``, both
@@ -19,6 +26,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from dsa._args import Unsupported
+from dsa.cute import host
 
 # Why auto does not pick the cute backward (backend="cute" runs it).
 NO_BWD_PLACEMENT = ("no measured placement for the cute backward; backend='cute' runs it (2.0-3.4x the "
@@ -36,6 +44,10 @@ class _Chosen:
 
 
 def backend_op(op: str, args: Any, auto: bool = False) -> Callable[..., Any]:
+    if host.arch_of(_device(args)) == "sm100":
+        from dsa.cute import sm100
+
+        return sm100.backend_op(op, args, auto)
     if op == "sparse_attention_bwd":
         return _backward(args, auto)
     if op != "sparse_attention_fwd":
@@ -58,6 +70,12 @@ def backend_op(op: str, args: Any, auto: bool = False) -> Callable[..., Any]:
     if entry.backend != "cute":
         raise Unsupported(f"placement table entry {entry.describe()} says {entry.backend} is faster")
     return _Chosen(sparse_attention.forward, f"placement table entry {entry.describe()}")
+
+
+def _device(args: Any):
+    """The device of a call's canonical arguments (its q, or the scores)."""
+    q = getattr(args, "q", None)
+    return (q if q is not None else args.scores).device
 
 
 def _backward(args: Any, auto: bool) -> Callable[..., Any]:

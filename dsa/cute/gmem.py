@@ -5,6 +5,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int64
+from cutlass.cute.nvgpu import cpasync
 
 
 @cute.jit
@@ -36,3 +37,14 @@ def copy_head_rows(atom, tS, ptr: cute.Pointer, dtype: cutlass.Constexpr, t, H: 
         for c in cutlass.range_constexpr(width // chunk):
             src = cute.make_tensor(aligned(dtype, addr + c * chunk * ES), cute.make_layout((8,)))
             cute.copy(atom, src, tS[None, m, c])
+
+
+def gather_copier(dtype, tid):
+    """The 16-byte cp.async atom of a 128-thread gather of [rows, 64 k]
+    tiles and thread tid's slice of it: 8 threads per row, so each row's
+    128-byte segments go out as full sectors; 16 rows per pass.  Returns
+    (atom, slice, the thread's row in a pass, its first column)."""
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
+                               num_bits_per_copy=128)
+    tiled = cute.make_tiled_copy_tv(atom, cute.make_ordered_layout((16, 8), order=(1, 0)), cute.make_layout((1, 8)))
+    return atom, tiled.get_slice(tid), tid // 8, (tid % 8) * 8

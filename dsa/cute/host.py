@@ -1,7 +1,9 @@
 """Host-side helpers shared by the CuTe DSL ops (forward and backward).
 
 * ``dsl_reason()``: whether the CuTe DSL imports, asked once per process.
-* ``sm90_reason(device, what)``: whether the tensors are on an SM90 GPU.
+* ``arch_of(device)`` / ``arch_reason(device, what, arch)``: the tensors'
+  GPU architecture, and whether it is the one a kernel is written for
+  (``sm90_reason`` for SM90).
 * ``cutlass_dtype`` / ``gmem_ptr`` / ``current_stream``: launch arguments.
 * ``zero_row(device, dtype, D)``: the cached row of zeros that invalid slots
   gather (``dsa.cute.rules.slot_source``), per device, never made by a
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable, Dict, Iterator, Optional
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -32,15 +34,35 @@ def dsl_reason() -> Optional[str]:
     return None
 
 
-def sm90_reason(device: torch.device, what: str) -> Optional[str]:
+# The compute capabilities each architecture's kernels are written for, and
+# how a reason names it.
+ARCHS: Dict[str, Tuple[Tuple[int, int], ...]] = {"sm90": ((9, 0),), "sm100": ((10, 0), (10, 3))}
+_ARCH_NAMES = {"sm90": "SM90 (Hopper)", "sm100": "SM100 (Blackwell, capability 10.0 or 10.3)"}
+
+
+def arch_of(device: torch.device) -> Optional[str]:
+    """The architecture ("sm90", "sm100") of a CUDA device, None for any
+    other device or GPU (and where this process has no CUDA to ask)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    cap = tuple(torch.cuda.get_device_capability(device))
+    return next((name for name, caps in ARCHS.items() if cap in caps), None)
+
+
+def arch_reason(device: torch.device, what: str, arch: str) -> Optional[str]:
     """Why ``what`` (e.g. "the cute sparse attention kernel") cannot run on
-    ``device``: not CUDA, or not SM90 (None when it is an SM90 GPU)."""
+    ``device``: not CUDA, or not of architecture ``arch`` (None when it is)."""
     if device.type != "cuda":
         return f"tensors are on '{device.type}'; the cute kernels need a CUDA GPU"
     cap = torch.cuda.get_device_capability(device)
-    if cap != (9, 0):
-        return f"{what} is written for SM90 (Hopper); this GPU is SM{cap[0]}{cap[1]}"
+    if tuple(cap) not in ARCHS[arch]:
+        return f"{what} is written for {_ARCH_NAMES[arch]}; this GPU is SM{cap[0]}{cap[1]}"
     return None
+
+
+def sm90_reason(device: torch.device, what: str) -> Optional[str]:
+    """``arch_reason`` for SM90."""
+    return arch_reason(device, what, "sm90")
 
 
 def cutlass_dtype(dt: torch.dtype):

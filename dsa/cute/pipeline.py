@@ -53,6 +53,11 @@ def arrive(barrier: int, threads: int) -> None:
     cute.arch.barrier_arrive(barrier_id=barrier, number_of_threads=threads)
 
 
+def sync(barrier: int, threads: int) -> None:
+    """Arrive on named barrier ``barrier`` of ``threads`` threads and wait for the others."""
+    cute.arch.barrier(barrier_id=barrier, number_of_threads=threads)
+
+
 @cute.jit
 def init_mbarriers(tidx, arrivals: Iterable[Tuple[cute.Pointer, int, int]]):
     """Thread 0 initialises each (mbarrier array, element, arrival count) in

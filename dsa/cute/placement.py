@@ -10,6 +10,10 @@ Triton.  The script also measures a holdout grid frozen before the timing
 (with sinks, topk_length and other N) and records the table's regret on it;
 the table is only written when that regret is at most 1.02 (geometric mean).
 
+``placement_sm100.json`` is the SM100 table (none is measured yet: without
+one, the SM100 tier upgrades every served shape whose self-check passed,
+``dsa.cute.sm100``).
+
 The table decides only on a GPU of the name it was measured on: the SM90
 parts differ in SM count, clocks and memory bandwidth (an H20 has 78 SMs to
 an H200's 132), so the ranking of two kernels does not carry over.  On any
@@ -32,6 +36,7 @@ import torch
 from dsa._args import SparseAttnArgs
 
 TABLE = os.path.join(os.path.dirname(__file__), "placement_sm90.json")
+TABLE_SM100 = os.path.join(os.path.dirname(__file__), "placement_sm100.json")  # none measured yet
 MAX_OCTAVES = 2.0
 
 
@@ -115,16 +120,22 @@ def entries(path: Optional[str] = None) -> List[Entry]:
 
 def unusable(device: torch.device, path: Optional[str] = None) -> Optional[str]:
     """Why the table at ``path`` cannot decide calls on ``device`` (None if it can)."""
+    why = table_reason(device, path)
+    return None if why is None else f"{why}; backend='cute' runs the kernel"
+
+
+def table_reason(device: torch.device, path: Optional[str] = None) -> Optional[str]:
+    """``unusable``'s reason without its advice: unreadable, missing, or
+    measured on another GPU (None when the table decides on ``device``)."""
     table = load(path)
     if table.problem is not None:
-        return f"placement table unreadable: {table.problem}; backend='cute' runs the kernel"
+        return f"placement table unreadable: {table.problem}"
     if not table.entries:
         return ("no placement table ships for this GPU (bench/place_cute.py writes one only when its "
-                "holdout regret is <= 1.02); backend='cute' runs the kernel")
+                "holdout regret is <= 1.02)")
     name = torch.cuda.get_device_name(device)
     if name != table.device:
-        return (f"placement table measured on {table.device}; this GPU is {name} "
-                "(bench/place_cute.py measures one for it); backend='cute' runs the kernel")
+        return f"placement table measured on {table.device}; this GPU is {name} (bench/place_cute.py measures one for it)"
     return None
 
 

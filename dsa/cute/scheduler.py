@@ -13,10 +13,13 @@ previous tile's tail.  The same compiled kernel serves both.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Optional
 
 import cutlass
 import cutlass.cute as cute
+from cutlass import Int64
+
+from dsa.cute import rules
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,35 @@ class ProblemConfig:
     H: int
     G: int
     has_len: bool
+
+
+def kernel_reason(dtype, D: int, d_v: int, H: int, G: int, block_h: int, smem_bytes: Callable[[int, int, int], int],
+                  smem_limit: int, arch: str) -> Optional[str]:
+    """Why an attention kernel over blocks of ``block_h`` query heads cannot
+    serve this problem (None if it can): the dtypes, head dims and head
+    counts every arch's kernel is built for, then the kernel's shared memory
+    (``smem_bytes(D, d_v, element bytes)``) against its arch's CTA limit.
+    dtype: ``cutlass.BFloat16`` / ``cutlass.Float16`` (anything else is
+    refused, named as given)."""
+    why = _head_block_reason(dtype, D, d_v, H, G, block_h)
+    if why is not None:
+        return why
+    need = smem_bytes(D, d_v, dtype.width // 8)
+    if need > smem_limit:
+        return f"needs {need} bytes of shared memory, more than the {smem_limit} of an {arch} CTA"
+    return None
+
+
+def _head_block_reason(dtype, D: int, d_v: int, H: int, G: int, block_h: int) -> Optional[str]:
+    if dtype not in (cutlass.BFloat16, cutlass.Float16):
+        return f"dtype {dtype} is not bf16 or fp16"
+    if D not in (512, 576) or d_v != 512:
+        return f"D={D}, d_v={d_v}: the cute kernel serves D in (512, 576) with d_v = 512"
+    if G <= 0 or H % G:
+        return f"{H} query heads do not split over {G} kv heads"
+    if (H // G) % block_h:
+        return f"{H // G} query heads per kv head: the cute kernel needs a multiple of {block_h}"
+    return None
 
 
 def tile_count(T, G: int, head_blocks: int):
@@ -71,3 +103,28 @@ class TileScheduler:
         t = row // self.G
         g = row - t * self.G
         return row, t, g, hblk
+
+
+@dataclass(frozen=True)
+class SlotTiles:
+    """This CTA's tiles of an attention kernel over top-k slots and what
+    decoding one needs: the indices [T * G, K] and topk_length [T] (read
+    only when the call has one).  Built once per kernel, never reassigned."""
+
+    sched: TileScheduler
+    idx_ptr: Any
+    len_ptr: Any
+    K: Any
+
+    @cute.jit
+    def tile(self, tile_id, HG: cutlass.Constexpr, block_h: cutlass.Constexpr, block: cutlass.Constexpr,
+             has_len: cutlass.Constexpr):
+        """Tile tile_id of HG query heads per kv head in blocks of block_h:
+        (token t, kv head g, first query head head0, slots [0, L) that may be
+        valid (``rules.row_length``), blocks of ``block`` slots holding them,
+        the row's indices)."""
+        row, t, g, hblk = self.sched.decode(tile_id)
+        head0 = g * HG + hblk * block_h
+        L = rules.row_length(self.len_ptr, t, self.K, has_len)
+        n_blocks = rules.block_count(L, block)
+        return t, g, head0, L, n_blocks, self.idx_ptr + Int64(row) * Int64(self.K)

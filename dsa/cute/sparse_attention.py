@@ -11,7 +11,7 @@ device); every launch runs under the tensors' device and its current stream.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -58,14 +58,25 @@ def supports(a: SparseAttnArgs) -> Optional[str]:
     why = sm90_reason(a.q.device, "the cute sparse attention kernel")
     if why:
         return why
+
+    def can_implement(*problem):
+        from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
+
+        return SparseAttnFwdSm90.can_implement(*problem)
+
+    return call_reason(a, can_implement)
+
+
+def call_reason(a: SparseAttnArgs, can_implement: Callable[..., Optional[str]]) -> Optional[str]:
+    """Why a cute forward kernel whose ``can_implement(dtype, D, d_v, H, G)``
+    is given cannot serve ``a`` on a GPU of its architecture (None if it can):
+    dtypes, the kernel's shapes, int32 sizes, 16-byte aligned q and kv."""
     if a.kv.dtype != a.q.dtype:
         return f"kv dtype {a.kv.dtype} differs from q dtype {a.q.dtype}"
     why = dsl_reason()
     if why:
         return why
-    from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
-
-    why = SparseAttnFwdSm90.can_implement(cutlass_dtype(a.q.dtype) or a.q.dtype, a.D, a.d_v, a.H, a.G)
+    why = can_implement(cutlass_dtype(a.q.dtype) or a.q.dtype, a.D, a.d_v, a.H, a.G)
     if why:
         return why
     why = a.kernel_dtype_reason()
@@ -118,14 +129,23 @@ def forward(a: SparseAttnArgs, config: Optional[GridConfig] = None,
         out = torch.empty((a.T, a.H, a.d_v), dtype=a.q.dtype, device=a.q.device)
         lse = torch.empty((a.T, a.H), dtype=torch.float32, device=a.q.device)
         ptrs = _pointers(a, out, lse, profile)
-        scalars = _scalars(a, cfg.grid(a.q.device))
+        scalars = kernel_scalars(a, cfg.grid(a.q.device))
         stream = current_stream(a.q.device)
         _compiled(a, ptrs, scalars, stream, profile is not None, refill)(*ptrs, *scalars, stream)
     return out, lse
 
 
 def _pointers(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, profile: Optional[torch.Tensor]):
-    """The kernel's pointer arguments, in its order."""
+    """The kernel's pointer arguments, in its order: a forward's, then the
+    cycle counters (written only by the profiling build)."""
+    import cutlass
+
+    return kernel_pointers(a, out, lse) + (gmem_ptr(profile if profile is not None else lse, cutlass.Int64, 4),)
+
+
+def kernel_pointers(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor):
+    """The pointer arguments every arch's forward kernel takes first: q, kv,
+    indices, topk_length, sink, out, lse and the zero row."""
     import cutlass
 
     dt = cutlass_dtype(a.q.dtype)
@@ -136,12 +156,11 @@ def _pointers(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, profile: 
         gmem_ptr(a.q, dt, 16), gmem_ptr(a.kv, dt, 16), gmem_ptr(a.indices, cutlass.Int32, 4),
         gmem_ptr(length, cutlass.Int32, 4), gmem_ptr(sink, cutlass.Float32, 4), gmem_ptr(out, dt, 16),
         gmem_ptr(lse, cutlass.Float32, 4), gmem_ptr(zero_row(a.q.device, a.q.dtype, a.D), dt, 16),
-        # written only by the profiling build
-        gmem_ptr(profile if profile is not None else lse, cutlass.Int64, 4),
     )
 
 
-def _scalars(a: SparseAttnArgs, n_cta: int):
+def kernel_scalars(a: SparseAttnArgs, n_cta: int):
+    """The kernel's scalar arguments: T, N, K, sm_scale * log2(e), the CTAs."""
     import cutlass
 
     return (cutlass.Int32(a.T), cutlass.Int32(a.N), cutlass.Int32(a.K), cutlass.Float32(a.sm_scale * LOG2E),

@@ -47,10 +47,10 @@ from typing import Any, Optional
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 
 from dsa.cute import pipeline, rules, scheduler
-from dsa.cute.gmem import aligned, copy_head_rows, load
+from dsa.cute.gmem import aligned, copy_head_rows, gather_copier, load
 from dsa.cute.pipeline import NamedBarrier, Timer, freed_phase, named_barriers, phase
 from dsa.cute.rules import LOG2E, finite_shift
 
@@ -116,17 +116,6 @@ def smem_bytes(D: int, d_v: int, elem_bytes: int) -> int:
 
 
 @dataclass(frozen=True)
-class Tiles:
-    """This CTA's tiles and what decoding one needs: the indices [T * G, K]
-    and topk_length [T] (read only when the call has one)."""
-
-    sched: scheduler.TileScheduler
-    idx_ptr: Any
-    len_ptr: Any
-    K: Any
-
-
-@dataclass(frozen=True)
 class ConsumerState:
     """What one consumer's steps share over all its tiles.  Built once before
     the tile loop and never reassigned in a dynamic loop (its tensors are
@@ -186,18 +175,7 @@ class SparseAttnFwdSm90:
         """None when the kernel serves this configuration, else the reason.
         dtype: ``cutlass.BFloat16`` / ``cutlass.Float16`` (anything else is
         refused, named as given)."""
-        if dtype not in (cutlass.BFloat16, cutlass.Float16):
-            return f"dtype {dtype} is not bf16 or fp16"
-        if D not in (512, 576) or d_v != 512:
-            return f"D={D}, d_v={d_v}: the cute kernel serves D in (512, 576) with d_v = 512"
-        if G <= 0 or H % G:
-            return f"{H} query heads do not split over {G} kv heads"
-        if (H // G) % BLOCK_H:
-            return f"{H // G} query heads per kv head: the cute kernel needs a multiple of {BLOCK_H}"
-        need = smem_bytes(D, d_v, dtype.width // 8)
-        if need > SMEM_LIMIT:
-            return f"needs {need} bytes of shared memory, more than the {SMEM_LIMIT} of an SM90 CTA"
-        return None
+        return scheduler.kernel_reason(dtype, D, d_v, H, G, BLOCK_H, smem_bytes, SMEM_LIMIT, "SM90")
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -290,7 +268,7 @@ class SparseAttnFwdSm90:
             arrivals.append((empty, h, 128))  # the consumer reading that half as V
         pipeline.init_mbarriers(tidx, arrivals)
 
-        tiles = Tiles(sched, idx_ptr, len_ptr, K)
+        tiles = scheduler.SlotTiles(sched, idx_ptr, len_ptr, K)
         for mma in (qk_mma, pv_mma, pv_mma_ss):
             mma.set(warpgroup.Field.ACCUMULATE, True)
         if wg == 0:
@@ -310,22 +288,12 @@ class SparseAttnFwdSm90:
                 self.consumer(1, *args)
             self.timer.store(prof_ptr, tidx, THREADS // 32, PROF_TOTAL)
 
-    @cute.jit
-    def tile(self, tiles: Tiles, tile_id):
-        """Tile tile_id: (token t, kv head g, first query head head0, slots
-        [0, L) that may be valid, blocks holding them, the row's indices)."""
-        row, t, g, hblk = tiles.sched.decode(tile_id)
-        head0 = g * self.HG + hblk * BLOCK_H
-        L = rules.row_length(tiles.len_ptr, t, tiles.K, self.has_len)
-        n_blocks = rules.block_count(L, BN)
-        return t, g, head0, L, n_blocks, tiles.idx_ptr + Int64(row) * Int64(tiles.K)
-
     # -------------------------------------------------------------- producer
     @cute.jit
-    def producer(self, tidx, sQ, sK, sOk, bars, tiles: Tiles, q_ptr, kv_ptr, zero_ptr, N):
+    def producer(self, tidx, sQ, sK, sOk, bars, tiles: scheduler.SlotTiles, q_ptr, kv_ptr, zero_ptr, N):
         q_full, q_empty, full, empty = bars
         sched = tiles.sched
-        atom, thr, row_in_pass, col0 = self.copier(tidx)
+        atom, thr, row_in_pass, col0 = gather_copier(self.dtype, tidx)
         tK0 = thr.partition_D(sK[None, None, 0])
         tK1 = thr.partition_D(sK[None, None, 1])
         # kv-row byte offsets of the pair's two blocks (the zero row's for an
@@ -343,7 +311,7 @@ class SparseAttnFwdSm90:
         u1 = Int32(0)
         j = Int32(0)   # tiles done
         for tile_id in cutlass.range(sched.first, sched.n_tiles, sched.stride, unroll=1):
-            t, g, head0, L, n_blocks, idx_row = self.tile(tiles, tile_id)
+            t, g, head0, L, n_blocks, idx_row = tiles.tile(tile_id, self.HG, BLOCK_H, BN, self.has_len)
             rows = (kv_ptr, zero_ptr, g, L, N, row_in_pass, col0)
             n_pairs = (n_blocks + 1) // 2
             self.fetch_rows(ns0, 0, idx_row, L, row_in_pass)
@@ -372,16 +340,6 @@ class SparseAttnFwdSm90:
             u0 = u0 + n_pairs
             u1 = u1 + n_blocks // 2
             j = j + 1
-
-    def copier(self, tidx):
-        """The producer's 16-byte cp.async atom and this thread's slice: 8
-        threads per row, so each row's 128-byte segments go out as full
-        sectors; 16 rows per pass."""
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                   self.dtype, num_bits_per_copy=128)
-        tiled = cute.make_tiled_copy_tv(atom, cute.make_ordered_layout((16, 8), order=(1, 0)),
-                                        cute.make_layout((1, 8)))
-        return atom, tiled.get_slice(tidx), tidx // 8, (tidx % 8) * 8
 
     @cute.jit
     def load_q(self, atom, thr, sQ, q_full, q_ptr, t, head0, row_in_pass, col0):
@@ -522,7 +480,7 @@ class SparseAttnFwdSm90:
 
     @cute.jit
     def consumer(self, w: cutlass.Constexpr, qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, wtid,
-                 sQ, sK, sP, sM, sL, sOk, bars, tiles: Tiles, sink_ptr, out_ptr, lse_ptr, scale_log2):
+                 sQ, sK, sP, sM, sL, sOk, bars, tiles: scheduler.SlotTiles, sink_ptr, out_ptr, lse_ptr, scale_log2):
         q_full, q_empty, full, empty = bars
         sched = tiles.sched
         cs = self.consumer_state(w, qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, wtid,
@@ -531,7 +489,7 @@ class SparseAttnFwdSm90:
         u1 = Int32(0)
         j = Int32(0)   # tiles done
         for tile_id in cutlass.range(sched.first, sched.n_tiles, sched.stride, unroll=1):
-            t, g, head0, L, n_blocks, idx_row = self.tile(tiles, tile_id)
+            t, g, head0, L, n_blocks, idx_row = tiles.tile(tile_id, self.HG, BLOCK_H, BN, self.has_len)
             cs.acc_o.fill(0.0)
             cs.m_run.fill(-Float32.inf)
             cs.l_run.fill(0.0)

@@ -269,7 +269,7 @@ def supports(a: IndexerArgs) -> Optional[str]:
     return None
 
 
-def _block_tables(a: IndexerArgs, BQ: int, rows_per_chunk: int, n_chunks: int) -> Optional[torch.Tensor]:
+def block_tables(a: IndexerArgs, BQ: int, rows_per_chunk: int, n_chunks: int) -> Optional[torch.Tensor]:
     """[n_chunks, B+1] int32 cumulative block counts (see _block_table_kernel);
     None for one sequence, whose kernel needs no table (one launch less)."""
     B = a.batch
@@ -306,7 +306,7 @@ def scores(a: IndexerArgs) -> torch.Tensor:
     Tq = a.q.shape[0]
     out = torch.empty((Tq, a.max_seqlen_k), dtype=torch.float32, device=a.q.device)
     BQ, _, _ = _dims(a, _config(a))
-    table = _block_tables(a, BQ, Tq, 1)
+    table = block_tables(a, BQ, Tq, 1)
     _launch_scores(a, out, None if table is None else table[0], 0, Tq)
     return out
 
@@ -320,17 +320,25 @@ def chunk_rows(Tq: int, S_k: int, topk: int) -> int:
 
 def indexer_topk(a: IndexerArgs, topk: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """-> (indices [Tq, topk] int32 local key positions, -1 padded; lengths [Tq] int32)."""
+    BQ, _, _ = _dims(a, _config(a))
+    return chunked_topk(a, topk, BQ, _launch_scores)
+
+
+def chunked_topk(a: IndexerArgs, topk: int, BQ: int, launch_scores) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``indexer_topk`` with any scores kernel: ``launch_scores(a, out,
+    block table or None, row_begin, row_end)`` writes the score rows [row_begin,
+    row_end) into out (its query blocks of BQ rows per ``_block_tables``),
+    chunk by chunk, and the top-k kernel selects from each chunk."""
     Tq, S = a.q.shape[0], a.max_seqlen_k
     dev = a.q.device
     indices = torch.empty((Tq, topk), dtype=torch.int32, device=dev)
     lengths = torch.empty((Tq,), dtype=torch.int32, device=dev)
     rows = chunk_rows(Tq, S, topk)
     starts = list(range(0, Tq, rows))
-    BQ, _, _ = _dims(a, _config(a))
-    tables = _block_tables(a, BQ, rows, len(starts))
+    tables = block_tables(a, BQ, rows, len(starts))
     scratch = torch.empty((min(rows, Tq), S), dtype=torch.float32, device=dev)
     for c, r0 in enumerate(starts):
         r1 = min(r0 + rows, Tq)
-        _launch_scores(a, scratch, None if tables is None else tables[c], r0, r1)
+        launch_scores(a, scratch, None if tables is None else tables[c], r0, r1)
         _topk.launch(scratch[: r1 - r0], topk, indices[r0:r1], lengths[r0:r1])
     return indices, lengths

@@ -1,0 +1,161 @@
+"""CuTe DSL sparse attention forward on SM100: what it serves, compilation cache, launch.
+
+    forward(a) -> out [T, H, d_v] (q.dtype), lse [T, H] fp32
+
+on the canonical packed layout of :class:`dsa._args.SparseAttnArgs`.  The
+kernel is ``sparse_attention_fwd.SparseAttnFwdSm100``; what it can serve is
+its ``can_implement`` (bf16 / fp16, a multiple of 64 query heads per kv
+head, D 512 or 576, d_v 512).  Compiled kernels are cached per
+(``FwdSm100Config``, device); every launch runs under the tensors' device
+and its current stream.  This module never decides whether the kernel is
+trusted: ``dsa.cute.sm100`` runs its self-check (``self_check``) first.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from dsa._args import SparseAttnArgs
+from dsa._rules import LOG2E
+from dsa.cute.host import arch_reason, cutlass_dtype, current_stream
+from dsa.cute.sparse_attention import DEFAULT, SERVED_DV, GridConfig, call_reason, kernel_pointers, kernel_scalars
+
+# (FwdSm100Config, device index) -> compiled kernel
+_COMPILED: Dict[tuple, object] = {}
+
+
+def supports(a: SparseAttnArgs) -> Optional[str]:
+    """None when the SM100 kernel can serve ``a``, else the reason."""
+    why = arch_reason(a.q.device, "the cute SM100 sparse attention kernel", "sm100")
+    if why:
+        return why
+
+    def can_implement(*problem):
+        from dsa.cute.sm100.sparse_attention_fwd import SparseAttnFwdSm100
+
+        return SparseAttnFwdSm100.can_implement(*problem)
+
+    return call_reason(a, can_implement)
+
+
+def kernel_config(a: SparseAttnArgs):
+    """The ``FwdSm100Config`` that serves ``a`` (the self-check's key too)."""
+    from dsa.cute.sm100.sparse_attention_fwd import FwdSm100Config
+
+    return FwdSm100Config(cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G, a.topk_length is not None,
+                          a.sink is not None)
+
+
+def _compiled(a: SparseAttnArgs, ptrs, scalars, stream):
+    import cutlass.cute as cute
+
+    from dsa.cute.sm100.sparse_attention_fwd import SparseAttnFwdSm100
+
+    key = (kernel_config(a), a.q.device.index)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        fn = _COMPILED[key] = cute.compile(SparseAttnFwdSm100.from_config(key[0]), *ptrs, *scalars, stream)
+    return fn
+
+
+def forward(a: SparseAttnArgs, config: Optional[GridConfig] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """out [T, H, d_v] in q.dtype and lse [T, H] fp32 (sink excluded, +inf on
+    empty rows).  config: the grid (default: persistent, one CTA an SM)."""
+    cfg = config or DEFAULT
+    with torch.cuda.device(a.q.device):
+        out = torch.empty((a.T, a.H, a.d_v), dtype=a.q.dtype, device=a.q.device)
+        lse = torch.empty((a.T, a.H), dtype=torch.float32, device=a.q.device)
+        ptrs = kernel_pointers(a, out, lse)
+        scalars = kernel_scalars(a, cfg.grid(a.q.device))
+        stream = current_stream(a.q.device)
+        _compiled(a, ptrs, scalars, stream)(*ptrs, *scalars, stream)
+    return out, lse
+
+
+# --------------------------------------------------------------------------
+# the self-check: the kernel against the Triton forward on a hostile problem
+
+SELF_CHECK_T = 7       # tokens: with CTAS, several tiles a CTA, empty ones among them
+SELF_CHECK_K = 320     # five blocks of 64 slots: both stages used more than once a tile
+SELF_CHECK_N = 200
+SELF_CHECK_CTAS = 3
+
+
+def hostile_problem(config, device: torch.device, seed: int = 0) -> SparseAttnArgs:
+    """A small problem of ``config``'s static shape (dtype, D, H, G, with or
+    without topk_length and sink) on ``device`` that exercises every rule:
+    indices -1, N and 2**31 - 1 and duplicates; topk_length past K,
+    negative, 0 (tiles with no valid slot) and mid-block; kv rows of NaN
+    named only by slots past topk_length; a query head of NaN (its out and
+    lse are NaN); sinks +inf, -inf, 3e38 and ordinary; and, for half the
+    heads, scores that grow along the row by more than 2^8 every couple of
+    blocks, so that O is rescaled in flight (the other half's shrink)."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.bfloat16 if config.dtype.__name__ == "BFloat16" else torch.float16
+    T, K, N, H, G, D = SELF_CHECK_T, SELF_CHECK_K, SELF_CHECK_N, config.H, config.G, config.D
+    u = torch.randint(0, 2, (D,), generator=g).float() * 2 - 1            # a direction of +-1 entries
+    kv = torch.randn(N, G, D, generator=g) * 0.3 + torch.linspace(0, 5, N).view(N, 1, 1) * u
+    q = torch.randn(T, H, D, generator=g) + 0.2 * u
+    q[:, 1::2] -= 0.4 * u                                                  # odd heads: falling scores
+    q[T - 1, H // 2] = float("nan")
+    # sorted rows: slot order is kv row order, so the scores rise (or fall) along the row
+    idx = torch.sort(torch.randint(0, N - 2, (T, G, K), generator=g, dtype=torch.int32), dim=-1).values
+    idx[..., 4::17] = idx[..., 3::17][..., : idx[..., 4::17].shape[-1]]   # duplicates
+    idx[..., 1::7] = -1
+    idx[..., 2::11] = N
+    idx[..., 3::13] = 2**31 - 1
+    lengths = torch.tensor([K + 50, -3, 0, 37, K, 1, 130], dtype=torch.int32)[:T]
+    kv[N - 2:] = float("nan")
+    if config.has_len:
+        for t in range(T):
+            stop = int(lengths[t].clamp(0, K))
+            idx[t, :, stop:stop + 5] = N - 2 + torch.arange(min(5, K - stop)) % 2  # NaN rows, past the length
+    sink = None
+    if config.has_sink:
+        sink = torch.randn(H, generator=g)
+        sink[:3] = torch.tensor([float("inf"), float("-inf"), 3.0e38])
+    return SparseAttnArgs(q.to(dtype).to(device), kv.to(dtype).to(device), idx.to(device),
+                          lengths.to(device) if config.has_len else None,
+                          None if sink is None else sink.to(device), D ** -0.5, SERVED_DV, False)
+
+
+def self_check(config, device: torch.device, kernel=None, reference=None) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """[(kernel's, reference's)] out and lse of ``config``'s kernel on the
+    hostile problem (a grid of a few CTAs, so each runs several tiles),
+    the reference being the Triton forward.  ``kernel`` / ``reference``
+    stand in for them (the tests run the gate on CPU with stand-ins)."""
+    if kernel is None:
+        def kernel(a):
+            return forward(a, GridConfig(ctas=SELF_CHECK_CTAS))
+    if reference is None:
+        from dsa.triton.sparse_attention import forward as reference
+    a = hostile_problem(config, device)
+    got, want = kernel(a), reference(a)
+    return list(zip(got, want))
+
+
+def compile_offline(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, has_sink: bool,
+                    options: str = "--keep-ptx"):
+    """Compile the kernel without a GPU (``CUTE_DSL_ARCH=sm_100a``), for CI and
+    inspection; returns the compiled object.  options: the DSL's compile
+    options ("--keep-ptx" keeps the PTX; "remarks{ptx}" prints ptxas's
+    register and spill report)."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    from dsa.cute.sm100.sparse_attention_fwd import SparseAttnFwdSm100
+
+    dt = cutlass_dtype(dtype) or dtype
+
+    def p(ty, align):
+        return make_ptr(ty, align * 64, cute.AddressSpace.gmem, assumed_align=align)
+
+    ptrs = (p(dt, 16), p(dt, 16), p(cutlass.Int32, 4), p(cutlass.Int32, 4), p(cutlass.Float32, 4),
+            p(dt, 16), p(cutlass.Float32, 4), p(dt, 16))
+    scalars = (cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Float32(LOG2E), cutlass.Int32(148))
+    kernel = SparseAttnFwdSm100(dt, D, SERVED_DV, H, G, has_len, has_sink)
+    return cute.compile(kernel, *ptrs, *scalars, cuda.CUstream(0), options=options)

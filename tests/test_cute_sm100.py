@@ -1,0 +1,500 @@
+"""The SM100 (Blackwell) cute tier, checked without an SM100 GPU.
+
+* Offline compilation (CPU, CI): every served configuration is compiled for
+  sm_100a in one subprocess (``CUTE_DSL_ARCH=sm_100a``); its PTX must hold
+  the tcgen05 instructions the design rests on, ptxas must report no spills,
+  and the launch's shared memory must be the kernel's own figure, within
+  the 227 KB of an SM100 CTA.
+* The gate (CPU, faked device): the capability table, then the self-check
+  at first use, run with stand-in kernels against the real Triton kernels
+  (interpreted): a wrong stand-in is caught, warned about once and
+  disabled, and auto keeps Triton; a correct one is chosen; DSA_DISABLE_CUTE
+  wins; a measured SM100 placement table that says Triton wins too; an SM90
+  GPU takes the SM90 path as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import warnings
+
+import pytest
+import torch
+
+import dsa
+import dsa.reference
+from cute_offline import HAVE_DSL, compile_reports
+from dsa import selector
+from dsa._args import SparseAttnArgs, Unsupported
+from dsa.cute import gate, host, placement
+
+needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl is not installed")
+
+# --------------------------------------------------------------------------
+# offline compilation for sm_100a
+
+# name, dtype, D, H, G, has_len, has_sink: H 64 / 128 x D 512 / 576, both dtypes, GQA, with and without
+# topk_length and sink
+FWD_CONFIGS = [
+    ("h128_d576_bf16", "torch.bfloat16", 576, 128, 1, True, True),
+    ("h128_d512_fp16_gqa", "torch.float16", 512, 256, 2, False, False),
+    ("h64_d512_bf16", "torch.bfloat16", 512, 64, 1, True, True),
+    ("h64_d576_fp16", "torch.float16", 576, 64, 1, True, False),
+]
+IDX_CONFIGS = [  # name, q dtype, weights dtype, causal, one sequence
+    ("indexer_bf16_causal_varlen", "torch.bfloat16", "torch.float32", True, False),
+    ("indexer_fp16_dense_single", "torch.float16", "torch.bfloat16", False, True),
+]
+FWD_NEEDLES = ("tcgen05.mma.cta_group::1.kind::f16", "tcgen05.ld.sync.aligned.32x32b", "tcgen05.st.sync.aligned",
+               "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.commit", "tcgen05.fence::before_thread_sync",
+               "tcgen05.fence::after_thread_sync", "tcgen05.wait::ld", "cp.async.cg.shared.global",
+               "cp.async.wait_group", "fence.proxy.async", "mbarrier.try_wait", "max.NaN.f32")
+
+
+IDX_NEEDLES = ("tcgen05.mma.cta_group::1.kind::f16", "tcgen05.ld.sync.aligned.32x32b", "tcgen05.alloc",
+               "tcgen05.dealloc", "tcgen05.commit", "cp.async.bulk.tensor.2d", "mbarrier.arrive.expect_tx",
+               "max.NaN.f32", "bar.sync")
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """Every served configuration compiled for sm_100a in one process."""
+    calls = [(c[0], "dsa.cute.sm100.sparse_attention:compile_offline", list(c[1:]), {}) for c in FWD_CONFIGS]
+    calls += [(c[0], "dsa.cute.sm100.indexer:compile_offline", list(c[1:]), {}) for c in IDX_CONFIGS]
+    return compile_reports(calls, sorted(set(FWD_NEEDLES + IDX_NEEDLES)), "sm_100a",
+                           tmp_path_factory.mktemp("sm100"))
+
+
+@needs_dsl
+@pytest.mark.parametrize("cfg", FWD_CONFIGS, ids=[c[0] for c in FWD_CONFIGS])
+def test_forward_compiles_for_sm100_with_tcgen05(reports, cfg):
+    from dsa.cute.sm100.sparse_attention_fwd import smem_bytes
+
+    name, dt, D, H, G, has_len, has_sink = cfg
+    r = reports[name]
+    n = r["needles"]
+    # S = Q K^T: two N = 32 atoms per 16 columns of D; O += P V: two N = 256 atoms per 16 slots
+    assert n["tcgen05.mma.cta_group::1.kind::f16"] >= 2 * (D // 16) + 2 * (64 // 16), (name, n)
+    assert n["tcgen05.alloc"] == 1 and n["tcgen05.dealloc"] == 1, (name, n)
+    assert n["tcgen05.ld.sync.aligned.32x32b"] >= 2, (name, n)  # S, and O for the rescale and the epilogue
+    assert n["tcgen05.st.sync.aligned"] >= 1, (name, n)  # the rescaled O
+    assert n["tcgen05.commit"] >= 3, (name, n)  # S ready, Q free, P V retired
+    assert n["tcgen05.wait::ld"] >= 2, (name, n)
+    assert n["tcgen05.fence::before_thread_sync"] >= 3 and n["tcgen05.fence::after_thread_sync"] >= 3, (name, n)
+    assert n["cp.async.cg.shared.global"] >= 2 * 4 * (D // 64), (name, n)  # the gather and Q
+    assert n["cp.async.wait_group"] >= 1 and n["fence.proxy.async"] >= 2, (name, n)  # copies and P to the async proxy
+    assert n["max.NaN.f32"] >= 32, (name, n)  # row maxima propagate NaN
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
+    dtype = getattr(torch, dt[6:])
+    assert r["smem"] == smem_bytes(D, 512, dtype.itemsize) <= 227 * 1024 == r["smem_limit"], (name, r)
+
+
+@needs_dsl
+@pytest.mark.parametrize("cfg", IDX_CONFIGS, ids=[c[0] for c in IDX_CONFIGS])
+def test_indexer_compiles_for_sm100_with_tcgen05_and_tma(reports, cfg):
+    from dsa.cute.sm100.indexer_fwd import smem_bytes
+
+    name, dt = cfg[0], cfg[1]
+    r = reports[name]
+    n = r["needles"]
+    assert n["tcgen05.mma.cta_group::1.kind::f16"] >= 128 // 16, (name, n)  # M 128 keys, N 256, one per 16 dims
+    assert n["tcgen05.alloc"] == 1 and n["tcgen05.dealloc"] == 1, (name, n)
+    assert n["tcgen05.ld.sync.aligned.32x32b"] >= 4 * 2, (name, n)  # 4 queries x 2 chunks of 32 heads
+    assert n["tcgen05.commit"] >= 3, (name, n)  # key stage free, accumulator ready, Q free
+    assert n["cp.async.bulk.tensor.2d"] >= 2 and n["mbarrier.arrive.expect_tx"] >= 2, (name, n)  # Q and keys by TMA
+    assert n["max.NaN.f32"] >= 4 * 64, (name, n)  # relu keeps a NaN
+    assert n["bar.sync"] >= 2, (name, n)
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
+    assert r["smem"] == smem_bytes(getattr(torch, dt[6:]).itemsize) <= 227 * 1024 == r["smem_limit"], (name, r)
+
+
+# --------------------------------------------------------------------------
+# the capability gate
+
+
+@pytest.mark.parametrize("cap,arch", [((10, 0), "sm100"), ((10, 3), "sm100"), ((9, 0), "sm90"), ((12, 0), None),
+                                      ((8, 0), None), ((10, 1), None)])
+def test_architecture_by_capability(monkeypatch, cap, arch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    dev = torch.device("cuda", 0)
+    assert host.arch_of(dev) == arch
+    assert host.arch_of(torch.device("cpu")) is None
+    why = host.arch_reason(dev, "the kernel", "sm100")
+    assert (why is None) == (arch == "sm100")
+    if why is not None:
+        assert f"this GPU is SM{cap[0]}{cap[1]}" in why and "10.0 or 10.3" in why
+
+
+def _fake_args(**kw):
+    """A stand-in for canonical arguments on CUDA device 0."""
+    q = types.SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda", 0), data_ptr=lambda: 1024)
+    return types.SimpleNamespace(q=q, **kw)
+
+
+def test_sm90_gpu_takes_the_sm90_path(monkeypatch, tmp_path):
+    """On an H200 nothing changes: the SM90 hook decides, the SM100 one is never asked."""
+    from dsa.cute import sm100
+    from dsa.cute import sparse_attention as cute_sa
+
+    asked = []
+    monkeypatch.setattr(sm100, "backend_op", lambda *a, **k: asked.append(a))
+    monkeypatch.setattr(cute_sa, "supports", lambda a: None)
+    entry = dict(dtype="bfloat16", D=576, HG=128, K=2048, T=4, backend="cute", cute_ms=1.0, triton_ms=2.0)
+    path = tmp_path / "placement_sm90.json"
+    path.write_text(json.dumps({"device": "NVIDIA H200", "entries": [entry]}))
+    monkeypatch.setattr(placement, "TABLE", str(path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    args = _fake_args(D=576, H=128, G=1, K=2048, T=4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    chosen = dsa.cute.backend_op("sparse_attention_fwd", args, auto=True)
+    assert chosen.fn is cute_sa.forward and "placement table entry" in chosen.note and not asked
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    dsa.cute.backend_op("sparse_attention_fwd", args, auto=True)
+    assert len(asked) == 1
+
+
+# --------------------------------------------------------------------------
+# the self-check at first use, with stand-in kernels on CPU
+
+
+def _call_inputs(dtype=torch.float16, H=64, D=512):
+    """A small call of a served static shape (fp16: the interpreted Triton
+    kernel computes bf16 wrongly)."""
+    g = torch.Generator().manual_seed(3)
+    T, K, N = 5, 64, 96
+    q = torch.randn(T, H, D, generator=g).to(dtype)
+    kv = torch.randn(N, D, generator=g).to(dtype)
+    idx = torch.randint(-4, N + 4, (T, K), generator=g, dtype=torch.int32)
+    tl = torch.tensor([64, 3, 0, -1, 100], dtype=torch.int32)
+    sink = torch.randn(H, generator=g)
+    return (q, kv, idx), dict(d_v=512, sink=sink, topk_length=tl)
+
+
+def _reference(a: SparseAttnArgs):
+    return dsa.reference.backend_op("sparse_attention_fwd", a)(a)
+
+
+class StandIn:
+    """A stand-in for the SM100 forward (its signature: args, grid config),
+    counting its calls; ``corrupt`` turns the reference's result into the
+    stand-in's."""
+
+    def __init__(self, corrupt=None, compute=_reference):
+        self.calls = 0
+        self.corrupt, self.compute = corrupt, compute
+
+    def __call__(self, a, config=None):
+        self.calls += 1
+        out, lse = self.compute(a)
+        return self.corrupt(out, lse) if self.corrupt else (out, lse)
+
+
+@pytest.fixture
+def sm100(monkeypatch, tmp_path):
+    """CPU tensors routed as on an SM100 GPU with no placement table; the
+    kernel's device checks pass (the stand-ins run on CPU); no verdicts yet."""
+    pytest.importorskip("triton")
+    if not HAVE_DSL:
+        pytest.skip("nvidia-cutlass-dsl is not installed")
+    from dsa.cute.sm100 import sparse_attention as sm100_sa
+
+    monkeypatch.setattr(host, "arch_of", lambda device: "sm100")
+    monkeypatch.setattr(selector, "_device_type", lambda args: "cuda")
+    monkeypatch.setattr(sm100_sa, "supports", lambda a: None)
+    monkeypatch.setattr(gate, "_VERDICTS", {})
+    monkeypatch.setattr(placement, "TABLE_SM100", str(tmp_path / "absent.json"))
+    monkeypatch.delenv("DSA_DISABLE_CUTE", raising=False)
+    monkeypatch.delenv("DSA_BACKEND", raising=False)
+
+    def use(standin):
+        monkeypatch.setattr(sm100_sa, "forward", standin)
+        return standin
+
+    return use
+
+
+def _triton(a):
+    from dsa.triton.sparse_attention import forward
+
+    return forward(a)
+
+
+WRONG = {
+    "scaled": StandIn(lambda out, lse: (out * 1.1, lse)),
+    # reads the slots past topk_length: the hostile problem's NaN rows leak into out
+    "ignores_topk_length": StandIn(compute=lambda a: _reference(
+        SparseAttnArgs(a.q, a.kv, a.indices, None, a.sink, a.sm_scale, a.d_v))),
+    # a maximum that drops NaN: the NaN query row's out is finite
+    "drops_nan": StandIn(lambda out, lse: (torch.nan_to_num(out), lse)),
+    "empty_row_lse_zero": StandIn(lambda out, lse: (out, torch.where(lse == float("inf"), 0.0, lse))),
+}
+
+
+CAUGHT_BY = {"scaled": "out: relative L2 error", "ignores_topk_length": "out: NaN at",
+             "drops_nan": "out: NaN at", "empty_row_lse_zero": "lse: +inf at"}
+
+
+@pytest.mark.parametrize("kind", list(WRONG))
+def test_wrong_kernel_is_caught_disabled_and_auto_keeps_triton(sm100, kind):
+    standin = sm100(StandIn(WRONG[kind].corrupt, WRONG[kind].compute))
+    args, kw = _call_inputs()
+    with pytest.warns(RuntimeWarning, match="failed its self-check against Triton") as caught:
+        text = dsa.explain("sparse_attention", *args, **kw)
+    assert len([w for w in caught if str(w.message).startswith("dsa: ")]) == 1
+    assert "sparse_attention_fwd: backend 'triton'" in text, text
+    assert f"cute: self-check at first use failed: {CAUGHT_BY[kind]}" in text, text
+    assert "disabled for the process" in text, text
+    assert standin.calls == 1  # the self-check's run; the call itself never reached it
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="dsa: ")  # warned once: the verdict is kept
+        out = dsa.sparse_attention(*args, **kw)
+        assert torch.equal(out, dsa.sparse_attention(*args, backend="triton", **kw))
+        with pytest.raises(ValueError, match="self-check at first use failed"):
+            dsa.sparse_attention(*args, backend="cute", **kw)
+    assert standin.calls == 1
+
+
+def test_correct_kernel_is_upgraded(sm100):
+    standin = sm100(StandIn())
+    args, kw = _call_inputs()
+    text = dsa.explain("sparse_attention", *args, **kw)
+    assert "sparse_attention_fwd: backend 'cute'" in text, text
+    assert "self-check at first use passed: relative L2 error" in text and "same NaN/inf positions" in text, text
+    assert "no placement table ships for this GPU" in text and "auto upgrades" in text, text
+    assert "sparse_attention_bwd: backend 'triton'" in text  # no SM100 backward: Triton keeps it
+    assert standin.calls == 1
+    out = dsa.sparse_attention(*args, **kw)
+    assert standin.calls == 2  # the call itself went to the kernel
+    q, kv, idx = args
+    ref = dsa.sparse_attention(*args, backend="reference", **kw)
+    assert torch.equal(out, ref)
+
+
+def test_each_configuration_is_checked_once(sm100):
+    standin = sm100(StandIn())
+    args, kw = _call_inputs()
+    dsa.sparse_attention(*args, **kw)
+    dsa.sparse_attention(*args, **kw)
+    assert standin.calls == 1 + 2
+    kw2 = dict(kw, sink=None)  # another compiled configuration: its own check
+    dsa.sparse_attention(*args, **kw2)
+    assert standin.calls == 3 + 2
+    assert len(gate.verdicts()) == 2 and all(v.passed for _, v in gate.verdicts())
+
+
+def test_dsa_disable_cute_wins(sm100, monkeypatch):
+    standin = sm100(StandIn())
+    monkeypatch.setenv("DSA_DISABLE_CUTE", "1")
+    args, kw = _call_inputs()
+    text = dsa.explain("sparse_attention", *args, **kw)
+    assert "backend 'triton'" in text and "disabled by DSA_DISABLE_CUTE=1" in text, text
+    dsa.sparse_attention(*args, **kw)
+    assert standin.calls == 0 and gate.verdicts() == []
+
+
+def test_a_check_that_raises_fails(sm100):
+    def broken(a, config=None):
+        raise RuntimeError("launch failed")
+
+    sm100(broken)
+    args, kw = _call_inputs()
+    with pytest.warns(RuntimeWarning, match="launch failed"):
+        text = dsa.explain("sparse_attention", *args, **kw)
+    assert "the check raised RuntimeError: launch failed" in text and "backend 'triton'" in text, text
+
+
+def test_measured_sm100_table_decides_before_the_check(sm100, monkeypatch, tmp_path):
+    standin = sm100(StandIn())
+    args, kw = _call_inputs()
+    entry = dict(dtype="float16", D=512, HG=64, K=64, T=5, backend="triton", cute_ms=2.0, triton_ms=1.0)
+    path = tmp_path / "placement_sm100.json"
+    path.write_text(json.dumps({"device": "NVIDIA B200", "entries": [entry]}))
+    monkeypatch.setattr(placement, "TABLE_SM100", str(path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B200")
+    text = dsa.explain("sparse_attention", *args, **kw)
+    assert "says triton is faster" in text and "backend 'triton'" in text, text
+    assert standin.calls == 0  # the table said Triton: no check needed
+    path.write_text(json.dumps({"device": "NVIDIA B200", "entries": [dict(entry, backend="cute")]}))
+    placement._load.cache_clear()
+    text = dsa.explain("sparse_attention", *args, **kw)
+    assert "backend 'cute'" in text and "placement table entry" in text and "self-check at first use passed" in text
+    # measured on another GPU: the self-check decides alone
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B300")
+    text = dsa.explain("sparse_attention", *args, **kw)
+    assert "measured on NVIDIA B200; this GPU is NVIDIA B300" in text and "backend 'cute'" in text, text
+    placement._load.cache_clear()
+
+
+def test_check_first_needed_under_capture_runs_outside_it(monkeypatch):
+    ran = []
+
+    def outside(run, device):
+        ran.append(device)
+        return run()
+
+    monkeypatch.setattr(gate, "_VERDICTS", {})
+    monkeypatch.setattr(host, "_outside_capture", outside)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    dev = torch.device("cuda", 0)
+    x = torch.ones(3)
+    v = gate.verdict("key", lambda: [(x, x.clone())], ["x"], dev, "a kernel")
+    assert v.passed and ran == [dev]
+
+
+def test_compare_names_what_differs():
+    a = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 2.0])
+    assert gate.compare([(a, a.clone())], ["out"]).passed
+    for b, what in ((torch.tensor([1.0, 0.0, float("inf"), -float("inf"), 2.0]), "NaN"),
+                    (torch.tensor([1.0, float("nan"), 3.0, -float("inf"), 2.0]), "+inf"),
+                    (torch.tensor([1.0, float("nan"), float("inf"), 0.0, 2.0]), "-inf"),
+                    (torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 2.1]), "relative L2")):
+        v = gate.compare([(b, a)], ["out"])
+        assert not v.passed and what in v.detail and v.detail.startswith("out: "), v.detail
+    assert not gate.compare([(a[:2], a)], ["lse"]).passed
+
+
+# --------------------------------------------------------------------------
+# the hostile problem holds what the self-check relies on
+
+
+@needs_dsl
+@pytest.mark.parametrize("has_len,has_sink,G", [(True, True, 1), (False, False, 2)])
+def test_hostile_problem_exercises_every_rule(has_len, has_sink, G):
+    import cutlass
+
+    from dsa.cute.sm100.sparse_attention import SELF_CHECK_K, SELF_CHECK_N, hostile_problem
+    from dsa.cute.sm100.sparse_attention_fwd import RESCALE_LOG2, FwdSm100Config
+
+    cfg = FwdSm100Config(cutlass.Float16, 512, 512, 64 * G, G, has_len, has_sink)
+    a = hostile_problem(cfg, torch.device("cpu"))
+    assert (a.H, a.G, a.D, a.K, a.q.dtype) == (64 * G, G, 512, SELF_CHECK_K, torch.float16)
+    assert (a.topk_length is not None) == has_len and (a.sink is not None) == has_sink
+    idx = a.indices.long()
+    assert (idx == -1).any() and (idx == SELF_CHECK_N).any() and (idx == 2**31 - 1).any()
+    out, lse = _reference(a)
+    nan_rows = torch.isnan(out).any(-1)
+    assert nan_rows.sum() == 1 and nan_rows[-1, a.H // 2]  # only the NaN query head
+    if has_len:
+        L = a.topk_length.long()
+        assert (L > SELF_CHECK_K).any() and (L < 0).any() and (L == 0).any()
+        assert (lse == float("inf")).all(-1).sum() == 2  # the tokens with no valid slot
+        # the NaN kv rows sit right past topk_length: reading them would poison the row
+        leaked = _reference(SparseAttnArgs(a.q, a.kv, a.indices, None, a.sink, a.sm_scale, a.d_v))[0]
+        assert torch.isnan(leaked).any(-1).sum() > nan_rows.sum()
+    if has_sink:
+        assert torch.isinf(a.sink).sum() == 2 and (a.sink == 3.0e38).any()
+        assert (out[:, 0] == 0).all()  # sink +inf: the sink takes everything
+    # the maximum grows along the row by more than 2^8 for the even heads (O is rescaled in flight)
+    ok = (idx[0, 0] >= 0) & (idx[0, 0] < SELF_CHECK_N - 2)
+    s = (a.kv[idx[0, 0].clamp(0, SELF_CHECK_N - 1), 0].float() @ a.q[0, 0].float()) * a.sm_scale * 1.4427
+    s = torch.where(ok, s, -float("inf"))
+    assert s[-64:].max() - s[:64].max() > 2 * RESCALE_LOG2
+
+
+# --------------------------------------------------------------------------
+# the lean indexer's gate
+
+
+def _indexer_reference(a):
+    return dsa.reference.backend_op("indexer_scores", a)(a)
+
+
+@pytest.fixture
+def sm100_indexer(sm100, monkeypatch):
+    """As ``sm100``, for the indexer: a GPU of 2 SMs, the kernel's own checks pass."""
+    from dsa.cute.sm100 import indexer
+
+    monkeypatch.setattr(indexer, "supports", lambda a: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: types.SimpleNamespace(multi_processor_count=2))
+
+    def use(scores):
+        calls = []
+
+        def counted(a):
+            calls.append(a)
+            return scores(a)
+
+        def launch(a, out, blk_cum, r0, r1):  # the kernel's launcher, as indexer_topk drives it
+            out[: r1 - r0] = counted(a)[r0:r1]
+
+        monkeypatch.setattr(indexer, "scores", counted)
+        monkeypatch.setattr(indexer, "launch_scores", launch)
+        return calls
+
+    return use
+
+
+def _indexer_inputs(Tq=9):
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, Tq, 64, 128, generator=g).half()
+    k = torch.randn(2, 40, 128, generator=g).half()
+    w = torch.randn(2, Tq, 64, generator=g)
+    return (q, k, w), dict(ratio=2, q_offsets=torch.tensor([30, -3]), sm_scale=128 ** -0.5)
+
+
+def test_indexer_correct_kernel_is_upgraded(sm100_indexer):
+    calls = sm100_indexer(_indexer_reference)
+    args, kw = _indexer_inputs()
+    text = dsa.explain("indexer_scores", *args, **kw)
+    assert "indexer_scores: backend 'cute'" in text, text
+    assert "self-check at first use passed" in text and "its grid fills the GPU" in text, text
+    assert len(calls) == 1
+    s = dsa.indexer_scores(*args, **kw)
+    assert torch.equal(s, dsa.indexer_scores(*args, backend="reference", **kw))
+    # indexer_topk runs the same (already checked) kernel through the chunked top-k driver
+    idx, n = dsa.indexer_topk(*args, 5, return_lengths=True, **kw)
+    ref_idx, ref_n = dsa.topk_indices(s, 5, return_lengths=True, backend="triton")
+    assert torch.equal(idx, ref_idx) and torch.equal(n, ref_n)
+    assert len(gate.verdicts()) == 1
+
+
+def test_indexer_wrong_kernel_is_caught(sm100_indexer):
+    def arithmetic_mask(a):
+        """Masks by adding -inf: the hostile problem's NaN keys past every window come out NaN."""
+        dense = _indexer_reference(dataclasses.replace(a, causal=False))
+        visible = torch.isfinite(_indexer_reference(a))
+        return dense + torch.where(visible, 0.0, -float("inf"))
+
+    sm100_indexer(arithmetic_mask)
+    args, kw = _indexer_inputs()
+    with pytest.warns(RuntimeWarning, match="failed its self-check"):
+        text = dsa.explain("indexer_scores", *args, **kw)
+    assert "indexer_scores: backend 'triton'" in text and "self-check at first use failed: scores: NaN at" in text
+    with pytest.raises(ValueError, match="self-check at first use failed"):
+        dsa.indexer_topk(*args, 5, backend="cute", **kw)
+
+
+def test_indexer_keeps_triton_where_its_grid_does_not_fill_the_gpu(sm100_indexer, monkeypatch):
+    calls = sm100_indexer(_indexer_reference)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: types.SimpleNamespace(multi_processor_count=148))
+    args, kw = _indexer_inputs()
+    text = dsa.explain("indexer_topk", *args, 5, **kw)
+    assert "5 query blocks of 4 do not fill the 148 SMs; the Triton indexer serves this call" in text, text
+    assert "indexer_topk: backend 'triton'" in text and not calls  # no self-check needed
+
+
+@needs_dsl
+@pytest.mark.parametrize("single,causal", [(False, True), (True, True), (False, False)])
+def test_indexer_hostile_problem(single, causal):
+    import cutlass
+
+    from dsa.cute.sm100.indexer import hostile_problem
+    from dsa.cute.sm100.indexer_fwd import IndexerSm100Config
+
+    a = hostile_problem(IndexerSm100Config(cutlass.BFloat16, cutlass.Float32, causal, single), torch.device("cpu"))
+    assert (a.q.shape[1:], a.k.shape[1], a.batch) == ((64, 128), 128, 1 if single else 3)
+    s = _indexer_reference(a)
+    assert not torch.isnan(s).any()  # NaN keys exist only where no query sees them
+    assert a.max_seqlen_k > int(torch.diff(a.cu_seqlens_k).max())  # columns past every sequence
+    if causal:
+        assert torch.isnan(a.k.float()).any()
+        if not single:
+            assert (s == -float("inf")).all(-1).any()  # rows that see no key
+        dense = _indexer_reference(dataclasses.replace(a, causal=False))
+        assert torch.isnan(dense).any()  # those keys share computed tiles with visible ones

@@ -1,6 +1,11 @@
-"""Measure where the cute SM90 forward beats Triton, and write the placement table.
+"""Measure where the cute kernel beats Triton, and write the placement table.
 
-    PYTHONPATH=$PWD python bench/place_cute.py --out DIR [--commit SHA]
+    PYTHONPATH=$PWD python bench/place_cute.py --out DIR [--commit SHA] [--op bwd]
+
+``--op fwd`` (the default) times the forward and writes
+``placement_{arch}.json``; ``--op bwd`` times the backward (SM90 only: the
+same grids, each call fed the Triton forward's out and lse and a random dO)
+and writes ``placement_{arch}_bwd.json``.  Copy the file to ``dsa/cute/``.
 
 1. Training grid (``TRAIN``, 120 shapes): every shape is timed on both backends; each
    becomes one table entry naming the faster one.
@@ -40,6 +45,7 @@ import triton
 from dsa._args import SparseAttnArgs
 from dsa.cute import host, placement
 from dsa.cute import sparse_attention as cute_sa
+from dsa.cute import sparse_attention_bwd as cute_bwd
 from dsa.cute.sm100 import sparse_attention as sm100_sa
 from dsa.triton import sparse_attention as triton_sa
 
@@ -87,19 +93,31 @@ def make(shape, seed):
 
 # the GPU's architecture names the table (placement_sm90.json, placement_sm100.json) and picks its kernel
 ARCH = host.arch_of(torch.device("cuda")) if torch.cuda.is_available() else None
-BACKENDS = (("cute", sm100_sa.forward if ARCH == "sm100" else cute_sa.forward), ("triton", triton_sa.forward))
+FORWARD = (("cute", sm100_sa.forward if ARCH == "sm100" else cute_sa.forward), ("triton", triton_sa.forward))
+BACKWARD = (("cute", cute_bwd.backward), ("triton", triton_sa.backward))
 
 
-def compile_all(shapes):
+def inputs(shape, seed, op):
+    """The arguments of one timed call: (args,) forward; (args, out, lse, dO) backward."""
+    a = make(shape, seed)
+    if op == "fwd":
+        return (a,)
+    out, lse = triton_sa.forward(a)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1000)
+    dout = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=g)
+    return a, out, lse, dout
+
+
+def compile_all(shapes, backends, op):
     seen = set()
     for shape in shapes:
         dt, D, HG, K, T, N, sink, half = shape
         key = (dt, D, HG, sink, half)
         if key not in seen:
             seen.add(key)
-            a = make((dt, D, HG, 64, 1, 64, sink, half), 0)
-            for _, fn in BACKENDS:
-                fn(a)
+            x = inputs((dt, D, HG, 64, 1, 64, sink, half), 0, op)
+            for _, fn in backends:
+                fn(*x)
     torch.cuda.synchronize()
 
 
@@ -111,13 +129,13 @@ def keep_busy(seconds=1.0):
         torch.cuda.synchronize()
 
 
-def time_both(shape):
-    inputs = [make(shape, seed) for seed in range(2)]
+def time_both(shape, backends, op):
+    sets = [inputs(shape, seed, op) for seed in range(2)]
     res = {}
     for _ in range(2):
-        for name, fn in BACKENDS:
+        for name, fn in backends:
             it = itertools.count()
-            ms = triton.testing.do_bench(lambda: fn(inputs[next(it) % 2]), warmup=25, rep=60,
+            ms = triton.testing.do_bench(lambda: fn(*sets[next(it) % 2]), warmup=25, rep=60,
                                          return_mode="median")
             res[name] = min(res.get(name, ms), ms)
     return res
@@ -132,14 +150,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--commit", default="")
+    ap.add_argument("--op", choices=("fwd", "bwd"), default="fwd")
     args = ap.parse_args()
+    if args.op == "bwd" and ARCH != "sm90":
+        raise SystemExit(f"--op bwd: the cute backward is an SM90 kernel; this GPU is {ARCH}")
+    backends = FORWARD if args.op == "fwd" else BACKWARD
     os.makedirs(args.out, exist_ok=True)
 
-    compile_all(TRAIN + HOLDOUT)
+    compile_all(TRAIN + HOLDOUT, backends, args.op)
     keep_busy()
     entries = []
     for shape in TRAIN:
-        t = time_both(shape)
+        t = time_both(shape, backends, args.op)
         e = dict(features(shape), backend=min(t, key=t.get), cute_ms=round(t["cute"], 5),
                  triton_ms=round(t["triton"], 5))
         entries.append(e)
@@ -148,7 +170,7 @@ def main():
 
     rows, logs = [], []
     for shape in HOLDOUT:
-        t = time_both(shape)
+        t = time_both(shape, backends, args.op)
         entry = placement.nearest(features(shape), table)
         pick = entry.backend if entry is not None else "triton"
         regret = t[pick] / min(t.values())
@@ -162,11 +184,12 @@ def main():
     doc = dict(
         device=torch.cuda.get_device_name(), date=str(datetime.date.today()), commit=args.commit,
         timing="compile first, GPU kept busy 1 s, then per shape the lower of two do_bench medians "
-               "(warmup 25 ms, rep 60 ms) per backend; forward only",
+               f"(warmup 25 ms, rep 60 ms) per backend; op {args.op}",
         features="exact dtype and D; nearest in log2 of HG, K, T",
         entries=entries, holdout=dict(regret_geomean=round(geo, 4), shapes=rows),
     )
-    path = os.path.join(args.out, f"placement_{ARCH}.json" if geo <= 1.02 else f"placement_{ARCH}.rejected.json")
+    name = f"placement_{ARCH}" + ("_bwd" if args.op == "bwd" else "")
+    path = os.path.join(args.out, f"{name}.json" if geo <= 1.02 else f"{name}.rejected.json")
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"wrote {path}")

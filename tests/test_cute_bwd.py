@@ -167,18 +167,48 @@ def _declined(args, auto: bool) -> str:
     return str(e.value)
 
 
+@pytest.fixture
+def no_bwd_table(monkeypatch, tmp_path):
+    from dsa.cute import placement
+
+    monkeypatch.setattr(placement, "TABLE_BWD", str(tmp_path / "absent.json"))
+
+
 @needs_dsl
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_backend_cute_runs_the_backward_and_auto_keeps_triton(sm90, deterministic):
+def test_backend_cute_runs_the_backward_and_auto_keeps_triton_without_a_table(sm90, no_bwd_table, deterministic):
     a = _fake_sm90_args(deterministic)
     assert dsa.cute.backend_op("sparse_attention_bwd", a, auto=False) is cbwd.backward
     why = _declined(a, auto=True)
-    assert why == dsa.cute.NO_BWD_PLACEMENT
-    assert why.startswith("no measured placement for the cute backward") and "backend='cute' runs it" in why
+    assert why.startswith("no placement table ships for this GPU") and "backend='cute' runs the kernel" in why
 
 
 @needs_dsl
-def test_backward_the_kernel_cannot_serve_is_declined_with_its_reason(sm90, monkeypatch):
+def test_auto_takes_the_cute_backward_where_its_table_says_so(sm90, monkeypatch, tmp_path):
+    """The backward's own table (placement_sm90_bwd.json), measured on this
+    GPU, decides auto by the nearest entry; the forward's table does not."""
+    import json
+
+    from dsa.cute import placement
+
+    entry = dict(dtype="bfloat16", D=576, HG=128, K=2048, T=4096, cute_ms=14.2, triton_ms=48.4)
+    doc = {"device": "NVIDIA H200", "entries": [dict(entry, backend="cute"),
+                                                dict(entry, T=16, backend="triton", cute_ms=0.2, triton_ms=0.1)]}
+    path = tmp_path / "bwd.json"
+    path.write_text(json.dumps(doc))
+    monkeypatch.setattr(placement, "TABLE_BWD", str(path))
+    monkeypatch.setattr(placement, "TABLE", str(tmp_path / "absent.json"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    chosen = dsa.cute.backend_op("sparse_attention_bwd", _fake_sm90_args(T=2048), auto=True)
+    assert chosen.fn is cbwd.backward and "'bfloat16 D=576 H/G=128 K=2048 T=4096'" in chosen.note, chosen.note
+    why = _declined(_fake_sm90_args(T=8), auto=True)
+    assert "T=16'" in why and "says triton is faster" in why, why
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H20")
+    assert "measured on NVIDIA H200; this GPU is NVIDIA H20" in _declined(_fake_sm90_args(T=2048), auto=True)
+
+
+@needs_dsl
+def test_backward_the_kernel_cannot_serve_is_declined_with_its_reason(sm90, no_bwd_table, monkeypatch):
     for auto in (False, True):
         assert "multiple of 64" in _declined(_fake_sm90_args(H=96), auto)
         assert "D=256" in _declined(_fake_sm90_args(D=256), auto)
@@ -241,7 +271,7 @@ def test_other_ops_are_still_declined():
 
 
 @needs_dsl
-def test_explain_shows_why_auto_sends_the_backward_to_triton(monkeypatch):
+def test_explain_shows_why_auto_sends_the_backward_to_triton(monkeypatch, no_bwd_table):
     """explain() of a call the cute backward serves: under auto its reason is
     listed for cute; with backend="cute" both ops run on cute.  CPU tensors
     stand in for an SM90 GPU's (the device checks are faked)."""
@@ -260,7 +290,7 @@ def test_explain_shows_why_auto_sends_the_backward_to_triton(monkeypatch):
     text = dsa.explain("sparse_attention", q, kv, idx)
     bwd = text[text.index("sparse_attention_bwd: backend"):]
     assert "sparse_attention_bwd: backend 'cute'" not in text, text
-    assert f"cute: {dsa.cute.NO_BWD_PLACEMENT}" in bwd, text
+    assert "cute: no placement table ships for this GPU" in bwd, text
     monkeypatch.setattr(cute_sa, "supports", lambda a: None)
     text = dsa.explain("sparse_attention", q, kv, idx, backend="cute", deterministic=True)
     assert "sparse_attention_fwd: backend 'cute'" in text and "sparse_attention_bwd: backend 'cute'" in text, text

@@ -12,13 +12,13 @@ and ``sparse_attention_bwd`` (``dsa.cute.sparse_attention_bwd``, both
 modes of ``deterministic``).  Every other op is declined with that reason,
 so asking for ``backend="cute"`` raises a ``ValueError`` that says so.
 
-Under ``backend="auto"`` a forward call the kernel can serve goes to cute
-only where the measured placement table (``dsa.cute.placement``) says cute
-is faster; ``explain()`` names the table entry that decided.  Without a
-readable table measured on a GPU of this name (``bench/place_cute.py``
-writes one only when it passes its holdout check) auto keeps Triton.  No
-placement study covers the backward yet, so auto keeps Triton for it;
-``backend="cute"`` runs it.
+Under ``backend="auto"`` a call the kernel can serve goes to cute only
+where the measured placement table of its op (``dsa.cute.placement``: the
+forward's ``placement_sm90.json``, the backward's
+``placement_sm90_bwd.json``) says cute is faster; ``explain()`` names the
+table entry that decided.  Without a readable table measured on a GPU of
+this name (``bench/place_cute.py [--op bwd]`` writes one only when it passes
+its holdout check) auto keeps Triton; ``backend="cute"`` runs the kernel.
 """
 
 from __future__ import annotations
@@ -27,11 +27,6 @@ from typing import Any, Callable
 
 from dsa._args import Unsupported
 from dsa.cute import host
-
-# Why auto does not pick the cute backward (backend="cute" runs it).
-NO_BWD_PLACEMENT = ("no measured placement for the cute backward; backend='cute' runs it (2.0-3.4x the "
-                    "Triton backward at the model shapes on an H200, bench/RESULTS.md)")
-
 
 class _Chosen:
     """An op implementation with the sentence that explains the choice."""
@@ -57,19 +52,27 @@ def backend_op(op: str, args: Any, auto: bool = False) -> Callable[..., Any]:
     why = sparse_attention.supports(args)
     if why is not None:
         raise Unsupported(why)
+    return _placed(sparse_attention.forward, args, auto, "TABLE")
+
+
+def _placed(fn: Callable[..., Any], args: Any, auto: bool, table: str) -> Callable[..., Any]:
+    """fn when asked for by name; under auto only where the placement table
+    ``placement.<table>`` measured on this GPU names cute for the nearest
+    shape (Unsupported with the reason otherwise)."""
     if not auto:
-        return sparse_attention.forward
+        return fn
     from dsa.cute import placement
 
-    why = placement.unusable(args.q.device)
+    path = getattr(placement, table)
+    why = placement.unusable(args.q.device, path)
     if why is not None:
         raise Unsupported(why)
-    entry = placement.lookup(args)
+    entry = placement.lookup(args, path)
     if entry is None:
         raise Unsupported("no measured placement table entry covers this shape")
     if entry.backend != "cute":
         raise Unsupported(f"placement table entry {entry.describe()} says {entry.backend} is faster")
-    return _Chosen(sparse_attention.forward, f"placement table entry {entry.describe()}")
+    return _Chosen(fn, f"placement table entry {entry.describe()}")
 
 
 def _device(args: Any):
@@ -79,12 +82,11 @@ def _device(args: Any):
 
 
 def _backward(args: Any, auto: bool) -> Callable[..., Any]:
-    """The cute backward when asked for by name and the kernel serves ``args``."""
+    """The cute backward where the kernel serves ``args`` (and, under auto,
+    the backward's placement table says it is faster)."""
     from dsa.cute import sparse_attention_bwd
 
     why = sparse_attention_bwd.supports_backward(args)
     if why is not None:
         raise Unsupported(why)
-    if auto:
-        raise Unsupported(NO_BWD_PLACEMENT)
-    return sparse_attention_bwd.backward
+    return _placed(sparse_attention_bwd.backward, args, auto, "TABLE_BWD")

@@ -435,7 +435,9 @@ def test_gqa_two_kv_heads_lengths_hostile():
 @gpu
 def test_deterministic_bitwise_over_runs(monkeypatch):
     # a small slot budget: several token chunks a call
-    monkeypatch.setattr(cbwd, "DETERMINISTIC_SLOT_BYTES", 5 * 2 * 2048 * 576 * 4)
+    from dsa.triton import segment_sum
+
+    monkeypatch.setattr(segment_sum, "WORKSPACE_BYTES", 5 * 2 * 2048 * 576 * 4)
     T, K = 24, 2048
     a = _case(T, 1024, 128, 1, 576, K, torch.bfloat16, sink=[1.0], lengths=_lengths(T, K, 7), hostile=True,
               deterministic=True)

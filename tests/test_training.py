@@ -718,6 +718,18 @@ def test_deterministic_is_bitwise_repeatable(fast_case, call, fn_name):
     for a, b, c in zip(first, second, loose):
         assert torch.equal(a, b)
         rel_close(c, a, GRAD_TOL[case.dtype], "deterministic vs atomic")
+    if case.backend == "triton":  # query rows in chunks of 4: the same gradients, each chunk summed in order
+        from dsa.triton import segment_sum
+
+        old = segment_sum.WORKSPACE_BYTES
+        try:
+            segment_sum.WORKSPACE_BYTES = 4 * idx.shape[-1] * q.shape[-1] * 4
+            chunked, again = run(True), run(True)
+        finally:
+            segment_sum.WORKSPACE_BYTES = old
+        for a, b, c in zip(first, chunked, again):
+            assert torch.equal(b, c)
+            rel_close(b, a, 1e-6, "chunked vs one chunk")
 
 
 # --------------------------------------------------------------------------

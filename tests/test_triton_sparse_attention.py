@@ -298,12 +298,14 @@ def test_deterministic_bitwise():
     for name in ("out", "lse", "dq", "dkv", "dsink"):
         assert torch.equal(first[name], second[name]), name
     # token chunking of the deterministic path gives the same result
-    old = sa._DETERMINISTIC_SLOT_BYTES
+    from dsa.triton import segment_sum
+
+    old = segment_sum.WORKSPACE_BYTES
     try:
-        sa._DETERMINISTIC_SLOT_BYTES = 2 * 4 * G * K * D * 4  # two tokens per chunk
+        segment_sum.WORKSPACE_BYTES = 2 * 4 * G * K * D * 4  # two tokens per chunk
         third = run_all(a, dout)
     finally:
-        sa._DETERMINISTIC_SLOT_BYTES = old
+        segment_sum.WORKSPACE_BYTES = old
     torch.testing.assert_close(third["dkv"], first["dkv"], rtol=1e-6, atol=1e-6)
     assert torch.equal(third["dq"], first["dq"])
 

@@ -29,8 +29,6 @@ from dsa.cute.host import cutlass_dtype, current_stream, dsl_reason, gmem_ptr, s
 
 HEADS_PER_CTA = 64
 SERVED_DV = 512
-# Bytes of per-slot fp32 dkv rows held at once by the deterministic backward.
-DETERMINISTIC_SLOT_BYTES = 1 << 30
 
 # Build options of the kernel (``BwdSm90Config``): evict_last, dkv kept in
 # L2; c0_chunks, the dkv chunks warpgroup 0 adds (0-3 within 1% at V3.2 on an
@@ -159,13 +157,13 @@ def _deterministic_dkv(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv) -> None:
     """dq, and dkv [N, G, D] fp32 summed in a fixed order: the kernel stores
     per-slot rows [HB, Tc, G, K, D] for chunks of Tc tokens, each chunk's
     rows summed into their kv rows by ``segment_sum``."""
-    from dsa.triton.segment_sum import segment_sum
+    from dsa.triton.segment_sum import chunk_rows, segment_sum
     from dsa.triton.sparse_attention import slot_keys
 
     T, N, G, D = a.T, a.N, a.G, a.D
     HB = a.H // G // HEADS_PER_CTA
     per_token = HB * G * a.K * D * 4
-    Tc = max(1, min(T, DETERMINISTIC_SLOT_BYTES // per_token))
+    Tc = chunk_rows(T, per_token)
     slots = torch.empty(HB * Tc * G * a.K, D, dtype=torch.float32, device=a.q.device)
     for t0 in range(0, T, Tc):
         tc = min(Tc, T - t0)

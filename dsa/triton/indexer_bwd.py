@@ -42,7 +42,7 @@ from dsa._args import IndexerArgs, SparseIndexerArgs
 from dsa._rules import dense_rows, slot_validity
 from dsa.triton import fit
 from dsa.triton.rules import input_precision, row_length, slot_rows
-from dsa.triton.segment_sum import segment_sum
+from dsa.triton.segment_sum import chunk_rows, segment_sum
 from dsa.triton.training import _pow2, indexer_reason
 
 # the source of the logits' gradient (the kernel's MODE)
@@ -50,8 +50,6 @@ MODE_SPARSE, MODE_KL, MODE_DENSE = tl.constexpr(0), tl.constexpr(1), tl.constexp
 # where dk goes (DK_MODE): fp32 atomics, per-slot workspace rows, nowhere
 DK_ATOMIC, DK_SLOTS, DK_NONE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
-# deterministic mode: bytes of the per-chunk dk workspace (fp32 [rows, K, D_i])
-_WORKSPACE_BYTES = 64 << 20
 
 
 @triton.jit
@@ -294,7 +292,7 @@ def _backward(p: _Problem, deterministic: bool) -> Tuple[torch.Tensor, torch.Ten
     _launch(p, dq, dw, dk, 0, T, DK_NONE, False)
     # dk: per-slot rows of a chunk of query rows, one program per (row, slot block) so that
     # even a small chunk fills the GPU; then a fixed-order sum per key
-    rows = max(1, min(T, _WORKSPACE_BYTES // (p.K * D * 4)))
+    rows = chunk_rows(T, p.K * D * 4)
     ws = torch.empty(rows * p.K, D, device=p.q.device, dtype=torch.float32)
     for t0 in range(0, T, rows):
         t1 = min(T, t0 + rows)

@@ -58,6 +58,20 @@ def segment_sum_kernel(
         tl.store(p_dst, tl.load(p_dst, mask=m_d, other=0.0) + b_acc, mask=m_d)
 
 
+# Bytes of per-slot fp32 rows a deterministic backward holds at once: the
+# rows of as many query rows as fit are written, then summed, chunk by chunk.
+# A smaller budget means more chunks, each paying a sort and a launch over
+# every destination (the indexer's 64 MB chunks made its deterministic KL step
+# 8.9x the default at V3.2).
+WORKSPACE_BYTES = 1 << 30
+
+
+def chunk_rows(total: int, row_bytes: int) -> int:
+    """How many of ``total`` query rows (each ``row_bytes`` of workspace) one
+    chunk of ``WORKSPACE_BYTES`` holds: at least 1, at most ``total``."""
+    return max(1, min(total, WORKSPACE_BYTES // row_bytes))
+
+
 def inverse_index(keys: torch.Tensor, n_dst: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """(order, start) for workspace rows with destination ``keys`` [M] (int64;
     any key >= n_dst marks a row that is never summed): order [M] int64 lists

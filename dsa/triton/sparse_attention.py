@@ -23,15 +23,13 @@ from dsa._args import SparseAttnArgs
 from dsa._rules import LOG2E, slot_validity
 from dsa.triton import fit
 from dsa.triton.rules import input_precision
-from dsa.triton.segment_sum import segment_sum
+from dsa.triton.segment_sum import chunk_rows, segment_sum
 from dsa.triton.sparse_attention_bwd import bwd_preprocess_kernel, sparse_attn_bwd_kernel
 from dsa.triton.sparse_attention_common import ColumnChunks
 from dsa.triton.sparse_attention_fwd import sparse_attn_fwd_kernel
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_D = 576
-# Bytes of per-slot dkv rows held at once by the deterministic backward.
-_DETERMINISTIC_SLOT_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -280,7 +278,7 @@ def backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: torc
     else:
         # per-slot rows [HB, Tc, G, K, D], summed per kv row in a fixed order
         HB = triton.cdiv(a.H // G, cfg.BH)
-        Tc = max(1, min(T, _DETERMINISTIC_SLOT_BYTES // (HB * G * K * D * 4)))
+        Tc = chunk_rows(T, HB * G * K * D * 4)
         slots = torch.empty(HB * Tc * G * K, D, dtype=torch.float32, device=a.q.device)
         for t0 in range(0, T, Tc):
             tc = min(Tc, T - t0)

@@ -56,25 +56,28 @@ def check_k_tile(layout, dtype, cols: int = 64) -> None:
                 raise ValueError(f"unexpected operand tile layout {layout}: ({r}, {c})")
 
 
-def cols(tmem, col):
-    """The row group's [128 lanes, 32 columns] TMEM view at column col."""
-    return cute.make_tensor(tmem + col, cute.make_layout((32 * WARPS, ROW_COLS), stride=(1 << 16, 1)))
+def cols(tmem, col, n: int = ROW_COLS):
+    """The row group's [128 lanes, n columns] TMEM view at column col."""
+    return cute.make_tensor(tmem + col, cute.make_layout((32 * WARPS, n), stride=(1 << 16, 1)))
 
 
-def lane_copies(tmem, tid, store: bool = True):
-    """Thread tid's (0..127) 32-lane TMEM load and, when asked, store of 32
-    columns (its lane, column j in register j; checked at trace time), and
-    the register fragment's shape: (load, store or None, shape)."""
-    phys = cols(tmem, 0)
-    load = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), Float32), phys)
-    sync.check_lane_copy(load, True, 32 * WARPS, ROW_COLS)
+_REPEAT = {16: tcgen05.Repetition.x16, 32: tcgen05.Repetition.x32}
+
+
+def lane_copies(tmem, tid, store: bool = True, n: int = ROW_COLS):
+    """Thread tid's (0..127) 32-lane TMEM load and, when asked, store of n
+    (16 or 32) columns (its lane, column j in register j; checked at trace
+    time), and the register fragment's shape: (load, store or None, shape)."""
+    phys = cols(tmem, 0, n)
+    load = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.Ld32x32bOp(_REPEAT[n]), Float32), phys)
+    sync.check_lane_copy(load, True, 32 * WARPS, n)
     r2t = None
     if store:
-        st = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition.x32), Float32), phys)
-        sync.check_lane_copy(st, False, 32 * WARPS, ROW_COLS)
+        st = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.St32x32bOp(_REPEAT[n]), Float32), phys)
+        sync.check_lane_copy(st, False, 32 * WARPS, n)
         r2t = st.get_slice(tid)
     t2r = load.get_slice(tid)
-    frag = t2r.partition_D(cute.make_identity_tensor((32 * WARPS, ROW_COLS))).shape
+    frag = t2r.partition_D(cute.make_identity_tensor((32 * WARPS, n))).shape
     return t2r, r2t, frag
 
 

@@ -1,6 +1,7 @@
 """CuTe DSL kernels for Blackwell (SM100: capability 10.0 and 10.3).
 
-Served: ``sparse_attention_fwd`` (``sparse_attention``) and the lean
+Served: ``sparse_attention_fwd`` and ``sparse_attention_bwd``
+(``sparse_attention``; both modes of ``deterministic``) and the lean
 indexer's ``indexer_scores`` / ``indexer_topk`` (``indexer``).  No machine of
 this project has an SM100 GPU: the kernels are compiled and
 instruction-checked offline on every CI run, and never run here.  So every
@@ -9,9 +10,10 @@ user's GPU (``dsa.cute.gate``): it runs next to the Triton kernel on a small
 hostile problem, and a mismatch disables it for the process.
 
 Under ``backend="auto"`` a call goes here when the kernel serves it, its
-self-check passed, and (forward) the SM100 placement table, where one is
-measured on this GPU, says cute is faster; without such a table every served
-shape that passed goes to cute.  The indexer is chosen only where its grid
+self-check passed, and the op's SM100 placement table (``placement_sm100.json``
+for the forward, ``placement_sm100_bwd.json`` for the backward), where one
+is measured on this GPU, says cute is faster; without such a table every
+served shape that passed goes to cute.  The indexer is chosen only where its grid
 fills the GPU.  ``backend="cute"`` skips the table and the grid rule but
 never the self-check.
 """
@@ -22,7 +24,8 @@ from typing import Any, Callable
 
 from dsa._args import Unsupported
 
-OUT_NAMES = {"sparse_attention_fwd": ("out", "lse"), "indexer_scores": ("scores",)}
+OUT_NAMES = {"sparse_attention_fwd": ("out", "lse"), "sparse_attention_bwd": ("dq", "dkv", "dsink"),
+             "indexer_scores": ("scores",)}
 
 
 def backend_op(op: str, args: Any, auto: bool = False) -> Callable[..., Any]:
@@ -31,6 +34,8 @@ def backend_op(op: str, args: Any, auto: bool = False) -> Callable[..., Any]:
     calls here)."""
     if op == "sparse_attention_fwd":
         return _forward(args, auto)
+    if op == "sparse_attention_bwd":
+        return _backward(args, auto)
     if op in ("indexer_scores", "indexer_topk"):
         return _indexer(op, args, auto)
     raise Unsupported(f"the cute backend has no SM100 kernel for {op} in this release")
@@ -43,10 +48,23 @@ def _forward(args: Any, auto: bool) -> Callable[..., Any]:
     why = sa.supports(args)
     if why is not None:
         raise Unsupported(why)
-    placed = _placement(args) if auto else None
+    placed = _placement(args, "TABLE_SM100") if auto else None
     cfg = sa.kernel_config(args)
     v = _checked("sparse_attention_fwd", cfg, args.q.device, lambda: sa.self_check(cfg, args.q.device))
     return _Chosen(sa.forward, _note(v, placed))
+
+
+def _backward(args: Any, auto: bool) -> Callable[..., Any]:
+    from dsa.cute import _Chosen
+    from dsa.cute.sm100 import sparse_attention as sa
+
+    why = sa.supports_backward(args)
+    if why is not None:
+        raise Unsupported(why)
+    placed = _placement(args, "TABLE_SM100_BWD") if auto else None
+    cfg = sa.backward_config(args)
+    v = _checked("sparse_attention_bwd", cfg, args.q.device, lambda: sa.self_check_backward(cfg, args.q.device))
+    return _Chosen(sa.backward, _note(v, placed))
 
 
 def _indexer(op: str, args: Any, auto: bool) -> Callable[..., Any]:
@@ -87,16 +105,17 @@ def _note(v: Any, placed: Any) -> str:
     return note if placed is None else f"{note}; {placed}"
 
 
-def _placement(args: Any) -> str:
-    """Why auto may send this forward call to cute (the measured SM100 table's
-    entry, or the absence of a table for this GPU); Unsupported when the
-    table says Triton."""
+def _placement(args: Any, table: str) -> str:
+    """Why auto may send this call to cute (the entry of the measured SM100
+    table ``placement.<table>``, or the absence of a table for this GPU);
+    Unsupported when the table says Triton."""
     from dsa.cute import placement
 
-    why = placement.table_reason(args.q.device, placement.TABLE_SM100)
+    path = getattr(placement, table)
+    why = placement.table_reason(args.q.device, path)
     if why is not None:
         return f"{why}: auto upgrades every served shape that passes its self-check"
-    entry = placement.lookup(args, placement.TABLE_SM100)
+    entry = placement.lookup(args, path)
     if entry is None:
         raise Unsupported("no entry of the SM100 placement table covers this shape")
     if entry.backend != "cute":

@@ -98,9 +98,11 @@ def hostile_problem(config, device: torch.device, seed: int = 0) -> SparseAttnAr
     indices -1, N and 2**31 - 1 and duplicates; topk_length past K,
     negative, 0 (tiles with no valid slot) and mid-block; kv rows of NaN
     named only by slots past topk_length; a query head of NaN (its out and
-    lse are NaN); sinks +inf, -inf, 3e38 and ordinary; and, for half the
-    heads, scores that grow along the row by more than 2^8 every couple of
-    blocks, so that O is rescaled in flight (the other half's shrink)."""
+    lse are NaN), and one in a token whose every slot is invalid (an empty
+    row: out 0, lse +inf, no gradient); sinks +inf, -inf, 3e38 and
+    ordinary; and, for half the heads, scores that grow along the row by
+    more than 2^8 every couple of blocks, so that O is rescaled in flight
+    (the other half's shrink)."""
     g = torch.Generator().manual_seed(seed)
     dtype = torch.bfloat16 if config.dtype.__name__ == "BFloat16" else torch.float16
     T, K, N, H, G, D = SELF_CHECK_T, SELF_CHECK_K, SELF_CHECK_N, config.H, config.G, config.D
@@ -115,6 +117,8 @@ def hostile_problem(config, device: torch.device, seed: int = 0) -> SparseAttnAr
     idx[..., 1::7] = -1
     idx[..., 2::11] = N
     idx[..., 3::13] = 2**31 - 1
+    idx[5] = -1                      # a token with no valid slot though its topk_length is 1 (or K)
+    q[5, H // 2] = float("nan")      # and a NaN query head there: out 0, lse +inf, zero gradients
     lengths = torch.tensor([K + 50, -3, 0, 37, K, 1, 130], dtype=torch.int32)[:T]
     kv[N - 2:] = float("nan")
     if config.has_len:

@@ -40,7 +40,9 @@ the previous P V to retire, loads its rows of O, scales and stores them back,
 before it hands P to the MMA warp.  A row whose m is still -inf holds O = 0
 (or NaN) and needs no rescale.  Row maxima propagate NaN (``fmax`` with
 ``nan=True``), and NaN in a score reaches l and O through exp2, so NaN in q
-or in a valid kv row gives NaN out; the sink is folded into the denominator
+or in a valid kv row gives NaN out; a padded slot's score is -inf whatever
+S is, so a NaN query row with no valid slot gives out = 0 and lse = +inf
+like any empty row.  The sink is folded into the denominator
 at the end relative to m (+inf or a huge sink gives out = 0, -inf none).
 
 Every barrier is an mbarrier used once per block, per tile or per stage
@@ -470,7 +472,9 @@ class SparseAttnFwdSm100:
             rM[j] = ss.ok[s, slot0 + j]
         mx = -Float32.inf
         for j in cutlass.range_constexpr(ROW_COLS):
-            x = rS[j] * ss.scale_log2 + rM[j]
+            # a select, not rM added: a padded slot's score is -inf even where
+            # q is NaN (its zero row gives S = NaN), a valid slot keeps its NaN
+            x = Float32(cutlass.select_(rM[j] == 0.0, rS[j] * ss.scale_log2, -Float32.inf))
             rS[j] = x
             mx = cute.arch.fmax(mx, x, nan=True)
         mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 16), nan=True)  # the row's other half

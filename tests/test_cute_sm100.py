@@ -26,7 +26,7 @@ import torch
 
 import dsa
 import dsa.reference
-from cute_offline import HAVE_DSL, compile_reports
+from cute_offline import HAVE_DSL, compile_reports, fake_launch
 from dsa import selector
 from dsa._args import SparseAttnArgs, Unsupported
 from dsa.cute import gate, host, placement
@@ -97,6 +97,13 @@ def reports(tmp_path_factory):
                            tmp_path_factory.mktemp("sm100"))
 
 
+def _assert_fits(name: str, r: dict, smem: int) -> None:
+    """ptxas reported no spills, and the launch asks for the kernel's own
+    shared-memory figure ``smem``, within the 227 KB of an SM100 CTA."""
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
+    assert r["smem"] == smem <= 227 * 1024 == r["smem_limit"], (name, r)
+
+
 @needs_dsl
 @pytest.mark.parametrize("cfg", FWD_CONFIGS, ids=[c[0] for c in FWD_CONFIGS])
 def test_forward_compiles_for_sm100_with_tcgen05(reports, cfg):
@@ -116,9 +123,7 @@ def test_forward_compiles_for_sm100_with_tcgen05(reports, cfg):
     assert n["cp.async.cg.shared.global"] >= 2 * 4 * (D // 64), (name, n)  # the gather and Q
     assert n["cp.async.wait_group"] >= 1 and n["fence.proxy.async"] >= 2, (name, n)  # copies and P to the async proxy
     assert n["max.NaN.f32"] >= 32, (name, n)  # row maxima propagate NaN
-    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
-    dtype = getattr(torch, dt[6:])
-    assert r["smem"] == smem_bytes(D, 512, dtype.itemsize) <= 227 * 1024 == r["smem_limit"], (name, r)
+    _assert_fits(name, r, smem_bytes(D, 512, getattr(torch, dt[6:]).itemsize))
 
 
 @needs_dsl
@@ -136,8 +141,7 @@ def test_indexer_compiles_for_sm100_with_tcgen05_and_tma(reports, cfg):
     assert n["cp.async.bulk.tensor.2d"] >= 2 and n["mbarrier.arrive.expect_tx"] >= 2, (name, n)  # Q and keys by TMA
     assert n["max.NaN.f32"] >= 4 * 64, (name, n)  # relu keeps a NaN
     assert n["bar.sync"] >= 2, (name, n)
-    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
-    assert r["smem"] == smem_bytes(getattr(torch, dt[6:]).itemsize) <= 227 * 1024 == r["smem_limit"], (name, r)
+    _assert_fits(name, r, smem_bytes(getattr(torch, dt[6:]).itemsize))
 
 
 @needs_dsl
@@ -170,9 +174,8 @@ def test_backward_compiles_for_sm100_with_tcgen05(reports, cfg):
     assert n["createpolicy"] == (0 if det else 1), (name, n)
     assert n["shfl.sync.bfly"] >= 16 * chunks, (name, n)
     assert n["st.local"] == 0 and n["ld.local"] == 0, (name, n)
-    assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["registers"] <= 128, (name, r)
-    dtype = getattr(torch, dt[6:])
-    assert r["smem"] == smem_bytes(D, 512, dtype.itemsize) <= 227 * 1024 == r["smem_limit"], (name, r)
+    assert r["registers"] <= 128, (name, r)  # 13 warps: 4 on one scheduler, 16K registers each
+    _assert_fits(name, r, smem_bytes(D, 512, getattr(torch, dt[6:]).itemsize))
 
 
 # --------------------------------------------------------------------------
@@ -373,19 +376,31 @@ def test_a_check_that_raises_fails(sm100):
     assert "the check raised RuntimeError: launch failed" in text and "backend 'triton'" in text, text
 
 
+def _measured_table(monkeypatch, tmp_path, table: str, backend: str = "triton"):
+    """A placement table ``placement.<table>`` measured on this (faked) B200
+    whose one entry, _call_inputs' shape, names ``backend``; returns
+    (write(backend), its entry)."""
+    entry = dict(dtype="float16", D=512, HG=64, K=64, T=5, backend=backend, cute_ms=2.0, triton_ms=1.0)
+    path = tmp_path / f"{table}.json"
+
+    def write(backend: str) -> None:
+        path.write_text(json.dumps({"device": "NVIDIA B200", "entries": [dict(entry, backend=backend)]}))
+        placement._load.cache_clear()
+
+    write(backend)
+    monkeypatch.setattr(placement, table, str(path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B200")
+    return write
+
+
 def test_measured_sm100_table_decides_before_the_check(sm100, monkeypatch, tmp_path):
     standin = sm100(StandIn())
     args, kw = _call_inputs()
-    entry = dict(dtype="float16", D=512, HG=64, K=64, T=5, backend="triton", cute_ms=2.0, triton_ms=1.0)
-    path = tmp_path / "placement_sm100.json"
-    path.write_text(json.dumps({"device": "NVIDIA B200", "entries": [entry]}))
-    monkeypatch.setattr(placement, "TABLE_SM100", str(path))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B200")
+    write = _measured_table(monkeypatch, tmp_path, "TABLE_SM100")
     text = dsa.explain("sparse_attention", *args, **kw)
     assert "says triton is faster" in text and "backend 'triton'" in text, text
     assert standin.calls == 0  # the table said Triton: no check needed
-    path.write_text(json.dumps({"device": "NVIDIA B200", "entries": [dict(entry, backend="cute")]}))
-    placement._load.cache_clear()
+    write("cute")
     text = dsa.explain("sparse_attention", *args, **kw)
     assert "backend 'cute'" in text and "placement table entry" in text and "self-check at first use passed" in text
     # measured on another GPU: the self-check decides alone
@@ -790,16 +805,17 @@ def test_a_backward_check_that_raises_fails(sm100_bwd):
 def test_measured_sm100_backward_table_decides(sm100_bwd, monkeypatch, tmp_path):
     standin = sm100_bwd(BwdStandIn())
     args, kw = _bwd_inputs()
-    entry = dict(dtype="float16", D=512, HG=64, K=64, T=5, backend="triton", cute_ms=2.0, triton_ms=1.0)
-    path = tmp_path / "placement_sm100_bwd.json"
-    path.write_text(json.dumps({"device": "NVIDIA B200", "entries": [entry]}))
-    monkeypatch.setattr(placement, "TABLE_SM100_BWD", str(path))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B200")
+    write = _measured_table(monkeypatch, tmp_path, "TABLE_SM100_BWD")
     text = dsa.explain("sparse_attention", *args, **kw)
     bwd = text[text.index("sparse_attention_bwd: backend"):]
     assert "backend 'triton'" in bwd and "says triton is faster" in bwd, text
     assert "sparse_attention_fwd: backend 'cute'" in text  # the forward's own (absent) table
     assert standin.calls == 0
+    write("cute")
+    text = dsa.explain("sparse_attention", *args, **kw)
+    bwd = text[text.index("sparse_attention_bwd: backend"):]
+    assert "backend 'cute'" in bwd and "placement table entry" in bwd and "self-check at first use passed" in bwd
+    assert standin.calls == 1
     placement._load.cache_clear()
 
 
@@ -887,20 +903,7 @@ def test_backward_launch_offsets_every_token_pointer(monkeypatch):
     pytest.importorskip("cutlass")
     from dsa.cute.sm100 import sparse_attention as sm100_sa
 
-    events, launched = [], []
-
-    @contextlib.contextmanager
-    def device(d):
-        events.append(("enter", d))
-        yield
-        events.append(("exit", d))
-
-    zero = torch.zeros(512)
-    monkeypatch.setattr(torch.cuda, "device", device)
-    monkeypatch.setattr(sm100_sa, "zero_row", lambda d, dt, D: zero)
-    monkeypatch.setattr(sm100_sa, "gmem_ptr", lambda t, ty, align: t)
-    monkeypatch.setattr(sm100_sa, "current_stream", lambda d: "stream")
-    monkeypatch.setattr(sm100_sa, "_compiled", lambda *a: lambda *x: launched.append(x))
+    events, launched, zero = fake_launch(monkeypatch, sm100_sa, 512)
     args, kw = _call_inputs()
     q, kv, idx = args
     a = SparseAttnArgs(q, kv.view(-1, 1, 512), idx.view(5, 1, -1), kw["topk_length"], None, 0.5, 512)
@@ -914,7 +917,8 @@ def test_backward_launch_offsets_every_token_pointer(monkeypatch):
         else:
             assert got.data_ptr() == whole[2:].data_ptr() and got.shape[0] == 3
     assert x[8] is buf and x[9] is zero and int(x[10]) == 3 and int(x[15]) == 7 and x[-1] == "stream"
-    assert events == [("enter", q.device), ("exit", q.device)]
+    dev = q.device
+    assert events == [("enter", dev), ("zero_row", dev, q.dtype, 512), ("stream", dev), ("exit", dev)]
 
 
 def test_backward_is_declined_off_sm100_and_for_shapes_it_does_not_serve(monkeypatch):

@@ -32,39 +32,36 @@ def backend_op(op: str, args: Any, auto: bool = False) -> Callable[..., Any]:
     """The SM100 implementation of ``op`` for ``args`` on an SM100 GPU, or
     ``Unsupported`` with the reason (``dsa.cute.backend_op`` sends SM100
     calls here)."""
-    if op == "sparse_attention_fwd":
-        return _forward(args, auto)
-    if op == "sparse_attention_bwd":
-        return _backward(args, auto)
+    if op in _ATTENTION:
+        return _attention(op, args, auto)
     if op in ("indexer_scores", "indexer_topk"):
         return _indexer(op, args, auto)
     raise Unsupported(f"the cute backend has no SM100 kernel for {op} in this release")
 
 
-def _forward(args: Any, auto: bool) -> Callable[..., Any]:
+# op -> the names in dsa.cute.sm100.sparse_attention of its checks (what the
+# kernel serves, its config, the self-check), its function, and the
+# placement table of dsa.cute.placement that decides auto
+_ATTENTION = {
+    "sparse_attention_fwd": ("supports", "kernel_config", "self_check", "forward", "TABLE_SM100"),
+    "sparse_attention_bwd": ("supports_backward", "backward_config", "self_check_backward", "backward",
+                             "TABLE_SM100_BWD"),
+}
+
+
+def _attention(op: str, args: Any, auto: bool) -> Callable[..., Any]:
     from dsa.cute import _Chosen
     from dsa.cute.sm100 import sparse_attention as sa
 
-    why = sa.supports(args)
+    *checks, table = _ATTENTION[op]
+    supports, config, self_check, fn = (getattr(sa, name) for name in checks)  # looked up per call
+    why = supports(args)
     if why is not None:
         raise Unsupported(why)
-    placed = _placement(args, "TABLE_SM100") if auto else None
-    cfg = sa.kernel_config(args)
-    v = _checked("sparse_attention_fwd", cfg, args.q.device, lambda: sa.self_check(cfg, args.q.device))
-    return _Chosen(sa.forward, _note(v, placed))
-
-
-def _backward(args: Any, auto: bool) -> Callable[..., Any]:
-    from dsa.cute import _Chosen
-    from dsa.cute.sm100 import sparse_attention as sa
-
-    why = sa.supports_backward(args)
-    if why is not None:
-        raise Unsupported(why)
-    placed = _placement(args, "TABLE_SM100_BWD") if auto else None
-    cfg = sa.backward_config(args)
-    v = _checked("sparse_attention_bwd", cfg, args.q.device, lambda: sa.self_check_backward(cfg, args.q.device))
-    return _Chosen(sa.backward, _note(v, placed))
+    placed = _placement(args, table) if auto else None
+    cfg = config(args)
+    v = _checked(op, cfg, args.q.device, lambda: self_check(cfg, args.q.device))
+    return _Chosen(fn, _note(v, placed))
 
 
 def _indexer(op: str, args: Any, auto: bool) -> Callable[..., Any]:

@@ -19,6 +19,7 @@ whether a kernel is trusted: ``dsa.cute.sm100`` runs its self-check
 
 from __future__ import annotations
 
+import importlib
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -33,15 +34,21 @@ _COMPILED: Dict[tuple, object] = {}
 
 
 def supports(a: SparseAttnArgs) -> Optional[str]:
-    """None when the SM100 kernel can serve ``a``, else the reason."""
-    why = arch_reason(a.q.device, "the cute SM100 sparse attention kernel", "sm100")
+    """None when the SM100 forward kernel can serve ``a``, else the reason."""
+    return _reason(a, "the cute SM100 sparse attention kernel", "sparse_attention_fwd", "SparseAttnFwdSm100")
+
+
+def _reason(a: SparseAttnArgs, what: str, module: str, builder: str) -> Optional[str]:
+    """Why the kernel ``dsa.cute.sm100.<module>.<builder>`` (``what``)
+    cannot serve ``a`` (None if it can): the device, then ``call_reason``
+    with its ``can_implement``."""
+    why = arch_reason(a.q.device, what, "sm100")
     if why:
         return why
 
     def can_implement(*problem):
-        from dsa.cute.sm100.sparse_attention_fwd import SparseAttnFwdSm100
-
-        return SparseAttnFwdSm100.can_implement(*problem)
+        kernel = getattr(importlib.import_module(f"dsa.cute.sm100.{module}"), builder)
+        return kernel.can_implement(*problem)
 
     return call_reason(a, can_implement)
 
@@ -179,16 +186,7 @@ def compile_offline(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, h
 
 def supports_backward(a: SparseAttnArgs) -> Optional[str]:
     """None when the SM100 backward kernel can serve ``a``, else the reason."""
-    why = arch_reason(a.q.device, "the cute SM100 sparse attention backward", "sm100")
-    if why:
-        return why
-
-    def can_implement(*problem):
-        from dsa.cute.sm100.sparse_attention_bwd import SparseAttnBwdSm100
-
-        return SparseAttnBwdSm100.can_implement(*problem)
-
-    return call_reason(a, can_implement)
+    return _reason(a, "the cute SM100 sparse attention backward", "sparse_attention_bwd", "SparseAttnBwdSm100")
 
 
 def backward_config(a: SparseAttnArgs):

@@ -71,9 +71,10 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 
 from dsa.cute import dkv as dkv_reduce
-from dsa.cute import pipeline, rules, scheduler
-from dsa.cute.gmem import aligned, copy_head_rows, gather_copier, load
+from dsa.cute import pipeline, scheduler
+from dsa.cute.gmem import copy_head_rows, load
 from dsa.cute.sm100 import rows, sync
+from dsa.cute.sm100.gather import BlockGather
 from dsa.cute.sm100.rows import ROW_COLS
 
 BLOCK_H = 64          # query heads per CTA: the M of S, dP and dQ
@@ -352,48 +353,29 @@ class SparseAttnBwdSm100:
     def loader(self, ltid, sQ, sdO, sK, sOk, bars: Bars, tiles: scheduler.SlotTiles, q_ptr, dout_ptr, kv_ptr,
                zero_ptr, N):
         sched = tiles.sched
-        atom, thr, row_in_pass, col0 = gather_copier(self.dtype, ltid)
-        tK = thr.partition_D(sK)  # (copy, pass, 64-column chunk)
-        ns = cute.make_rmem_tensor((BN // 16,), Int32)    # indices of this thread's rows of a block
-        base = cute.make_rmem_tensor((BN // 16,), Int64)  # their source addresses
-        mk = cute.make_rmem_tensor((BN // 16,), Float32)  # and masks
+        gather = BlockGather.create(self.dtype, ltid, self.D, self.G)
+        tK = gather.thr.partition_D(sK)  # (copy, pass, 64-column chunk)
         ok = cute.make_tensor(sOk, cute.make_layout((BN,)))
-        ES = self.dtype.width // 8
         nb = Int32(0)  # blocks of earlier tiles
         jq = Int32(0)  # earlier tiles with a valid slot
         for tile_id in cutlass.range(sched.first, sched.n_tiles, sched.stride, unroll=1):
             t, g, head0, L, n_blocks, idx_row = self.tile(tiles, tile_id)
             if n_blocks > 0:
-                rules.fetch_indices(ns, idx_row, 0, BN, row_in_pass, 16, L)
+                gather.first(idx_row, L)
                 for i in cutlass.range(n_blocks, unroll=1):
-                    rules.block_sources(base, mk, ns, i, L, N, kv_ptr, zero_ptr, g, self.G, self.D * ES,
-                                        col0 * ES, BN, row_in_pass, 16)
-                    # the next block's indices load while this block's copies fly
-                    rules.fetch_indices(ns, idx_row, i + 1, BN, row_in_pass, 16, L)
+                    gather.sources(i, idx_row, L, N, kv_ptr, zero_ptr, g)
                     b = nb + i
                     if b > 0:  # dQ of the last block retired: the stage and the mask are free
                         cute.arch.mbarrier_wait(bars.k_empty, pipeline.phase(b - 1))
-                    for m in cutlass.range_constexpr(BN // 16):
-                        for c in cutlass.range_constexpr(self.D // 64):
-                            src = cute.make_tensor(aligned(self.dtype, base[m] + c * 64 * ES), cute.make_layout((8,)))
-                            cute.copy(atom, src, tK[None, m, c])
-                    cute.arch.cp_async_commit_group()
-                    if col0 == 0:
-                        for m in cutlass.range_constexpr(BN // 16):
-                            ok[row_in_pass + 16 * m] = mk[m]
+                    gather.issue(tK, ok)
                     if i == 0:
                         if jq > 0:  # every MMA reading the last tile's Q and dO retired
                             cute.arch.mbarrier_wait(bars.q_empty, pipeline.phase(jq - 1))
-                        copy_head_rows(atom, thr.partition_D(sQ), q_ptr, self.dtype, t, self.H, head0, BLOCK_H,
-                                       self.D, row_in_pass, col0)
-                        copy_head_rows(atom, thr.partition_D(sdO), dout_ptr, self.dtype, t, self.H, head0,
-                                       BLOCK_H, self.d_v, row_in_pass, col0)
+                        for sX, ptr, width in ((sQ, q_ptr, self.D), (sdO, dout_ptr, self.d_v)):
+                            copy_head_rows(gather.atom, gather.thr.partition_D(sX), ptr, self.dtype, t, self.H,
+                                           head0, BLOCK_H, width, gather.row_in_pass, gather.col0)
                         cute.arch.cp_async_commit_group()
-                    # This thread's copies have landed; the fence makes them (and
-                    # the mask) visible to the tensor core's async proxy before
-                    # the arrive releases them.
-                    cute.arch.cp_async_wait_group(0)
-                    cute.arch.fence_view_async_shared()
+                    gather.land()
                     if i == 0:
                         cute.arch.mbarrier_arrive(bars.q_full)
                     cute.arch.mbarrier_arrive(bars.k_full)

@@ -66,9 +66,10 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 
 from dsa.cute import pipeline, rules, scheduler
-from dsa.cute.gmem import aligned, copy_head_rows, gather_copier
+from dsa.cute.gmem import copy_head_rows
 from dsa.cute.rules import LOG2E, finite_shift
 from dsa.cute.sm100 import rows, sync
+from dsa.cute.sm100.gather import BlockGather
 from dsa.cute.sm100.rows import ROW_COLS  # columns of S, and of each O chunk, a thread loads at once
 
 BLOCK_H = 64          # query heads per CTA: the M of every tcgen05.mma
@@ -290,48 +291,30 @@ class SparseAttnFwdSm100:
     @cute.jit
     def loader(self, ltid, sQ, sK, sOk, bars: Bars, tiles: scheduler.SlotTiles, q_ptr, kv_ptr, zero_ptr, N):
         sched = tiles.sched
-        atom, thr, row_in_pass, col0 = gather_copier(self.dtype, ltid)
-        tK = thr.partition_D(sK)  # (copy, pass, 64-column chunk, stage)
-        ns = cute.make_rmem_tensor((BN // 16,), Int32)    # indices of this thread's rows of a block
-        base = cute.make_rmem_tensor((BN // 16,), Int64)  # their source addresses
-        mk = cute.make_rmem_tensor((BN // 16,), Float32)  # and masks
+        gather = BlockGather.create(self.dtype, ltid, self.D, self.G)
+        tK = gather.thr.partition_D(sK)  # (copy, pass, 64-column chunk, stage)
         ok = cute.make_tensor(sOk, cute.make_layout((2, BN), stride=(BN, 1)))
-        ES = self.dtype.width // 8
         nb = Int32(0)  # blocks of earlier tiles (stage of block b: b % 2, its use: b // 2)
         jq = Int32(0)  # earlier tiles with a valid slot
         for tile_id in cutlass.range(sched.first, sched.n_tiles, sched.stride, unroll=1):
             t, g, head0, L, n_blocks, idx_row = self.tile(tiles, tile_id)
             if n_blocks > 0:
-                rules.fetch_indices(ns, idx_row, 0, BN, row_in_pass, 16, L)
+                gather.first(idx_row, L)
                 for i in cutlass.range(n_blocks, unroll=1):
-                    rules.block_sources(base, mk, ns, i, L, N, kv_ptr, zero_ptr, g, self.G, self.D * ES,
-                                        col0 * ES, BN, row_in_pass, 16)
-                    # the next block's indices load while this block's copies fly
-                    rules.fetch_indices(ns, idx_row, i + 1, BN, row_in_pass, 16, L)
+                    gather.sources(i, idx_row, L, N, kv_ptr, zero_ptr, g)
                     b = nb + i
                     s = b % 2
                     u = b // 2
                     if u > 0:  # P V of the block that last used the stage (and its P, its mask) retired
                         cute.arch.mbarrier_wait(bars.pv_done + s, pipeline.phase(u - 1))
-                    for m in cutlass.range_constexpr(BN // 16):
-                        for c in cutlass.range_constexpr(self.D // 64):
-                            src = cute.make_tensor(aligned(self.dtype, base[m] + c * 64 * ES), cute.make_layout((8,)))
-                            cute.copy(atom, src, tK[None, m, c, s])
-                    cute.arch.cp_async_commit_group()
-                    if col0 == 0:
-                        for m in cutlass.range_constexpr(BN // 16):
-                            ok[s, row_in_pass + 16 * m] = mk[m]
+                    gather.issue(tK[None, None, None, s], ok[s, None])
                     if i == 0:
                         if jq > 0:  # every S of the last tile retired: Q may be overwritten
                             cute.arch.mbarrier_wait(bars.q_empty, pipeline.phase(jq - 1))
-                        copy_head_rows(atom, thr.partition_D(sQ), q_ptr, self.dtype, t, self.H, head0, BLOCK_H,
-                                       self.D, row_in_pass, col0)
+                        copy_head_rows(gather.atom, gather.thr.partition_D(sQ), q_ptr, self.dtype, t, self.H,
+                                       head0, BLOCK_H, self.D, gather.row_in_pass, gather.col0)
                         cute.arch.cp_async_commit_group()
-                    # This thread's copies have landed; the fence makes them (and
-                    # the mask) visible to the tensor core's async proxy before
-                    # the arrive releases them.
-                    cute.arch.cp_async_wait_group(0)
-                    cute.arch.fence_view_async_shared()
+                    gather.land()
                     if i == 0:
                         cute.arch.mbarrier_arrive(bars.q_full)
                     cute.arch.mbarrier_arrive(bars.k_full + s)

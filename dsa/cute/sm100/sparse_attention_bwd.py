@@ -86,7 +86,7 @@ DQ_ATOM_N = 256       # dQ [64, 512]: two N-atoms sharing 256 columns
 TAIL_ATOM_N = 32      # dQ's RoPE part [64, 64] and each dKV chunk [64, 64]
 SOFTMAX_WARPS = 4     # one per TMEM lane quadrant
 LOADER_WARPS = 4
-REDUCER_WARPS = 4     # one warpgroup: a thirteenth warp's share of the register file is 128 (see THREADS)
+REDUCER_WARPS = 4     # one warpgroup (a second would cost registers: see THREADS)
 REDUCE_WARP0 = SOFTMAX_WARPS + LOADER_WARPS
 MMA_WARP = REDUCE_WARP0 + REDUCER_WARPS
 # 13 warps: the SM's four schedulers hold 4, 3, 3 and 3, so each thread may

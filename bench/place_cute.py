@@ -3,9 +3,9 @@
     PYTHONPATH=$PWD python bench/place_cute.py --out DIR [--commit SHA] [--op bwd]
 
 ``--op fwd`` (the default) times the forward and writes
-``placement_{arch}.json``; ``--op bwd`` times the backward (SM90 only: the
-same grids, each call fed the Triton forward's out and lse and a random dO)
-and writes ``placement_{arch}_bwd.json``.  Copy the file to ``dsa/cute/``.
+``placement_{arch}.json``; ``--op bwd`` times the backward (the same grids,
+each call fed the Triton forward's out and lse and a random dO) and writes
+``placement_{arch}_bwd.json``.  Copy the file to ``dsa/cute/``.
 
 1. Training grid (``TRAIN``, 120 shapes): every shape is timed on both backends; each
    becomes one table entry naming the faster one.
@@ -94,7 +94,7 @@ def make(shape, seed):
 # the GPU's architecture names the table (placement_sm90.json, placement_sm100.json) and picks its kernel
 ARCH = host.arch_of(torch.device("cuda")) if torch.cuda.is_available() else None
 FORWARD = (("cute", sm100_sa.forward if ARCH == "sm100" else cute_sa.forward), ("triton", triton_sa.forward))
-BACKWARD = (("cute", cute_bwd.backward), ("triton", triton_sa.backward))
+BACKWARD = (("cute", sm100_sa.backward if ARCH == "sm100" else cute_bwd.backward), ("triton", triton_sa.backward))
 
 
 def inputs(shape, seed, op):
@@ -152,8 +152,6 @@ def main():
     ap.add_argument("--commit", default="")
     ap.add_argument("--op", choices=("fwd", "bwd"), default="fwd")
     args = ap.parse_args()
-    if args.op == "bwd" and ARCH != "sm90":
-        raise SystemExit(f"--op bwd: the cute backward is an SM90 kernel; this GPU is {ARCH}")
     backends = FORWARD if args.op == "fwd" else BACKWARD
     os.makedirs(args.out, exist_ok=True)
 

@@ -10,11 +10,13 @@ backward's builds go through
 ``compile_reports`` does the same and also returns what ptxas reported
 (registers, spill stores and loads) and the dynamic shared memory the
 launch asks for.  ``HAVE_DSL`` (the DSL imports), ``SM90`` (an SM90 GPU is
-here) and ``ROOT`` (the repository) are shared by the cute tests.
+here), ``ROOT`` (the repository) and ``fake_launch`` (a host launcher run
+without a GPU) are shared by the cute tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -115,3 +117,26 @@ def _launch_smem(name: str, ir: str) -> int:
     const = value and re.search(re.escape(value.group(1)) + r" = llvm.mlir.constant\((\d+) : i64\)", ir)
     assert const, f"{name}: the launch's shared memory is not a constant in the host IR"
     return int(const.group(1))
+
+
+def fake_launch(monkeypatch, module, D: int):
+    """Run ``module``'s launcher (a cute host module) without a GPU: its
+    pointers are the tensors themselves, its compiled kernel records its
+    arguments, and the device scope, the zero row (a [D] tensor of zeros)
+    and the stream it takes are recorded.  Returns (events, launches, the
+    zero row)."""
+    events, launches = [], []
+    zero = torch.zeros(D)
+
+    @contextlib.contextmanager
+    def device(d):
+        events.append(("enter", d))
+        yield
+        events.append(("exit", d))
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(module, "zero_row", lambda d, dt, D: events.append(("zero_row", d, dt, D)) or zero)
+    monkeypatch.setattr(module, "gmem_ptr", lambda t, ty, align: t)
+    monkeypatch.setattr(module, "current_stream", lambda d: events.append(("stream", d)) or "stream")
+    monkeypatch.setattr(module, "_compiled", lambda *a: lambda *x: launches.append(x))
+    return events, launches, zero

@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -28,7 +27,7 @@ import torch
 
 import bruteforce as bf
 import dsa
-from cute_offline import HAVE_DSL, SM90, ptx_counts
+from cute_offline import HAVE_DSL, SM90, fake_launch, ptx_counts
 from dsa import reference as ref
 from dsa._args import SparseAttnArgs, Unsupported
 from dsa.cute import sparse_attention as cute_sa
@@ -242,21 +241,7 @@ def test_launch_runs_under_the_device_with_the_shared_zero_row(monkeypatch):
     """The zero row is dsa.cute.host's (made outside any CUDA-graph capture)
     and the pointers, stream and kernel are taken under a's device."""
     pytest.importorskip("cutlass")
-    events = []
-
-    @contextlib.contextmanager
-    def device(d):
-        events.append(("enter", d))
-        yield
-        events.append(("exit", d))
-
-    zero = torch.zeros(576)
-    monkeypatch.setattr(torch.cuda, "device", device)
-    monkeypatch.setattr(cbwd, "zero_row", lambda d, dt, D: events.append(("zero_row", d, dt, D)) or zero)
-    monkeypatch.setattr(cbwd, "gmem_ptr", lambda t, ty, align: t)
-    monkeypatch.setattr(cbwd, "current_stream", lambda d: events.append(("stream", d)) or "stream")
-    launched = []
-    monkeypatch.setattr(cbwd, "_compiled", lambda a, ptrs, scalars, stream: lambda *x: launched.append(x))
+    events, launched, zero = fake_launch(monkeypatch, cbwd, 576)
     a = _fake_sm90_args(indices="idx", sm_scale=0.5)
     cbwd._launch(a, "dout", "lg2den", "delta", "dq", "dkv", 0, 4)
     dev = a.q.device

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import types
@@ -25,7 +26,7 @@ import torch
 
 import dsa
 import dsa.reference
-from cute_offline import HAVE_DSL, compile_reports
+from cute_offline import HAVE_DSL, compile_reports, fake_launch
 from dsa import selector
 from dsa._args import SparseAttnArgs, Unsupported
 from dsa.cute import gate, host, placement
@@ -67,6 +68,19 @@ def _dsa_warning(match: str):
     return ctx()
 
 
+# name, dtype, D, H, G, has_len, deterministic: the backward at H 64 / 128 (per kv head) x D 512 / 576, both
+# dtypes, GQA, with and without topk_length, both modes of deterministic
+BWD_CONFIGS = [
+    ("bwd_h128_d576_bf16", "torch.bfloat16", 576, 128, 1, True, False),
+    ("bwd_h64_d512_fp16", "torch.float16", 512, 64, 1, False, False),
+    ("bwd_h128_d512_bf16_gqa", "torch.bfloat16", 512, 256, 2, True, False),
+    ("bwd_h64_d576_bf16_det", "torch.bfloat16", 576, 64, 1, True, True),
+]
+BWD_NEEDLES = ("tcgen05.mma.cta_group::1.kind::f16", "tcgen05.ld.sync.aligned.32x32b", "tcgen05.ld.sync.aligned.16x256b",
+               "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.commit", "tcgen05.fence::before_thread_sync",
+               "tcgen05.fence::after_thread_sync", "tcgen05.wait::ld", "cp.async.cg.shared.global",
+               "fence.proxy.async", "mbarrier.try_wait", "red.relaxed.gpu.global.add.L2::cache_hint.v4.f32",
+               "st.global.v4.f32", "createpolicy", "shfl.sync.bfly", "ex2.approx", "st.local", "ld.local")
 IDX_NEEDLES = ("tcgen05.mma.cta_group::1.kind::f16", "tcgen05.ld.sync.aligned.32x32b", "tcgen05.alloc",
                "tcgen05.dealloc", "tcgen05.commit", "cp.async.bulk.tensor.2d", "mbarrier.arrive.expect_tx",
                "max.NaN.f32", "bar.sync")
@@ -77,8 +91,17 @@ def reports(tmp_path_factory):
     """Every served configuration compiled for sm_100a in one process."""
     calls = [(c[0], "dsa.cute.sm100.sparse_attention:compile_offline", list(c[1:]), {}) for c in FWD_CONFIGS]
     calls += [(c[0], "dsa.cute.sm100.indexer:compile_offline", list(c[1:]), {}) for c in IDX_CONFIGS]
-    return compile_reports(calls, sorted(set(FWD_NEEDLES + IDX_NEEDLES)), "sm_100a",
+    calls += [(c[0], "dsa.cute.sm100.sparse_attention:compile_offline_backward", list(c[1:]), {})
+              for c in BWD_CONFIGS]
+    return compile_reports(calls, sorted(set(FWD_NEEDLES + IDX_NEEDLES + BWD_NEEDLES)), "sm_100a",
                            tmp_path_factory.mktemp("sm100"))
+
+
+def _assert_fits(name: str, r: dict, smem: int) -> None:
+    """ptxas reported no spills, and the launch asks for the kernel's own
+    shared-memory figure ``smem``, within the 227 KB of an SM100 CTA."""
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
+    assert r["smem"] == smem <= 227 * 1024 == r["smem_limit"], (name, r)
 
 
 @needs_dsl
@@ -100,9 +123,7 @@ def test_forward_compiles_for_sm100_with_tcgen05(reports, cfg):
     assert n["cp.async.cg.shared.global"] >= 2 * 4 * (D // 64), (name, n)  # the gather and Q
     assert n["cp.async.wait_group"] >= 1 and n["fence.proxy.async"] >= 2, (name, n)  # copies and P to the async proxy
     assert n["max.NaN.f32"] >= 32, (name, n)  # row maxima propagate NaN
-    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
-    dtype = getattr(torch, dt[6:])
-    assert r["smem"] == smem_bytes(D, 512, dtype.itemsize) <= 227 * 1024 == r["smem_limit"], (name, r)
+    _assert_fits(name, r, smem_bytes(D, 512, getattr(torch, dt[6:]).itemsize))
 
 
 @needs_dsl
@@ -120,8 +141,41 @@ def test_indexer_compiles_for_sm100_with_tcgen05_and_tma(reports, cfg):
     assert n["cp.async.bulk.tensor.2d"] >= 2 and n["mbarrier.arrive.expect_tx"] >= 2, (name, n)  # Q and keys by TMA
     assert n["max.NaN.f32"] >= 4 * 64, (name, n)  # relu keeps a NaN
     assert n["bar.sync"] >= 2, (name, n)
-    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
-    assert r["smem"] == smem_bytes(getattr(torch, dt[6:]).itemsize) <= 227 * 1024 == r["smem_limit"], (name, r)
+    _assert_fits(name, r, smem_bytes(getattr(torch, dt[6:]).itemsize))
+
+
+@needs_dsl
+@pytest.mark.parametrize("cfg", BWD_CONFIGS, ids=[c[0] for c in BWD_CONFIGS])
+def test_backward_compiles_for_sm100_with_tcgen05(reports, cfg):
+    from dsa.cute.sm100.sparse_attention_bwd import smem_bytes
+
+    name, dt, D, H, G, has_len, det = cfg
+    r = reports[name]
+    n = r["needles"]
+    chunks = D // 64
+    # a K-step loop of two N-atoms for each of S, dP, dQ (and its RoPE part), and each dKV chunk's dS^T Q and,
+    # for value chunks, P^T dO
+    assert n["tcgen05.mma.cta_group::1.kind::f16"] == 2 * (3 + (D > 512) + chunks + 512 // 64), (name, n)
+    assert n["tcgen05.alloc"] == 1 and n["tcgen05.dealloc"] == 1, (name, n)
+    # S and dP in two 16-column loads each, dQ in 32-column loads (8, and 1 for the RoPE part)
+    assert n["tcgen05.ld.sync.aligned.32x32b"] == 4 + 8 + (D > 512), (name, n)
+    assert n["tcgen05.ld.sync.aligned.16x256b"] == 2 * chunks, (name, n)  # each dKV chunk: two 16-lane halves
+    # S ready, stage free, dQ ready, each chunk ready, dS / P free, Q / dO free
+    assert n["tcgen05.commit"] == 5 + chunks, (name, n)
+    assert n["tcgen05.wait::ld"] >= 3, (name, n)
+    assert n["tcgen05.fence::before_thread_sync"] >= 4 and n["tcgen05.fence::after_thread_sync"] >= 5, (name, n)
+    assert n["cp.async.cg.shared.global"] >= 4 * chunks, (name, n)  # the gather, Q and dO
+    assert n["fence.proxy.async"] >= 2 and n["mbarrier.try_wait"] >= 8, (name, n)
+    assert n["ex2.approx"] >= 32, (name, n)  # P of a thread's 32 slots
+    # dkv: per thread and 64-column chunk, eight whole-line four-float adds (under the L2 policy) or stores,
+    # after sixteen shuffles that swap half-lines between the quads of a row pair
+    assert n["red.relaxed.gpu.global.add.L2::cache_hint.v4.f32"] == (0 if det else 8 * chunks), (name, n)
+    assert n["st.global.v4.f32"] == (8 * chunks if det else 0), (name, n)
+    assert n["createpolicy"] == (0 if det else 1), (name, n)
+    assert n["shfl.sync.bfly"] >= 16 * chunks, (name, n)
+    assert n["st.local"] == 0 and n["ld.local"] == 0, (name, n)
+    assert r["registers"] <= 128, (name, r)  # 13 warps: 4 on one scheduler, 16K registers each
+    _assert_fits(name, r, smem_bytes(D, 512, getattr(torch, dt[6:]).itemsize))
 
 
 # --------------------------------------------------------------------------
@@ -175,11 +229,11 @@ def test_sm90_gpu_takes_the_sm90_path(monkeypatch, tmp_path):
 # the self-check at first use, with stand-in kernels on CPU
 
 
-def _call_inputs(dtype=torch.float16, H=64, D=512):
+def _call_inputs(dtype=torch.float16, H=64, D=512, N=96):
     """A small call of a served static shape (fp16: the interpreted Triton
     kernel computes bf16 wrongly)."""
     g = torch.Generator().manual_seed(3)
-    T, K, N = 5, 64, 96
+    T, K = 5, 64
     q = torch.randn(T, H, D, generator=g).to(dtype)
     kv = torch.randn(N, D, generator=g).to(dtype)
     idx = torch.randint(-4, N + 4, (T, K), generator=g, dtype=torch.int32)
@@ -279,7 +333,8 @@ def test_correct_kernel_is_upgraded(sm100):
     assert "sparse_attention_fwd: backend 'cute'" in text, text
     assert "self-check at first use passed: relative L2 error" in text and "same NaN/inf positions" in text, text
     assert "no placement table ships for this GPU" in text and "auto upgrades" in text, text
-    assert "sparse_attention_bwd: backend 'triton'" in text  # no SM100 backward: Triton keeps it
+    # the backward's own checks are not faked here (CPU tensors): Triton keeps it
+    assert "sparse_attention_bwd: backend 'triton'" in text
     assert standin.calls == 1
     out = dsa.sparse_attention(*args, **kw)
     assert standin.calls == 2  # the call itself went to the kernel
@@ -321,19 +376,31 @@ def test_a_check_that_raises_fails(sm100):
     assert "the check raised RuntimeError: launch failed" in text and "backend 'triton'" in text, text
 
 
+def _measured_table(monkeypatch, tmp_path, table: str, backend: str = "triton"):
+    """A placement table ``placement.<table>`` measured on this (faked) B200
+    whose one entry, _call_inputs' shape, names ``backend``; returns
+    (write(backend), its entry)."""
+    entry = dict(dtype="float16", D=512, HG=64, K=64, T=5, backend=backend, cute_ms=2.0, triton_ms=1.0)
+    path = tmp_path / f"{table}.json"
+
+    def write(backend: str) -> None:
+        path.write_text(json.dumps({"device": "NVIDIA B200", "entries": [dict(entry, backend=backend)]}))
+        placement._load.cache_clear()
+
+    write(backend)
+    monkeypatch.setattr(placement, table, str(path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B200")
+    return write
+
+
 def test_measured_sm100_table_decides_before_the_check(sm100, monkeypatch, tmp_path):
     standin = sm100(StandIn())
     args, kw = _call_inputs()
-    entry = dict(dtype="float16", D=512, HG=64, K=64, T=5, backend="triton", cute_ms=2.0, triton_ms=1.0)
-    path = tmp_path / "placement_sm100.json"
-    path.write_text(json.dumps({"device": "NVIDIA B200", "entries": [entry]}))
-    monkeypatch.setattr(placement, "TABLE_SM100", str(path))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B200")
+    write = _measured_table(monkeypatch, tmp_path, "TABLE_SM100")
     text = dsa.explain("sparse_attention", *args, **kw)
     assert "says triton is faster" in text and "backend 'triton'" in text, text
     assert standin.calls == 0  # the table said Triton: no check needed
-    path.write_text(json.dumps({"device": "NVIDIA B200", "entries": [dict(entry, backend="cute")]}))
-    placement._load.cache_clear()
+    write("cute")
     text = dsa.explain("sparse_attention", *args, **kw)
     assert "backend 'cute'" in text and "placement table entry" in text and "self-check at first use passed" in text
     # measured on another GPU: the self-check decides alone
@@ -392,10 +459,12 @@ def test_hostile_problem_exercises_every_rule(has_len, has_sink, G):
     out, lse = _reference(a)
     nan_rows = torch.isnan(out).any(-1)
     assert nan_rows.sum() == 1 and nan_rows[-1, a.H // 2]  # only the NaN query head
+    # token 5: every slot invalid, a NaN query head among its heads: an empty row all the same
+    assert torch.isnan(a.q[5, a.H // 2].float()).all() and (out[5] == 0).all() and (lse[5] == float("inf")).all()
     if has_len:
         L = a.topk_length.long()
         assert (L > SELF_CHECK_K).any() and (L < 0).any() and (L == 0).any()
-        assert (lse == float("inf")).all(-1).sum() == 2  # the tokens with no valid slot
+        assert (lse == float("inf")).all(-1).sum() == 3  # the tokens with no valid slot
         # the NaN kv rows sit right past topk_length: reading them would poison the row
         leaked = _reference(SparseAttnArgs(a.q, a.kv, a.indices, None, a.sink, a.sm_scale, a.d_v))[0]
         assert torch.isnan(leaked).any(-1).sum() > nan_rows.sum()
@@ -512,3 +581,360 @@ def test_indexer_hostile_problem(single, causal):
             assert (s == -float("inf")).all(-1).any()  # rows that see no key
         dense = _indexer_reference(dataclasses.replace(a, causal=False))
         assert torch.isnan(dense).any()  # those keys share computed tiles with visible ones
+
+
+# --------------------------------------------------------------------------
+# the backward: its gate with stand-in kernels on CPU, its host side
+
+
+def _kernel_numerics(a: SparseAttnArgs, out, lse, dout, add_mask=False, ignore_length=False):
+    """dq, dkv and dsink as the SM100 backward computes them, in torch: the
+    Triton preprocess's per-row terms, then ``_kernel_slots``.  add_mask:
+    padded slots masked by adding -inf to the score (a NaN query row's
+    padded slots then give NaN) instead of the kernel's select;
+    ignore_length: every slot below K read."""
+    from dsa.triton.sparse_attention import preprocess
+
+    delta, lg2den, dsink_part = preprocess(a, out.contiguous(), lse.contiguous(), dout.contiguous())
+    dq, slot, valid, rows = _kernel_slots(a, lg2den, delta, dout, add_mask, ignore_length)
+    dkv = torch.zeros(a.N * a.G, a.D)
+    dkv.index_add_(0, (rows * a.G + torch.arange(a.G)[None, :, None])[valid], slot.sum(2)[valid])
+    dsink = dsink_part.sum(0) if dsink_part is not None else None
+    return dq, dkv.view(a.N, a.G, a.D).to(a.kv.dtype), dsink
+
+
+def _kernel_slots(a: SparseAttnArgs, lg2den, delta, dout, add_mask=False, ignore_length=False):
+    """What the kernel computes from the per-row terms: dq [T, H, D] (q's
+    dtype) and each slot's dkv row per head block, slot [T, G, HB, K, D]
+    fp32, with P and dS rounded to q's dtype; and the slots' validity and
+    kv rows [T, G, K]."""
+    from dsa._rules import LOG2E
+
+    T, H, G, K, D, N = a.T, a.H, a.G, a.K, a.D, a.N
+    HG, dv = H // G, a.d_v
+    L = torch.full((T,), K) if a.topk_length is None or ignore_length else a.topk_length.long().clamp(0, K)
+    idx = a.indices.long()
+    valid = (torch.arange(K)[None, None] < L[:, None, None]) & (idx >= 0) & (idx < N)   # [T, G, K]
+    rows = torch.where(valid, idx, 0)
+    kvg = torch.where(valid[..., None], a.kv.float()[rows, torch.arange(G)[None, :, None]], 0.0)  # [T, G, K, D]
+    q4, do4 = a.q.float().view(T, G, HG, D), dout.float().view(T, G, HG, dv)
+    s = torch.einsum("tghd,tgkd->tghk", q4, kvg)
+    dp = torch.einsum("tghd,tgkd->tghk", do4, kvg[..., :dv])
+    x = s * (a.sm_scale * LOG2E) - lg2den.view(T, G, HG, 1)
+    ok = valid[:, :, None]
+    if add_mask:
+        x = x + torch.where(ok, 0.0, -float("inf"))
+    p = torch.exp2(x)
+    ds = p * (dp - delta.view(T, G, HG, 1)) * a.sm_scale
+    if not add_mask:
+        p, ds = torch.where(ok, p, 0.0), torch.where(ok, ds, 0.0)
+    p, ds = p.to(a.q.dtype).float(), ds.to(a.q.dtype).float()
+    dq = torch.einsum("tghk,tgkd->tghd", ds, kvg).reshape(T, H, D).to(a.q.dtype)
+    HB = HG // 64
+    slot = torch.einsum("tgbhk,tgbhd->tgbkd", ds.view(T, G, HB, 64, K), q4.view(T, G, HB, 64, D))
+    slot[..., :dv] += torch.einsum("tgbhk,tgbhd->tgbkd", p.view(T, G, HB, 64, K), do4.view(T, G, HB, 64, dv))
+    return dq, slot, valid, rows
+
+
+class BwdStandIn:
+    """A stand-in for the SM100 backward (its signature: args, out, lse, dout,
+    grid config), counting its calls; ``corrupt`` turns the kernel-like
+    result into the stand-in's."""
+
+    def __init__(self, corrupt=None, **numerics):
+        self.calls = 0
+        self.corrupt, self.numerics = corrupt, numerics
+
+    def __call__(self, a, out, lse, dout, config=None):
+        self.calls += 1
+        res = _kernel_numerics(a, out, lse, dout, **self.numerics)
+        return self.corrupt(*res) if self.corrupt else res
+
+
+# (inputs' fingerprint, op) -> the interpreted Triton kernel's result, shared by the module's tests
+_TRITON_RUNS: dict = {}
+
+
+def _fingerprint(*tensors):
+    return tuple((tuple(x.shape), x.dtype, float(x.double().nan_to_num(posinf=7.0, neginf=-7.0).sum()))
+                 for x in tensors if x is not None)
+
+
+@pytest.fixture
+def triton_once(monkeypatch):
+    """The Triton forward and backward run once per distinct input in this
+    module (the self-checks of several tests share one hostile problem);
+    the deterministic backward's result is the other mode's (they differ in
+    the order of fp32 sums only, and interpreted it takes ~20 s)."""
+    from dsa.triton import sparse_attention as triton_sa
+
+    forward, backward = triton_sa.forward, triton_sa.backward
+
+    def once(op, fn, key, *args):
+        if (op, key) not in _TRITON_RUNS:
+            _TRITON_RUNS[op, key] = fn(*args)
+        return _TRITON_RUNS[op, key]
+
+    def fwd(a, config=None):
+        return once("fwd", forward, _fingerprint(a.q, a.kv, a.indices, a.topk_length, a.sink), a)
+
+    def bwd(a, out, lse, dout, config=None):
+        a = dataclasses.replace(a, deterministic=False)
+        return once("bwd", backward, _fingerprint(a.q, a.kv, a.indices, a.topk_length, a.sink, out, lse, dout),
+                    a, out, lse, dout)
+
+    monkeypatch.setattr(triton_sa, "forward", fwd)
+    monkeypatch.setattr(triton_sa, "backward", bwd)
+
+
+@pytest.fixture
+def sm100_bwd(sm100, triton_once, monkeypatch):
+    """As ``sm100``, with a correct forward stand-in and the backward's own
+    checks passed; ``use(standin)`` installs the backward's stand-in."""
+    from dsa.cute.sm100 import sparse_attention as sm100_sa
+
+    forward = sm100(StandIn())
+    monkeypatch.setattr(sm100_sa, "supports_backward", lambda a: None)
+
+    def use(standin):
+        monkeypatch.setattr(sm100_sa, "backward", standin)
+        return standin
+
+    use.forward = forward
+    return use
+
+
+BWD_WRONG = {
+    "scaled_dq": (dict(corrupt=lambda dq, dkv, ds: (dq * 1.1, dkv, ds)), "dq: relative L2 error"),
+    # reads the slots past topk_length: the hostile problem's NaN rows reach dq and dkv
+    "ignores_topk_length": (dict(ignore_length=True), "dq: NaN at"),
+    # masks padded slots by adding -inf: the NaN query head of the token with no valid slot gets a NaN dq
+    "adds_the_mask": (dict(add_mask=True), "dq: NaN at"),
+    # dkv accumulated onto a buffer that was not zeroed
+    "dkv_not_zeroed": (dict(corrupt=lambda dq, dkv, ds: (dq, dkv + 0.25, ds)), "dkv: relative L2 error"),
+    # dsink without the sink fold: exp(sink - lse) of the +inf sink times Delta = 0 is NaN
+    "dsink_unfolded": (dict(corrupt=lambda dq, dkv, ds: (dq, dkv, torch.where(torch.arange(ds.numel()) == 0,
+                                                                             float("nan"), ds))), "dsink: NaN at"),
+}
+
+
+def _bwd_inputs(deterministic=False):
+    args, kw = _call_inputs()
+    return args, dict(kw, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("kind", list(BWD_WRONG))
+def test_wrong_backward_is_caught_disabled_and_auto_keeps_triton(sm100_bwd, kind):
+    numerics, caught_by = BWD_WRONG[kind]
+    standin = sm100_bwd(BwdStandIn(**numerics))
+    args, kw = _bwd_inputs()
+    with _dsa_warning("failed its self-check against Triton") as caught:
+        text = dsa.explain("sparse_attention", *args, **kw)
+    assert len([w for w in caught if str(w.message).startswith("dsa: ")]) == 1
+    assert "sparse_attention_fwd: backend 'cute'" in text, text
+    assert "sparse_attention_bwd: backend 'triton'" in text, text
+    assert f"cute: self-check at first use failed: {caught_by}" in text, text
+    assert standin.calls == 1
+    q, kv, idx = args
+    q, kv = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="dsa: ")  # warned once: the verdict is kept
+        dsa.sparse_attention(q, kv, idx, **kw).float().square().sum().backward()
+        with pytest.raises(ValueError, match="self-check at first use failed"):
+            dsa.sparse_attention(q, kv, idx, backend="cute", **kw).float().sum().backward()
+    assert standin.calls == 1  # Triton ran the backward
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_correct_backward_is_upgraded(sm100_bwd, deterministic):
+    standin = sm100_bwd(BwdStandIn())
+    args, kw = _bwd_inputs(deterministic)
+    text = dsa.explain("sparse_attention", *args, **kw)
+    assert "sparse_attention_bwd: backend 'cute'" in text, text
+    bwd = text[text.index("sparse_attention_bwd: backend"):]
+    assert "self-check at first use passed: relative L2 error" in bwd and "auto upgrades" in bwd, text
+    assert standin.calls == 1
+    q, kv, idx = args
+    sink = kw["sink"].clone().requires_grad_(True)
+    grads = []
+    for backend in ("auto", "triton"):
+        x, y = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
+        out = dsa.sparse_attention(x, y, idx, backend=backend, **dict(kw, sink=sink))
+        out.float().square().sum().backward()
+        grads.append((x.grad, y.grad, sink.grad.clone()))
+        sink.grad = None
+    assert standin.calls == 2  # the call's backward went to the kernel
+    for got, want, name in zip(grads[0], grads[1], ("dq", "dkv", "dsink")):
+        assert gate.compare([(got, want)], [name]).passed, name
+    keys = [k for k, _ in gate.verdicts() if k[0] == "sparse_attention_bwd"]
+    assert len(keys) == 1 and keys[0][1].deterministic == deterministic
+
+
+def test_backward_configurations_are_checked_once_each(sm100_bwd):
+    standin = sm100_bwd(BwdStandIn())
+    args, kw = _bwd_inputs()
+    for det in (False, True, False, True):  # two compiled configurations
+        dsa.explain("sparse_attention", *args, **dict(kw, deterministic=det))
+    assert standin.calls == 2
+    assert sorted(k[1].deterministic for k, v in gate.verdicts() if k[0] == "sparse_attention_bwd") == [False, True]
+
+
+def test_dsa_disable_cute_wins_for_the_backward(sm100_bwd, monkeypatch):
+    standin = sm100_bwd(BwdStandIn())
+    monkeypatch.setenv("DSA_DISABLE_CUTE", "1")
+    args, kw = _bwd_inputs()
+    text = dsa.explain("sparse_attention", *args, **kw)
+    assert "sparse_attention_bwd: backend 'triton'" in text and "disabled by DSA_DISABLE_CUTE=1" in text, text
+    q, kv, idx = args
+    dsa.sparse_attention(q.clone().requires_grad_(True), kv, idx, **kw).float().sum().backward()
+    assert standin.calls == 0 and sm100_bwd.forward.calls == 0 and gate.verdicts() == []
+
+
+def test_a_backward_check_that_raises_fails(sm100_bwd):
+    def broken(a, out, lse, dout, config=None):
+        raise RuntimeError("launch failed")
+
+    sm100_bwd(broken)
+    args, kw = _bwd_inputs()
+    with _dsa_warning("launch failed"):
+        text = dsa.explain("sparse_attention", *args, **kw)
+    bwd = text[text.index("sparse_attention_bwd: backend"):]
+    assert "the check raised RuntimeError: launch failed" in bwd and "backend 'triton'" in bwd, text
+
+
+def test_measured_sm100_backward_table_decides(sm100_bwd, monkeypatch, tmp_path):
+    standin = sm100_bwd(BwdStandIn())
+    args, kw = _bwd_inputs()
+    write = _measured_table(monkeypatch, tmp_path, "TABLE_SM100_BWD")
+    text = dsa.explain("sparse_attention", *args, **kw)
+    bwd = text[text.index("sparse_attention_bwd: backend"):]
+    assert "backend 'triton'" in bwd and "says triton is faster" in bwd, text
+    assert "sparse_attention_fwd: backend 'cute'" in text  # the forward's own (absent) table
+    assert standin.calls == 0
+    write("cute")
+    text = dsa.explain("sparse_attention", *args, **kw)
+    bwd = text[text.index("sparse_attention_bwd: backend"):]
+    assert "backend 'cute'" in bwd and "placement table entry" in bwd and "self-check at first use passed" in bwd
+    assert standin.calls == 1
+    placement._load.cache_clear()
+
+
+@needs_dsl
+def test_backward_hostile_problem_and_reference(triton_once):
+    """The backward's self-check problem: the forward's hostile problem with
+    sinks, out and lse from the Triton forward; the reference is the Triton
+    backward, and a kernel computing as the SM100 one does agrees with it."""
+    import cutlass
+
+    from dsa.cute.sm100 import sparse_attention as sm100_sa
+    from dsa.cute.sm100.sparse_attention_bwd import BwdSm100Config
+
+    cfg = BwdSm100Config(cutlass.Float16, 512, 512, 64, 1, True, False)
+    seen = []
+
+    def kernel(a, out, lse, dout):
+        seen.append(a)
+        return _kernel_numerics(a, out, lse, dout)
+
+    pairs = sm100_sa.self_check_backward(cfg, torch.device("cpu"), kernel=kernel)
+    (a,) = seen
+    assert not a.deterministic and a.sink is not None and torch.isinf(a.sink).sum() == 2
+    v = gate.compare(pairs, ("dq", "dkv", "dsink"))
+    assert v.passed, v.detail
+    (dq, _), (dkv, _), (dsink, _) = pairs
+    assert (dq[5] == 0).all() and (dq[1] == 0).all() and (dq[2] == 0).all()  # tokens with no valid slot
+    assert torch.isnan(dq[-1, a.H // 2]).all() and torch.isnan(dsink[a.H // 2])  # the NaN query head
+    assert not torch.isnan(dkv[-2:]).any()  # the NaN kv rows only slots past topk_length name
+
+
+def _fragment_order(x: torch.Tensor) -> torch.Tensor:
+    """dkv rows [..., D] in the kernel's fragment order (``natural_columns`` inverted)."""
+    *lead, D = x.shape
+    return x.reshape(*lead, D // 16, 2, 4, 2).transpose(-3, -2).reshape(*lead, D)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_host_flow_with_an_emulated_launch(monkeypatch, deterministic):
+    """``backward``'s host side on CPU with the launch emulated as the kernel
+    writes: dq rows of the launch's tokens, dkv added (fragment order) into
+    the zeroed accumulator, or, deterministic, each valid slot's row stored
+    at [head block, token - t0, g, slot] of the per-slot buffer [HB, tc, G,
+    K, D] of the launch's tc tokens; several token chunks a call.  The result is the kernel-like computation's."""
+    from dsa.cute import sparse_attention_bwd as cbwd
+    from dsa.cute.sm100 import sparse_attention as sm100_sa
+
+    monkeypatch.setattr(cbwd, "DETERMINISTIC_SLOT_BYTES", 3 * 2 * 64 * 512 * 4)  # 3 tokens a chunk: 2 chunks
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())  # CPU tensors stand in
+    args, kw = _call_inputs(H=128, N=24)  # few kv rows: the interpreted segment_sum runs a program per row
+    q, kv, idx = args
+    a = SparseAttnArgs(q, kv.view(-1, 1, 512), idx.view(5, 1, -1), kw["topk_length"], kw["sink"], 512 ** -0.5, 512,
+                       deterministic)
+    out, lse = _reference(a)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(q.dtype)
+    want = _kernel_numerics(a, out, lse, dout)
+    launches = []
+
+    def launch(a, dout_, lg2den, delta, dq, dkv_buf, t0, tc, grid):
+        launches.append((t0, tc))
+        r = slice(t0, t0 + tc)
+        part = dataclasses.replace(a, q=a.q[r], indices=a.indices[r], topk_length=a.topk_length[r])
+        dq[r], slot, valid, rows = _kernel_slots(part, lg2den[r], delta[r], dout_[r])
+        if not deterministic:  # added into the accumulator, as the kernel's adds do
+            dkv_buf.view(-1, a.D).index_add_(0, (rows * a.G + torch.arange(a.G)[None, :, None])[valid],
+                                             _fragment_order(slot.sum(2)[valid]))
+            return
+        dkv_buf.fill_(float("nan"))  # invalid slots' rows are never written, never read
+        HB = a.H // a.G // 64
+        buf = dkv_buf[:HB * tc * a.G * a.K].view(HB, tc, a.G, a.K, a.D)  # the launch's tokens only
+        for t, g, j in valid.nonzero().tolist():
+            buf[:, t, g, j] = _fragment_order(slot[t, g, :, j])
+
+    monkeypatch.setattr(sm100_sa, "_launch_backward", launch)
+    dq, dkv, dsink = sm100_sa.backward(a, out, lse, dout)
+    assert launches == ([(0, 3), (3, 2)] if deterministic else [(0, 5)])
+    assert torch.equal(dq, want[0]) and torch.equal(dsink, want[2])
+    assert gate.compare([(dkv, want[1])], ["dkv"]).passed and dkv.dtype == a.kv.dtype
+
+
+def test_backward_launch_offsets_every_token_pointer(monkeypatch):
+    """The launch over tokens [t0, t0 + tc) passes pointers that start at
+    token t0 (the kernel counts tc tokens), under a's device, with the
+    shared zero row and the current stream."""
+    pytest.importorskip("cutlass")
+    from dsa.cute.sm100 import sparse_attention as sm100_sa
+
+    events, launched, zero = fake_launch(monkeypatch, sm100_sa, 512)
+    args, kw = _call_inputs()
+    q, kv, idx = args
+    a = SparseAttnArgs(q, kv.view(-1, 1, 512), idx.view(5, 1, -1), kw["topk_length"], None, 0.5, 512)
+    lg2den, delta = torch.zeros(5, 64), torch.ones(5, 64)
+    dout, dq, buf = torch.zeros(5, 64, 512), torch.zeros_like(q), torch.zeros(3, 512)
+    sm100_sa._launch_backward(a, dout, lg2den, delta, dq, buf, 2, 3, sm100_sa.GridConfig(ctas=7))
+    (x,) = launched
+    for got, whole in zip(x[:8], (q, a.kv, a.indices, a.topk_length, dout, lg2den, delta, dq)):
+        if whole is a.kv:
+            assert got is a.kv
+        else:
+            assert got.data_ptr() == whole[2:].data_ptr() and got.shape[0] == 3
+    assert x[8] is buf and x[9] is zero and int(x[10]) == 3 and int(x[15]) == 7 and x[-1] == "stream"
+    dev = q.device
+    assert events == [("enter", dev), ("zero_row", dev, q.dtype, 512), ("stream", dev), ("exit", dev)]
+
+
+def test_backward_is_declined_off_sm100_and_for_shapes_it_does_not_serve(monkeypatch):
+    pytest.importorskip("cutlass")
+    from dsa.cute.sm100 import sparse_attention as sm100_sa
+
+    args, kw = _call_inputs()
+    q, kv, idx = args
+    a = SparseAttnArgs(q, kv.view(-1, 1, 512), idx.view(5, 1, -1), None, None, 0.5, 512)
+    assert "CUDA" in sm100_sa.supports_backward(a)
+    monkeypatch.setattr(sm100_sa, "arch_reason", lambda device, what, arch: None)
+    assert sm100_sa.supports_backward(a) is None
+    assert "multiple of 64" in sm100_sa.supports_backward(dataclasses.replace(a, q=q[:, :32]))
+    assert "bf16 or fp16" in sm100_sa.supports_backward(dataclasses.replace(a, q=q.float(), kv=a.kv.float()))
+    assert "d_v=448" in sm100_sa.supports_backward(dataclasses.replace(a, d_v=448))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(host, "arch_of", lambda device: "sm100")
+    with pytest.raises(Unsupported, match="multiple of 64"):
+        dsa.cute.backend_op("sparse_attention_bwd", dataclasses.replace(a, q=q[:, :32]), auto=True)

@@ -10,8 +10,9 @@ Triton.  The script also measures a holdout grid frozen before the timing
 (with sinks, topk_length and other N) and records the table's regret on it;
 the table is only written when that regret is at most 1.02 (geometric mean).
 
-``placement_sm100.json`` is the SM100 table (none is measured yet: without
-one, the SM100 tier upgrades every served shape whose self-check passed,
+``placement_sm100.json`` and ``placement_sm100_bwd.json`` are the SM100
+tables of the forward and the backward (none is measured yet: without one,
+the SM100 tier upgrades every served shape whose self-check passed,
 ``dsa.cute.sm100``).
 
 The table decides only on a GPU of the name it was measured on: the SM90
@@ -38,6 +39,7 @@ from dsa._args import SparseAttnArgs
 TABLE = os.path.join(os.path.dirname(__file__), "placement_sm90.json")
 TABLE_BWD = os.path.join(os.path.dirname(__file__), "placement_sm90_bwd.json")  # the backward's; none measured yet
 TABLE_SM100 = os.path.join(os.path.dirname(__file__), "placement_sm100.json")  # none measured yet
+TABLE_SM100_BWD = os.path.join(os.path.dirname(__file__), "placement_sm100_bwd.json")  # none measured yet
 MAX_OCTAVES = 2.0
 
 

@@ -13,13 +13,15 @@ per (head block, token, slot) for a chunk of tokens, then the Triton
 ``segment_sum`` (a stable sort by kv row, each row summed in that fixed
 order), so dkv is bitwise reproducible.  Compiled kernels are cached per
 (``BwdSm90Config``, device); every launch runs under the tensors' device and
-its current stream.
+its current stream.  ``run_backward`` (all of this but the launch) and
+``natural_columns`` serve the SM100 backward too
+(``dsa.cute.sm100.sparse_attention``).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -136,6 +138,23 @@ def backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor,
     why = supports_backward(a)
     if why:
         raise ValueError(why)
+    return run_backward(a, out, lse, dout, _launch)
+
+
+# launch(a, dout, lg2den, delta, dq, dkv buffer, t0, tc): an arch's kernel over
+# the tokens [t0, t0 + tc), under a's device (``_launch`` is SM90's)
+Launch = Callable[[SparseAttnArgs, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int],
+                  None]
+
+
+def run_backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                 launch: Launch) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``backward``'s host side, shared by every arch's cute backward: the
+    per-row terms and dsink's parts from the Triton preprocess (which folds
+    the sink), dq, the fp32 dkv accumulator zeroed on the launch stream (the
+    current stream of a's device, from its caching allocator: no device
+    allocation on a warm call), the kernel launches (``launch``), dkv put
+    back in column order and dsink summed."""
     # Under a's device: the torch work, the Triton reduction and the kernel
     # launches are that device's, whatever device is current.
     from dsa.triton.sparse_attention import preprocess
@@ -146,14 +165,14 @@ def backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor,
         dq = torch.empty_like(a.q)
         dkv = torch.zeros((a.N, a.G, a.D), dtype=torch.float32, device=a.q.device)
         if not a.deterministic:
-            _launch(a, dout, lg2den, delta, dq, dkv, 0, a.T)
+            launch(a, dout, lg2den, delta, dq, dkv, 0, a.T)
         else:
-            _deterministic_dkv(a, dout, lg2den, delta, dq, dkv)
+            _deterministic_dkv(a, dout, lg2den, delta, dq, dkv, launch)
         dsink = dsink_part.sum(0) if dsink_part is not None else None
         return dq, natural_columns(dkv, a.kv.dtype), dsink
 
 
-def _deterministic_dkv(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv) -> None:
+def _deterministic_dkv(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv, launch: Launch) -> None:
     """dq, and dkv [N, G, D] fp32 summed in a fixed order: the kernel stores
     per-slot rows [HB, Tc, G, K, D] for chunks of Tc tokens, each chunk's
     rows summed into their kv rows by ``segment_sum``."""
@@ -167,7 +186,7 @@ def _deterministic_dkv(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv) -> None:
     slots = torch.empty(HB * Tc * G * a.K, D, dtype=torch.float32, device=a.q.device)
     for t0 in range(0, T, Tc):
         tc = min(Tc, T - t0)
-        _launch(a, dout, lg2den, delta, dq, slots, t0, tc)
+        launch(a, dout, lg2den, delta, dq, slots, t0, tc)
         segment_sum(slots, slot_keys(a, t0, tc), dkv.view(N * G, D), parts=HB)
 
 

@@ -22,7 +22,8 @@ up to 255 registers each (with a third, producer warpgroup the consumers get
   chunk c (warpgroup 0: the first ``c0_chunks``, warpgroup 1: the rest),
   dKV_c = dS^T Q[:, c] (+ P^T dO[:, c] for value columns) [64 slots, 64],
   and added into dkv[idx] (fp32) with 16-byte ``red.global.add.v4.f32``, or
-  stored per (token, slot) for the deterministic reduction.  The dkv buffer
+  stored per (token, slot) for the deterministic reduction (``dsa.cute.dkv``,
+  shared with the SM100 backward).  The dkv buffer
   holds each row's columns in the order the accumulator fragments hold them
   (the host's ``natural_columns`` puts them back), so a thread's four floats
   of a 16-column group are adjacent, and the two quads of a row pair swap
@@ -50,10 +51,9 @@ from typing import Any, Optional
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cutlass_dsl import dsl_user_op
 
+from dsa.cute import dkv as dkv_reduce
 from dsa.cute import pipeline, rules, scheduler
 from dsa.cute.gmem import aligned, copy_head_rows, load
 from dsa.cute.pipeline import NamedBarrier, freed_phase, named_barriers, phase
@@ -88,41 +88,6 @@ class BwdSm90Config(scheduler.ProblemConfig):
     scatter: bool = True
 
 
-@dsl_user_op
-def _global_f32(op: str, addr: Int64, *values: Float32, policy: Optional[Int64] = None, loc=None,
-                ip=None) -> None:
-    """``op``.v{n}.f32 of the n = len(values) adjacent fp32 at global address
-    addr (aligned to 4 n bytes): op "red.relaxed.gpu.global.add" adds them
-    atomically, "st.global" stores them; with an L2 cache ``policy``
-    (``_evict_last_policy``) under that policy."""
-    n = len(values)
-    regs = ", ".join(f"${i + 1}" for i in range(n))
-    operands = [Int64(addr).ir_value(loc=loc, ip=ip)] + [Float32(x).ir_value(loc=loc, ip=ip) for x in values]
-    hint, tail, cons = "", "", ""
-    if policy is not None:
-        hint, tail, cons = ".L2::cache_hint", f", ${n + 1}", ",l"
-        operands.append(Int64(policy).ir_value(loc=loc, ip=ip))
-    llvm.inline_asm(
-        None, operands,
-        f"{op}{hint}.v{n}.f32 [$0], {{{regs}}}{tail};",
-        "l," + ",".join("f" * n) + cons,
-        has_side_effects=True,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip,
-    )
-
-
-@dsl_user_op
-def _evict_last_policy(*, loc=None, ip=None) -> Int64:
-    """An L2 cache policy that keeps the lines it touches ahead of normal ones."""
-    return Int64(llvm.inline_asm(
-        Int64.mlir_type, [], "createpolicy.fractional.L2::evict_last.b64 $0, 1.0;", "=l",
-        has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
-    ))
-
-
-RED_ADD = "red.relaxed.gpu.global.add"
-STORE = "st.global"
 
 
 class SparseAttnBwdSm90:
@@ -384,7 +349,7 @@ class SparseAttnBwdSm90:
         # entry 2 r + k is row 2 p + k + 8 r of its quad pair
         rows = cute.make_rmem_tensor((4,), Int64)
         rok = cute.make_rmem_tensor((4,), Int32)
-        pol = _evict_last_policy() if const_expr(self.evict_last) else None
+        pol = dkv_reduce.evict_last_policy() if const_expr(self.evict_last) else None
         row0 = self.dkv_row0(tile, T, K)
         dkv = (kv_mma, t64_layout, wtid, sQ, sdO, raw_ds, raw_p, (rows, rok, pol))
 
@@ -493,41 +458,14 @@ class SparseAttnBwdSm90:
 
     @cute.jit
     def dkv_row0(self, tile, T, K):
-        """The dkv buffer row of the tile's slot 0 (deterministic: of slot j
-        it is row0 + j) or, atomic, the kv head g (kv row n is n G + row0);
-        computed once so that the loop keeps one value live, not five."""
-        tl, t, g, hb = tile[0], tile[1], tile[2], tile[3]
-        row0 = Int64(g)
-        if const_expr(self.deterministic):
-            row0 = ((Int64(hb) * Int64(T) + Int64(tl)) * Int64(self.G) + Int64(g)) * Int64(K)
-        return row0
+        """``dsa.cute.dkv.dkv_row0`` of the tile."""
+        return dkv_reduce.dkv_row0(self.deterministic, self.G, tile[0], tile[2], tile[3], T, K)
 
     @cute.jit
     def slot_rows(self, rows, rok, i, row_lo, lane, L, row0, idx_row, dkv_ptr, N):
-        """For each slot row of block i this thread writes (rows of a dKV
-        tile): whether it is valid and the byte address the thread writes at.
-        Entry 2 r + k is row 2 p + k + 8 r of its quad pair (p = row_lo // 2),
-        at the offset of the half of each 128-byte line the thread writes for
-        that row.  row0: ``dkv_row0`` of the tile."""
-        odd = row_lo % 2
-        for s_ in cutlass.range_constexpr(4):
-            r, k = s_ // 2, s_ % 2
-            row = row_lo - odd + k + 8 * r
-            # its 4 floats of a 16-column group sit at 4 q, in the first group
-            # of a line for its own row, the second for its partner's
-            col = 4 * (lane % 4) + 16 * (odd if k == 0 else 1 - odd)
-            slot = i * BN + row
-            n = rules.slot_index(idx_row, slot, L)  # -1 past L: invalid without a read
-            v = Int32(0)
-            off = Int64(0)
-            if n >= 0 and n < N:
-                v = Int32(1)
-                if const_expr(self.deterministic):
-                    off = row0 + Int64(slot)
-                else:
-                    off = Int64(n) * Int64(self.G) + row0
-            rok[s_] = v
-            rows[s_] = dkv_ptr.toint() + off * Int64(self.D * 4) + Int64(col * 4)
+        """``dsa.cute.dkv.slot_rows`` of block i."""
+        dkv_reduce.slot_rows(rows, rok, i, row_lo, lane, L, row0, idx_row, dkv_ptr, N, self.G, self.D,
+                             self.deterministic)
 
     @cute.jit
     def dkv_block(self, w: cutlass.Constexpr, dkv, release):
@@ -573,41 +511,10 @@ class SparseAttnBwdSm90:
 
     @cute.jit
     def scatter(self, acc, ch: cutlass.Constexpr, dst):
-        """A [64 slots, 64 columns] dKV chunk into the slots' rows (valid slots
-        only): added, or stored in the deterministic build.  Lanes l and l ^ 4
-        hold rows 2 p and 2 p + 1 (+ 8 r).  For each 128-byte line (16-column
-        groups 2 l' and 2 l' + 1 of the chunk) each sends the other its second
-        group: the first instruction then writes row 2 p (the even lane its
-        first group, the odd lane the received second) and the second row
-        2 p + 1, so a warp's instruction covers four whole lines.  A thread's
-        floats of a group go out as they sit in its fragment, columns
-        8 h + 2 q + e at 4 q + 2 h + e."""
+        """``dsa.cute.dkv.scatter`` of a chunk (none in the timing build without scatter)."""
         rows, rok, pol = dst
         if const_expr(self.do_scatter):
-            odd = (cute.arch.lane_idx() // 4) % 2 == 1
-            for r in cutlass.range_constexpr(2):
-                for l_ in cutlass.range_constexpr(2):
-                    first = cute.make_rmem_tensor((4,), Float32)
-                    second = cute.make_rmem_tensor((4,), Float32)
-                    for k in cutlass.range_constexpr(4):
-                        j, e = 4 * l_ + k // 2, k % 2     # fragment column pair j: columns 8 j + 2 q + e
-                        mine = acc[4 * j + 2 * r + e]
-                        recv = cute.arch.shuffle_sync_bfly(Float32(acc[4 * (j + 2) + 2 * r + e]), 4)
-                        first[k] = Float32(cutlass.select_(odd, recv, mine))
-                        second[k] = Float32(cutlass.select_(odd, mine, recv))
-                    for k2, vals in ((0, first), (1, second)):
-                        addr = rows[2 * r + k2] + (ch * 64 + 32 * l_) * 4
-                        self.write4(rok[2 * r + k2], addr, [vals[0], vals[1], vals[2], vals[3]], pol)
-
-    @cute.jit
-    def write4(self, ok, addr, vals, pol):
-        """Four adjacent floats to addr when ok: added (under the L2 policy
-        pol, None for none) or, deterministic, stored."""
-        if ok != 0:
-            if const_expr(self.deterministic):
-                _global_f32(STORE, addr, *vals)
-            else:
-                _global_f32(RED_ADD, addr, *vals, policy=pol)
+            dkv_reduce.scatter(acc, ch, rows, rok, pol, self.deterministic)
 
     @cute.jit
     def store_dq(self, acc_dq, c0: cutlass.Constexpr, t, head0, row_lo, col_lane, dq_ptr):

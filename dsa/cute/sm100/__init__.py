@@ -1,6 +1,7 @@
 """CuTe DSL kernels for Blackwell (SM100: capability 10.0 and 10.3).
 
-Served: ``sparse_attention_fwd`` (``sparse_attention``) and the lean
+Served: ``sparse_attention_fwd`` and ``sparse_attention_bwd``
+(``sparse_attention``; both modes of ``deterministic``) and the lean
 indexer's ``indexer_scores`` / ``indexer_topk`` (``indexer``).  No machine of
 this project has an SM100 GPU: the kernels are compiled and
 instruction-checked offline on every CI run, and never run here.  So every
@@ -9,9 +10,10 @@ user's GPU (``dsa.cute.gate``): it runs next to the Triton kernel on a small
 hostile problem, and a mismatch disables it for the process.
 
 Under ``backend="auto"`` a call goes here when the kernel serves it, its
-self-check passed, and (forward) the SM100 placement table, where one is
-measured on this GPU, says cute is faster; without such a table every served
-shape that passed goes to cute.  The indexer is chosen only where its grid
+self-check passed, and the op's SM100 placement table (``placement_sm100.json``
+for the forward, ``placement_sm100_bwd.json`` for the backward), where one
+is measured on this GPU, says cute is faster; without such a table every
+served shape that passed goes to cute.  The indexer is chosen only where its grid
 fills the GPU.  ``backend="cute"`` skips the table and the grid rule but
 never the self-check.
 """
@@ -22,31 +24,44 @@ from typing import Any, Callable
 
 from dsa._args import Unsupported
 
-OUT_NAMES = {"sparse_attention_fwd": ("out", "lse"), "indexer_scores": ("scores",)}
+OUT_NAMES = {"sparse_attention_fwd": ("out", "lse"), "sparse_attention_bwd": ("dq", "dkv", "dsink"),
+             "indexer_scores": ("scores",)}
 
 
 def backend_op(op: str, args: Any, auto: bool = False) -> Callable[..., Any]:
     """The SM100 implementation of ``op`` for ``args`` on an SM100 GPU, or
     ``Unsupported`` with the reason (``dsa.cute.backend_op`` sends SM100
     calls here)."""
-    if op == "sparse_attention_fwd":
-        return _forward(args, auto)
+    if op in _ATTENTION:
+        return _attention(op, args, auto)
     if op in ("indexer_scores", "indexer_topk"):
         return _indexer(op, args, auto)
     raise Unsupported(f"the cute backend has no SM100 kernel for {op} in this release")
 
 
-def _forward(args: Any, auto: bool) -> Callable[..., Any]:
+# op -> the names in dsa.cute.sm100.sparse_attention of its checks (what the
+# kernel serves, its config, the self-check), its function, and the
+# placement table of dsa.cute.placement that decides auto
+_ATTENTION = {
+    "sparse_attention_fwd": ("supports", "kernel_config", "self_check", "forward", "TABLE_SM100"),
+    "sparse_attention_bwd": ("supports_backward", "backward_config", "self_check_backward", "backward",
+                             "TABLE_SM100_BWD"),
+}
+
+
+def _attention(op: str, args: Any, auto: bool) -> Callable[..., Any]:
     from dsa.cute import _Chosen
     from dsa.cute.sm100 import sparse_attention as sa
 
-    why = sa.supports(args)
+    *checks, table = _ATTENTION[op]
+    supports, config, self_check, fn = (getattr(sa, name) for name in checks)  # looked up per call
+    why = supports(args)
     if why is not None:
         raise Unsupported(why)
-    placed = _placement(args) if auto else None
-    cfg = sa.kernel_config(args)
-    v = _checked("sparse_attention_fwd", cfg, args.q.device, lambda: sa.self_check(cfg, args.q.device))
-    return _Chosen(sa.forward, _note(v, placed))
+    placed = _placement(args, table) if auto else None
+    cfg = config(args)
+    v = _checked(op, cfg, args.q.device, lambda: self_check(cfg, args.q.device))
+    return _Chosen(fn, _note(v, placed))
 
 
 def _indexer(op: str, args: Any, auto: bool) -> Callable[..., Any]:
@@ -87,16 +102,17 @@ def _note(v: Any, placed: Any) -> str:
     return note if placed is None else f"{note}; {placed}"
 
 
-def _placement(args: Any) -> str:
-    """Why auto may send this forward call to cute (the measured SM100 table's
-    entry, or the absence of a table for this GPU); Unsupported when the
-    table says Triton."""
+def _placement(args: Any, table: str) -> str:
+    """Why auto may send this call to cute (the entry of the measured SM100
+    table ``placement.<table>``, or the absence of a table for this GPU);
+    Unsupported when the table says Triton."""
     from dsa.cute import placement
 
-    why = placement.table_reason(args.q.device, placement.TABLE_SM100)
+    path = getattr(placement, table)
+    why = placement.table_reason(args.q.device, path)
     if why is not None:
         return f"{why}: auto upgrades every served shape that passes its self-check"
-    entry = placement.lookup(args, placement.TABLE_SM100)
+    entry = placement.lookup(args, path)
     if entry is None:
         raise Unsupported("no entry of the SM100 placement table covers this shape")
     if entry.backend != "cute":

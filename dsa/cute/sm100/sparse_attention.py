@@ -1,41 +1,54 @@
-"""CuTe DSL sparse attention forward on SM100: what it serves, compilation cache, launch.
+"""CuTe DSL sparse attention on SM100, forward and backward: what they serve, compilation cache, launch.
 
     forward(a) -> out [T, H, d_v] (q.dtype), lse [T, H] fp32
+    backward(a, out, lse, dout) -> dq [T, H, D] (q.dtype), dkv [N, G, D] (kv.dtype),
+                                   dsink [H] fp32 or None
 
 on the canonical packed layout of :class:`dsa._args.SparseAttnArgs`.  The
-kernel is ``sparse_attention_fwd.SparseAttnFwdSm100``; what it can serve is
-its ``can_implement`` (bf16 / fp16, a multiple of 64 query heads per kv
-head, D 512 or 576, d_v 512).  Compiled kernels are cached per
-(``FwdSm100Config``, device); every launch runs under the tensors' device
-and its current stream.  This module never decides whether the kernel is
-trusted: ``dsa.cute.sm100`` runs its self-check (``self_check``) first.
+kernels are ``sparse_attention_fwd.SparseAttnFwdSm100`` and
+``sparse_attention_bwd.SparseAttnBwdSm100``; what each serves is its
+``can_implement`` (bf16 / fp16, a multiple of 64 query heads per kv head, D
+512 or 576, d_v 512).  The backward's host side (the Triton preprocess,
+the dkv accumulator, the deterministic mode's per-slot rows and fixed-order
+sum) is the SM90 backward's (``dsa.cute.sparse_attention_bwd.run_backward``).
+Compiled kernels are cached per (config, device); every launch runs under
+the tensors' device and its current stream.  This module never decides
+whether a kernel is trusted: ``dsa.cute.sm100`` runs its self-check
+(``self_check`` / ``self_check_backward``) first.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from dsa._args import SparseAttnArgs
 from dsa._rules import LOG2E
-from dsa.cute.host import arch_reason, cutlass_dtype, current_stream
+from dsa.cute.host import arch_reason, current_stream, cutlass_dtype, gmem_ptr, zero_row
 from dsa.cute.sparse_attention import DEFAULT, SERVED_DV, GridConfig, call_reason, kernel_pointers, kernel_scalars
 
-# (FwdSm100Config, device index) -> compiled kernel
+# (FwdSm100Config or BwdSm100Config, device index) -> compiled kernel
 _COMPILED: Dict[tuple, object] = {}
 
 
 def supports(a: SparseAttnArgs) -> Optional[str]:
-    """None when the SM100 kernel can serve ``a``, else the reason."""
-    why = arch_reason(a.q.device, "the cute SM100 sparse attention kernel", "sm100")
+    """None when the SM100 forward kernel can serve ``a``, else the reason."""
+    return _reason(a, "the cute SM100 sparse attention kernel", "sparse_attention_fwd", "SparseAttnFwdSm100")
+
+
+def _reason(a: SparseAttnArgs, what: str, module: str, builder: str) -> Optional[str]:
+    """Why the kernel ``dsa.cute.sm100.<module>.<builder>`` (``what``)
+    cannot serve ``a`` (None if it can): the device, then ``call_reason``
+    with its ``can_implement``."""
+    why = arch_reason(a.q.device, what, "sm100")
     if why:
         return why
 
     def can_implement(*problem):
-        from dsa.cute.sm100.sparse_attention_fwd import SparseAttnFwdSm100
-
-        return SparseAttnFwdSm100.can_implement(*problem)
+        kernel = getattr(importlib.import_module(f"dsa.cute.sm100.{module}"), builder)
+        return kernel.can_implement(*problem)
 
     return call_reason(a, can_implement)
 
@@ -48,21 +61,24 @@ def kernel_config(a: SparseAttnArgs):
                           a.sink is not None)
 
 
-def _compiled(a: SparseAttnArgs, ptrs, scalars, stream):
+def _compiled(builder, config, device: torch.device, ptrs, scalars, stream):
+    """The kernel ``builder.from_config(config)`` compiled for ``device``
+    (compiled on its first use there; a compiled kernel's module is loaded
+    in the context of the device it was compiled on)."""
     import cutlass.cute as cute
 
-    from dsa.cute.sm100.sparse_attention_fwd import SparseAttnFwdSm100
-
-    key = (kernel_config(a), a.q.device.index)
+    key = (config, device.index)
     fn = _COMPILED.get(key)
     if fn is None:
-        fn = _COMPILED[key] = cute.compile(SparseAttnFwdSm100.from_config(key[0]), *ptrs, *scalars, stream)
+        fn = _COMPILED[key] = cute.compile(builder.from_config(config), *ptrs, *scalars, stream)
     return fn
 
 
 def forward(a: SparseAttnArgs, config: Optional[GridConfig] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """out [T, H, d_v] in q.dtype and lse [T, H] fp32 (sink excluded, +inf on
     empty rows).  config: the grid (default: persistent, one CTA an SM)."""
+    from dsa.cute.sm100.sparse_attention_fwd import SparseAttnFwdSm100
+
     cfg = config or DEFAULT
     with torch.cuda.device(a.q.device):
         out = torch.empty((a.T, a.H, a.d_v), dtype=a.q.dtype, device=a.q.device)
@@ -70,7 +86,7 @@ def forward(a: SparseAttnArgs, config: Optional[GridConfig] = None) -> Tuple[tor
         ptrs = kernel_pointers(a, out, lse)
         scalars = kernel_scalars(a, cfg.grid(a.q.device))
         stream = current_stream(a.q.device)
-        _compiled(a, ptrs, scalars, stream)(*ptrs, *scalars, stream)
+        _compiled(SparseAttnFwdSm100, kernel_config(a), a.q.device, ptrs, scalars, stream)(*ptrs, *scalars, stream)
     return out, lse
 
 
@@ -89,9 +105,11 @@ def hostile_problem(config, device: torch.device, seed: int = 0) -> SparseAttnAr
     indices -1, N and 2**31 - 1 and duplicates; topk_length past K,
     negative, 0 (tiles with no valid slot) and mid-block; kv rows of NaN
     named only by slots past topk_length; a query head of NaN (its out and
-    lse are NaN); sinks +inf, -inf, 3e38 and ordinary; and, for half the
-    heads, scores that grow along the row by more than 2^8 every couple of
-    blocks, so that O is rescaled in flight (the other half's shrink)."""
+    lse are NaN), and one in a token whose every slot is invalid (an empty
+    row: out 0, lse +inf, no gradient); sinks +inf, -inf, 3e38 and
+    ordinary; and, for half the heads, scores that grow along the row by
+    more than 2^8 every couple of blocks, so that O is rescaled in flight
+    (the other half's shrink)."""
     g = torch.Generator().manual_seed(seed)
     dtype = torch.bfloat16 if config.dtype.__name__ == "BFloat16" else torch.float16
     T, K, N, H, G, D = SELF_CHECK_T, SELF_CHECK_K, SELF_CHECK_N, config.H, config.G, config.D
@@ -106,6 +124,8 @@ def hostile_problem(config, device: torch.device, seed: int = 0) -> SparseAttnAr
     idx[..., 1::7] = -1
     idx[..., 2::11] = N
     idx[..., 3::13] = 2**31 - 1
+    idx[5] = -1                      # a token with no valid slot though its topk_length is 1 (or K)
+    q[5, H // 2] = float("nan")      # and a NaN query head there: out 0, lse +inf, zero gradients
     lengths = torch.tensor([K + 50, -3, 0, 37, K, 1, 130], dtype=torch.int32)[:T]
     kv[N - 2:] = float("nan")
     if config.has_len:
@@ -158,4 +178,106 @@ def compile_offline(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, h
             p(dt, 16), p(cutlass.Float32, 4), p(dt, 16))
     scalars = (cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Float32(LOG2E), cutlass.Int32(148))
     kernel = SparseAttnFwdSm100(dt, D, SERVED_DV, H, G, has_len, has_sink)
+    return cute.compile(kernel, *ptrs, *scalars, cuda.CUstream(0), options=options)
+
+
+# --------------------------------------------------------------------------
+# the backward
+
+def supports_backward(a: SparseAttnArgs) -> Optional[str]:
+    """None when the SM100 backward kernel can serve ``a``, else the reason."""
+    return _reason(a, "the cute SM100 sparse attention backward", "sparse_attention_bwd", "SparseAttnBwdSm100")
+
+
+def backward_config(a: SparseAttnArgs):
+    """The ``BwdSm100Config`` that serves ``a`` (the self-check's key too)."""
+    from dsa.cute.sm100.sparse_attention_bwd import BwdSm100Config
+
+    return BwdSm100Config(cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G, a.topk_length is not None,
+                          bool(a.deterministic))
+
+
+def backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+             config: Optional[GridConfig] = None) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """dq [T, H, D] (q.dtype), dkv [N, G, D] (kv.dtype, accumulated in fp32),
+    dsink [H] fp32 (None without a sink).  out [T, H, d_v], lse [T, H] fp32
+    (+inf on empty rows) and dout [T, H, d_v] as the forward's.  config: the
+    grid (default: persistent, one CTA an SM)."""
+    from dsa.cute.sparse_attention_bwd import run_backward
+
+    grid = config or DEFAULT
+
+    def launch(a, dout, lg2den, delta, dq, dkv_buf, t0, tc):
+        _launch_backward(a, dout, lg2den, delta, dq, dkv_buf, t0, tc, grid)
+
+    return run_backward(a, out, lse, dout, launch)
+
+
+def _launch_backward(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv_buf, t0: int, tc: int,
+                     grid: GridConfig) -> None:
+    """The kernel over the tokens [t0, t0 + tc), under a's device: every
+    per-token pointer starts at token t0, so the kernel sees tc tokens."""
+    import cutlass
+
+    from dsa.cute.sm100.sparse_attention_bwd import SparseAttnBwdSm100
+    from dsa.cute.sparse_attention_bwd import _ptr_types
+
+    dt = cutlass_dtype(a.q.dtype)
+    rows = slice(t0, t0 + tc)
+    length = a.topk_length[rows] if a.topk_length is not None else a.indices  # never read when absent
+    with torch.cuda.device(a.q.device):
+        tensors = (a.q[rows], a.kv, a.indices[rows], length, dout[rows], lg2den[rows], delta[rows], dq[rows],
+                   dkv_buf, zero_row(a.q.device, a.q.dtype, a.D))
+        ptrs = tuple(gmem_ptr(x, ty, al) for x, (ty, al) in zip(tensors, _ptr_types(dt)))
+        scalars = (cutlass.Int32(tc), cutlass.Int32(a.N), cutlass.Int32(a.K), cutlass.Float32(a.sm_scale * LOG2E),
+                   cutlass.Float32(a.sm_scale), cutlass.Int32(grid.grid(a.q.device)))
+        stream = current_stream(a.q.device)
+        _compiled(SparseAttnBwdSm100, backward_config(a), a.q.device, ptrs, scalars, stream)(*ptrs, *scalars,
+                                                                                            stream)
+
+
+def self_check_backward(config, device: torch.device, kernel=None,
+                        reference=None) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """[(kernel's, reference's)] dq, dkv and dsink of ``config``'s backward
+    on the hostile problem of ``hostile_problem`` (with sinks: +inf, -inf,
+    3e38), its out and lse from the Triton forward and a random dout, the
+    reference being the Triton backward (a grid of a few CTAs, so each runs
+    several tiles).  ``kernel`` / ``reference`` (signature: a, out, lse,
+    dout) stand in for them (the tests run the gate on CPU with stand-ins)."""
+    import dataclasses
+
+    from dsa.cute.sm100.sparse_attention_fwd import FwdSm100Config
+    from dsa.triton import sparse_attention as triton_sa
+
+    if kernel is None:
+        def kernel(a, out, lse, dout):
+            return backward(a, out, lse, dout, GridConfig(ctas=SELF_CHECK_CTAS))
+    if reference is None:
+        reference = triton_sa.backward
+    problem = FwdSm100Config(config.dtype, config.D, config.d_v, config.H, config.G, config.has_len, True)
+    a = dataclasses.replace(hostile_problem(problem, device), deterministic=config.deterministic)
+    out, lse = triton_sa.forward(a)
+    g = torch.Generator().manual_seed(1)
+    dout = torch.randn(a.T, a.H, a.d_v, generator=g).to(a.q.dtype).to(device)
+    got, want = kernel(a, out, lse, dout), reference(a, out, lse, dout)
+    return list(zip(got, want))
+
+
+def compile_offline_backward(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, deterministic: bool,
+                             options: str = "--keep-ptx"):
+    """Compile the backward without a GPU (``CUTE_DSL_ARCH=sm_100a``), for CI
+    and inspection; returns the compiled object.  options as ``compile_offline``'s."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    from dsa.cute.sm100.sparse_attention_bwd import SparseAttnBwdSm100
+    from dsa.cute.sparse_attention_bwd import _ptr_types
+
+    dt = cutlass_dtype(dtype) or dtype
+    ptrs = tuple(make_ptr(ty, al * 64, cute.AddressSpace.gmem, assumed_align=al) for ty, al in _ptr_types(dt))
+    scalars = (cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Float32(LOG2E), cutlass.Float32(1.0),
+               cutlass.Int32(148))
+    kernel = SparseAttnBwdSm100(dt, D, SERVED_DV, H, G, has_len, deterministic)
     return cute.compile(kernel, *ptrs, *scalars, cuda.CUstream(0), options=options)

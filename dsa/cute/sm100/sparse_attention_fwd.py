@@ -25,7 +25,7 @@ Tensor memory (512 columns of 128 lanes, fp32).  Every MMA has M = 64 (one
 head block), whose accumulator uses 16 lanes of each warp's 32-lane
 quadrant: the tensor core puts the first N-atom of an accumulator in lanes
 0-15 of the quadrants and the second in lanes 16-31 (the MMA layouts are
-checked against this when the kernel is traced, ``_check_tmem_rows``).
+checked against this when the kernel is traced, ``rows.check_tmem_rows``).
 So O [64, 512] is two N = 256 atoms in columns [0, 256), and each S buffer
 [64, 64] two N = 32 atoms in 32 columns ([256, 288) and [288, 320)).  Thread
 l of softmax warp w (its own quadrant) then holds, with one 32-lane TMEM load,
@@ -40,7 +40,9 @@ the previous P V to retire, loads its rows of O, scales and stores them back,
 before it hands P to the MMA warp.  A row whose m is still -inf holds O = 0
 (or NaN) and needs no rescale.  Row maxima propagate NaN (``fmax`` with
 ``nan=True``), and NaN in a score reaches l and O through exp2, so NaN in q
-or in a valid kv row gives NaN out; the sink is folded into the denominator
+or in a valid kv row gives NaN out; a padded slot's score is -inf whatever
+S is, so a NaN query row with no valid slot gives out = 0 and lse = +inf
+like any empty row.  The sink is folded into the denominator
 at the end relative to m (+inf or a huge sink gives out = 0, -inf none).
 
 Every barrier is an mbarrier used once per block, per tile or per stage
@@ -64,9 +66,11 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 
 from dsa.cute import pipeline, rules, scheduler
-from dsa.cute.gmem import aligned, copy_head_rows, gather_copier
+from dsa.cute.gmem import copy_head_rows
 from dsa.cute.rules import LOG2E, finite_shift
-from dsa.cute.sm100 import sync
+from dsa.cute.sm100 import rows, sync
+from dsa.cute.sm100.gather import BlockGather
+from dsa.cute.sm100.rows import ROW_COLS  # columns of S, and of each O chunk, a thread loads at once
 
 BLOCK_H = 64          # query heads per CTA: the M of every tcgen05.mma
 BN = 64               # slots per block and stage; two stages
@@ -79,7 +83,6 @@ THREADS = 32 * (MMA_WARP + 1)
 TMEM_COLS = 512       # allocation unit: a power of two >= the 320 used
 O_COL = 0             # O: columns [0, 256)
 S_COL = 256           # S buffer s: columns [256 + 32 s, 288 + 32 s)
-ROW_COLS = 32         # columns of S, and of each O chunk, a thread loads at once
 RESCALE_LOG2 = 8.0    # O is rescaled only when a row maximum grows by more (P <= 2^8)
 MASK_WRITERS = 16     # loader threads that write a block's mask: one per row of a copy pass
 SMEM_LIMIT = 227 * 1024  # the largest dynamic shared memory of an SM100 CTA
@@ -146,31 +149,6 @@ class SoftmaxState:
     scale_log2: Any
 
 
-def _check_p_layout(sp_layout, dtype):
-    """The P tile's layout as ``store_p`` writes it: 16-bit elements, row r
-    and column c at element 64 r + c before the 128-byte swizzle (which XORs
-    the 16-byte chunk index, address bits 4-6, with bits 7-9)."""
-    if dtype.width != 16 or str(sp_layout.inner) != "S<3,4,3>":
-        raise ValueError(f"unexpected P layout {sp_layout} for {dtype}")
-    for r in range(BLOCK_H):
-        for c in range(0, BN, 8):
-            if cute.crd2idx((r, c), sp_layout.outer) != r * BN + c:
-                raise ValueError(f"unexpected P layout {sp_layout}: ({r}, {c})")
-
-
-def _check_tmem_rows(layout, n_atom: int):
-    """The MMA accumulator layout the kernel is written for (M = 64): row r,
-    column c at TMEM lane (r % 16) + 32 (r // 16) + 16 (c // n_atom) and
-    column c % n_atom.  Checked at trace time; a DSL that laid M = 64
-    accumulators out otherwise fails the compile instead of the results."""
-    for r in range(BLOCK_H):
-        for c in (0, n_atom - 1, n_atom, 2 * n_atom - 1):
-            got = cute.crd2idx((((r % 16, r // 16), c % n_atom), 0, c // n_atom), layout)
-            want = (((r % 16) + 32 * (r // 16) + 16 * (c // n_atom)) << 16) + c % n_atom
-            if got != want:
-                raise ValueError(f"unexpected TMEM accumulator layout {layout}: ({r}, {c}) -> {got}, not {want}")
-
-
 class SparseAttnFwdSm100:
     """Host-side builder of the kernel for one static configuration."""
 
@@ -223,7 +201,7 @@ class SparseAttnFwdSm100:
         sv_layout = cute.tile_to_shape(mn_atom, (self.d_v, BN), order=(1, 0))
         sp_layout = cute.tile_to_shape(k_atom, (BLOCK_H, BN), order=(0, 1))
         p_elems = 1 if self.D > self.d_v else 2 * BLOCK_H * BN  # unused single element with D > d_v
-        _check_p_layout(sp_layout, dt)
+        rows.check_k_tile(sp_layout, dt)
 
         @cute.struct
         class Smem:  # smem_bytes() is its size
@@ -313,48 +291,30 @@ class SparseAttnFwdSm100:
     @cute.jit
     def loader(self, ltid, sQ, sK, sOk, bars: Bars, tiles: scheduler.SlotTiles, q_ptr, kv_ptr, zero_ptr, N):
         sched = tiles.sched
-        atom, thr, row_in_pass, col0 = gather_copier(self.dtype, ltid)
-        tK = thr.partition_D(sK)  # (copy, pass, 64-column chunk, stage)
-        ns = cute.make_rmem_tensor((BN // 16,), Int32)    # indices of this thread's rows of a block
-        base = cute.make_rmem_tensor((BN // 16,), Int64)  # their source addresses
-        mk = cute.make_rmem_tensor((BN // 16,), Float32)  # and masks
+        gather = BlockGather.create(self.dtype, ltid, self.D, self.G)
+        tK = gather.thr.partition_D(sK)  # (copy, pass, 64-column chunk, stage)
         ok = cute.make_tensor(sOk, cute.make_layout((2, BN), stride=(BN, 1)))
-        ES = self.dtype.width // 8
         nb = Int32(0)  # blocks of earlier tiles (stage of block b: b % 2, its use: b // 2)
         jq = Int32(0)  # earlier tiles with a valid slot
         for tile_id in cutlass.range(sched.first, sched.n_tiles, sched.stride, unroll=1):
             t, g, head0, L, n_blocks, idx_row = self.tile(tiles, tile_id)
             if n_blocks > 0:
-                rules.fetch_indices(ns, idx_row, 0, BN, row_in_pass, 16, L)
+                gather.first(idx_row, L)
                 for i in cutlass.range(n_blocks, unroll=1):
-                    rules.block_sources(base, mk, ns, i, L, N, kv_ptr, zero_ptr, g, self.G, self.D * ES,
-                                        col0 * ES, BN, row_in_pass, 16)
-                    # the next block's indices load while this block's copies fly
-                    rules.fetch_indices(ns, idx_row, i + 1, BN, row_in_pass, 16, L)
+                    gather.sources(i, idx_row, L, N, kv_ptr, zero_ptr, g)
                     b = nb + i
                     s = b % 2
                     u = b // 2
                     if u > 0:  # P V of the block that last used the stage (and its P, its mask) retired
                         cute.arch.mbarrier_wait(bars.pv_done + s, pipeline.phase(u - 1))
-                    for m in cutlass.range_constexpr(BN // 16):
-                        for c in cutlass.range_constexpr(self.D // 64):
-                            src = cute.make_tensor(aligned(self.dtype, base[m] + c * 64 * ES), cute.make_layout((8,)))
-                            cute.copy(atom, src, tK[None, m, c, s])
-                    cute.arch.cp_async_commit_group()
-                    if col0 == 0:
-                        for m in cutlass.range_constexpr(BN // 16):
-                            ok[s, row_in_pass + 16 * m] = mk[m]
+                    gather.issue(tK[None, None, None, s], ok[s, None])
                     if i == 0:
                         if jq > 0:  # every S of the last tile retired: Q may be overwritten
                             cute.arch.mbarrier_wait(bars.q_empty, pipeline.phase(jq - 1))
-                        copy_head_rows(atom, thr.partition_D(sQ), q_ptr, self.dtype, t, self.H, head0, BLOCK_H,
-                                       self.D, row_in_pass, col0)
+                        copy_head_rows(gather.atom, gather.thr.partition_D(sQ), q_ptr, self.dtype, t, self.H,
+                                       head0, BLOCK_H, self.D, gather.row_in_pass, gather.col0)
                         cute.arch.cp_async_commit_group()
-                    # This thread's copies have landed; the fence makes them (and
-                    # the mask) visible to the tensor core's async proxy before
-                    # the arrive releases them.
-                    cute.arch.cp_async_wait_group(0)
-                    cute.arch.fence_view_async_shared()
+                    gather.land()
                     if i == 0:
                         cute.arch.mbarrier_arrive(bars.q_full)
                     cute.arch.mbarrier_arrive(bars.k_full + s)
@@ -371,8 +331,8 @@ class SparseAttnFwdSm100:
         tSrK = qk_mma.make_fragment_B(thr_qk.partition_B(sK))   # (MMA, 2, D / 16, stage)
         s_layout = qk_mma.make_fragment_C(qk_mma.partition_shape_C((BLOCK_H, BN))).layout
         o_layout = pv_mma.make_fragment_C(pv_mma.partition_shape_C((BLOCK_H, self.d_v))).layout
-        _check_tmem_rows(s_layout, S_ATOM_N)
-        _check_tmem_rows(o_layout, O_ATOM_N)
+        rows.check_tmem_rows(s_layout, S_ATOM_N)
+        rows.check_tmem_rows(o_layout, O_ATOM_N)
         tO = cute.make_tensor(tmem + O_COL, o_layout)
         raw = cute.recast_ptr(sK.iterator, None)
         nb = Int32(0)
@@ -438,15 +398,7 @@ class SparseAttnFwdSm100:
     def softmax_state(self, wtid, tmem, sK, sP, sOk, scale_log2) -> SoftmaxState:
         """Thread wtid's TMEM copies, registers and shared-memory views."""
         lane = wtid % 32
-        phys = cute.make_tensor(tmem, cute.make_layout((32 * SOFTMAX_WARPS, ROW_COLS), stride=(1 << 16, 1)))
-        load = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), Float32), phys)
-        store = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition.x32), Float32), phys)
-        sync.check_lane_copy(load, True, 32 * SOFTMAX_WARPS, ROW_COLS)
-        sync.check_lane_copy(store, False, 32 * SOFTMAX_WARPS, ROW_COLS)
-        t2r, r2t = load.get_slice(wtid), store.get_slice(wtid)
-        frag = t2r.partition_D(cute.make_identity_tensor((32 * SOFTMAX_WARPS, ROW_COLS))).shape
+        t2r, r2t, frag = rows.lane_copies(tmem, wtid)
         rS = cute.make_rmem_tensor(frag, Float32)
         rO = cute.make_rmem_tensor(frag, Float32)
         rP = cute.make_rmem_tensor((ROW_COLS,), self.dtype)
@@ -460,9 +412,7 @@ class SparseAttnFwdSm100:
     @cute.jit
     def tmem_cols(self, ss: SoftmaxState, col):
         """This thread's 32-lane TMEM slice at column col (its lane, 32 columns)."""
-        phys = cute.make_tensor(ss.tmem + col, cute.make_layout((32 * SOFTMAX_WARPS, ROW_COLS),
-                                                                 stride=(1 << 16, 1)))
-        return phys
+        return rows.cols(ss.tmem, col)
 
     @cute.jit
     def softmax(self, ss: SoftmaxState, bars: Bars, tiles: scheduler.SlotTiles, sink_ptr, out_ptr, lse_ptr):
@@ -505,7 +455,9 @@ class SparseAttnFwdSm100:
             rM[j] = ss.ok[s, slot0 + j]
         mx = -Float32.inf
         for j in cutlass.range_constexpr(ROW_COLS):
-            x = rS[j] * ss.scale_log2 + rM[j]
+            # a select, not rM added: a padded slot's score is -inf even where
+            # q is NaN (its zero row gives S = NaN), a valid slot keeps its NaN
+            x = Float32(cutlass.select_(rM[j] == 0.0, rS[j] * ss.scale_log2, -Float32.inf))
             rS[j] = x
             mx = cute.arch.fmax(mx, x, nan=True)
         mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 16), nan=True)  # the row's other half
@@ -543,15 +495,8 @@ class SparseAttnFwdSm100:
     def store_p(self, ss: SoftmaxState, s):
         """P of this thread's row and 32 slots into the stage's P buffer,
         fenced for the tensor core.  The buffer is the MMA's K-major SW128
-        tile (``_check_p_layout``): row r at byte 128 r, its 16-byte chunk j
-        at chunk j ^ (r % 8); each of the thread's four chunks is one
-        16-byte store."""
-        words = cute.recast_tensor(ss.rP, Int32)  # 16 words: chunk jj is words 4 jj .. 4 jj + 3
-        row_addr = self.p_pointer(ss.sK_raw, ss.sP_raw, s).toint() + ss.row * (BN * 2)
-        for jj in cutlass.range_constexpr(ROW_COLS // 8):
-            chunk = (ss.half * (ROW_COLS // 8) + jj) ^ (ss.row % 8)
-            dst = cute.make_ptr(Int32, row_addr + chunk * 16, cute.AddressSpace.smem, assumed_align=16)
-            cute.autovec_copy(cute.local_tile(words, (4,), (jj,)), cute.make_tensor(dst, cute.make_layout((4,))))
+        tile (``rows.store_tile_row``)."""
+        rows.store_tile_row(ss.rP, self.p_pointer(ss.sK_raw, ss.sP_raw, s).toint(), ss.row, ss.half)
         cute.arch.fence_view_async_shared()
 
     @cute.jit
@@ -592,7 +537,7 @@ class SparseAttnFwdSm100:
             sync.wait_ld()
             for j in cutlass.range_constexpr(ROW_COLS):
                 ss.rP[j] = (rO[j] * inv).to(self.dtype)
-            self.store_row(ss.rP, row_base + c * ROW_COLS * (self.dtype.width // 8))
+            rows.store_global(ss.rP, self.dtype, row_base + c * ROW_COLS * (self.dtype.width // 8))
         if ss.half == 0:
             mul = cute.make_rmem_tensor((1,), Float32)
             lr = cute.make_rmem_tensor((1,), Float32)
@@ -600,12 +545,6 @@ class SparseAttnFwdSm100:
             lr[0] = l_row
             dst = cute.make_tensor(lse_ptr + (Int64(t) * Int64(self.H) + Int64(head)), cute.make_layout((1,)))
             dst[0] = rules.row_lse(mul, lr, 0)
-
-    @cute.jit
-    def store_row(self, vals, addr):
-        """32 q.dtype values to global memory at byte address addr (64-byte aligned)."""
-        dst = cute.make_tensor(aligned(self.dtype, addr), cute.make_layout((ROW_COLS,)))
-        cute.autovec_copy(vals, dst)
 
     @cute.jit
     def store_empty(self, ss: SoftmaxState, out_ptr, lse_ptr, t, head0):
@@ -616,7 +555,7 @@ class SparseAttnFwdSm100:
         row_base = out_ptr.toint() + ((Int64(t) * Int64(self.H) + Int64(head)) * Int64(self.d_v)
                                       + ss.half * O_ATOM_N) * (self.dtype.width // 8)
         for c in cutlass.range_constexpr(O_ATOM_N // ROW_COLS):
-            self.store_row(ss.rP, row_base + c * ROW_COLS * (self.dtype.width // 8))
+            rows.store_global(ss.rP, self.dtype, row_base + c * ROW_COLS * (self.dtype.width // 8))
         if ss.half == 0:
             dst = cute.make_tensor(lse_ptr + (Int64(t) * Int64(self.H) + Int64(head)), cute.make_layout((1,)))
             dst[0] = Float32.inf

@@ -860,10 +860,10 @@ def test_backward_host_flow_with_an_emulated_launch(monkeypatch, deterministic):
     the zeroed accumulator, or, deterministic, each valid slot's row stored
     at [head block, token - t0, g, slot] of the per-slot buffer [HB, tc, G,
     K, D] of the launch's tc tokens; several token chunks a call.  The result is the kernel-like computation's."""
-    from dsa.cute import sparse_attention_bwd as cbwd
     from dsa.cute.sm100 import sparse_attention as sm100_sa
+    from dsa.triton import segment_sum
 
-    monkeypatch.setattr(cbwd, "DETERMINISTIC_SLOT_BYTES", 3 * 2 * 64 * 512 * 4)  # 3 tokens a chunk: 2 chunks
+    monkeypatch.setattr(segment_sum, "WORKSPACE_BYTES", 3 * 2 * 64 * 512 * 4)  # 3 tokens a chunk: 2 chunks
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())  # CPU tensors stand in
     args, kw = _call_inputs(H=128, N=24)  # few kv rows: the interpreted segment_sum runs a program per row
     q, kv, idx = args

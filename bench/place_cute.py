@@ -18,6 +18,14 @@ each call fed the Triton forward's out and lse and a random dO) and writes
    (``DIR/placement_sm90.json``, or ``placement_sm100.json`` on an SM100 GPU,
    where the SM100 kernel is timed; copy it to ``dsa/cute/``).
 
+``--dtype`` measures the shapes of one dtype only and writes their raw
+timings (``*.part-{dtype}.json``); ``--merge PART...`` builds the table and
+its holdout regret from such parts, with no GPU.  A call decides by entries of
+its own dtype only, so the parts are independent and merging them gives the
+table one process would.  Two parts can run at once on one GPU: each compiles
+its kernels (CPU work), then times while holding ``--lock`` (one timer at a
+time), which halves the compile wall time of a study.
+
 Timing: every kernel configuration is compiled before anything is timed
 (an idle GPU during a compile lowers its clocks, and the next small shape
 would be timed slow), the GPU is kept busy for a second, then each shape is
@@ -33,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import fcntl
 import itertools
 import json
 import math
@@ -146,47 +155,88 @@ def features(shape):
     return dict(dtype=dt, D=D, HG=HG, K=K, T=T)
 
 
+def measure(args, backends):
+    """Time the training and holdout shapes of args.dtype (all when None):
+    (train rows, holdout rows), each a shape with its cute and triton ms."""
+    train = [s for s in TRAIN if args.dtype in (None, s[0])]
+    holdout = [s for s in HOLDOUT if args.dtype in (None, s[0])]
+    compile_all(train + holdout, backends, args.op)
+    lock = open(args.lock, "w") if args.lock else None
+    if lock is not None:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held until exit: one part times at a time
+    keep_busy()
+    out = []
+    for kind, shapes in (("train", train), ("holdout", holdout)):
+        rows = []
+        for shape in shapes:
+            t = time_both(shape, backends, args.op)
+            rows.append(dict(shape=list(shape), cute_ms=round(t["cute"], 5), triton_ms=round(t["triton"], 5)))
+            print(f"{kind} {shape}: cute {t['cute']:.4f} ms triton {t['triton']:.4f} ms", flush=True)
+        out.append(rows)
+    return out
+
+
+def build(train_rows, holdout_rows, device, commit, op):
+    """The table document (entries and holdout regret) from timed rows."""
+    entries = []
+    for r in train_rows:
+        t = dict(cute=r["cute_ms"], triton=r["triton_ms"])
+        entries.append(dict(features(tuple(r["shape"])), backend=min(t, key=t.get), cute_ms=r["cute_ms"],
+                            triton_ms=r["triton_ms"]))
+    table = [placement.Entry(**e) for e in entries]
+    rows, logs = [], []
+    for r in holdout_rows:
+        t = dict(cute=r["cute_ms"], triton=r["triton_ms"])
+        entry = placement.nearest(features(tuple(r["shape"])), table)
+        pick = entry.backend if entry is not None else "triton"
+        regret = t[pick] / min(t.values())
+        logs.append(math.log(regret))
+        rows.append(dict(r, picked=pick, regret=round(regret, 4)))
+        print(f"holdout {tuple(r['shape'])}: picked {pick} regret {regret:.3f}", flush=True)
+    geo = math.exp(sum(logs) / len(logs))
+    print(f"holdout regret (geomean over {len(rows)} shapes): {geo:.4f}", flush=True)
+    return dict(
+        device=device, date=str(datetime.date.today()), commit=commit,
+        timing="compile first, GPU kept busy 1 s, then per shape the lower of two do_bench medians "
+               f"(warmup 25 ms, rep 60 ms) per backend; op {op}",
+        features="exact dtype and D; nearest in log2 of HG, K, T",
+        entries=entries, holdout=dict(regret_geomean=round(geo, 4), shapes=rows),
+    ), geo
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--commit", default="")
     ap.add_argument("--op", choices=("fwd", "bwd"), default="fwd")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16"), help="measure one dtype's shapes: a part")
+    ap.add_argument("--lock", help="a file locked while timing, shared by parts run at once")
+    ap.add_argument("--merge", nargs="+", metavar="PART", help="build the table from parts (no GPU)")
+    ap.add_argument("--arch", default=ARCH, help="with --merge: the table's architecture")
     args = ap.parse_args()
-    backends = FORWARD if args.op == "fwd" else BACKWARD
     os.makedirs(args.out, exist_ok=True)
+    name = f"placement_{args.arch}" + ("_bwd" if args.op == "bwd" else "")
 
-    compile_all(TRAIN + HOLDOUT, backends, args.op)
-    keep_busy()
-    entries = []
-    for shape in TRAIN:
-        t = time_both(shape, backends, args.op)
-        e = dict(features(shape), backend=min(t, key=t.get), cute_ms=round(t["cute"], 5),
-                 triton_ms=round(t["triton"], 5))
-        entries.append(e)
-        print(f"train {shape}: cute {t['cute']:.4f} ms triton {t['triton']:.4f} ms -> {e['backend']}", flush=True)
-    table = [placement.Entry(**e) for e in entries]
-
-    rows, logs = [], []
-    for shape in HOLDOUT:
-        t = time_both(shape, backends, args.op)
-        entry = placement.nearest(features(shape), table)
-        pick = entry.backend if entry is not None else "triton"
-        regret = t[pick] / min(t.values())
-        logs.append(math.log(regret))
-        rows.append(dict(shape=list(shape), cute_ms=round(t["cute"], 5), triton_ms=round(t["triton"], 5),
-                         picked=pick, regret=round(regret, 4)))
-        print(f"holdout {shape}: cute {t['cute']:.4f} ms triton {t['triton']:.4f} ms picked {pick} "
-              f"regret {regret:.3f}", flush=True)
-    geo = math.exp(sum(logs) / len(logs))
-    print(f"holdout regret (geomean over {len(rows)} shapes): {geo:.4f}", flush=True)
-    doc = dict(
-        device=torch.cuda.get_device_name(), date=str(datetime.date.today()), commit=args.commit,
-        timing="compile first, GPU kept busy 1 s, then per shape the lower of two do_bench medians "
-               f"(warmup 25 ms, rep 60 ms) per backend; op {args.op}",
-        features="exact dtype and D; nearest in log2 of HG, K, T",
-        entries=entries, holdout=dict(regret_geomean=round(geo, 4), shapes=rows),
-    )
-    name = f"placement_{ARCH}" + ("_bwd" if args.op == "bwd" else "")
+    if args.merge:
+        parts = [json.load(open(p)) for p in args.merge]
+        if len({(p["device"], p["op"]) for p in parts}) != 1 or parts[0]["op"] != args.op:
+            raise SystemExit("parts of different devices or ops")
+        train = [r for p in parts for r in p["train"]]
+        holdout = [r for p in parts for r in p["holdout"]]
+        device, commit = parts[0]["device"], args.commit or parts[0]["commit"]
+    else:
+        backends = FORWARD if args.op == "fwd" else BACKWARD
+        train, holdout = measure(args, backends)
+        device = torch.cuda.get_device_name()
+        if args.dtype:
+            path = os.path.join(args.out, f"{name}.part-{args.dtype}.json")
+            with open(path, "w") as f:
+                json.dump(dict(device=device, op=args.op, commit=args.commit, train=train, holdout=holdout), f,
+                          indent=1)
+            print(f"wrote {path}")
+            return
+        commit = args.commit
+    doc, geo = build(train, holdout, device, commit, args.op)
     path = os.path.join(args.out, f"{name}.json" if geo <= 1.02 else f"{name}.rejected.json")
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)

@@ -14,11 +14,23 @@ topk_idxs, *, softmax_scale, topk_length)`` -> {"dq", "dkv", "d_sink"};
 ``indexer_forward_wrapper(q, k, w, ratio=, sm_scale=)`` -> {"scores"};
 ``indexer_top_k_wrapper(scores, seq_lens, top_k, next_n=1, return_val=False)``
 -> {"indices"} (cuDNN's own order: not sorted, not -1 padded).
+
+Indexer training (cudnn-frontend >= 1.32, batched [B, S, ...] tensors, -1
+for an invalid slot): ``sparse_attn_score_recompute_wrapper(q, kv, lse,
+topk_indices, softmax_scale, qhead_per_kv_head=H)`` -> {"target"};
+``sparse_indexer_score_recompute_wrapper(q_i, k_i, weights, topk_indices)``
+-> {"predict"} (the softmax over the slots; no sm_scale argument: the weights
+carry it); ``indexer_backward_wrapper(q_i, weights, k_i, attn_score,
+index_score, topk_indices, grad_loss, sm_scale=, loss_coeff=)`` ->
+{"d_index_q", "d_weights", "d_index_k"} (it overwrites ``attn_score``, and
+scales by loss_coeff / (B * S_q): the mean over rows).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
+
+import torch
 
 # A score matrix above this is not composed from indexer + top-k (the fused
 # cuDNN path is SM100-only and not wired here).
@@ -94,3 +106,39 @@ def indexer_topk(q, k, weights, topk, seq_lens, *, ratio, sm_scale=1.0):
     """Indexer then top-k (materialises the score matrix: small shapes only)."""
     scores = indexer_scores(q, k, weights, ratio=ratio, sm_scale=sm_scale)
     return topk_indices(scores.flatten(0, 1), topk, seq_lens)
+
+
+# --------------------------------------------------------------------------
+# indexer training (packed dsa tensors are passed as one batch)
+
+
+def attention_target(q, kv, indices, lse, *, sm_scale):
+    """q [T, H, D], kv [N, D], indices [T, K], lse [T, H] -> target [T, K]."""
+    res = wrapper("sparse_attn_score_recompute_wrapper")(
+        q.unsqueeze(0), kv.unsqueeze(0), lse.unsqueeze(0), indices.unsqueeze(0), sm_scale,
+        qhead_per_kv_head=q.shape[1],
+    )
+    return res["target"][0]
+
+
+def indexer_softmax(q_i, k_i, weights, indices, *, sm_scale):
+    """The softmax of the indexer logits over the slots [T, K] (the weights
+    scaled by sm_scale, since the wrapper has no sm_scale argument)."""
+    res = wrapper("sparse_indexer_score_recompute_wrapper")(
+        q_i.unsqueeze(0), k_i.unsqueeze(0), (weights * sm_scale).unsqueeze(0), indices.unsqueeze(0),
+        qhead_per_kv_head=q_i.shape[1],
+    )
+    return res["predict"][0]
+
+
+def indexer_kl_step(q_i, k_i, weights, indices, target, *, sm_scale, grad_loss=None):
+    """cuDNN's KL training step: the softmax recompute, then the indexer
+    backward -> (dq_i, dk_i, dweights). ``target`` [T, K] is overwritten."""
+    predict = indexer_softmax(q_i, k_i, weights, indices, sm_scale=sm_scale)
+    if grad_loss is None:
+        grad_loss = torch.ones(1, device=q_i.device, dtype=torch.float32)
+    res = wrapper("indexer_backward_wrapper")(
+        q_i.unsqueeze(0), weights.unsqueeze(0), k_i.unsqueeze(0), target.unsqueeze(0), predict.unsqueeze(0),
+        indices.unsqueeze(0), grad_loss, sm_scale=sm_scale, loss_coeff=1.0,
+    )
+    return res["d_index_q"][0], res["d_index_k"][0], res["d_weights"][0]

@@ -695,9 +695,24 @@ def test_empty_problems(fast_case, call):
     assert tgt.shape == (0, 4)
 
 
+@pytest.fixture(params=["fixed", "slots"])
+def det_dk(request, monkeypatch):
+    """The Triton backward's two deterministic dk paths (indexer_bwd.DETERMINISTIC_DK);
+    other backends run once."""
+    case = request.getfixturevalue("fast_case")
+    if case.backend != "triton":
+        if request.param != "fixed":
+            pytest.skip("a Triton kernel option")
+        return request.param
+    from dsa.triton import indexer_bwd as tb
+
+    monkeypatch.setattr(tb, "DETERMINISTIC_DK", request.param)
+    return request.param
+
+
 @pytest.mark.usefixtures("indexer_rows")
 @pytest.mark.parametrize("fn_name", ["sparse_indexer_scores", "indexer_kl_loss"])
-def test_deterministic_is_bitwise_repeatable(fast_case, call, fn_name):
+def test_deterministic_is_bitwise_repeatable(fast_case, call, fn_name, det_dk):
     case = fast_case
     g = gen(20)
     q, k, w, idx, tl = indexer_inputs(case, g, T=9, N=6, K=16)  # few keys: many rows scatter into each
@@ -718,7 +733,7 @@ def test_deterministic_is_bitwise_repeatable(fast_case, call, fn_name):
     for a, b, c in zip(first, second, loose):
         assert torch.equal(a, b)
         rel_close(c, a, GRAD_TOL[case.dtype], "deterministic vs atomic")
-    if case.backend == "triton":  # query rows in chunks of 4: the same gradients, each chunk summed in order
+    if case.backend == "triton" and det_dk == "slots":  # query rows in chunks of 4, each chunk summed in order
         from dsa.triton import segment_sum
 
         old = segment_sum.WORKSPACE_BYTES
@@ -730,6 +745,59 @@ def test_deterministic_is_bitwise_repeatable(fast_case, call, fn_name):
         for a, b, c in zip(first, chunked, again):
             assert torch.equal(b, c)
             rel_close(b, a, 1e-6, "chunked vs one chunk")
+
+
+def _det_dk_grads(case, q, k, w, idx, tl, dl, sm_scale=1.0):
+    f = lambda a, b, c: dsa.sparse_indexer_scores(a, b, c, idx, topk_length=tl, sm_scale=sm_scale,  # noqa: E731
+                                                  deterministic=True, backend=case.backend)
+    return grads_of(f, [q, k, w], dl)[1]
+
+
+@pytest.mark.parametrize("w_scale", [1e-30, 1.0, 1e30])
+def test_fixed_point_dk_against_float64(fast_case, call, det_dk, w_scale):
+    """The deterministic dk at any magnitude (the fixed-point scale follows the
+    bound), within fp32 rounding of float64; duplicates and invalid slots in."""
+    case = fast_case
+    if case.backend != "triton" or det_dk != "fixed":
+        pytest.skip("the Triton fixed-point dk")
+    g = gen(24)
+    q, k, w, idx, tl = indexer_inputs(case, g, T=6, N=5, K=12)
+    w = w * w_scale
+    valid = bf_valid(idx, tl, k.shape[0])
+    dl = torch.randn(valid.shape, generator=g, dtype=torch.float64)
+    ql, kl, wl = leaves(q, k, w)
+    exp = bf_logits(ql, kl, wl, idx, tl, 0.7)
+    exp.backward(torch.where(valid, dl, 0.0))
+    dl = torch.where(valid, dl, float("nan"))  # never read, not even by the bound
+    idx, tl = on(case, idx, tl)
+    dq, dk, dw = call(_det_dk_grads, case, q, k, w, idx, tl, dl.to(case.device, score_dtype(case)), 0.7)
+    tol = GRAD_TOL[case.dtype] if case.low_precision else 2e-6
+    rel_close(dk, kl.grad, tol, "dk_i")
+    rel_close(dw, wl.grad, max(tol, GRAD_TOL[case.dtype]), "dweights")
+
+
+def test_fixed_point_dk_non_finite_term(fast_case, call, det_dk):
+    """A NaN gradient on one valid slot: the key rows it reaches are NaN, every
+    other key row keeps its float64 value (the bound ignores the NaN)."""
+    case = fast_case
+    if case.backend != "triton" or det_dk != "fixed":
+        pytest.skip("the Triton fixed-point dk")
+    g = gen(25)
+    T, H, D, N, K = 5, 3, 16, 9, 6
+    q, k, w = rand((T, H, D), case, g), rand((N, D), case, g), rand((T, H), case, g, dtype=torch.float32)
+    idx = torch.stack([torch.randperm(N, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    dots = torch.einsum("hd,kd->hk", q[0].double().cpu(), k[idx[0].long()].double().cpu())
+    j0 = int(torch.nonzero((dots > 0).any(0))[0])  # a slot of row 0 that some head passes through relu
+    n0 = int(idx[0, j0])
+    dl = torch.randn(T, K, generator=g, dtype=torch.float64)
+    ql, kl, wl = leaves(q, k, w)
+    dl[0, j0] = 0.0
+    bf_logits(ql, kl, wl, idx, None, 1.0).backward(dl)
+    dl[0, j0] = float("nan")
+    dq, dk, dw = call(_det_dk_grads, case, q, k, w, idx.to(case.device), None, dl.to(case.device, torch.float32))
+    assert torch.isnan(dk[n0]).all()
+    keep = torch.arange(N) != n0
+    rel_close(dk[keep.to(dk.device)], kl.grad[keep], 2e-6, "the other key rows")
 
 
 # --------------------------------------------------------------------------

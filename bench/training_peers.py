@@ -1,0 +1,254 @@
+"""Indexer training against cuDNN, on the same inputs, in one process.
+
+    PYTHONPATH=$PWD python bench/training_peers.py [--out DIR] [--runs 10] [--sweep] [--no-f64]
+
+The V3.2 step of bench/test_bench_training.py (T 4096, N 8192, K 2048, main
+attention H 128 / D 576, indexer H_i 64 / D_i 128, bf16, fp32 weights).
+Timed (triton.testing.do_bench, warmup 25 ms, rep 100 ms, median, ms):
+
+* ``attention_target`` against cuDNN's ``sparse_attn_score_recompute_wrapper``;
+* ``sparse_indexer_scores`` against ``sparse_indexer_score_recompute_wrapper``
+  (which also takes the softmax);
+* the KL step (loss forward + backward to q_i, k_i, weights): dsa by default,
+  dsa ``deterministic=True`` with each dk path of dsa/triton/indexer_bwd.py
+  (``fixed``: int64 fixed-point atomics; ``slots``: per-slot rows summed by
+  segment_sum), and cuDNN's (softmax recompute + ``indexer_backward_wrapper``);
+* the dk scatter alone (fp32 / int64 / int32 atomics of T * K rows of D_i
+  into N keys: the cost model of the fixed-point path);
+* with ``--sweep``, the default backward's other tiles.
+
+Checked: every deterministic path bitwise equal over ``--runs`` runs, and
+the gradients of every KL step against float64 (relative L2; for cuDNN also
+the least-squares scale between its gradient and float64's). cuDNN rows are
+skipped with the reason when ``import cudnn`` fails. Writes DIR/training_peers.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import cudnn_peer  # noqa: E402
+from bench.test_bench_training import TRAINING, kl_call, make_set  # noqa: E402
+
+
+def bench(fn: Callable[[], object]) -> float:
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def rel_l2(got: torch.Tensor, exp: torch.Tensor) -> float:
+    got, exp = got.double(), exp.double()
+    return ((got - exp).norm() / exp.norm().clamp_min(1e-300)).item()
+
+
+def ls_scale(got: torch.Tensor, exp: torch.Tensor) -> float:
+    """The c minimising |c * exp - got|: 1 when only the rounding differs."""
+    got, exp = got.double().flatten(), exp.double().flatten()
+    return (got @ exp / (exp @ exp).clamp_min(1e-300)).item()
+
+
+def f64_grads(s: Dict[str, torch.Tensor], sm_scale: float, rows: int = 128):
+    """dq_i, dk_i, dweights of the KL loss in float64, rows chunk by chunk
+    (every row of the step has valid slots: the mean is over T)."""
+    q, k, w = (s[n].double() for n in ("q_i", "k_i", "weights"))
+    idx, tgt = s["indices"].long(), s["target"].double()
+    T = q.shape[0]
+    dq, dw = torch.empty_like(q), torch.empty_like(w)
+    kl = k.clone().requires_grad_()
+    for t0 in range(0, T, rows):
+        qc = q[t0:t0 + rows].clone().requires_grad_()
+        wc = w[t0:t0 + rows].clone().requires_grad_()
+        ic, tc = idx[t0:t0 + rows], tgt[t0:t0 + rows]
+        dots = torch.einsum("thd,tkd->tkh", qc, kl[ic])
+        logits = sm_scale * (torch.relu(dots) * wc[:, None, :]).sum(-1)
+        lsm = torch.log_softmax(logits, -1)
+        nz = tc > 0
+        loss = torch.where(nz, tc * (torch.log(torch.where(nz, tc, 1.0)) - lsm), 0.0).sum() / T
+        loss.backward()
+        dq[t0:t0 + rows], dw[t0:t0 + rows] = qc.grad, wc.grad
+        del dots, logits, lsm, loss
+    return dq, kl.grad, dw
+
+
+class Table:
+    def __init__(self) -> None:
+        self.rows: List[dict] = []
+
+    def add(self, op: str, method: str, ms: Optional[float], **extra) -> None:
+        self.rows.append(dict(op=op, method=method, ms=ms, **extra))
+        tail = " ".join(f"{k}={v}" for k, v in extra.items())
+        print(f"{op:24s} {method:34s} {'-' if ms is None else f'{ms:9.4f}':>9s} ms {tail}", flush=True)
+
+
+def guarded(table: Table, op: str, method: str, fn: Callable[[], object], **extra):
+    """Time fn (a first call compiles); a failure is a row with its reason."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        ms = bench(fn)
+    except Exception as e:  # one peer failing must not lose the table
+        table.add(op, method, None, error=f"{type(e).__name__}: {str(e)[:300]}", **extra)
+        return None
+    table.add(op, method, ms, **extra)
+    return ms
+
+
+def det_path(mode: str):
+    """A context that sets indexer_bwd.DETERMINISTIC_DK."""
+    import contextlib
+
+    from dsa.triton import indexer_bwd
+
+    @contextlib.contextmanager
+    def cm():
+        old = indexer_bwd.DETERMINISTIC_DK
+        indexer_bwd.DETERMINISTIC_DK = mode
+        try:
+            yield
+        finally:
+            indexer_bwd.DETERMINISTIC_DK = old
+
+    return cm()
+
+
+def run_scatter(table: Table, shape) -> None:
+    """The dk scatter alone: T * K rows of D_i values into N keys, each
+    tl.atomic_add of one dtype (fp32 becomes red.v4.f32; int64 and int32 are
+    scalar)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def scatter(DK, IDX, R, D: tl.constexpr, BK: tl.constexpr):
+        r = tl.program_id(0) * BK + tl.arange(0, BK)
+        m = r < R
+        n = tl.load(IDX + r, mask=m, other=0)
+        c = tl.arange(0, D)
+        v = ((r[:, None] * 7 + c[None, :]) % 1000 - 500).to(tl.float32)
+        tl.atomic_add(DK + n[:, None].to(tl.int64) * D + c[None, :], v.to(DK.dtype.element_ty), mask=m[:, None],
+                      sem="relaxed")
+
+    R, N, D = shape.T * shape.K, shape.N, shape.D_i
+    idx = torch.randint(0, N, (R,), device="cuda", dtype=torch.int32)
+    for dt in (torch.float32, torch.int64, torch.int32):
+        dk = torch.zeros(N, D, device="cuda", dtype=dt)
+        guarded(table, "dk scatter alone", str(dt).replace("torch.", ""),
+                lambda: scatter[(triton.cdiv(R, 64),)](dk, idx, R, D=D, BK=64, num_warps=4),
+                gb_of_adds=round(R * D * dt.itemsize / 1e9, 2))
+
+
+def run_kl(table: Table, s, shape, args, ref) -> None:
+    sm = shape.D_i ** -0.5
+    step = kl_call(s, "triton", False)
+    guarded(table, "KL step", "dsa default", step)
+    results = {"dsa default": step()}
+    for mode in ("fixed", "slots"):
+        with det_path(mode):
+            det = kl_call(s, "triton", True)
+            ms = guarded(table, "KL step", f"dsa deterministic={mode}", det)
+            if ms is None:
+                continue
+            first = det()
+            same = all(all(torch.equal(a, b) for a, b in zip(first, det())) for _ in range(args.runs - 1))
+            table.add("KL step", f"dsa deterministic={mode} bitwise", None, runs=args.runs, equal=same)
+            results[f"dsa deterministic={mode}"] = first
+    why = cudnn_peer.unavailable()
+    if why is None:
+        leaves = [s[n] for n in ("q_i", "k_i", "weights")]
+        tgt = s["target"].clone()
+        step_c = lambda: cudnn_peer.indexer_kl_step(*leaves, s["indices"], tgt, sm_scale=sm)  # noqa: E731
+        if guarded(table, "KL step", "cudnn (recompute + indexer_backward)", step_c) is not None:
+            results["cudnn"] = cudnn_peer.indexer_kl_step(*leaves, s["indices"], s["target"].clone(), sm_scale=sm)
+    else:
+        table.add("KL step", "cudnn", None, skipped=why)
+    if ref is not None:
+        for method, grads in results.items():
+            errs = {n: float(f"{rel_l2(g, r):.3g}") for n, g, r in zip(("dq", "dk", "dw"), grads, ref)}
+            scales = {n: round(ls_scale(g, r), 5) for n, g, r in zip(("dq", "dk", "dw"), grads, ref)}
+            table.add("KL grads vs float64", method, None, rel_l2=errs, scale=scales)
+
+
+def run_forward_ops(table: Table, s, shape) -> None:
+    import dsa
+
+    sm = shape.D_i ** -0.5
+    with torch.no_grad():
+        guarded(table, "attention_target", "dsa", lambda: dsa.attention_target(
+            s["q"], s["kv"], s["indices"], s["lse"], backend="triton"))
+        guarded(table, "sparse_indexer_scores", "dsa", lambda: dsa.sparse_indexer_scores(
+            s["q_i"], s["k_i"], s["weights"], s["indices"], sm_scale=sm, backend="triton"))
+        guarded(table, "indexer_kl_loss fwd", "dsa", lambda: dsa.indexer_kl_loss(
+            s["q_i"], s["k_i"], s["weights"], s["indices"], s["target"], sm_scale=sm, backend="triton"))
+        why = cudnn_peer.unavailable()
+        if why is not None:
+            table.add("attention_target", "cudnn", None, skipped=why)
+            return
+        ms = guarded(table, "attention_target", "cudnn", lambda: cudnn_peer.attention_target(
+            s["q"], s["kv"], s["indices"], s["lse"], sm_scale=shape.D ** -0.5))
+        if ms is not None:
+            got = cudnn_peer.attention_target(s["q"], s["kv"], s["indices"], s["lse"], sm_scale=shape.D ** -0.5)
+            table.add("attention_target", "cudnn vs dsa", None, rel_l2=float(f"{rel_l2(got, s['target']):.3g}"))
+        guarded(table, "sparse_indexer_scores", "cudnn (softmax)", lambda: cudnn_peer.indexer_softmax(
+            s["q_i"], s["k_i"], s["weights"], s["indices"], sm_scale=sm))
+
+
+def run_sweep(table: Table, s) -> None:
+    """The default backward's other tiles (KL step, deterministic off)."""
+    import dataclasses
+
+    from dsa.triton import indexer_bwd as ib
+
+    base = ib.BWD_CONFIG
+    for cfg in (dataclasses.replace(base, num_stages=2), dataclasses.replace(base, BK=128, num_warps=8),
+                dataclasses.replace(base, BK=128, num_warps=8, num_stages=2),
+                dataclasses.replace(base, num_warps=8)):
+        ib.BWD_CONFIG = cfg
+        try:
+            guarded(table, "KL step", f"dsa default {cfg}", kl_call(s, "triton", False))
+        finally:
+            ib.BWD_CONFIG = base
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="training_peers_out")
+    ap.add_argument("--runs", type=int, default=10, help="deterministic runs compared bitwise")
+    ap.add_argument("--sweep", action="store_true", help="also time the backward's other tiles")
+    ap.add_argument("--no-f64", action="store_true", help="skip the float64 gradients")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("training_peers: needs a CUDA device")
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.time()
+    shape = TRAINING[0]
+    s = make_set(shape, torch.device("cuda"))
+    print(f"shape {shape}; cudnn: {cudnn_peer.unavailable() or 'available'}", flush=True)
+    table = Table()
+    run_forward_ops(table, s, shape)
+    ref = None if args.no_f64 else f64_grads(s, shape.D_i ** -0.5)
+    run_kl(table, s, shape, args, ref)
+    del ref
+    torch.cuda.empty_cache()
+    run_scatter(table, shape)
+    if args.sweep:
+        run_sweep(table, s)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "seconds": time.time() - t0}
+    with open(os.path.join(args.out, "training_peers.json"), "w") as f:
+        json.dump({"meta": meta, "shape": shape.params, "rows": table.rows}, f, indent=1, default=str)
+    print(f"done in {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

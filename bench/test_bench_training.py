@@ -1,4 +1,4 @@
-"""Indexer-training benchmarks: ``attention_target`` and ``indexer_kl_loss`` (forward + backward).
+"""Indexer-training benchmarks: ``attention_target``, ``sparse_indexer_scores`` and ``indexer_kl_loss`` (forward + backward).
 
 The V3.2 training step: T = 4096 query rows, K = 2048 distinct slots per row
 (ascending, as ``topk_indices`` returns them) out of N = 8192 rows; the main
@@ -11,6 +11,13 @@ D_i = 128 with fp32 head weights. FLOPs (all slots valid):
 
 ``extra_info`` also records ``peak_extra_bytes`` against ``input_bytes``
 (the contract asks the KL loss for at most 2x its inputs).
+
+Peer rows ``cudnn`` (bench/cudnn_peer.py, skipped when ``import cudnn``
+fails): ``sparse_attn_score_recompute_wrapper`` for the target,
+``sparse_indexer_score_recompute_wrapper`` (the softmax over the slots) for
+the logits, and that recompute followed by ``indexer_backward_wrapper`` for
+the KL step. bench/training_peers.py times all of them in one process with
+the gradients checked against float64.
 
 ``python bench/test_bench_training.py`` (CUDA) prints the same figures
 without pytest-benchmark, plus a sweep of the kernel configs behind the
@@ -103,12 +110,38 @@ def input_bytes(s: Dict[str, Any], names) -> int:
 
 
 def target_call(s, backend):
+    if backend == "cudnn":
+        from bench import cudnn_peer
+
+        return functools.partial(cudnn_peer.attention_target, s["q"], s["kv"], s["indices"], s["lse"],
+                                 sm_scale=s["q"].shape[-1] ** -0.5)
     import dsa
 
     return functools.partial(dsa.attention_target, s["q"], s["kv"], s["indices"], s["lse"], backend=backend)
 
 
+def scores_call(s, backend):
+    sm = s["q_i"].shape[-1] ** -0.5
+    if backend == "cudnn":
+        from bench import cudnn_peer
+
+        return functools.partial(cudnn_peer.indexer_softmax, s["q_i"], s["k_i"], s["weights"], s["indices"],
+                                 sm_scale=sm)
+    import dsa
+
+    return functools.partial(dsa.sparse_indexer_scores, s["q_i"], s["k_i"], s["weights"], s["indices"],
+                             sm_scale=sm, backend=backend)
+
+
 def kl_call(s, backend, deterministic=False):
+    """One KL step (loss, then the gradients of q_i, k_i, weights); cuDNN's
+    overwrites a copy of the target made once."""
+    if backend == "cudnn":
+        from bench import cudnn_peer
+
+        tgt = s["target"].clone()
+        return functools.partial(cudnn_peer.indexer_kl_step, s["q_i"], s["k_i"], s["weights"], s["indices"], tgt,
+                                 sm_scale=s["q_i"].shape[-1] ** -0.5)
     import dsa
 
     leaves = [s[n].detach().clone().requires_grad_() for n in ("q_i", "k_i", "weights")]
@@ -137,8 +170,8 @@ except ImportError:  # the __main__ mode needs neither
 
 if pytest is not None:
 
-    def _cases():
-        return [pytest.param(s, b, id=f"{s.name}-{b}") for s in TRAINING for b in backends.DSA_BACKENDS]
+    def _cases(peers=("cudnn",)):
+        return [pytest.param(s, b, id=f"{s.name}-{b}") for s in TRAINING for b in backends.DSA_BACKENDS + peers]
 
     @pytest.mark.parametrize("shape,backend", _cases())
     def test_attention_target(benchmark, shape, backend):
@@ -154,11 +187,29 @@ if pytest is not None:
                 metric="tflops", sets=1, label=backend, skip_on=backends.skip_on(backend),
             )
 
+    @pytest.mark.parametrize("shape,backend", _cases())
+    def test_sparse_indexer_scores(benchmark, shape, backend):
+        """The indexer logits on the slots (cuDNN: its softmax recompute, the softmax included)."""
+        shape = harness.resolve(shape)
+        backends.skip_unless_runnable(backend, shape)
+        dev = harness.device()
+        s = make_set(shape, dev)
+        with torch.no_grad():
+            harness.run(
+                benchmark, harness.Rotation([scores_call(s, backend)]), dev,
+                op="sparse_indexer_scores", shape=shape, backend=backend, flops=shape.kl_flops / 4,
+                nbytes=float(input_bytes(s, KL_INPUTS[:4]) + shape.T * shape.K * 4),
+                metric="tflops", sets=1, label=backend, skip_on=backends.skip_on(backend),
+            )
+
     @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
     @pytest.mark.parametrize("shape,backend", _cases())
     def test_indexer_kl_loss_fwd_bwd(benchmark, shape, backend, deterministic):
+        """The KL step; cuDNN's is its softmax recompute + indexer_backward_wrapper (SM90: not deterministic)."""
         shape = harness.resolve(shape)
         backends.skip_unless_runnable(backend, shape)
+        if backend == "cudnn" and deterministic:
+            pytest.skip("cudnn: deterministic=True is SM100-only (indexer_backward_wrapper)")
         dev = harness.device()
         s = make_set(shape, dev)
         harness.run(
@@ -264,14 +315,19 @@ def main(argv: List[str]) -> None:
         except Exception as e:
             print(f"kl bwd {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
     indexer_bwd.BWD_CONFIG = b0
-    for det in (False, True):
+    d0 = indexer_bwd.DETERMINISTIC_DK
+    for det, dk_path in ((False, d0), *((True, m) for m in indexer_bwd.DETERMINISTIC_DK_CHOICES)):
+        indexer_bwd.DETERMINISTIC_DK = dk_path
         step = kl_call(s, "triton", det)
         ms = _time(step)
         peak = _peak(step, dev)
-        _report(f"indexer_kl_loss fwd+bwd deterministic={det}", ms, shape.kl_flops,
+        _report(f"indexer_kl_loss fwd+bwd deterministic={det}{f' ({dk_path})' if det else ''}", ms, shape.kl_flops,
                 f"peak extra {peak / 2**20:.0f} MiB = {peak / inb:.2f}x inputs ({inb / 2**20:.0f} MiB)")
-    a, b = kl_call(s, "triton", True)(), kl_call(s, "triton", True)()
-    print("deterministic bitwise repeat:", all(torch.equal(x, y) for x, y in zip(a, b)), flush=True)
+        if det:
+            a, b = step(), step()
+            print(f"deterministic ({dk_path}) bitwise repeat:", all(torch.equal(x, y) for x, y in zip(a, b)),
+                  flush=True)
+    indexer_bwd.DETERMINISTIC_DK = d0
 
 
 if __name__ == "__main__":

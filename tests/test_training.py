@@ -797,7 +797,8 @@ def test_fixed_point_dk_non_finite_term(fast_case, call, det_dk):
     dq, dk, dw = call(_det_dk_grads, case, q, k, w, idx.to(case.device), None, dl.to(case.device, torch.float32))
     assert torch.isnan(dk[n0]).all()
     keep = torch.arange(N) != n0
-    rel_close(dk[keep.to(dk.device)], kl.grad[keep], 2e-6, "the other key rows")
+    tol = GRAD_TOL[case.dtype] if case.low_precision else 2e-6
+    rel_close(dk[keep.to(dk.device)], kl.grad[keep], tol, "the other key rows")
 
 
 # --------------------------------------------------------------------------

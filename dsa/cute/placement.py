@@ -37,7 +37,7 @@ import torch
 from dsa._args import SparseAttnArgs
 
 TABLE = os.path.join(os.path.dirname(__file__), "placement_sm90.json")
-TABLE_BWD = os.path.join(os.path.dirname(__file__), "placement_sm90_bwd.json")  # the backward's; none measured yet
+TABLE_BWD = os.path.join(os.path.dirname(__file__), "placement_sm90_bwd.json")  # the backward's
 TABLE_SM100 = os.path.join(os.path.dirname(__file__), "placement_sm100.json")  # none measured yet
 TABLE_SM100_BWD = os.path.join(os.path.dirname(__file__), "placement_sm100_bwd.json")  # none measured yet
 MAX_OCTAVES = 2.0

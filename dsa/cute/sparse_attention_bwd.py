@@ -148,13 +148,16 @@ Launch = Callable[[SparseAttnArgs, torch.Tensor, torch.Tensor, torch.Tensor, tor
 
 
 def run_backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
-                 launch: Launch) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+                 launch: Launch, heads_per_part: int = HEADS_PER_CTA
+                 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``backward``'s host side, shared by every arch's cute backward: the
     per-row terms and dsink's parts from the Triton preprocess (which folds
     the sink), dq, the fp32 dkv accumulator zeroed on the launch stream (the
     current stream of a's device, from its caching allocator: no device
     allocation on a warm call), the kernel launches (``launch``), dkv put
-    back in column order and dsink summed."""
+    back in column order and dsink summed.  heads_per_part: the query heads
+    whose sum one deterministic per-slot row holds (the kernel's heads per
+    dkv accumulator)."""
     # Under a's device: the torch work, the Triton reduction and the kernel
     # launches are that device's, whatever device is current.
     from dsa.triton.sparse_attention import preprocess
@@ -167,12 +170,13 @@ def run_backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: 
         if not a.deterministic:
             launch(a, dout, lg2den, delta, dq, dkv, 0, a.T)
         else:
-            _deterministic_dkv(a, dout, lg2den, delta, dq, dkv, launch)
+            _deterministic_dkv(a, dout, lg2den, delta, dq, dkv, launch, heads_per_part)
         dsink = dsink_part.sum(0) if dsink_part is not None else None
         return dq, natural_columns(dkv, a.kv.dtype), dsink
 
 
-def _deterministic_dkv(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv, launch: Launch) -> None:
+def _deterministic_dkv(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv, launch: Launch,
+                       heads_per_part: int = HEADS_PER_CTA) -> None:
     """dq, and dkv [N, G, D] fp32 summed in a fixed order: the kernel stores
     per-slot rows [HB, Tc, G, K, D] for chunks of Tc tokens, each chunk's
     rows summed into their kv rows by ``segment_sum``."""
@@ -180,7 +184,7 @@ def _deterministic_dkv(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv, launch: 
     from dsa.triton.sparse_attention import slot_keys
 
     T, N, G, D = a.T, a.N, a.G, a.D
-    HB = a.H // G // HEADS_PER_CTA
+    HB = a.H // G // heads_per_part
     per_token = HB * G * a.K * D * 4
     Tc = chunk_rows(T, per_token)
     slots = torch.empty(HB * Tc * G * a.K, D, dtype=torch.float32, device=a.q.device)

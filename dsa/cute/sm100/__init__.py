@@ -61,7 +61,10 @@ def _attention(op: str, args: Any, auto: bool) -> Callable[..., Any]:
     placed = _placement(args, table) if auto else None
     cfg = config(args)
     v = _checked(op, cfg, args.q.device, lambda: self_check(cfg, args.q.device))
-    return _Chosen(fn, _note(v, placed))
+    note = _note(v, placed)
+    if op == "sparse_attention_bwd":
+        note = f"{sa.kernel_name(cfg)}; {note}"
+    return _Chosen(fn, note)
 
 
 def _indexer(op: str, args: Any, auto: bool) -> Callable[..., Any]:

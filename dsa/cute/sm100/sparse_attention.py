@@ -20,6 +20,7 @@ whether a kernel is trusted: ``dsa.cute.sm100`` runs its self-check
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -189,21 +190,79 @@ def supports_backward(a: SparseAttnArgs) -> Optional[str]:
     return _reason(a, "the cute SM100 sparse attention backward", "sparse_attention_bwd", "SparseAttnBwdSm100")
 
 
-def backward_config(a: SparseAttnArgs):
-    """The ``BwdSm100Config`` that serves ``a`` (the self-check's key too)."""
-    from dsa.cute.sm100.sparse_attention_bwd import BwdSm100Config
+def pair_serves(a: SparseAttnArgs) -> bool:
+    """The two-CTA backward (``sparse_attention_bwd_pair``) takes the call:
+    bf16, 128 query heads per kv head, D 576, d_v 512."""
+    from dsa.cute.sm100.sparse_attention_bwd_pair import SparseAttnBwdSm100Pair
 
-    return BwdSm100Config(cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G, a.topk_length is not None,
-                          bool(a.deterministic))
+    return SparseAttnBwdSm100Pair.can_implement(cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G) is None
+
+
+def backward_config(a: SparseAttnArgs):
+    """The config that serves ``a`` (the self-check's key too): the two-CTA
+    kernel's ``PairBwdSm100Config`` where it serves the shape, else the
+    generic kernel's ``BwdSm100Config``."""
+    from dsa.cute.sm100.sparse_attention_bwd import BwdSm100Config
+    from dsa.cute.sm100.sparse_attention_bwd_pair import PairBwdSm100Config
+
+    cls = PairBwdSm100Config if pair_serves(a) else BwdSm100Config
+    return cls(cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G, a.topk_length is not None, bool(a.deterministic))
+
+
+def kernel_name(config) -> str:
+    """The backward kernel a config builds, as explain() names it."""
+    from dsa.cute.sm100.sparse_attention_bwd_pair import PairBwdSm100Config
+
+    if isinstance(config, PairBwdSm100Config):
+        return "the two-CTA SM100 backward (a (2, 1, 1) cluster, cta_group::2 MMAs, H128 / D576)"
+    return "the SM100 backward (64 query heads per CTA, cta_group::1 MMAs)"
+
+
+@dataclass(frozen=True)
+class PairGrid:
+    """The two-CTA backward's launch: ``clusters`` clusters (None: half the
+    SMs), and whether a short batch's rows may be split over several
+    clusters (``split``: each cluster then takes a range of a row's blocks
+    and dq is added in fp32; never in the deterministic mode)."""
+
+    clusters: Optional[int] = None
+    split: bool = True
+
+
+def pair_launch_shape(T: int, G: int, K: int, clusters: int, split: bool) -> Tuple[int, int, int]:
+    """(clusters launched, parts a row is split into, blocks of 64 slots a
+    part): rows are split only while the batch's T G rows leave clusters
+    idle, never below one block a part; a long batch runs one cluster per
+    (token, kv head) row, persistent over the rows."""
+    blocks = max(1, -(-K // 64))
+    rows_ = max(1, T * G)
+    parts = 1
+    if split and rows_ < clusters:
+        parts = min(blocks, -(-clusters // rows_))
+    part_blocks = -(-blocks // parts)
+    parts = -(-blocks // part_blocks)
+    return max(1, min(clusters, rows_ * parts)), parts, part_blocks
 
 
 def backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
-             config: Optional[GridConfig] = None) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+             config: Optional[GridConfig] = None,
+             pair: Optional[PairGrid] = None) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """dq [T, H, D] (q.dtype), dkv [N, G, D] (kv.dtype, accumulated in fp32),
     dsink [H] fp32 (None without a sink).  out [T, H, d_v], lse [T, H] fp32
     (+inf on empty rows) and dout [T, H, d_v] as the forward's.  config: the
-    grid (default: persistent, one CTA an SM)."""
+    generic kernel's grid (default: persistent, one CTA an SM); pair: the
+    two-CTA kernel's launch (``PairGrid``), for the shapes it serves."""
     from dsa.cute.sparse_attention_bwd import run_backward
+
+    if pair_serves(a):
+        from dsa.cute.sm100.sparse_attention_bwd_pair import PAIR_H
+
+        shape = pair or PairGrid()
+
+        def launch_pair(a, dout, lg2den, delta, dq, dkv_buf, t0, tc):
+            _launch_pair(a, dout, lg2den, delta, dq, dkv_buf, t0, tc, shape)
+
+        return run_backward(a, out, lse, dout, launch_pair, heads_per_part=PAIR_H)
 
     grid = config or DEFAULT
 
@@ -213,27 +272,35 @@ def backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: torc
     return run_backward(a, out, lse, dout, launch)
 
 
-def _launch_backward(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv_buf, t0: int, tc: int,
-                     grid: GridConfig) -> None:
-    """The kernel over the tokens [t0, t0 + tc), under a's device: every
-    per-token pointer starts at token t0, so the kernel sees tc tokens."""
+def _launch_pair(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv_buf, t0: int, tc: int, shape: PairGrid) -> None:
+    """The two-CTA kernel over the tokens [t0, t0 + tc), under a's device;
+    a split launch adds dq into an fp32 workspace (zeroed on the launch
+    stream, from the caching allocator) and casts it into dq."""
     import cutlass
 
-    from dsa.cute.sm100.sparse_attention_bwd import SparseAttnBwdSm100
+    from dsa.cute.sm100.sparse_attention_bwd_pair import SparseAttnBwdSm100Pair
     from dsa.cute.sparse_attention_bwd import _ptr_types
 
     dt = cutlass_dtype(a.q.dtype)
     rows = slice(t0, t0 + tc)
     length = a.topk_length[rows] if a.topk_length is not None else a.indices  # never read when absent
     with torch.cuda.device(a.q.device):
+        clusters = shape.clusters
+        if clusters is None:
+            clusters = max(1, torch.cuda.get_device_properties(a.q.device).multi_processor_count // 2)
+        n_cl, parts, part_blocks = pair_launch_shape(tc, a.G, a.K, clusters, shape.split and not a.deterministic)
+        dqacc = torch.zeros((tc, a.H, a.D), dtype=torch.float32, device=a.q.device) if parts > 1 else dkv_buf
         tensors = (a.q[rows], a.kv, a.indices[rows], length, dout[rows], lg2den[rows], delta[rows], dq[rows],
                    dkv_buf, zero_row(a.q.device, a.q.dtype, a.D))
         ptrs = tuple(gmem_ptr(x, ty, al) for x, (ty, al) in zip(tensors, _ptr_types(dt)))
+        ptrs += (gmem_ptr(dqacc, cutlass.Float32, 16),)
         scalars = (cutlass.Int32(tc), cutlass.Int32(a.N), cutlass.Int32(a.K), cutlass.Float32(a.sm_scale * LOG2E),
-                   cutlass.Float32(a.sm_scale), cutlass.Int32(grid.grid(a.q.device)))
+                   cutlass.Float32(a.sm_scale), cutlass.Int32(n_cl), cutlass.Int32(parts), cutlass.Int32(part_blocks))
         stream = current_stream(a.q.device)
-        _compiled(SparseAttnBwdSm100, backward_config(a), a.q.device, ptrs, scalars, stream)(*ptrs, *scalars,
-                                                                                            stream)
+        _compiled(SparseAttnBwdSm100Pair, backward_config(a), a.q.device, ptrs, scalars, stream)(*ptrs, *scalars,
+                                                                                                stream)
+        if parts > 1:
+            dq[rows].copy_(dqacc)
 
 
 def self_check_backward(config, device: torch.device, kernel=None,
@@ -246,14 +313,22 @@ def self_check_backward(config, device: torch.device, kernel=None,
     dout) stand in for them (the tests run the gate on CPU with stand-ins)."""
     import dataclasses
 
+    from dsa.cute.sm100.sparse_attention_bwd_pair import PairBwdSm100Config
     from dsa.cute.sm100.sparse_attention_fwd import FwdSm100Config
     from dsa.triton import sparse_attention as triton_sa
 
     if kernel is None:
         def kernel(a, out, lse, dout):
-            return backward(a, out, lse, dout, GridConfig(ctas=SELF_CHECK_CTAS))
+            if not pair_serves(a):
+                return backward(a, out, lse, dout, GridConfig(ctas=SELF_CHECK_CTAS))
+            return _both_pair_shapes(a, out, lse, dout)
     if reference is None:
         reference = triton_sa.backward
+        if isinstance(config, PairBwdSm100Config):
+            def reference(a, out, lse, dout):  # the same result twice, as _both_pair_shapes returns it
+                dq, dkv, dsink = triton_sa.backward(a, out, lse, dout)
+                return (torch.cat([dq, dq]), torch.cat([dkv, dkv]),
+                        None if dsink is None else torch.cat([dsink, dsink]))
     problem = FwdSm100Config(config.dtype, config.D, config.d_v, config.H, config.G, config.has_len, True)
     a = dataclasses.replace(hostile_problem(problem, device), deterministic=config.deterministic)
     out, lse = triton_sa.forward(a)
@@ -261,6 +336,37 @@ def self_check_backward(config, device: torch.device, kernel=None,
     dout = torch.randn(a.T, a.H, a.d_v, generator=g).to(a.q.dtype).to(device)
     got, want = kernel(a, out, lse, dout), reference(a, out, lse, dout)
     return list(zip(got, want))
+
+
+def _both_pair_shapes(a, out, lse, dout):
+    """The two-CTA kernel's outputs on one problem under both launch shapes,
+    concatenated: a cluster per row (persistent over SELF_CHECK_CTAS
+    clusters), then every row split over clusters (dq added in fp32; the
+    deterministic mode never splits, so it runs the first shape twice)."""
+    one = backward(a, out, lse, dout, pair=PairGrid(clusters=SELF_CHECK_CTAS, split=False))
+    split = backward(a, out, lse, dout, pair=PairGrid(clusters=4 * a.T, split=True))
+    return tuple(None if x is None else torch.cat([x, y]) for x, y in zip(one, split))
+
+
+def compile_offline_pair(dtype: torch.dtype, has_len: bool, deterministic: bool, options: str = "--keep-ptx"):
+    """Compile the two-CTA backward (bf16, H128, D576, one kv head) without a
+    GPU (``CUTE_DSL_ARCH=sm_100a``); K, T and the launch shape are runtime
+    values, so one build serves every K.  options as ``compile_offline``'s."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    from dsa.cute.sm100.sparse_attention_bwd_pair import SparseAttnBwdSm100Pair
+    from dsa.cute.sparse_attention_bwd import _ptr_types
+
+    dt = cutlass_dtype(dtype) or dtype
+    ptrs = tuple(make_ptr(ty, al * 64, cute.AddressSpace.gmem, assumed_align=al) for ty, al in _ptr_types(dt))
+    ptrs += (make_ptr(cutlass.Float32, 1024, cute.AddressSpace.gmem, assumed_align=16),)
+    scalars = (cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Float32(LOG2E), cutlass.Float32(1.0),
+               cutlass.Int32(74), cutlass.Int32(1), cutlass.Int32(1))
+    kernel = SparseAttnBwdSm100Pair(dt, 576, SERVED_DV, 128, 1, has_len, deterministic)
+    return cute.compile(kernel, *ptrs, *scalars, cuda.CUstream(0), options=options)
 
 
 def compile_offline_backward(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, deterministic: bool,

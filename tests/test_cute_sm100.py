@@ -81,6 +81,19 @@ BWD_NEEDLES = ("tcgen05.mma.cta_group::1.kind::f16", "tcgen05.ld.sync.aligned.32
                "tcgen05.fence::after_thread_sync", "tcgen05.wait::ld", "cp.async.cg.shared.global",
                "fence.proxy.async", "mbarrier.try_wait", "red.relaxed.gpu.global.add.L2::cache_hint.v4.f32",
                "st.global.v4.f32", "createpolicy", "shfl.sync.bfly", "ex2.approx", "st.local", "ld.local")
+# the two-CTA backward (bf16, H128, D576; K, T and the launch shape are runtime values, so one build a mode
+# serves every K): name, dtype, has_len, deterministic
+PAIR_CONFIGS = [("pair_h128_d576_bf16", "torch.bfloat16", True, False),
+                ("pair_h128_d576_bf16_det", "torch.bfloat16", False, True)]
+PAIR_MMA = "tcgen05.mma.cta_group::2.kind::f16"
+PAIR_COMMIT = "tcgen05.commit.cta_group::2.mbarrier::arrive::one.shared::cluster.multicast::cluster.b64"
+PAIR_NEEDLES = (PAIR_MMA, PAIR_COMMIT, "tcgen05.mma.cta_group::1", "tcgen05.alloc.cta_group::2",
+                "tcgen05.dealloc.cta_group::2", "tcgen05.relinquish_alloc_permit.cta_group::2",
+                "mapa.shared::cluster", "st.shared::cluster.v4.b32", "fence.proxy.async.shared::cluster",
+                "mbarrier.arrive.release.cluster.shared::cluster", "mbarrier.try_wait.parity.acquire.cluster",
+                "barrier.cluster.arrive", "tcgen05.ld.sync.aligned.32x32b", "red.global.add.f32", "st.global.f32",
+                "red.relaxed.gpu.global.add.v4.f32", "cp.async.cg.shared.global", "ex2.approx", "st.local",
+                "ld.local")
 IDX_NEEDLES = ("tcgen05.mma.cta_group::1.kind::f16", "tcgen05.ld.sync.aligned.32x32b", "tcgen05.alloc",
                "tcgen05.dealloc", "tcgen05.commit", "cp.async.bulk.tensor.2d", "mbarrier.arrive.expect_tx",
                "max.NaN.f32", "bar.sync")
@@ -93,7 +106,8 @@ def reports(tmp_path_factory):
     calls += [(c[0], "dsa.cute.sm100.indexer:compile_offline", list(c[1:]), {}) for c in IDX_CONFIGS]
     calls += [(c[0], "dsa.cute.sm100.sparse_attention:compile_offline_backward", list(c[1:]), {})
               for c in BWD_CONFIGS]
-    return compile_reports(calls, sorted(set(FWD_NEEDLES + IDX_NEEDLES + BWD_NEEDLES)), "sm_100a",
+    calls += [(c[0], "dsa.cute.sm100.sparse_attention:compile_offline_pair", list(c[1:]), {}) for c in PAIR_CONFIGS]
+    return compile_reports(calls, sorted(set(FWD_NEEDLES + IDX_NEEDLES + BWD_NEEDLES + PAIR_NEEDLES)), "sm_100a",
                            tmp_path_factory.mktemp("sm100"))
 
 
@@ -176,6 +190,64 @@ def test_backward_compiles_for_sm100_with_tcgen05(reports, cfg):
     assert n["st.local"] == 0 and n["ld.local"] == 0, (name, n)
     assert r["registers"] <= 128, (name, r)  # 13 warps: 4 on one scheduler, 16K registers each
     _assert_fits(name, r, smem_bytes(D, 512, getattr(torch, dt[6:]).itemsize))
+
+
+@needs_dsl
+@pytest.mark.parametrize("cfg", PAIR_CONFIGS, ids=[c[0] for c in PAIR_CONFIGS])
+def test_pair_backward_compiles_for_sm100_with_cta_group_2(reports, cfg):
+    """The two-CTA backward: every MMA a cta_group::2 MMA, issued from the
+    leader and committed to both CTAs' barriers; P / dS and the dKV rounds'
+    operands exchanged with mapa + st.shared::cluster; no spills."""
+    from dsa.cute.sm100.sparse_attention_bwd_pair import smem_bytes
+
+    name, dt, has_len, det = cfg
+    r = reports[name]
+    n = r["needles"]
+    # K-step loops: S (the 512 latent columns, the D = 64 tail as its own round), dP; dQ's two N = 256 rounds
+    # and its tail; dKV: five column-chunk pairs x two rounds of 64 heads x (dS^T Q, and P^T dO for value chunks)
+    assert n[PAIR_MMA] == 3 + 3 + 5 * 2 + 4 * 2 and n["tcgen05.mma.cta_group::1"] == 0, (name, n)
+    # S ready, the stage's two frees, Q free, dQ ready, each ring use and dKV chunk, dS free, the last
+    assert n[PAIR_COMMIT] == 3 + 2 + 18 + 5 + 1 + 1, (name, n)
+    for needle in ("tcgen05.alloc.cta_group::2", "tcgen05.dealloc.cta_group::2",
+                   "tcgen05.relinquish_alloc_permit.cta_group::2"):
+        assert n[needle] == 1, (name, needle, n)
+    # the exchanges: a thread's P and dS rows into the B tile of the CTA whose slots they are (4 stores each),
+    # and the rounds' Q / dO chunks into both CTAs' ring slots (34 chunks of 4 stores a thread)
+    assert n["st.shared::cluster.v4.b32"] == 2 * 4 + 34 * 4, (name, n)
+    assert n["mapa.shared::cluster"] >= n["st.shared::cluster.v4.b32"] + 4, (name, n)
+    assert n["fence.proxy.async.shared::cluster"] >= 2, (name, n)
+    assert n["mbarrier.arrive.release.cluster.shared::cluster"] >= 8, (name, n)
+    assert n["mbarrier.try_wait.parity.acquire.cluster"] >= 1 and n["barrier.cluster.arrive"] == 2, (name, n)
+    # S and dP in two 16-column loads each, dq in nine 32-column loads, each dKV accumulator in one
+    assert n["tcgen05.ld.sync.aligned.32x32b"] == 4 + 9 + 5, (name, n)
+    assert n["cp.async.cg.shared.global"] >= 9 * 2 + 5 * 4, (name, n)  # the score and dQ stages, Q and dO
+    assert n["ex2.approx"] >= 32, (name, n)
+    # dkv: a column of five chunks x 32 slots a thread, added (or stored per slot); a split row's dq added in fp32
+    assert n["red.global.add.f32"] == (0 if det else 5 * 32) and n["st.global.f32"] == (5 * 32 if det else 0)
+    assert n["red.relaxed.gpu.global.add.v4.f32"] == (0 if det else 9 * 8), (name, n)
+    assert n["st.local"] == 0 and n["ld.local"] == 0, (name, n)
+    assert r["registers"] <= 128, (name, r)
+    _assert_fits(name, r, smem_bytes())
+
+
+@pytest.mark.parametrize("K", [128, 512, 1024, 1152, 2048])
+def test_pair_launch_shape_for_every_k(K):
+    """One compiled two-CTA kernel serves every K (a runtime value): a short
+    batch's rows are split over the idle clusters (whole blocks, none
+    empty), a long one runs one cluster per row, persistent."""
+    pytest.importorskip("cutlass")
+    from dsa.cute.sm100.sparse_attention import pair_launch_shape
+
+    blocks = -(-K // 64)
+    for T, clusters in ((1, 74), (3, 74), (74, 74), (5000, 74), (2, 3)):
+        n_cl, parts, per = pair_launch_shape(T, 1, K, clusters, split=True)
+        assert 1 <= parts <= blocks and (parts - 1) * per < blocks <= parts * per, (T, parts, per)
+        assert n_cl == min(clusters, T * parts)
+        if T >= clusters:
+            assert parts == 1 and n_cl == clusters
+        else:  # at least half the clusters busy (whole blocks a part round the split down)
+            assert 2 * T * parts >= min(clusters, T * blocks), (T, parts, per)
+        assert pair_launch_shape(T, 1, K, clusters, split=False) == (min(clusters, T), 1, blocks)
 
 
 # --------------------------------------------------------------------------
@@ -938,3 +1010,140 @@ def test_backward_is_declined_off_sm100_and_for_shapes_it_does_not_serve(monkeyp
     monkeypatch.setattr(host, "arch_of", lambda device: "sm100")
     with pytest.raises(Unsupported, match="multiple of 64"):
         dsa.cute.backend_op("sparse_attention_bwd", dataclasses.replace(a, q=q[:, :32]), auto=True)
+
+
+# --------------------------------------------------------------------------
+# the two-CTA backward: routing, explain, its gate, its host launch
+
+
+def _pair_inputs(deterministic=False):
+    """A small call of the two-CTA kernel's static shape: bf16, 128 heads, D 576."""
+    g = torch.Generator().manual_seed(5)
+    T, K, N, H, D = 4, 64, 80, 128, 576
+    q = torch.randn(T, H, D, generator=g).to(torch.bfloat16)
+    kv = torch.randn(N, D, generator=g).to(torch.bfloat16)
+    idx = torch.randint(-4, N + 4, (T, K), generator=g, dtype=torch.int32)
+    tl = torch.tensor([64, 3, 0, 100], dtype=torch.int32)
+    sink = torch.randn(H, generator=g)
+    return (q, kv, idx), dict(d_v=512, sink=sink, topk_length=tl, deterministic=deterministic)
+
+
+class PairStandIn:
+    """A stand-in for the SM100 backward entry (a, out, lse, dout, grid
+    options) computing the reference's gradients; ``corrupt`` as BwdStandIn's."""
+
+    def __init__(self, corrupt=None):
+        self.calls, self.corrupt = 0, corrupt
+
+    def __call__(self, a, out, lse, dout, config=None, pair=None):
+        self.calls += 1
+        res = dsa.reference.sparse_attention_bwd(dataclasses.replace(a, deterministic=False), out, lse, dout)
+        return self.corrupt(*res) if self.corrupt else res
+
+
+@pytest.fixture
+def sm100_pair(sm100, monkeypatch):
+    """As ``sm100``, with the reference standing in for the Triton kernels
+    (the interpreter computes bf16 wrongly and D 576 / 128 heads slowly) and
+    a correct forward stand-in; ``use(standin)`` installs the backward's."""
+    from dsa.cute.sm100 import sparse_attention as sm100_sa
+    from dsa.triton import sparse_attention as triton_sa
+
+    monkeypatch.setattr(triton_sa, "forward", lambda a, config=None: dsa.reference.sparse_attention_fwd(a))
+    monkeypatch.setattr(triton_sa, "backward", lambda a, out, lse, dout, config=None:
+                        dsa.reference.sparse_attention_bwd(dataclasses.replace(a, deterministic=False), out, lse,
+                                                           dout))
+    monkeypatch.setattr(sm100_sa, "supports_backward", lambda a: None)
+    sm100(StandIn())
+
+    def use(standin):
+        monkeypatch.setattr(sm100_sa, "backward", standin)
+        return standin
+
+    return use
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_pair_kernel_serves_h128_d576_bf16_and_explain_names_it(sm100_pair, deterministic):
+    """H128 / D576 / bf16 backward calls route to the two-CTA kernel's config
+    (its own self-check key), which passes the gate with a correct kernel:
+    explain() names the kernel; the self-check runs both launch shapes."""
+    from dsa.cute.sm100.sparse_attention_bwd_pair import PairBwdSm100Config
+
+    standin = sm100_pair(PairStandIn())
+    args, kw = _pair_inputs(deterministic)
+    text = dsa.explain("sparse_attention", *args, **kw)
+    bwd = text[text.index("sparse_attention_bwd: backend"):]
+    assert "backend 'cute'" in bwd and "the two-CTA SM100 backward" in bwd, text
+    assert "self-check at first use passed" in bwd, text
+    assert standin.calls == 2  # one self-check: a cluster per row, then split rows
+    keys = [k for k, _ in gate.verdicts() if k[0] == "sparse_attention_bwd"]
+    assert len(keys) == 1 and isinstance(keys[0][1], PairBwdSm100Config)
+    assert keys[0][1].deterministic == deterministic
+
+
+def test_pair_kernel_wrong_result_is_caught(sm100_pair):
+    standin = sm100_pair(PairStandIn(corrupt=lambda dq, dkv, ds: (dq, dkv * 1.1, ds)))
+    args, kw = _pair_inputs()
+    with _dsa_warning("failed its self-check against Triton"):
+        text = dsa.explain("sparse_attention", *args, **kw)
+    bwd = text[text.index("sparse_attention_bwd: backend"):]
+    # not cute (on CPU bf16 the reference then serves: the interpreter declines bf16)
+    assert "backend 'cute'" not in bwd and "cute: self-check at first use failed: dkv: relative L2" in bwd, text
+    assert standin.calls == 2
+
+
+def test_other_backward_shapes_keep_the_generic_kernel(monkeypatch):
+    pytest.importorskip("cutlass")
+    from dsa.cute.sm100 import sparse_attention as sm100_sa
+    from dsa.cute.sm100.sparse_attention_bwd import BwdSm100Config
+    from dsa.cute.sm100.sparse_attention_bwd_pair import PairBwdSm100Config
+
+    args, kw = _pair_inputs()
+    q, kv, idx = args
+    a = SparseAttnArgs(q, kv.view(-1, 1, 576), idx.view(4, 1, -1), kw["topk_length"], kw["sink"], 0.5, 512)
+    assert isinstance(sm100_sa.backward_config(a), PairBwdSm100Config)
+    assert "two-CTA" in sm100_sa.kernel_name(sm100_sa.backward_config(a))
+    others = [dataclasses.replace(a, q=q.half(), kv=a.kv.half()),                    # fp16
+              dataclasses.replace(a, q=q[:, :64]),                                    # 64 heads
+              dataclasses.replace(a, q=q[..., :512], kv=a.kv[..., :512]),             # D 512
+              dataclasses.replace(a, q=torch.cat([q, q], 1), kv=torch.cat([a.kv, a.kv], 1),
+                                  indices=torch.cat([a.indices, a.indices], 1))]     # GQA: 128 heads per kv head
+    kinds = [type(sm100_sa.backward_config(x)) for x in others]
+    assert kinds == [BwdSm100Config, BwdSm100Config, BwdSm100Config, PairBwdSm100Config]
+
+
+@pytest.mark.parametrize("K,T,deterministic", [(128, 2, False), (1152, 3, False), (2048, 40, False),
+                                               (512, 2, True), (1024, 3, True)])
+def test_pair_launch_passes_k_and_the_launch_shape(monkeypatch, K, T, deterministic):
+    """The two-CTA launch over tokens [t0, t0 + tc): pointers from token t0,
+    K, the clusters and the split as runtime scalars (one compiled kernel for
+    every K); a split launch adds dq into a zeroed fp32 workspace and casts
+    it into dq; the deterministic mode never splits."""
+    pytest.importorskip("cutlass")
+    from dsa.cute.sm100 import sparse_attention as sm100_sa
+
+    events, launched, zero = fake_launch(monkeypatch, sm100_sa, 576)
+    g = torch.Generator().manual_seed(K)
+    q = torch.randn(T + 1, 128, 576, generator=g).to(torch.bfloat16)
+    kv = torch.randn(50, 1, 576, generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, 50, (T + 1, 1, K), generator=g, dtype=torch.int32)
+    a = SparseAttnArgs(q, kv, idx, None, None, 0.5, 512, deterministic)
+    lg2den, delta = torch.zeros(T + 1, 128), torch.ones(T + 1, 128)
+    dout, dq, buf = torch.zeros(T + 1, 128, 512), torch.full_like(q, 7.0), torch.zeros(3, 576)
+    sm100_sa._launch_pair(a, dout, lg2den, delta, dq, buf, 1, T, sm100_sa.PairGrid(clusters=8))
+    (x,) = launched
+    assert x[1] is kv and x[3] is idx  # no topk_length: the indices stand in for it, never read
+    for got, whole in zip(x[:8], (q, None, idx, None, dout, lg2den, delta, dq)):
+        if whole is not None:
+            assert got.data_ptr() == whole[1:].data_ptr() and got.shape[0] == T
+    assert x[8] is buf and x[9] is zero
+    n_cl, parts, per = sm100_sa.pair_launch_shape(T, 1, K, 8, not deterministic)
+    assert [int(x[i]) for i in (11, 12, 13, 16, 17, 18)] == [T, 50, K, n_cl, parts, per]
+    assert x[-1] == "stream"
+    if parts > 1:  # dq came from the (zeroed, here untouched) workspace
+        assert tuple(x[10].shape) == (T, 128, 576) and x[10].dtype == torch.float32
+        assert (dq[1:] == 0).all() and (dq[0] == 7).all()
+    else:
+        assert x[10] is buf and (dq == 7).all()
+    assert deterministic <= (parts == 1)

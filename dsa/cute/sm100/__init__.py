@@ -1,7 +1,8 @@
 """CuTe DSL kernels for Blackwell (SM100: capability 10.0 and 10.3).
 
 Served: ``sparse_attention_fwd`` and ``sparse_attention_bwd``
-(``sparse_attention``; both modes of ``deterministic``) and the lean
+(``sparse_attention``; both modes of ``deterministic``; the backward of
+bf16 H128 / D576 by a two-CTA kernel) and the lean
 indexer's ``indexer_scores`` / ``indexer_topk`` (``indexer``).  No machine of
 this project has an SM100 GPU: the kernels are compiled and
 instruction-checked offline on every CI run, and never run here.  So every

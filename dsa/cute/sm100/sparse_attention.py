@@ -8,7 +8,11 @@ on the canonical packed layout of :class:`dsa._args.SparseAttnArgs`.  The
 kernels are ``sparse_attention_fwd.SparseAttnFwdSm100`` and
 ``sparse_attention_bwd.SparseAttnBwdSm100``; what each serves is its
 ``can_implement`` (bf16 / fp16, a multiple of 64 query heads per kv head, D
-512 or 576, d_v 512).  The backward's host side (the Triton preprocess,
+512 or 576, d_v 512).  Backward calls of bf16, 128 query heads per kv head
+and D 576 go to the two-CTA kernel instead
+(``sparse_attention_bwd_pair.SparseAttnBwdSm100Pair``, its own config and
+self-check; ``pair_launch_shape`` splits a short batch's rows over the
+idle clusters).  The backward's host side (the Triton preprocess,
 the dkv accumulator, the deterministic mode's per-slot rows and fixed-order
 sum) is the SM90 backward's (``dsa.cute.sparse_attention_bwd.run_backward``).
 Compiled kernels are cached per (config, device); every launch runs under
@@ -309,8 +313,10 @@ def self_check_backward(config, device: torch.device, kernel=None,
     on the hostile problem of ``hostile_problem`` (with sinks: +inf, -inf,
     3e38), its out and lse from the Triton forward and a random dout, the
     reference being the Triton backward (a grid of a few CTAs, so each runs
-    several tiles).  ``kernel`` / ``reference`` (signature: a, out, lse,
-    dout) stand in for them (the tests run the gate on CPU with stand-ins)."""
+    several tiles; the two-CTA kernel runs under both its launch shapes,
+    its outputs concatenated and compared with Triton's twice).  ``kernel``
+    / ``reference`` (signature: a, out, lse, dout) stand in for them (the
+    tests run the gate on CPU with stand-ins)."""
     import dataclasses
 
     from dsa.cute.sm100.sparse_attention_bwd_pair import PairBwdSm100Config

@@ -23,7 +23,10 @@ topk_indices, softmax_scale, qhead_per_kv_head=H)`` -> {"target"};
 carry it); ``indexer_backward_wrapper(q_i, weights, k_i, attn_score,
 index_score, topk_indices, grad_loss, sm_scale=, loss_coeff=)`` ->
 {"d_index_q", "d_weights", "d_index_k"} (it overwrites ``attn_score``, and
-scales by loss_coeff / (B * S_q): the mean over rows).
+scales by loss_coeff / (B * S_q): the mean over rows). Both indexer wrappers
+take bf16 weights only (``check_support``: "W dtype mismatch"), and return
+bf16 dq, dweights and dk: :func:`indexer_weights` makes the two bf16 weight
+tensors once, so a benchmark can keep the casts out of its timing.
 """
 
 from __future__ import annotations
@@ -121,20 +124,33 @@ def attention_target(q, kv, indices, lse, *, sm_scale):
     return res["target"][0]
 
 
-def indexer_softmax(q_i, k_i, weights, indices, *, sm_scale):
-    """The softmax of the indexer logits over the slots [T, K] (the weights
-    scaled by sm_scale, since the wrapper has no sm_scale argument)."""
+def indexer_weights(weights, sm_scale):
+    """(weights, weights * sm_scale), both bf16: what the backward and the
+    softmax recompute take (the recompute has no sm_scale argument; the scale
+    is applied in fp32 before the one rounding)."""
+    return weights.to(torch.bfloat16), (weights.float() * sm_scale).to(torch.bfloat16)
+
+
+def indexer_softmax(q_i, k_i, weights, indices, *, sm_scale, scaled_weights=None):
+    """The softmax of the indexer logits over the slots [T, K]: the wrapper is
+    given ``scaled_weights`` (bf16 weights * sm_scale; made here when None)."""
+    if scaled_weights is None:
+        scaled_weights = indexer_weights(weights, sm_scale)[1]
     res = wrapper("sparse_indexer_score_recompute_wrapper")(
-        q_i.unsqueeze(0), k_i.unsqueeze(0), (weights * sm_scale).unsqueeze(0), indices.unsqueeze(0),
+        q_i.unsqueeze(0), k_i.unsqueeze(0), scaled_weights.unsqueeze(0), indices.unsqueeze(0),
         qhead_per_kv_head=q_i.shape[1],
     )
     return res["predict"][0]
 
 
-def indexer_kl_step(q_i, k_i, weights, indices, target, *, sm_scale, grad_loss=None):
+def indexer_kl_step(q_i, k_i, weights, indices, target, *, sm_scale, scaled_weights=None, grad_loss=None):
     """cuDNN's KL training step: the softmax recompute, then the indexer
-    backward -> (dq_i, dk_i, dweights). ``target`` [T, K] is overwritten."""
-    predict = indexer_softmax(q_i, k_i, weights, indices, sm_scale=sm_scale)
+    backward -> (dq_i, dk_i, dweights), bf16. ``target`` [T, K] is
+    overwritten. ``weights`` must be bf16 unless ``scaled_weights`` is None
+    (then both are made from it here, inside the caller's timing)."""
+    if scaled_weights is None:
+        weights, scaled_weights = indexer_weights(weights, sm_scale)
+    predict = indexer_softmax(q_i, k_i, weights, indices, sm_scale=sm_scale, scaled_weights=scaled_weights)
     if grad_loss is None:
         grad_loss = torch.ones(1, device=q_i.device, dtype=torch.float32)
     res = wrapper("indexer_backward_wrapper")(

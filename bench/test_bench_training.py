@@ -16,7 +16,8 @@ Peer rows ``cudnn`` (bench/cudnn_peer.py, skipped when ``import cudnn``
 fails): ``sparse_attn_score_recompute_wrapper`` for the target,
 ``sparse_indexer_score_recompute_wrapper`` (the softmax over the slots) for
 the logits, and that recompute followed by ``indexer_backward_wrapper`` for
-the KL step. bench/training_peers.py times all of them in one process with
+the KL step. cuDNN takes bf16 weights only: they are cast (and scaled by
+sm_scale for the recompute) once, outside the timing; dsa keeps fp32 weights. bench/training_peers.py times all of them in one process with
 the gradients checked against float64.
 
 ``python bench/test_bench_training.py`` (CUDA) prints the same figures
@@ -125,8 +126,9 @@ def scores_call(s, backend):
     if backend == "cudnn":
         from bench import cudnn_peer
 
-        return functools.partial(cudnn_peer.indexer_softmax, s["q_i"], s["k_i"], s["weights"], s["indices"],
-                                 sm_scale=sm)
+        w, ws = cudnn_peer.indexer_weights(s["weights"], sm)  # bf16, cast outside the timing
+        return functools.partial(cudnn_peer.indexer_softmax, s["q_i"], s["k_i"], w, s["indices"],
+                                 sm_scale=sm, scaled_weights=ws)
     import dsa
 
     return functools.partial(dsa.sparse_indexer_scores, s["q_i"], s["k_i"], s["weights"], s["indices"],
@@ -139,9 +141,11 @@ def kl_call(s, backend, deterministic=False):
     if backend == "cudnn":
         from bench import cudnn_peer
 
+        sm = s["q_i"].shape[-1] ** -0.5
         tgt = s["target"].clone()
-        return functools.partial(cudnn_peer.indexer_kl_step, s["q_i"], s["k_i"], s["weights"], s["indices"], tgt,
-                                 sm_scale=s["q_i"].shape[-1] ** -0.5)
+        w, ws = cudnn_peer.indexer_weights(s["weights"], sm)  # bf16, cast outside the timing
+        return functools.partial(cudnn_peer.indexer_kl_step, s["q_i"], s["k_i"], w, s["indices"], tgt,
+                                 sm_scale=sm, scaled_weights=ws)
     import dsa
 
     leaves = [s[n].detach().clone().requires_grad_() for n in ("q_i", "k_i", "weights")]

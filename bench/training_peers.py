@@ -164,11 +164,19 @@ def run_kl(table: Table, s, shape, args, ref) -> None:
             results[f"dsa deterministic={mode}"] = first
     why = cudnn_peer.unavailable()
     if why is None:
-        leaves = [s[n] for n in ("q_i", "k_i", "weights")]
+        # cuDNN takes bf16 weights (and the recompute sm_scale-scaled ones): cast once, outside the timing
+        w, ws = cudnn_peer.indexer_weights(s["weights"], sm)
+        qk = (s["q_i"], s["k_i"])
         tgt = s["target"].clone()
-        step_c = lambda: cudnn_peer.indexer_kl_step(*leaves, s["indices"], tgt, sm_scale=sm)  # noqa: E731
+        step_c = lambda: cudnn_peer.indexer_kl_step(*qk, w, s["indices"], tgt, sm_scale=sm,  # noqa: E731
+                                                    scaled_weights=ws)
         if guarded(table, "KL step", "cudnn (recompute + indexer_backward)", step_c) is not None:
-            results["cudnn"] = cudnn_peer.indexer_kl_step(*leaves, s["indices"], s["target"].clone(), sm_scale=sm)
+            results["cudnn"] = cudnn_peer.indexer_kl_step(*qk, w, s["indices"], s["target"].clone(), sm_scale=sm,
+                                                          scaled_weights=ws)
+            # a wrong argument (weights, scale) shows here first, whatever float64 says
+            table.add("KL grads cudnn vs dsa default", "rel_l2", None, **{
+                n: float(f"{rel_l2(g, r):.3g}") for n, g, r in zip(("dq", "dk", "dw"), results["cudnn"],
+                                                                  results["dsa default"])})
     else:
         table.add("KL step", "cudnn", None, skipped=why)
     if ref is not None:
@@ -198,8 +206,15 @@ def run_forward_ops(table: Table, s, shape) -> None:
         if ms is not None:
             got = cudnn_peer.attention_target(s["q"], s["kv"], s["indices"], s["lse"], sm_scale=shape.D ** -0.5)
             table.add("attention_target", "cudnn vs dsa", None, rel_l2=float(f"{rel_l2(got, s['target']):.3g}"))
-        guarded(table, "sparse_indexer_scores", "cudnn (softmax)", lambda: cudnn_peer.indexer_softmax(
-            s["q_i"], s["k_i"], s["weights"], s["indices"], sm_scale=sm))
+        w, ws = cudnn_peer.indexer_weights(s["weights"], sm)  # bf16, cast outside the timing
+        ms = guarded(table, "sparse_indexer_scores", "cudnn (softmax)", lambda: cudnn_peer.indexer_softmax(
+            s["q_i"], s["k_i"], w, s["indices"], sm_scale=sm, scaled_weights=ws))
+        if ms is not None:
+            got = cudnn_peer.indexer_softmax(s["q_i"], s["k_i"], w, s["indices"], sm_scale=sm, scaled_weights=ws)
+            exp = torch.softmax(dsa.sparse_indexer_scores(s["q_i"], s["k_i"], s["weights"], s["indices"],
+                                                          sm_scale=sm, backend="triton"), -1)
+            table.add("sparse_indexer_scores", "cudnn softmax vs dsa's", None,
+                      rel_l2=float(f"{rel_l2(got, exp):.3g}"))
 
 
 def run_sweep(table: Table, s) -> None:

@@ -1,6 +1,7 @@
 """Top-k and indexer -> top-k against their peers, on the same inputs, in one process.
 
-    PYTHONPATH=$PWD python bench/topk_peers.py --out OUT [--indexer] [--variants] [--only-topk]
+    PYTHONPATH=$PWD python bench/topk_peers.py --out OUT [--indexer] [--variants] [--no-topk]
+        [--shapes 3,4] [--ks 2048] [--indexer-shapes 0,1]
 
 Top-k: fp32 scores [rows, cols] from torch.randn (causal shapes: row i keeps
 min(cols, i + 1) scores, the rest -inf), k 2048 and 1024; timed: dsa
@@ -9,14 +10,19 @@ works, cuDNN's ``indexer_top_k_wrapper`` (given each row's valid length).
 Every dsa result is first checked for exact equality with the contract
 (ascending positions, -1 padded, ties to the smaller position) on a spread
 of rows. ``--variants`` adds dsa's other kernels (the resident kernel where
-the row fits it) and list-path settings.
+the row fits it) and list-path settings (see ``variants``), and the fused
+indexer_topk's chunking settings (``INDEXER_VARIANTS``), each checked equal
+to the default's result.
 
 Indexer -> top-k (``--indexer``): H 64, D 128, bf16, causal; dsa's fused
 ``indexer_topk`` against cuDNN's ``indexer_forward_wrapper`` followed by
 ``indexer_top_k_wrapper``.
 
 Times: triton.testing.do_bench(warmup=25, rep=100, median), ms. GB/s: the
-scores' bytes (rows * cols * 4) over the time. Writes OUT/topk_peers.json and
+scores' bytes (rows * cols * 4) over the time, and "valid": the bytes of
+the visible scores only (what cuDNN, told the row lengths, reads). Indexer:
+TFLOP/s of the scores (2 * H * D * visible pairs) over the whole time, and
+the peak memory the call allocates beyond its inputs. Writes OUT/topk_peers.json and
 OUT/topk_peers.png (time per row against row length, one line per method,
 dense and causal apart).
 """
@@ -122,37 +128,56 @@ def dsa_topk(x: torch.Tensor, k: int, **launch_kw):
     return run
 
 
+def list_plan(cols: int, k: int, inline: bool, **kw):
+    """The list plan of this shape with the build's select inline or not (the
+    defaults of that choice), then ``kw``."""
+    from dsa.triton import topk as tk
+
+    saved = tk.LIST_INLINE_SELECT
+    tk.LIST_INLINE_SELECT = inline
+    try:
+        plan = tk._list_plan(cols, k)
+    finally:
+        tk.LIST_INLINE_SELECT = saved
+    return None if plan is None else dataclasses.replace(plan, **kw)
+
+
 def variants(cols: int, k: int) -> Dict[str, dict]:
-    """dsa's other kernels and list-path settings for this shape."""
+    """dsa's other kernels and list-path settings for this shape. The list
+    path: ``sep`` = the build then a select kernel (the path before the
+    inline select), ``inline`` = the build selects the lists of the block;
+    ``rev`` / ``fwd`` = rows last first / first first; c = the build's chunk."""
     from dsa.triton import topk as tk
 
     out: Dict[str, dict] = {}
     if cols <= tk.RESIDENT_MAX:
         out["dsa_resident"] = {"list_min": 1 << 40}
-    plan = tk._list_plan(cols, k)
-    if plan is not None:
-        if cols < tk.LIST_MIN:
-            out["dsa_list"] = {"plan": plan}
-        for chunk, warps in ((512, 4), (2048, 4), (1024, 8)):
-            out[f"dsa_list_c{chunk}_w{warps}"] = {"plan": dataclasses.replace(plan, chunk=chunk, build_warps=warps)}
-        out["dsa_list_slack0"] = {"plan": dataclasses.replace(plan, slack=0)}
-        for search in ("bisect", "radix"):
-            out[f"dsa_list_select_{search}"] = {"plan": dataclasses.replace(plan, list_search=search)}
-        if plan.sample > 1024:
-            half = tk._list_plan(cols, k, plan.sample // 2)
-            if half is not None:
-                out["dsa_list_half_sample"] = {"plan": half}
+    if list_plan(cols, k, True) is None:
+        return out
+    sep = list_plan(cols, k, False, reverse=False)
+    out["dsa_list_sep_fwd"] = {"plan": sep}  # the list path as it was before the inline select
+    out["dsa_list_sep_rev"] = {"plan": dataclasses.replace(sep, reverse=True)}
+    inline = list_plan(cols, k, True, reverse=True)
+    for chunk in (1024, 2048):
+        if chunk != inline.chunk:
+            out[f"dsa_list_inline_c{chunk}"] = {"plan": dataclasses.replace(inline, chunk=chunk)}
+    out["dsa_list_inline_fwd"] = {"plan": dataclasses.replace(inline, reverse=False)}
+    if cols < tk.LIST_MIN:
+        out["dsa_list"] = {"plan": list_plan(cols, k, tk.LIST_INLINE_SELECT)}
     return out
 
 
 def run_topk(args, results: List[dict], cd) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for rows, cols, causal in TOPK_SHAPES:
+    for i, (rows, cols, causal) in enumerate(TOPK_SHAPES):
+        if args.shapes is not None and i not in args.shapes:
+            continue
         x = make_scores(rows, cols, causal, gen)
         nbytes = x.numel() * x.element_size()
+        valid_bytes = (rows * (rows + 1) // 2 if causal else rows * cols) * x.element_size()  # causal: rows == cols
         seq = causal_lengths(rows, cols, 1, x.device) if causal else torch.full((rows,), cols, dtype=torch.int32,
                                                                                    device=x.device)
-        for k in TOPK_KS:
+        for k in args.ks:
             name = f"{rows}x{cols}{' causal' if causal else ''}"
             methods: Dict[str, Callable] = {"dsa": dsa_topk(x, k)}
             if args.variants:
@@ -179,10 +204,51 @@ def run_topk(args, results: List[dict], cd) -> None:
                     continue
                 ratio = f"{ms / base:5.2f}x cudnn" if base else ""
                 ex = row["exact"].get(m, "")
-                print(f"topk {name:22s} k={k:5d} {m:24s} {ms:9.4f} ms {nbytes / ms / 1e6:8.1f} GB/s {ratio} "
-                      f"{'exact=' + str(ex) if ex != '' else ''}", flush=True)
+                print(f"topk {name:22s} k={k:5d} {m:24s} {ms:9.4f} ms {nbytes / ms / 1e6:8.1f} GB/s "
+                      f"({valid_bytes / ms / 1e6:7.1f} valid) {ratio} {'exact=' + str(ex) if ex != '' else ''}",
+                      flush=True)
         del x
         torch.cuda.empty_cache()
+
+
+# indexer_topk's chunking settings (module attributes of dsa.triton.indexer /
+# dsa.triton.topk): "old" is the path before buffered chunks and row ends.
+INDEXER_VARIANTS = {
+    "dsa_fused_old": dict(TOPK_BUFFERS=1, TOPK_ROW_ENDS=False, TOPK_CHUNK_FLOATS=1 << 25,
+                          LIST_INLINE_SELECT=False, LIST_REVERSE=False),
+    "dsa_fused_ends_b1": dict(TOPK_BUFFERS=1),
+    "dsa_fused_b2_noends": dict(TOPK_ROW_ENDS=False),
+    "dsa_fused_b3": dict(TOPK_BUFFERS=3),
+    "dsa_fused_b2_chunk25": dict(TOPK_CHUNK_FLOATS=1 << 25),
+    "dsa_fused_b2_chunk27": dict(TOPK_CHUNK_FLOATS=1 << 27),
+    "dsa_fused_sep": dict(LIST_INLINE_SELECT=False),
+}
+
+
+def with_settings(fn: Callable, settings: dict) -> Callable:
+    """fn run with the given module attributes of dsa.triton.indexer / topk."""
+    from dsa.triton import indexer as ix
+    from dsa.triton import topk as tk
+
+    def run():
+        saved = {}
+        for name, v in settings.items():
+            mod = ix if hasattr(ix, name) and name.startswith("TOPK_") else tk
+            saved[name] = (mod, getattr(mod, name))
+            setattr(mod, name, v)
+        try:
+            return fn()
+        finally:
+            for name, (mod, v) in saved.items():
+                setattr(mod, name, v)
+
+    return run
+
+
+def visible_pairs(sq: int, sk: int, ratio: int) -> int:
+    """Visible (query, key) pairs of a causal sequence: sum of min(sk, (i + 1) // ratio)."""
+    i = torch.arange(1, sq + 1, dtype=torch.int64)
+    return int(torch.clamp(i // ratio, max=sk).sum())
 
 
 def run_indexer(args, results: List[dict], cd) -> None:
@@ -190,13 +256,19 @@ def run_indexer(args, results: List[dict], cd) -> None:
 
     H, D = 64, 128
     gen = torch.Generator(device="cuda").manual_seed(1)
-    for sq, sk, ratio, k in INDEXER_SHAPES:
+    for i, (sq, sk, ratio, k) in enumerate(INDEXER_SHAPES):
+        if args.indexer_shapes is not None and i not in args.indexer_shapes:
+            continue
         q = torch.randn(1, sq, H, D, device="cuda", generator=gen).bfloat16()
         kk = torch.randn(1, sk, D, device="cuda", generator=gen).bfloat16()
         w = torch.randn(1, sq, H, device="cuda", generator=gen).bfloat16()
         name = f"{sq}/{sk} ratio {ratio}"
         row = {"shape": name, "S_q": sq, "S_k": sk, "ratio": ratio, "k": k, "ms": {}}
-        methods = {"dsa_fused": lambda: dsa.indexer_topk(q, kk, w, k, ratio=ratio, backend="triton")}
+        fused = lambda: dsa.indexer_topk(q, kk, w, k, ratio=ratio, backend="triton")  # noqa: E731
+        methods = {"dsa_fused": fused}
+        if args.variants:
+            for v, settings in INDEXER_VARIANTS.items():
+                methods[v] = with_settings(fused, settings)
         if cd is not None:
             seq = causal_lengths(sq, sk, ratio, q.device)
 
@@ -205,20 +277,34 @@ def run_indexer(args, results: List[dict], cd) -> None:
                 return cd["topk"](s.flatten(0, 1), seq, k, next_n=1, return_val=False)
 
             methods["cudnn_two_steps"] = two_steps
-        torch.cuda.reset_peak_memory_stats()
+        row["extra_mib"] = {}
+        row["exact"] = {}
+        want = None
         for m, fn in methods.items():
             try:
-                fn()
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                out = fn()
+                torch.cuda.synchronize()
+                row["extra_mib"][m] = (torch.cuda.max_memory_allocated() - before) / 2**20
+                if m.startswith("dsa"):  # every dsa variant equal to the default, bit for bit
+                    want = out if want is None else want
+                    row["exact"][m] = torch.equal(out, want)
+                del out
                 row["ms"][m] = bench(fn)
             except Exception as e:
                 row["ms"][m] = None
                 print(f"indexer {name} {m}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        del want
         results.append(row)
         base = row["ms"].get("cudnn_two_steps")
+        flop = 2 * H * D * visible_pairs(sq, sk, ratio)
         for m, ms in row["ms"].items():
             if ms is not None:
-                print(f"indexer_topk {name:22s} k={k:5d} {m:16s} {ms:9.3f} ms "
-                      f"{f'{ms / base:5.2f}x cudnn' if base else ''}", flush=True)
+                print(f"indexer_topk {name:22s} k={k:5d} {m:22s} {ms:9.3f} ms {flop / ms / 1e9:6.1f} TFLOP/s "
+                      f"{f'{ms / base:5.2f}x cudnn' if base else '':11s} peak extra {row['extra_mib'][m]:7.0f} MiB "
+                      f"{'exact=' + str(row['exact'][m]) if m in row['exact'] else ''}", flush=True)
         del q, kk, w
         torch.cuda.empty_cache()
 
@@ -232,8 +318,11 @@ def plot(results: List[dict], path: str) -> None:
     except ImportError:
         print("matplotlib missing: no plot")
         return
-    fig, axes = plt.subplots(1, len(TOPK_KS), figsize=(6 * len(TOPK_KS), 4.5))
-    for ax, k in zip(axes, TOPK_KS):
+    ks = sorted({r["k"] for r in results if "cols" in r}, reverse=True)
+    if not ks:
+        return
+    fig, axes = plt.subplots(1, len(ks), figsize=(6 * len(ks), 4.5), squeeze=False)
+    for ax, k in zip(axes[0], ks):
         rows = [r for r in results if r.get("k") == k and "cols" in r]
         for m in ("dsa", "torch", "cudnn"):
             for causal, style in ((False, "-o"), (True, "--s")):
@@ -258,6 +347,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="topk_peers_out")
     ap.add_argument("--indexer", action="store_true", help="also time the fused indexer_topk")
     ap.add_argument("--variants", action="store_true", help="also time dsa's other top-k kernels")
+    ap.add_argument("--no-topk", action="store_true", help="skip the top-k table (with --indexer: only that)")
+    ints = lambda v: [int(x) for x in v.split(",")]  # noqa: E731
+    ap.add_argument("--shapes", type=ints, default=None, help="top-k shapes by index in TOPK_SHAPES, e.g. 3,4")
+    ap.add_argument("--indexer-shapes", type=ints, default=None, help="indexer shapes by index in INDEXER_SHAPES")
+    ap.add_argument("--ks", type=ints, default=list(TOPK_KS), help="top-k k values (default 2048,1024)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("topk_peers: needs a CUDA device")
@@ -266,7 +360,8 @@ def main(argv=None) -> int:
     cd = cudnn_wrappers()
     results: List[dict] = []
     t0 = time.time()
-    run_topk(args, results, cd)
+    if not args.no_topk:
+        run_topk(args, results, cd)
     if args.indexer:
         run_indexer(args, results, cd)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "seconds": time.time() - t0}

@@ -108,7 +108,8 @@ def _plan(S, rank, block, cap, chunk=32, **kw):
 
 LIST_PLANS = [
     pytest.param((17, 256, 256), id="select"),
-    pytest.param((6, 16, 256, 32, {"slack": 3}), id="tiers-slack"),
+    # with the select kernel for both tiers (no inline select), first row first
+    pytest.param((6, 16, 256, 32, {"slack": 3, "inline_select": False, "reverse": False}), id="tiers-slack"),
     pytest.param((1, 16, 32), id="fallback"),
     pytest.param((4, 256, 256, 64, {"list_search": "bisect"}), id="select-bisect"),
     pytest.param((4, 256, 256, 64, {"list_search": "radix"}), id="select-radix"),
@@ -153,8 +154,9 @@ def test_list_build_holds_the_keys_above_the_bound():
     pos = torch.full((5, cap), -7, dtype=torch.int32)
     meta = torch.full((5, 2), -1, dtype=torch.int32)
     rank, stride = 5, S // 2
-    tk._list_build_kernel[(5,)](x, vals, pos, meta, 0, S, x.stride(0), rank, 0, stride, CAP=cap, CHUNK=32, SAMPLE=16,
-                                ASM_STORE=False)
+    unused = torch.zeros(5, dtype=torch.int32)  # no per-row ends, no select here
+    tk._list_build_kernel[(5,)](x, vals, pos, meta, unused, unused, unused, 0, 5, S, 1, x.stride(0), 1, rank, 0,
+                                stride, CAP=cap, CHUNK=32, SAMPLE=16, ASM_STORE=False)
     cols = torch.cat([torch.arange(8), torch.arange(stride, stride + 8)])
     for r in range(5):
         ok = ~torch.isnan(x[r]) & (x[r] != -INF)
@@ -167,6 +169,37 @@ def test_list_build_holds_the_keys_above_the_bound():
         assert torch.equal(pos[r, :m], above[:m].int())
         assert torch.equal(vals[r, :m].view(torch.float32), x[r, above[:m]])
         assert (pos[r, m:] == -7).all()  # nothing past the list
+
+
+def _masked_past(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    col = torch.arange(x.shape[1])
+    return torch.where(col[None, :] < ends.clamp(0, x.shape[1])[:, None].long(), x, torch.full_like(x, -INF))
+
+
+ENDS_PATHS = [  # (launch keywords, k)
+    pytest.param(({}, 40), id="resident"),
+    pytest.param(({"resident_max": 8, "chunk": 32}, 9), id="stream"),
+    # sample 16: rows of at most 32 columns taken whole, up to 16 sampled whole, longer ones in runs of 8
+    pytest.param(({"plan": _plan(128, 6, 32, 64, slack=2)}, 9), id="list"),
+    pytest.param(({"plan": _plan(128, 6, 32, 64, inline_select=False, reverse=False)}, 40), id="list-separate"),
+    pytest.param(({"plan": _plan(128, 6, 16, 16)}, 40), id="list-fallback"),
+]
+
+
+@pytest.mark.parametrize("path", ENDS_PATHS)
+def test_row_ends(path):
+    """With per-row ends a row is read only up to its end: the result is the
+    top-k of the row with -inf past it (what the fused indexer relies on)."""
+    kw, k = path
+    gen = torch.Generator().manual_seed(11 + k)
+    S = 128
+    x = torch.cat([_special_rows(6, S, gen), torch.randn(6, S, generator=gen)])
+    x[:, 120:] = 1e30  # past every end below: never selected
+    ends = torch.tensor([120, 0, 40, 120, 7, 100, 3, -5, 17, 60, 119, 33], dtype=torch.int32)
+    idx, lens = _run(x, k, ends=ends, **kw)
+    ref_idx, ref_len = topk_contract(_masked_past(x, ends), k)
+    assert torch.equal(lens, ref_len)
+    assert torch.equal(idx, ref_idx)
 
 
 def test_list_plan_sizes():
@@ -357,19 +390,17 @@ def test_ptx_store_keeps_the_load_layout():
 
 _AOT_LIST = r"""
 import json, sys, torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from dsa.triton import topk as tk
+from dsa.triton import fit, topk as tk
 p = tk._list_plan(65536, 2048)
-sig = {"s_ptr": "*fp32", "val_ptr": "*i32", "pos_ptr": "*i32", "meta_ptr": "*i32", "row0": "i32", "S": "i32",
-       "stride_s": "i32", "RANK": "i32", "SLACK": "i32", "STRIDE": "i32"}
-attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6, 9)}
-const = dict(CAP=p.cap, CHUNK=p.chunk, SAMPLE=p.sample, ASM_STORE=True)
 out = {}
 for cap in (80, 90, 100, 120):
-    c = triton.compile(ASTSource(tk._list_build_kernel, sig, const, attrs), target=GPUTarget("cuda", cap, 32),
-                       options=dict(num_warps=p.build_warps, num_stages=1))
-    out[cap] = dict(converts=c.asm["ttgir"].count("ttg.convert_layout"), v4=c.asm["ptx"].count("ld.global.v4"))
+    for has_end in (False, True):
+        spec = tk.route_specs(("list", p), torch.float32, True, has_end)[0]
+        src = fit._source(spec)  # S and the row stride 16-divisible, as a launch on 65536 columns specializes them
+        src.attrs.update({(spec.fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("S", "stride_s")})
+        c = triton.compile(src, target=fit.Target.of(cap).gpu_target(), options=fit._options(spec))
+        out[f"{cap}/{has_end}"] = dict(converts=c.asm["ttgir"].count("ttg.convert_layout"),
+                                       v4=c.asm["ptx"].count("ld.global.v4"))
 print(json.dumps(out))
 """
 
@@ -448,3 +479,44 @@ def test_ptx_enabled_only_on_nvidia():
     assert not ptx.enabled(torch.zeros(1))
     if torch.cuda.is_available():
         assert ptx.enabled(torch.zeros(1, device="cuda")) == (torch.version.hip is None)
+
+
+# --------------------------------------------------------------------------
+# The fused indexer_topk's chunking (dsa/triton/indexer.py): chunks in
+# rotating buffers, top-k read up to each row's window end.
+
+
+def _packed_indexer_args(ratio, causal):
+    from dsa._args import IndexerArgs
+
+    gen = torch.Generator().manual_seed(21 + ratio)
+    sq, sk, offs = [5, 0, 7, 3], [9, 4, 12, 0], [3, 0, 6, 2]
+    Tq, Tk, H, D = sum(sq), sum(sk), 4, 16
+    cu = lambda n: torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32)  # noqa: E731
+    return IndexerArgs(q=torch.randint(-2, 3, (Tq, H, D), generator=gen).float(),
+                       k=torch.randint(-2, 3, (Tk, D), generator=gen).float(),
+                       weights=torch.randint(-2, 3, (Tq, H), generator=gen).float() * 0.5,
+                       cu_seqlens_q=cu(sq), cu_seqlens_k=cu(sk), q_offsets=torch.tensor(offs, dtype=torch.int64),
+                       max_seqlen_k=14, ratio=ratio, causal=causal, sm_scale=0.5)
+
+
+@pytest.mark.parametrize("buffers,row_ends,ratio,causal", [(1, False, 1, True), (2, True, 2, True),
+                                                           (3, True, 1, False)])
+def test_indexer_topk_chunks(buffers, row_ends, ratio, causal, monkeypatch):
+    """indexer_topk in chunks of 2 rows (through sequences) over 1-3 buffers,
+    with and without row ends, equals the contract's top-k of the reference
+    scores (integer inputs: real ties); the row ends are the windows."""
+    from dsa import reference
+    from dsa.triton import indexer as ix
+
+    a = _packed_indexer_args(ratio, causal)
+    ref = reference.indexer_scores(a)
+    ends = ix.row_ends(a)
+    assert torch.equal(ends, (ref != -INF).sum(1).int())  # integer scores inside a window are finite
+    monkeypatch.setattr(ix, "chunk_rows", lambda Tq, S, k: 2)
+    monkeypatch.setattr(ix, "TOPK_BUFFERS", buffers)
+    monkeypatch.setattr(ix, "TOPK_ROW_ENDS", row_ends)
+    for k in (3, 20):
+        idx, lens = ix.indexer_topk(a, k)
+        ref_idx, ref_len = topk_contract(ref, k)
+        assert torch.equal(lens, ref_len) and torch.equal(idx, ref_idx), k

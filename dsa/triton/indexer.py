@@ -31,8 +31,10 @@ stays O(Tq*topk) whatever S_k is.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 import triton
@@ -76,6 +78,32 @@ def _block_table_kernel(cu_q_ptr, out_ptr, n_seq, Tq, rows_per_chunk, BQ: tl.con
 
 
 @triton.jit
+def _row_ends_kernel(cu_q_ptr, cu_k_ptr, off_ptr, out_ptr, Tq, n_seq, n_iter, ratio, max_seqlen_k,
+                     CAUSAL: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = the end of query row t's visible window: keys j < out[t] of
+    its sequence may be visible, every later column of its score row is
+    -inf (the scores kernel's ``end``, clamped to max_seqlen_k)."""
+    o_t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m_t = o_t < Tq
+    # the sequence b of row t: the last b with cu_q[b] <= t (binary search)
+    lo = tl.zeros([BLOCK], tl.int32)
+    hi = lo + n_seq
+    for _ in range(n_iter):
+        mid = (lo + hi) // 2
+        go_right = tl.load(cu_q_ptr + mid, mask=m_t, other=0) <= o_t
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    q_seq0 = tl.load(cu_q_ptr + lo, mask=m_t, other=0)
+    s_k = tl.load(cu_k_ptr + lo + 1, mask=m_t, other=0) - tl.load(cu_k_ptr + lo, mask=m_t, other=0)
+    if CAUSAL:
+        first = tl.load(off_ptr + lo, mask=m_t, other=0) + (o_t - q_seq0) + 1
+        end = tl.minimum(tl.maximum(first // ratio, 0), s_k)
+    else:
+        end = s_k
+    tl.store(out_ptr + o_t, tl.minimum(end, max_seqlen_k).to(tl.int32), mask=m_t)
+
+
+@triton.jit
 def _find_block(blk_cum_ptr, blk, n_seq, n_iter):
     """The sequence b with blk_cum[b] <= blk < blk_cum[b+1] (binary search)."""
     lo = tl.zeros([], tl.int32)
@@ -107,7 +135,7 @@ def _indexer_scores_kernel(
     stride_qt, stride_qh, stride_kt, stride_wt, stride_ot,
     H, D,
     CAUSAL: tl.constexpr, BQ: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
-    BN: tl.constexpr, PREC: tl.constexpr, SINGLE: tl.constexpr,
+    BN: tl.constexpr, PREC: tl.constexpr, SINGLE: tl.constexpr, FILL_INF: tl.constexpr = True,
 ):
     # Blocks are taken last-first: in a causal batch the late query blocks
     # have the most keys, and starting them first evens out the tail.
@@ -167,10 +195,13 @@ def _indexer_scores_kernel(
         _epilogue(b_s, b_w, p_out, j0, end, m_bq, max_seqlen_k, sm_scale, BN, BQ, HP)
 
     # Past the window: -inf, no compute. Tiles [BQ, BN], keys contiguous.
-    b_inf = tl.full([BQ, BN], float("-inf"), tl.float32)
-    for j0 in range(tl.cdiv(k_end, BN) * BN, max_seqlen_k, BN):
-        o_j = j0 + o_n
-        tl.store(p_out[:, None] + o_j[None, :], b_inf, mask=m_bq[:, None] & (o_j[None, :] < max_seqlen_k))
+    # Without FILL_INF (indexer_topk: its top-k reads each row only up to
+    # its window's end) these columns are left unwritten.
+    if FILL_INF:
+        b_inf = tl.full([BQ, BN], float("-inf"), tl.float32)
+        for j0 in range(tl.cdiv(k_end, BN) * BN, max_seqlen_k, BN):
+            o_j = j0 + o_n
+            tl.store(p_out[:, None] + o_j[None, :], b_inf, mask=m_bq[:, None] & (o_j[None, :] < max_seqlen_k))
 
 
 # --------------------------------------------------------------------------
@@ -229,13 +260,13 @@ def tiles_reason(fn_name: str, a: IndexerArgs) -> Optional[str]:
     return pick(a)[1] or None
 
 
-def scores_spec(a: IndexerArgs, cfg: IndexerConfig, single: bool = True) -> fit.KernelSpec:
+def scores_spec(a: IndexerArgs, cfg: IndexerConfig, single: bool = True, fill_inf: bool = True) -> fit.KernelSpec:
     BQ, HP, DP = _dims(a, cfg)
     el = fit.ptr(a.q.dtype)
     types = dict(q_ptr=el, k_ptr=el, w_ptr=fit.ptr(a.weights.dtype), out_ptr="*fp32", cu_q_ptr="*i32",
                  cu_k_ptr="*i32", off_ptr="*i32", blk_cum_ptr="*i32", sm_scale="fp32")
     const = dict(CAUSAL=bool(a.causal), BQ=BQ, HP=HP, DP=DP, BN=cfg.BN, PREC=input_precision(a.q.dtype),
-                 SINGLE=single)
+                 SINGLE=single, FILL_INF=fill_inf)
     options = {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
     return fit.KernelSpec(_indexer_scores_kernel, types, const, cfg.num_warps, cfg.num_stages, options)
 
@@ -284,12 +315,14 @@ def block_tables(a: IndexerArgs, BQ: int, rows_per_chunk: int, n_chunks: int) ->
 
 
 def _launch_scores(a: IndexerArgs, out: torch.Tensor, blk_cum: Optional[torch.Tensor], row_begin: int,
-                   row_end: int) -> None:
-    """Score rows [row_begin, row_end) of the packed queries into out[0 : row_end - row_begin]."""
+                   row_end: int, fill_inf: bool = True) -> None:
+    """Score rows [row_begin, row_end) of the packed queries into out[0 :
+    row_end - row_begin]; without fill_inf the columns past each query
+    block's window are left unwritten."""
     cfg = _config(a)
     H, D = a.q.shape[1], a.q.shape[2]
     B = a.batch
-    spec = scores_spec(a, cfg, single=blk_cum is None)
+    spec = scores_spec(a, cfg, single=blk_cum is None, fill_inf=fill_inf)
     # >= the block count; spare programs exit
     grid = (triton.cdiv(row_end - row_begin, spec.constexprs["BQ"]) + (0 if blk_cum is None else B),)
     _indexer_scores_kernel[grid](
@@ -311,24 +344,67 @@ def scores(a: IndexerArgs) -> torch.Tensor:
     return out
 
 
-def chunk_rows(Tq: int, S_k: int, topk: int) -> int:
+# indexer_topk's chunking. Each chunk's scores go to one of TOPK_BUFFERS
+# scratch buffers of about TOPK_CHUNK_FLOATS floats (at least one row; no
+# more than Tq rows) and are selected on the stream that computed them; chunk
+# c takes buffer and stream c % TOPK_BUFFERS (the first the caller's, the
+# others forked from it and joined back at the end), so one chunk's top-k
+# and the tail of its scores run beside the next chunk's scores. ROW_ENDS:
+# the top-k reads each row only up to its window's end, and the scores
+# kernel writes no -inf past the windows. Env at import:
+# DSA_INDEXER_TOPK_BUFFERS, DSA_INDEXER_TOPK_CHUNK (floats, a power-of-two
+# exponent), DSA_INDEXER_TOPK_ROW_ENDS (0: whole rows, -inf written).
+TOPK_BUFFERS = int(os.environ.get("DSA_INDEXER_TOPK_BUFFERS", "2"))
+TOPK_CHUNK_FLOATS = 1 << int(os.environ.get("DSA_INDEXER_TOPK_CHUNK", "26"))
+TOPK_ROW_ENDS = os.environ.get("DSA_INDEXER_TOPK_ROW_ENDS", "1") != "0"
+_ENDS_BLOCK = 1024
+_SIDE_STREAMS: Dict[Tuple[int, int], torch.cuda.Stream] = {}
+
+
+def chunk_rows(Tq: int, S_k: int, topk: int, floats: Optional[int] = None) -> int:
     """Query rows per chunk of ``indexer_topk``: the chunk's scores take about
-    max(Tq*topk/4, 2**25) floats, whatever S_k is (at least one row)."""
-    budget = max(Tq * topk // 4, 1 << 25)
+    max(Tq*topk/4, ``floats`` or TOPK_CHUNK_FLOATS) floats, whatever S_k is
+    (at least one row)."""
+    budget = max(Tq * topk // 4, TOPK_CHUNK_FLOATS if floats is None else floats)
     return max(1, min(Tq, budget // max(1, S_k)))
+
+
+def row_ends(a: IndexerArgs) -> torch.Tensor:
+    """[Tq] int32: the end of each query row's visible window (every column
+    of its score row from there on is -inf)."""
+    Tq = a.q.shape[0]
+    out = torch.empty((Tq,), dtype=torch.int32, device=a.q.device)
+    B = a.batch
+    _row_ends_kernel[(triton.cdiv(Tq, _ENDS_BLOCK),)](
+        a.cu_seqlens_q, a.cu_seqlens_k, a.q_offsets, out, Tq, B, max(0, (B - 1).bit_length()), a.ratio,
+        a.max_seqlen_k, CAUSAL=bool(a.causal), BLOCK=_ENDS_BLOCK, num_warps=4,
+    )
+    return out
+
+
+def _side_stream(device: torch.device, i: int) -> torch.cuda.Stream:
+    key = (device.index if device.index is not None else torch.cuda.current_device(), i)
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[key]
 
 
 def indexer_topk(a: IndexerArgs, topk: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """-> (indices [Tq, topk] int32 local key positions, -1 padded; lengths [Tq] int32)."""
     BQ, _, _ = _dims(a, _config(a))
+    if TOPK_ROW_ENDS:  # the top-k reads only the windows: no -inf past them
+        return chunked_topk(a, topk, BQ, lambda *args: _launch_scores(*args, fill_inf=False))
     return chunked_topk(a, topk, BQ, _launch_scores)
 
 
-def chunked_topk(a: IndexerArgs, topk: int, BQ: int, launch_scores) -> Tuple[torch.Tensor, torch.Tensor]:
+def chunked_topk(a: IndexerArgs, topk: int, BQ: int, launch_scores, buffers: Optional[int] = None,
+                 row_ends_: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``indexer_topk`` with any scores kernel: ``launch_scores(a, out,
     block table or None, row_begin, row_end)`` writes the score rows [row_begin,
     row_end) into out (its query blocks of BQ rows per ``_block_tables``),
-    chunk by chunk, and the top-k kernel selects from each chunk."""
+    chunk by chunk, and the top-k kernel selects from each chunk (up to each
+    row's window end with ``row_ends_``, default TOPK_ROW_ENDS). ``buffers``
+    (default TOPK_BUFFERS): chunks in flight, each on its own stream."""
     Tq, S = a.q.shape[0], a.max_seqlen_k
     dev = a.q.device
     indices = torch.empty((Tq, topk), dtype=torch.int32, device=dev)
@@ -336,9 +412,24 @@ def chunked_topk(a: IndexerArgs, topk: int, BQ: int, launch_scores) -> Tuple[tor
     rows = chunk_rows(Tq, S, topk)
     starts = list(range(0, Tq, rows))
     tables = block_tables(a, BQ, rows, len(starts))
-    scratch = torch.empty((min(rows, Tq), S), dtype=torch.float32, device=dev)
+    ends = row_ends(a) if (TOPK_ROW_ENDS if row_ends_ is None else row_ends_) else None
+    n_buf = max(1, min(TOPK_BUFFERS if buffers is None else buffers, len(starts)))
+    scratch = [torch.empty((min(rows, Tq), S), dtype=torch.float32, device=dev) for _ in range(n_buf)]
+    streams = [None] * n_buf
+    forked = n_buf > 1 and dev.type == "cuda"
+    if forked:
+        cur = torch.cuda.current_stream(dev)
+        streams = [cur] + [_side_stream(dev, i) for i in range(1, n_buf)]
+        for st in streams[1:]:
+            st.wait_stream(cur)
     for c, r0 in enumerate(starts):
         r1 = min(r0 + rows, Tq)
-        launch_scores(a, scratch, None if tables is None else tables[c], r0, r1)
-        _topk.launch(scratch[: r1 - r0], topk, indices[r0:r1], lengths[r0:r1])
+        buf = scratch[c % n_buf]
+        with contextlib.nullcontext() if streams[c % n_buf] is None else torch.cuda.stream(streams[c % n_buf]):
+            launch_scores(a, buf, None if tables is None else tables[c], r0, r1)
+            _topk.launch(buf[: r1 - r0], topk, indices[r0:r1], lengths[r0:r1],
+                         ends=None if ends is None else ends[r0:r1])
+    if forked:
+        for st in streams[1:]:
+            cur.wait_stream(st)
     return indices, lengths

@@ -54,6 +54,7 @@ The first of these that fits the device runs (``pick``, ``dsa.triton.fit``).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -78,7 +79,15 @@ LIST_SAMPLE_MAX = 4096
 LIST_SAMPLE_FRACTION = 16
 LIST_MAX = 16384
 LIST_SCRATCH = 1 << 26
-_SAMPLE_Z = 5.0
+# The build kernel selects the lists that fit the select block itself, and
+# takes the rows of a batch last first (env DSA_TOPK_LIST_INLINE=0 /
+# DSA_TOPK_LIST_REVERSE=0, read at import: the separate select kernel, first
+# row first).
+LIST_INLINE_SELECT = os.environ.get("DSA_TOPK_LIST_INLINE", "1") != "0"
+LIST_REVERSE = os.environ.get("DSA_TOPK_LIST_REVERSE", "1") != "0"
+LIST_INLINE_CHUNK = 2048  # the build's chunk with the inline select (half up to LIST_INLINE_SMALL keys)
+LIST_INLINE_SMALL = 16384
+_SAMPLE_Z = tl.constexpr(5.0)
 
 SEARCHES = ("bisect", "radix", "interp", "guess")  # ResidentConfig.search; SEARCH = its index
 
@@ -461,16 +470,18 @@ def _search_interp(b_key, n_valid, n_pinf, s1, s2, K, INTERP: tl.constexpr, SLAC
 
 
 def _topk_resident_kernel(
-    s_ptr, idx_ptr, len_ptr, S, K, stride_s, stride_i,
+    s_ptr, idx_ptr, len_ptr, end_ptr, S, K, stride_s, stride_i,
     BLOCK_S: tl.constexpr, FILL: tl.constexpr, EARLY_EXIT: tl.constexpr,
     SEARCH: tl.constexpr = 0, RADIX_BITS: tl.constexpr = 2, LOW_BITS: tl.constexpr = 0,
-    ASM_STORE: tl.constexpr = False,
+    ASM_STORE: tl.constexpr = False, HAS_END: tl.constexpr = False,
 ):
-    # SEARCH: index in SEARCHES; LOW_BITS: key bits below the input's precision; ASM_STORE: see ptx.py
+    # SEARCH: index in SEARCHES; LOW_BITS: key bits below the input's precision; ASM_STORE: see ptx.py;
+    # HAS_END: only the first end[r] scores of row r are read (see _row_len)
     r = tl.program_id(0).to(tl.int64)
     o_s = tl.arange(0, BLOCK_S)
-    m_s = o_s < S
-    b_x = tl.load(s_ptr + r * stride_s + o_s, mask=m_s, other=float("-inf")).to(tl.float32)
+    L = _row_len(end_ptr, r, S, HAS_END)
+    m_s = o_s < L
+    b_x = _load_upto(s_ptr + r * stride_s, o_s, L, S, HAS_END)
     b_key = _order_key(b_x)  # [BLOCK_S]
     idx_row = idx_ptr + r * stride_i
 
@@ -507,6 +518,28 @@ def _topk_resident_kernel(
 # keys: 13 instead of 25 barriers a row, same registers).
 _topk_resident_kernel_scalar = triton.jit(do_not_specialize=["S", "stride_s"])(_topk_resident_kernel)
 _topk_resident_kernel = triton.jit(_topk_resident_kernel)
+
+
+@triton.jit
+def _row_len(end_ptr, r, S, HAS_END: tl.constexpr):
+    """The columns of row r that are read: end[r] clamped to [0, S] (the rest
+    of the row counts as -inf: the fused indexer's causal window), or S."""
+    if HAS_END:
+        return tl.minimum(tl.maximum(tl.load(end_ptr + r), 0), S)
+    else:
+        return S
+
+
+@triton.jit
+def _load_upto(p, o, L, S, HAS_END: tl.constexpr):
+    """fp32 scores p[o] for o < L, -inf past it. With HAS_END the load's mask
+    is o < L rounded up to 16 (and o < S): a mask constant over aligned
+    groups, so the load stays vectorized although L is any number."""
+    if HAS_END:
+        x = tl.load(p + o, mask=(o < (L + 15) // 16 * 16) & (o < S), other=float("-inf")).to(tl.float32)
+        return tl.where(o < L, x, float("-inf"))
+    else:
+        return tl.load(p + o, mask=o < L, other=float("-inf")).to(tl.float32)
 
 
 @triton.jit
@@ -559,11 +592,12 @@ def _stream_row(s_row, idx_row, len_ptr, S, K, CHUNK: tl.constexpr, FILL: tl.con
 
 @triton.jit
 def _topk_stream_kernel(
-    s_ptr, idx_ptr, len_ptr, S, K, stride_s, stride_i,
-    CHUNK: tl.constexpr, FILL: tl.constexpr,
+    s_ptr, idx_ptr, len_ptr, end_ptr, S, K, stride_s, stride_i,
+    CHUNK: tl.constexpr, FILL: tl.constexpr, HAS_END: tl.constexpr = False,
 ):
     r = tl.program_id(0).to(tl.int64)
-    _stream_row(s_ptr + r * stride_s, idx_ptr + r * stride_i, len_ptr + r, S, K, CHUNK, FILL)
+    L = _row_len(end_ptr, r, S, HAS_END)
+    _stream_row(s_ptr + r * stride_s, idx_ptr + r * stride_i, len_ptr + r, L, K, CHUNK, FILL)
 
 
 # --------------------------------------------------------------------------
@@ -594,14 +628,14 @@ def _select_rank(b_x, b_key, K, SLACK, SEARCH: tl.constexpr = 2):
 
 
 @triton.jit
-def _sample_bound(s_row, S, RANK, SLACK, STRIDE, SAMPLE: tl.constexpr):
-    """The RANK-th largest key of SAMPLE scores of the row (runs of 8 at
-    STRIDE), or 1 (every selectable key) if the sample holds fewer: a key
-    ``lo`` with count(key >= lo) close to RANK * S / SAMPLE. SLACK: any key
-    with RANK to RANK + SLACK sampled keys >= it will do (fewer rounds)."""
+def _sample_bound(s_row, L, S, RANK, SLACK, STRIDE, SAMPLE: tl.constexpr, HAS_END: tl.constexpr):
+    """The RANK-th largest key of SAMPLE scores of the row's first L (runs
+    of 8 at STRIDE), or 1 (every selectable key) if the sample holds fewer:
+    a key ``lo`` with count(key >= lo) close to RANK * L / SAMPLE. SLACK: any
+    key with RANK to RANK + SLACK sampled keys >= it will do (fewer rounds)."""
     o = tl.arange(0, SAMPLE)
     col = (o // 8) * STRIDE + o % 8
-    x = tl.load(s_row + col, mask=col < S, other=float("-inf")).to(tl.float32)
+    x = _load_upto(s_row, col, L, S, HAS_END)
     key = _order_key(x)
     thr, need, n_valid = _select_rank(x, key, RANK, SLACK)
     # need == 0: the RANK-th key is the least key > thr
@@ -611,27 +645,70 @@ def _sample_bound(s_row, S, RANK, SLACK, STRIDE, SAMPLE: tl.constexpr):
 
 
 @triton.jit
+def _row_sample_plan(L, K, RANK, SLACK, STRIDE, WHOLE_MAX: tl.constexpr, SAMPLE: tl.constexpr,
+                     HAS_END: tl.constexpr):
+    """(rank, slack, stride, whole) of the sample of a row of L read columns.
+    Without HAS_END the host's plan for the full row length. With it, the
+    plan of _list_plan for L: runs spread over [0, L) and the rank that keeps
+    count(key >= bound) >= K as many spreads out (so the list stays about the
+    planned length on shorter rows); a row shorter than the sample is all
+    sampled (rank K: the bound is the K-th key itself); a row of at most
+    WHOLE_MAX columns is taken whole (its list is every selectable key)."""
+    if HAS_END:
+        n = SAMPLE * 1.0
+        m = K.to(tl.float32) * n / tl.maximum(L, 1).to(tl.float32)
+        root = (_SAMPLE_Z + tl.sqrt(_SAMPLE_Z * _SAMPLE_Z + 4.0 * m)) * 0.5
+        rank = tl.ceil(root * root).to(tl.int32)
+        slack = tl.maximum(tl.sqrt(rank.to(tl.float32) * 0.25).to(tl.int32), 1)
+        short = L < SAMPLE
+        rank = tl.where(short, K, rank)
+        slack = tl.where(short, 0, slack)
+        # a multiple of 8: runs 32-byte aligned (fp32), each two 16-byte loads
+        stride = tl.maximum(L // (SAMPLE // 8) // 8, 1) * 8
+        return rank, slack, stride, L <= WHOLE_MAX
+    else:
+        return RANK, SLACK, STRIDE, False
+
+
+@triton.jit
 def _list_build_kernel(
-    s_ptr, val_ptr, pos_ptr, meta_ptr, row0, S, stride_s, RANK, SLACK, STRIDE,
+    s_ptr, val_ptr, pos_ptr, meta_ptr, end_ptr, idx_ptr, len_ptr, row0, n_rows, S, K, stride_s, stride_i, RANK,
+    SLACK, STRIDE,
     CAP: tl.constexpr, CHUNK: tl.constexpr, SAMPLE: tl.constexpr, ASM_STORE: tl.constexpr,
+    HAS_END: tl.constexpr = False, SELECT_BLOCK: tl.constexpr = 0, SEARCH: tl.constexpr = 2,
+    FILL: tl.constexpr = 1024, REVERSE: tl.constexpr = False, WHOLE_MAX: tl.constexpr = 0,
 ):
     """Row row0 + b: list b = (value, position) of every key >= the sample
     bound, in position order (the first CAP of them); meta b = (list length,
-    selectable keys of the row)."""
-    b = tl.program_id(0)
-    s_row = s_ptr + (row0 + b).to(tl.int64) * stride_s
-    lo = _sample_bound(s_row, S, RANK, SLACK, STRIDE, SAMPLE)
+    selectable keys of the row). HAS_END: the row is its first end[r]
+    columns (rows of at most WHOLE_MAX taken whole). SELECT_BLOCK > 0: a
+    list of at most SELECT_BLOCK keys that holds the row's top K is selected and emitted here (the select kernel's work,
+    done while the list is still in L2 and overlapping other programs' row
+    reads); the select kernel then takes only the longer lists. REVERSE: the
+    last row first (causal rows grow with the row index: the longest start
+    first and the tail is short rows)."""
+    if REVERSE:
+        b = n_rows - 1 - tl.program_id(0)
+    else:
+        b = tl.program_id(0)
+    r = (row0 + b).to(tl.int64)
+    s_row = s_ptr + r * stride_s
+    L = _row_len(end_ptr, r, S, HAS_END)
+    rank, slack, stride, whole = _row_sample_plan(L, K, RANK, SLACK, STRIDE, WHOLE_MAX, SAMPLE, HAS_END)
+    lo = tl.full([], 1, tl.uint32)
+    if whole == 0:
+        lo = _sample_bound(s_row, L, S, rank, slack, stride, SAMPLE, HAS_END)
     p_val = val_ptr + b.to(tl.int64) * CAP
     p_pos = pos_ptr + b.to(tl.int64) * CAP
     o_c = tl.arange(0, CHUNK)
     run = tl.zeros([], tl.int32)
     n_valid = tl.zeros([CHUNK], tl.int32)
     # the next chunk is loaded before this one is compacted: two chunks in flight
-    x_next = tl.load(s_row + o_c, mask=o_c < S, other=float("-inf"))
-    for c0 in range(0, S, CHUNK):
+    x_next = _load_upto(s_row, o_c, L, S, HAS_END)
+    for c0 in range(0, L, CHUNK):
         o = c0 + o_c
-        x = x_next.to(tl.float32)
-        x_next = tl.load(s_row + CHUNK + o, mask=(CHUNK + o) < S, other=float("-inf"))
+        x = x_next
+        x_next = _load_upto(s_row, CHUNK + o, L, S, HAS_END)
         key = _order_key(x)
         n_valid += (key != 0).to(tl.int32)
         sel = (key >= lo).to(tl.int32)
@@ -642,8 +719,33 @@ def _list_build_kernel(
             ptx.store_i32(p_val + slot, x.to(tl.int32, bitcast=True), keep, ASM_STORE)
             ptx.store_i32(p_pos + slot, o, keep, ASM_STORE)
         run += n_sel
+    n_row = tl.sum(n_valid, axis=0)
     tl.store(meta_ptr + 2 * b, run)
-    tl.store(meta_ptr + 2 * b + 1, tl.sum(n_valid, axis=0))
+    tl.store(meta_ptr + 2 * b + 1, n_row)
+    if SELECT_BLOCK > 0:
+        ok = (run <= CAP) & ((run >= K) | (run == n_row))
+        if ok & (run <= SELECT_BLOCK):
+            # the list's stores are visible to the whole block after the
+            # barrier; .cg reads them from L2, past this SM's L1
+            tl.debug_barrier()
+            _select_list(p_val, p_pos, run, idx_ptr, len_ptr, r, K, stride_i, SELECT_BLOCK, FILL, ASM_STORE,
+                         SEARCH)
+
+
+@triton.jit
+def _select_list(p_val, p_pos, n_list, idx_ptr, len_ptr, r, K, stride_i, BLOCK: tl.constexpr, FILL: tl.constexpr,
+                 ASM_STORE: tl.constexpr, SEARCH: tl.constexpr):
+    """Row r's top K from its list (n_list <= BLOCK entries holding every key
+    >= the K-th largest, in position order): search and emit."""
+    o = tl.arange(0, BLOCK)
+    m = o < n_list
+    # values as int32 bit patterns (the store keeps the load's layout)
+    x = tl.load(p_val + o, mask=m, other=-8388608, cache_modifier=".cg")
+    x = x.to(tl.float32, bitcast=True)
+    pos = tl.load(p_pos + o, mask=m, other=0, cache_modifier=".cg")
+    key = _order_key(x)
+    thr, need, _ = _select_rank(x, key, K, 0, SEARCH)
+    _emit_row(idx_ptr + r * stride_i, len_ptr, r, key, pos, m, thr, need, K, FILL, ASM_STORE)
 
 
 @triton.jit
@@ -665,23 +767,15 @@ def _list_select_kernel(
     b = tl.program_id(0)
     n_list, ok = _list_ok(meta_ptr, b, K, CAP)
     if ok & (n_list > LEN_LO) & (n_list <= BLOCK):
-        o = tl.arange(0, BLOCK)
-        m = o < n_list
-        # values as int32 bit patterns (the store keeps the load's layout)
-        x = tl.load(val_ptr + b.to(tl.int64) * CAP + o, mask=m, other=-8388608, cache_modifier=".cg")
-        x = x.to(tl.float32, bitcast=True)
-        pos = tl.load(pos_ptr + b.to(tl.int64) * CAP + o, mask=m, other=0, cache_modifier=".cg")
-        key = _order_key(x)
-        thr, need, _ = _select_rank(x, key, K, 0, SEARCH)
         r = (row0 + b).to(tl.int64)
-        idx_row = idx_ptr + r * stride_i
-        _emit_row(idx_row, len_ptr, r, key, pos, m, thr, need, K, FILL, ASM_STORE)
+        _select_list(val_ptr + b.to(tl.int64) * CAP, pos_ptr + b.to(tl.int64) * CAP, n_list, idx_ptr, len_ptr, r,
+                     K, stride_i, BLOCK, FILL, ASM_STORE, SEARCH)
 
 
 @triton.jit
 def _list_fallback_kernel(
-    s_ptr, meta_ptr, idx_ptr, len_ptr, row0, S, K, stride_s, stride_i,
-    CAP: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+    s_ptr, meta_ptr, idx_ptr, len_ptr, end_ptr, row0, S, K, stride_s, stride_i,
+    CAP: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr, HAS_END: tl.constexpr = False,
 ):
     """Rows whose list is not exact (the sample bound missed: too few keys
     above it, or more than CAP): the streaming radix select."""
@@ -689,7 +783,8 @@ def _list_fallback_kernel(
     _, ok = _list_ok(meta_ptr, b, K, CAP)
     if ok == 0:
         r = (row0 + b).to(tl.int64)
-        _stream_row(s_ptr + r * stride_s, idx_ptr + r * stride_i, len_ptr + r, S, K, CHUNK, FILL)
+        L = _row_len(end_ptr, r, S, HAS_END)
+        _stream_row(s_ptr + r * stride_s, idx_ptr + r * stride_i, len_ptr + r, L, K, CHUNK, FILL)
 
 
 # --------------------------------------------------------------------------
@@ -752,6 +847,12 @@ class ListPlan:
     build_warps: int = 4
     slack: int = 0  # the sample bound's count window (see _sample_bound)
     list_search: str = "interp"  # the select kernel's search (one of SEARCHES but guess)
+    # the build kernel selects the lists of at most `block` keys itself (the
+    # select kernel then takes only the longer ones); one read of the row,
+    # the select's compute overlapping other programs' reads
+    inline_select: bool = LIST_INLINE_SELECT
+    reverse: bool = LIST_REVERSE  # the build takes the last row of a batch first
+    build_maxnreg: Optional[int] = None  # ptxas cap of the build kernel (None: its choice)
 
 
 def _list_plan(S: int, k: int, sample: Optional[int] = None) -> Optional[ListPlan]:
@@ -768,7 +869,8 @@ def _list_plan(S: int, k: int, sample: Optional[int] = None) -> Optional[ListPla
         return None
     n = sample or max(64, min(LIST_SAMPLE_MAX, triton.next_power_of_2(S) // LIST_SAMPLE_FRACTION))
     m = k * n / S
-    rank = math.ceil(((_SAMPLE_Z + math.sqrt(_SAMPLE_Z**2 + 4 * m)) / 2) ** 2)
+    z = _SAMPLE_Z.value
+    rank = math.ceil(((z + math.sqrt(z**2 + 4 * m)) / 2) ** 2)
     slack = max(1, int(math.sqrt(rank) / 2))  # the bound's count window: about a quarter spread
     mean = (rank + slack) * S / n
     spread = math.sqrt(rank) * S / n
@@ -777,13 +879,20 @@ def _list_plan(S: int, k: int, sample: Optional[int] = None) -> Optional[ListPla
     if block > LIST_MAX or 2 * mean > S:
         return None
     warps = 4 if block <= 4096 else 8
+    if LIST_INLINE_SELECT:
+        # the select's block sets the registers (128 at 4096 keys, 4 warps,
+        # sm_90a): chunks of 2048 cost none more and keep twice the bytes in flight
+        chunk = LIST_INLINE_CHUNK if S > LIST_INLINE_SMALL else LIST_INLINE_CHUNK // 2
+    else:
+        chunk = LIST_CHUNK // 2 if S <= LIST_SMALL_CHUNK_MAX else LIST_CHUNK
     return ListPlan(sample=n, stride=S // (n // 8), rank=rank, block=block, cap=cap, select_warps=warps,
-                    select_maxnreg=128 if block == 4096 else None, slack=slack,
-                    chunk=LIST_CHUNK // 2 if S <= LIST_SMALL_CHUNK_MAX else LIST_CHUNK)
+                    select_maxnreg=128 if block == 4096 else None, slack=slack, chunk=chunk,
+                    inline_select=LIST_INLINE_SELECT, reverse=LIST_REVERSE,
+                    build_maxnreg=128 if block == 4096 and LIST_INLINE_SELECT else None)
 
 
 def _launch_list(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: torch.Tensor,
-                 plan: ListPlan) -> None:
+                 plan: ListPlan, ends: Optional[torch.Tensor] = None) -> None:
     """The list path, in row batches whose lists fit LIST_SCRATCH entries."""
     R, S = scores.shape
     dev = scores.device
@@ -791,42 +900,55 @@ def _launch_list(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: t
     vals = torch.empty((rows, plan.cap), dtype=torch.int32, device=dev)  # fp32 bit patterns
     poss = torch.empty((rows, plan.cap), dtype=torch.int32, device=dev)
     meta = torch.empty((rows, 2), dtype=torch.int32, device=dev)
-    build, *selects, fallback = route_specs(("list", plan), scores.dtype, ptx.enabled(scores))
+    has_end = ends is not None
+    end = ends if has_end else lengths  # never read without HAS_END
+    build, *selects, fallback = route_specs(("list", plan), scores.dtype, ptx.enabled(scores), has_end)
+    if plan.inline_select:  # the build selects the lists of the first block itself
+        selects = [sp for sp in selects if sp.constexprs["BLOCK"] != plan.block]
     for r0 in range(0, R, rows):
         n = min(rows, R - r0)
-        build.fn[(n,)](scores, vals, poss, meta, r0, S, scores.stride(0), plan.rank, plan.slack, plan.stride,
-                       **build.launch_kwargs())
+        build.fn[(n,)](scores, vals, poss, meta, end, indices, lengths, r0, n, S, k, scores.stride(0),
+                       indices.stride(0), plan.rank, plan.slack, plan.stride, **build.launch_kwargs())
         for select in selects:  # the larger block takes the rows of longer lists
             len_lo = -1 if select.constexprs["BLOCK"] == plan.block else plan.block
             select.fn[(n,)](vals, poss, meta, indices, lengths, r0, k, indices.stride(0), len_lo,
                             **select.launch_kwargs())
-        fallback.fn[(n,)](scores, meta, indices, lengths, r0, S, k, scores.stride(0), indices.stride(0),
+        fallback.fn[(n,)](scores, meta, indices, lengths, end, r0, S, k, scores.stride(0), indices.stride(0),
                           **fallback.launch_kwargs())
 
 
-def route_specs(route: Tuple[str, Any], dtype: torch.dtype, asm: bool) -> List[fit.KernelSpec]:
+def route_specs(route: Tuple[str, Any], dtype: torch.dtype, asm: bool, has_end: bool = False) -> List[fit.KernelSpec]:
     """Every kernel a route launches for ``dtype`` scores (asm: whether
-    ptx.store_i32 may emit PTX). Routes: ("list", ListPlan): build, select
-    (a second one at the capacity when it exceeds the block), fallback;
-    ("resident", (BLOCK_S, ResidentConfig)); ("stream", CHUNK)."""
+    ptx.store_i32 may emit PTX; has_end: rows read up to per-row ends).
+    Routes: ("list", ListPlan): build, select (a second one at the capacity
+    when it exceeds the block), fallback; ("resident", (BLOCK_S,
+    ResidentConfig)); ("stream", CHUNK)."""
     kind, p = route
     i32, el = "*i32", fit.ptr(dtype)
     if kind == "list":
         tiers = [(p.block, p.select_warps, {} if p.select_maxnreg is None else {"maxnreg": p.select_maxnreg})]
         tiers += [(p.cap, 8 if p.cap <= 8192 else 16, {})] if p.cap > p.block else []
         types = dict(val_ptr=i32, pos_ptr=i32, meta_ptr=i32, idx_ptr=i32, len_ptr=i32)
-        const = dict(CAP=p.cap, FILL=_FILL_BLOCK, ASM_STORE=asm, SEARCH=SEARCHES.index(p.list_search))
-        return [fit.KernelSpec(_list_build_kernel, dict(s_ptr=el, val_ptr=i32, pos_ptr=i32, meta_ptr=i32),
-                               dict(CAP=p.cap, CHUNK=p.chunk, SAMPLE=p.sample, ASM_STORE=asm), p.build_warps, 1),
+        search = SEARCHES.index(p.list_search)
+        const = dict(CAP=p.cap, FILL=_FILL_BLOCK, ASM_STORE=asm, SEARCH=search)
+        build_const = dict(CAP=p.cap, CHUNK=p.chunk, SAMPLE=p.sample, ASM_STORE=asm, HAS_END=has_end,
+                           SELECT_BLOCK=p.block if p.inline_select else 0, SEARCH=search, FILL=_FILL_BLOCK,
+                           REVERSE=p.reverse, WHOLE_MAX=p.block)
+        build_warps = max(p.build_warps, p.select_warps) if p.inline_select else p.build_warps
+        build_opts = {} if p.build_maxnreg is None else {"maxnreg": p.build_maxnreg}
+        return [fit.KernelSpec(_list_build_kernel, dict(s_ptr=el, val_ptr=i32, pos_ptr=i32, meta_ptr=i32,
+                                                        end_ptr=i32, idx_ptr=i32, len_ptr=i32),
+                               build_const, build_warps, 1, build_opts),
                 *(fit.KernelSpec(_list_select_kernel, types, dict(const, BLOCK=b), w, 3, o) for b, w, o in tiers),
-                fit.KernelSpec(_list_fallback_kernel, dict(s_ptr=el, meta_ptr=i32, idx_ptr=i32, len_ptr=i32),
-                               dict(CAP=p.cap, CHUNK=STREAM_CHUNK, FILL=_FILL_BLOCK), 8, 3)]
-    types = dict(s_ptr=el, idx_ptr=i32, len_ptr=i32)
+                fit.KernelSpec(_list_fallback_kernel, dict(s_ptr=el, meta_ptr=i32, idx_ptr=i32, len_ptr=i32,
+                                                           end_ptr=i32),
+                               dict(CAP=p.cap, CHUNK=STREAM_CHUNK, FILL=_FILL_BLOCK, HAS_END=has_end), 8, 3)]
+    types = dict(s_ptr=el, idx_ptr=i32, len_ptr=i32, end_ptr=i32)
     if kind == "stream":
-        return [fit.KernelSpec(_topk_stream_kernel, types, dict(CHUNK=p, FILL=_FILL_BLOCK), 8, 3)]
+        return [fit.KernelSpec(_topk_stream_kernel, types, dict(CHUNK=p, FILL=_FILL_BLOCK, HAS_END=has_end), 8, 3)]
     block_s, cfg = p
     kernel = _topk_resident_kernel if cfg.vec_load else _topk_resident_kernel_scalar
-    const = dict(BLOCK_S=block_s, FILL=_FILL_BLOCK, **cfg.constexprs(dtype), ASM_STORE=asm)
+    const = dict(BLOCK_S=block_s, FILL=_FILL_BLOCK, **cfg.constexprs(dtype), ASM_STORE=asm, HAS_END=has_end)
     opts = {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
     return [fit.KernelSpec(kernel, types, const, cfg.num_warps, 3, opts)]
 
@@ -873,22 +995,25 @@ def supports(a: TopkArgs) -> Optional[str]:
 
 def launch(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: torch.Tensor,
            resident_max: int = RESIDENT_MAX, chunk: int = STREAM_CHUNK, config: Optional[ResidentConfig] = None,
-           list_min: int = LIST_MIN, plan: Optional[ListPlan] = None) -> None:
+           list_min: int = LIST_MIN, plan: Optional[ListPlan] = None, ends: Optional[torch.Tensor] = None) -> None:
     """Top-k of each row of ``scores`` [R, S] into ``indices`` [R, k] and
-    ``lengths`` [R] (both int32, rows unit-stride in the last dim). The
-    keywords override the kernel choice (tests and tuning): rows of at least
-    ``list_min`` keys take the list path where ``_list_plan`` (or ``plan``)
-    allows, else rows up to ``resident_max`` the resident kernel, else the
-    streaming one (the first of ``pick``'s routes that fits the device)."""
+    ``lengths`` [R] (both int32, rows unit-stride in the last dim). ``ends``
+    (int32 [R], optional): row r is read only up to column ends[r] (clamped
+    to [0, S]), as if the rest were -inf. The keywords override the kernel
+    choice (tests and tuning): rows of at least ``list_min`` keys take the
+    list path where ``_list_plan`` (or ``plan``) allows, else rows up to
+    ``resident_max`` the resident kernel, else the streaming one (the first
+    of ``pick``'s routes that fits the device)."""
     R, S = scores.shape
     route, why = pick(S, k, scores.dtype, fit.device_target(scores), ptx.enabled(scores), resident_max, chunk,
                       config, list_min, plan)
     if route is None:
         raise ValueError(why)
     if route[0] == "list":
-        return _launch_list(scores, k, indices, lengths, route[1])
-    spec = route_specs(route, scores.dtype, ptx.enabled(scores))[0]
-    spec.fn[(R,)](scores, indices, lengths, S, k, scores.stride(0), indices.stride(0), **spec.launch_kwargs())
+        return _launch_list(scores, k, indices, lengths, route[1], ends)
+    spec = route_specs(route, scores.dtype, ptx.enabled(scores), ends is not None)[0]
+    spec.fn[(R,)](scores, indices, lengths, lengths if ends is None else ends, S, k, scores.stride(0),
+                  indices.stride(0), **spec.launch_kwargs())
 
 
 def topk(a: TopkArgs) -> Tuple[torch.Tensor, torch.Tensor]:

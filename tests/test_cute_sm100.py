@@ -1147,3 +1147,58 @@ def test_pair_launch_passes_k_and_the_launch_shape(monkeypatch, K, T, determinis
     else:
         assert x[10] is buf and (dq == 7).all()
     assert deterministic <= (parts == 1)
+
+
+@pytest.mark.parametrize("deterministic,split", [(False, False), (False, True), (True, False)])
+def test_pair_host_flow_with_an_emulated_launch(monkeypatch, deterministic, split):
+    """``backward``'s host side for the two-CTA kernel on CPU, the kernel
+    emulated as it writes: dq in q.dtype, or, split, each part's dq added
+    into the fp32 workspace (then cast); dkv added in fragment order, or,
+    deterministic, each valid slot's row (128 heads summed) stored at
+    [token - t0, g, slot] of the one-part buffer, several token chunks a
+    call.  The result is the kernel-like computation's."""
+    pytest.importorskip("cutlass")
+    from dsa.cute.sm100 import sparse_attention as sm100_sa
+    from dsa.triton import segment_sum
+
+    T, K, N = 5, 192, 24
+    monkeypatch.setattr(segment_sum, "WORKSPACE_BYTES", 3 * K * 576 * 4)  # 3 tokens a chunk: 2 chunks
+    fake_launch(monkeypatch, sm100_sa, 576)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(T, 128, 576, generator=g).to(torch.bfloat16)
+    kv = torch.randn(N, 1, 576, generator=g).to(torch.bfloat16)
+    idx = torch.randint(-3, N + 3, (T, 1, K), generator=g, dtype=torch.int32)
+    tl = torch.tensor([192, 3, 0, 100, 150], dtype=torch.int32)
+    a = SparseAttnArgs(q, kv, idx, tl, torch.randn(128, generator=g), 576 ** -0.5, 512, deterministic)
+    out, lse = dsa.reference.sparse_attention_fwd(a)
+    dout = torch.randn(out.shape, generator=g).to(q.dtype)
+    want = _kernel_numerics(a, out, lse, dout)
+    shapes = []
+
+    def emulate(builder, config, device, ptrs, scalars, stream):
+        def run(qq, kv_, ii, ll, do, lg2den, delta, dq, buf, zero_, dqacc, T_, N_, K_, s2, s, n_cl, parts, per, st):
+            tc, parts, per = int(T_), int(parts), int(per)
+            shapes.append((tc, parts, per))
+            part = SparseAttnArgs(qq, kv_, ii, ll, None, a.sm_scale, 512, deterministic)
+            for p in range(parts):  # a part's blocks: the other slots read as invalid
+                keep = (torch.arange(K) // 64 >= p * per) & (torch.arange(K) // 64 < (p + 1) * per)
+                sub = dataclasses.replace(part, indices=torch.where(keep, ii, -1))
+                dq_p, slot, valid, rows = _kernel_slots(sub, lg2den, delta, do)
+                if parts > 1:
+                    dqacc += dq_p.float()
+                else:
+                    dq.copy_(dq_p)
+                if not deterministic:
+                    buf.view(-1, 576).index_add_(0, rows[valid], _fragment_order(slot.sum(2)[valid]))
+                    continue
+                view = buf[:tc * K].view(tc, 1, K, 576)
+                for t, g_, j in valid.nonzero().tolist():
+                    view[t, g_, j] = _fragment_order(slot[t, g_, :, j].sum(0))
+        return run
+
+    monkeypatch.setattr(sm100_sa, "_compiled", emulate)
+    dq, dkv, dsink = sm100_sa.backward(a, out, lse, dout, pair=sm100_sa.PairGrid(clusters=16, split=split))
+    assert shapes == ([(3, 1, 3), (2, 1, 3)] if deterministic else [(5, 3, 1)] if split else [(5, 1, 3)])
+    v = gate.compare([(dq, want[0]), (dkv, want[1]), (dsink, want[2])], ["dq", "dkv", "dsink"])
+    assert v.passed, v.detail
+    assert dkv.dtype == a.kv.dtype and dq.dtype == a.q.dtype

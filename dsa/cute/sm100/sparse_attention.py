@@ -276,6 +276,29 @@ def backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: torc
     return run_backward(a, out, lse, dout, launch)
 
 
+def _launch_backward(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv_buf, t0: int, tc: int,
+                     grid: GridConfig) -> None:
+    """The kernel over the tokens [t0, t0 + tc), under a's device: every
+    per-token pointer starts at token t0, so the kernel sees tc tokens."""
+    import cutlass
+
+    from dsa.cute.sm100.sparse_attention_bwd import SparseAttnBwdSm100
+    from dsa.cute.sparse_attention_bwd import _ptr_types
+
+    dt = cutlass_dtype(a.q.dtype)
+    rows = slice(t0, t0 + tc)
+    length = a.topk_length[rows] if a.topk_length is not None else a.indices  # never read when absent
+    with torch.cuda.device(a.q.device):
+        tensors = (a.q[rows], a.kv, a.indices[rows], length, dout[rows], lg2den[rows], delta[rows], dq[rows],
+                   dkv_buf, zero_row(a.q.device, a.q.dtype, a.D))
+        ptrs = tuple(gmem_ptr(x, ty, al) for x, (ty, al) in zip(tensors, _ptr_types(dt)))
+        scalars = (cutlass.Int32(tc), cutlass.Int32(a.N), cutlass.Int32(a.K), cutlass.Float32(a.sm_scale * LOG2E),
+                   cutlass.Float32(a.sm_scale), cutlass.Int32(grid.grid(a.q.device)))
+        stream = current_stream(a.q.device)
+        _compiled(SparseAttnBwdSm100, backward_config(a), a.q.device, ptrs, scalars, stream)(*ptrs, *scalars,
+                                                                                            stream)
+
+
 def _launch_pair(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv_buf, t0: int, tc: int, shape: PairGrid) -> None:
     """The two-CTA kernel over the tokens [t0, t0 + tc), under a's device;
     a split launch adds dq into an fp32 workspace (zeroed on the launch

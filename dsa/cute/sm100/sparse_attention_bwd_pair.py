@@ -87,7 +87,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 from dsa.cute import dkv as dkv_reduce
 from dsa.cute import pipeline, rules, scheduler
-from dsa.cute.gmem import copy_head_rows, load
+from dsa.cute.gmem import copy_head_rows, gather_copier, load
 from dsa.cute.sm100 import cluster, rows, sync
 from dsa.cute.sm100.gather import BlockGather
 from dsa.cute.sm100.rows import ROW_COLS
@@ -211,6 +211,21 @@ def check_b_tile(layout) -> None:
                 raise ValueError(f"unexpected B tile layout {layout}: ({n}, {k})")
 
 
+def check_gather(dtype, rows_: int, cols: int) -> None:
+    """The gather's partition of a [rows_, cols] stage as the loader uses it:
+    thread i's copy (m, c) is row i / 8 + 16 m, columns 64 c + 8 (i % 8) ..
+    (the thread's m-th row of a block, its 16 bytes of chunk c).  Checked at
+    trace time."""
+    for i in (0, 7, 8, 77, 127):
+        c = gather_copier(dtype, i)[1].partition_D(cute.make_identity_tensor((rows_, cols)))
+        if cute.shape(c)[1:] != (rows_ // 16, cols // CHUNK):
+            raise ValueError(f"unexpected gather partition {cute.shape(c)} of [{rows_}, {cols}]")
+        for m in range(rows_ // 16):
+            for ch in range(cols // CHUNK):
+                if c[((0, 0), m, ch)] != (i // 8 + 16 * m, CHUNK * ch + 8 * (i % 8)):
+                    raise ValueError(f"unexpected gather partition for thread {i}: {c[((0, 0), m, ch)]}")
+
+
 def kd_column(cc: int, r):
     """The first kv column of dQ-stage chunk cc in CTA r: its halves of the
     two N = 256 rounds, then the tail."""
@@ -300,6 +315,8 @@ class SparseAttnBwdSm100Pair:
         bt_layout = cute.tile_to_shape(mn64_atom, (HALF_N, PAIR_H), order=(0, 1))
         rows.check_k_tile(sp_layout, dt)
         check_b_tile(bt_layout)
+        check_gather(dt, HALF_N, self.D)
+        check_gather(dt, BN, KD_CHUNKS * CHUNK)
         stage_elems = max(cute.cosize(sks_layout), cute.cosize(skd_layout))
 
         @cute.struct

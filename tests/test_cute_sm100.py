@@ -1202,3 +1202,75 @@ def test_pair_host_flow_with_an_emulated_launch(monkeypatch, deterministic, spli
     v = gate.compare([(dq, want[0]), (dkv, want[1]), (dsink, want[2])], ["dq", "dkv", "dsink"])
     assert v.passed, v.detail
     assert dkv.dtype == a.kv.dtype and dq.dtype == a.q.dtype
+
+
+def test_pair_operand_bookkeeping_emulated():
+    """The two-CTA kernel's operand and accumulator bookkeeping, emulated in
+    torch with its own index functions: each CTA's dQ stage (``kd_column``),
+    a cta_group::2 MMA (M rows from the CTA that holds them, each half of N
+    from one CTA's B at the same offsets, this CTA's rows of both halves in
+    its TMEM: lanes r and r + 64, ``check_pair_rows``), the epilogue's dq
+    columns (``_dq_col``), the dKV pairs (chunk 2 j + r of CTA r, B halves
+    of 32 slots), the reducer's columns in fragment order
+    (``fragment_position``) and the host's reorder: dq = dS K and dkv =
+    dS^T Q + P^T dO come out."""
+    pytest.importorskip("cutlass")
+    from dsa.cute.sm100 import sparse_attention_bwd_pair as pair
+    from dsa.cute.sparse_attention_bwd import natural_columns
+
+    g = torch.Generator().manual_seed(7)
+    H, S, D, dv = 128, 64, 576, 512
+    ds, p, kb = torch.randn(H, S, generator=g), torch.randn(H, S, generator=g), torch.randn(S, D, generator=g)
+    q, do = torch.randn(H, D, generator=g), torch.randn(H, dv, generator=g)
+    kernel = object.__new__(pair.SparseAttnBwdSm100Pair)
+    kernel.D = D
+
+    def mma2(a_rows, b_halves):
+        """A cta_group::2 MMA: a_rows[r] [64, K] of CTA r, b_halves[r] [N / 2, K] of CTA r -> each CTA's
+        TMEM [128 lanes, N / 2]: its rows against both halves of N."""
+        tmem = []
+        for r in range(2):
+            c = torch.cat([a_rows[r] @ b.T for b in b_halves], 1)          # [64, N]
+            h = c.shape[1] // 2
+            tmem.append(torch.cat([c[:, :h], c[:, h:]], 0))                # lanes r, r + 64
+        return tmem
+
+    # dQ: the stage of CTA r holds kd_column(cc, r) .. + 64 of every slot as chunk cc
+    stage = [torch.cat([kb[:, pair.kd_column(cc, r):pair.kd_column(cc, r) + 64] for cc in range(5)], 1)
+             for r in range(2)]
+    a = [ds[64 * r:64 * r + 64] for r in range(2)]
+    rounds = [mma2(a, [stage[r][:, 128 * jj:128 * jj + 128].T for r in range(2)]) for jj in range(2)]
+    tail = mma2(a, [stage[r][:, 256:320].T for r in range(2)])
+    dq = torch.full((H, D), float("nan"))
+    for r in range(2):
+        tm = torch.cat([rounds[0][r], rounds[1][r], tail[r]], 1)           # TMEM columns [0, 320)
+        for w in range(4):
+            for lane in range(32):
+                row, half = 32 * (w % 2) + lane, w // 2
+                for c in range(9):
+                    tcol = pair.DQ_COL + 32 * c if c < 8 else pair.DQT_COL + 32 * half
+                    col = kernel._dq_col(c, half)
+                    dq[64 * r + row, col:col + 32] = tm[32 * w + lane, tcol:tcol + 32]
+    assert torch.allclose(dq, ds @ kb, atol=1e-4)
+
+    # dKV: pair j, CTA r's rows are chunk 2 j + r's columns; B halves are slots [32 r, 32 r + 32) of all heads
+    buf = torch.zeros(S, D)
+    for j in range(pair.PAIRS):
+        chunks = [min(2 * j + r, 8) for r in range(2)]                      # CTA 1's fifth: never read
+        qa = [q[:, 64 * c:64 * c + 64].T for c in chunks]                  # [64 columns, 128 heads]
+        acc = mma2(qa, [ds[:, 32 * r:32 * r + 32].T for r in range(2)])
+        if 2 * j + 1 < dv // 64:
+            da = [do[:, 64 * c:64 * c + 64].T for c in chunks]
+            acc = [x + y for x, y in zip(acc, mma2(da, [p[:, 32 * r:32 * r + 32].T for r in range(2)]))]
+        for r in range(2):
+            c = 2 * j + r
+            if c >= pair.N_CHUNKS:
+                continue
+            for w in range(4):
+                for lane in range(32):
+                    mcol, sh = 32 * (w % 2) + lane, w // 2
+                    pos = pair.fragment_position(64 * c + mcol)
+                    buf[32 * sh:32 * sh + 32, pos] += acc[r][32 * w + lane, :32]
+    want = ds.T @ q
+    want[:, :dv] += p.T @ do
+    assert torch.allclose(natural_columns(buf, torch.float32), want, atol=1e-3)

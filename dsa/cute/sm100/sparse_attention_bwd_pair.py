@@ -226,6 +226,14 @@ def check_gather(dtype, rows_: int, cols: int) -> None:
                     raise ValueError(f"unexpected gather partition for thread {i}: {c[((0, 0), m, ch)]}")
 
 
+def fragment_position(col):
+    """Where column col of a dkv row is stored: in ``dsa.cute.dkv``'s
+    fragment order, column 8 h + 2 q + e of a 16-column group at 4 q + 2 h + e
+    (the host's ``natural_columns`` puts it back)."""
+    w16 = col % 16
+    return col - w16 + 4 * ((w16 % 8) // 2) + 2 * (w16 // 8) + w16 % 2
+
+
 def kd_column(cc: int, r):
     """The first kv column of dQ-stage chunk cc in CTA r: its halves of the
     two N = 256 rounds, then the tail."""
@@ -837,8 +845,7 @@ class SparseAttnBwdSm100Pair:
         """Column ``col`` of 32 slots' dkv rows (addresses addrs[s0 ..]),
         at its position in the fragment order (column 8 h + 2 q + e of a
         16-column group at 4 q + 2 h + e)."""
-        w16 = col % 16
-        pos = col - w16 + 4 * ((w16 % 8) // 2) + 2 * (w16 // 8) + w16 % 2
+        pos = fragment_position(col)
         for s in cutlass.range_constexpr(HALF_N):
             a = addrs[s0 + s]
             if a != 0:

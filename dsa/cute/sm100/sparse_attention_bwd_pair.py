@@ -24,10 +24,11 @@ layout it has):
 * dQ (M = 128 heads, N = 256 twice, then the tail): A is the CTA's dS
   [64 heads, 64 slots]; B is K^T over all 64 slots and the CTA's half of
   each N: columns [128 r, 128 r + 128) and [256 + 128 r, ..) of the block,
-  then the tail [512, 576) as an N = 128 round whose second half (the
-  peer's copy of the same columns) is not read (the dQ stage, [64 slots,
-  320 columns], gathered into the score stage's buffer once S and dP have
-  retired).
+  then the tail [512, 576) as an N = 128 round in which each CTA's B is
+  the whole tail, so its two halves hold the same columns and the softmax
+  threads of column half h read tail columns [32 h, 32 h + 32) from half h
+  (the dQ stage, [64 slots, 320 columns], gathered into the score stage's
+  buffer once S and dP have retired).
 * dKV (M = 128 columns, N = 64 slots, K = 128 heads in two rounds of 64):
   CTA r's M half is column chunk 2 j + r of pair j (j = 0..4; CTA 1's fifth
   is empty and never read); A is Q^T (then dO^T) of the round's heads for

@@ -695,13 +695,13 @@ def test_empty_problems(fast_case, call):
     assert tgt.shape == (0, 4)
 
 
-@pytest.fixture(params=["fixed", "slots"])
+@pytest.fixture(params=["slots", "fused"])
 def det_dk(request, monkeypatch):
     """The Triton backward's two deterministic dk paths (indexer_bwd.DETERMINISTIC_DK);
     other backends run once."""
     case = request.getfixturevalue("fast_case")
     if case.backend != "triton":
-        if request.param != "fixed":
+        if request.param != "slots":
             pytest.skip("a Triton kernel option")
         return request.param
     from dsa.triton import indexer_bwd as tb
@@ -733,7 +733,7 @@ def test_deterministic_is_bitwise_repeatable(fast_case, call, fn_name, det_dk):
     for a, b, c in zip(first, second, loose):
         assert torch.equal(a, b)
         rel_close(c, a, GRAD_TOL[case.dtype], "deterministic vs atomic")
-    if case.backend == "triton" and det_dk == "slots":  # query rows in chunks of 4, each chunk summed in order
+    if case.backend == "triton":  # query rows in chunks of 4, each chunk summed in order
         from dsa.triton import segment_sum
 
         old = segment_sum.WORKSPACE_BYTES
@@ -747,6 +747,93 @@ def test_deterministic_is_bitwise_repeatable(fast_case, call, fn_name, det_dk):
             rel_close(b, a, 1e-6, "chunked vs one chunk")
 
 
+@pytest.mark.parametrize("fn_name", ["sparse_indexer_scores", "indexer_kl_loss"])
+def test_deterministic_dk_paths_agree(fast_case, call, fn_name, monkeypatch):
+    """"fused" (rows stored grouped by key by the main pass) sums the same
+    rows in the same order as "slots" (recomputed rows, gathered): the same
+    bits under the interpreter; chunks of 4 query rows (the last one short),
+    topk_length, duplicates and invalid indices in."""
+    case = fast_case
+    if case.backend != "triton":
+        pytest.skip("the Triton deterministic dk paths")
+    from dsa.triton import indexer_bwd as tb
+    from dsa.triton import segment_sum
+
+    g = gen(26)
+    q, k, w, idx, tl = indexer_inputs(case, g, T=9, N=6, K=16)
+    idx, tl = on(case, idx, tl)
+    target = random_target(bf_valid(idx.cpu(), tl.cpu(), 6), g).float().to(case.device)
+    dl = torch.randn(idx.shape, generator=g).to(case.device)
+    monkeypatch.setattr(segment_sum, "WORKSPACE_BYTES", 4 * idx.shape[-1] * q.shape[-1] * 4)
+
+    def run(path):
+        monkeypatch.setattr(tb, "DETERMINISTIC_DK", path)
+        if fn_name == "indexer_kl_loss":
+            f = lambda a, b, c: dsa.indexer_kl_loss(a, b, c, idx, target, topk_length=tl,  # noqa: E731
+                                                    deterministic=True, backend=case.backend)
+            return call(grads_of, f, [q, k, w])[1]
+        f = lambda a, b, c: dsa.sparse_indexer_scores(a, b, c, idx, topk_length=tl,  # noqa: E731
+                                                      deterministic=True, backend=case.backend)
+        return call(grads_of, f, [q, k, w], dl)[1]
+
+    for name, a, b in zip(("dq", "dk", "dw"), run("slots"), run("fused")):
+        if case.device == "cpu":
+            assert torch.equal(a, b), name
+        else:  # the two kernels may pick different MMA instructions
+            rel_close(b, a, 1e-6, name)
+
+
+def test_fused_bf16_rows(case, call, monkeypatch):
+    """"fused" with FUSED_ROWS_BF16 (16-bit inputs): bitwise repeatable,
+    within the dtype's tolerance of float64 and within bf16 rounding of the
+    fp32 rows; chunks of 4 query rows."""
+    if case.backend != "triton" or not case.low_precision:
+        pytest.skip("the Triton fused path's bf16 rows (16-bit inputs)")
+    from dsa.triton import indexer_bwd as tb
+    from dsa.triton import segment_sum
+
+    g = gen(28)
+    q, k, w, idx, tl = indexer_inputs(case, g, T=9, N=6, K=16)
+    valid = bf_valid(idx, tl, k.shape[0])
+    dl = torch.randn(valid.shape, generator=g, dtype=torch.float64)
+    ql, kl, wl = leaves(q, k, w)
+    bf_logits(ql, kl, wl, idx, tl, 1.0).backward(torch.where(valid, dl, 0.0))
+    idx, tl = on(case, idx, tl)
+    monkeypatch.setattr(segment_sum, "WORKSPACE_BYTES", 4 * idx.shape[-1] * q.shape[-1] * 2)
+    monkeypatch.setattr(tb, "DETERMINISTIC_DK", "fused")
+    dl = dl.to(case.device, torch.float32)
+    monkeypatch.setattr(tb, "FUSED_ROWS_BF16", True)
+    a, b = (call(_det_dk_grads, case, q, k, w, idx, tl, dl) for _ in range(2))
+    monkeypatch.setattr(tb, "FUSED_ROWS_BF16", False)
+    full = call(_det_dk_grads, case, q, k, w, idx, tl, dl)
+    for name, x, y, z, ref in zip(("dq", "dk", "dw"), a, b, full, (ql.grad, kl.grad, wl.grad)):
+        assert torch.equal(x, y), name
+        rel_close(x, ref, GRAD_TOL[case.dtype], name)
+        rel_close(x, z, 1e-2, f"{name}: bf16 rows vs fp32 rows")
+
+
+def test_grouped_positions():
+    """Each chunk's rows land on a permutation of its positions, grouped by
+    key in ascending row order, with start bounding every key's run; keys
+    >= n_dst (invalid) last, in no run."""
+    from dsa.triton.segment_sum import grouped_positions
+
+    g = gen(27)
+    n_dst, chunk, M = 5, 7, 26
+    keys = torch.randint(0, n_dst + 3, (M,), generator=g)
+    pos, start = grouped_positions(keys, chunk, n_dst)
+    assert pos.dtype == torch.int32 and start.shape == (4, n_dst + 1)
+    for c in range(4):
+        rows = torch.arange(c * chunk, min(M, (c + 1) * chunk))
+        p = pos[rows].long()
+        assert sorted(p.tolist()) == list(range(rows.numel()))
+        for n in range(n_dst):
+            run = rows[keys[rows] == n]
+            assert p[keys[rows] == n].tolist() == list(range(int(start[c, n]), int(start[c, n + 1])))
+            assert run.tolist() == sorted(run.tolist())
+        assert int(start[c, n_dst]) == int((keys[rows] < n_dst).sum())
+
+
 def _det_dk_grads(case, q, k, w, idx, tl, dl, sm_scale=1.0):
     f = lambda a, b, c: dsa.sparse_indexer_scores(a, b, c, idx, topk_length=tl, sm_scale=sm_scale,  # noqa: E731
                                                   deterministic=True, backend=case.backend)
@@ -754,12 +841,12 @@ def _det_dk_grads(case, q, k, w, idx, tl, dl, sm_scale=1.0):
 
 
 @pytest.mark.parametrize("w_scale", [1e-30, 1.0, 1e30])
-def test_fixed_point_dk_against_float64(fast_case, call, det_dk, w_scale):
-    """The deterministic dk at any magnitude (the fixed-point scale follows the
-    bound), within fp32 rounding of float64; duplicates and invalid slots in."""
+def test_deterministic_dk_against_float64(fast_case, call, det_dk, w_scale):
+    """The deterministic dk at any magnitude, within fp32 rounding of float64;
+    duplicates and invalid slots in."""
     case = fast_case
-    if case.backend != "triton" or det_dk != "fixed":
-        pytest.skip("the Triton fixed-point dk")
+    if case.backend != "triton":
+        pytest.skip("the Triton deterministic dk paths")
     g = gen(24)
     q, k, w, idx, tl = indexer_inputs(case, g, T=6, N=5, K=12)
     w = w * w_scale
@@ -776,12 +863,12 @@ def test_fixed_point_dk_against_float64(fast_case, call, det_dk, w_scale):
     rel_close(dw, wl.grad, max(tol, GRAD_TOL[case.dtype]), "dweights")
 
 
-def test_fixed_point_dk_non_finite_term(fast_case, call, det_dk):
-    """A NaN gradient on one valid slot: the key rows it reaches are NaN, every
-    other key row keeps its float64 value (the bound ignores the NaN)."""
+def test_deterministic_dk_non_finite_term(fast_case, call, det_dk):
+    """A NaN gradient on one valid slot: the key row it reaches is NaN, every
+    other key row keeps its float64 value."""
     case = fast_case
-    if case.backend != "triton" or det_dk != "fixed":
-        pytest.skip("the Triton fixed-point dk")
+    if case.backend != "triton":
+        pytest.skip("the Triton deterministic dk paths")
     g = gen(25)
     T, H, D, N, K = 5, 3, 16, 9, 6
     q, k, w = rand((T, H, D), case, g), rand((N, D), case, g), rand((T, H), case, g, dtype=torch.float32)

@@ -22,41 +22,35 @@ g_j comes from one of three sources (the ``MODE`` of the kernel):
 dk accumulation. By default the [BK, D_i] tiles go to an fp32 buffer with
 relaxed (vectorised) atomics: T*K*D_i adds (4.3 GB at the V3.2 step, T 4096,
 K 2048, D_i 128) whose order the hardware picks, so dk differs in its last
-bits from run to run. ``deterministic=True`` has two paths
-(``DETERMINISTIC_DK``), both bitwise reproducible:
+bits from run to run. The buffer is 4 MB, so the adds resolve in L2: 1.11 ms
+for the scatter alone on the H200, of a 2.59 ms KL step (forward 0.46).
 
-* "fixed" (integer fixed-point atomics), the same single pass as the
-  default with int64 adds instead of fp32 ones. Integer addition is
-  associative, so any order of the adds gives the same bits. A first
-  per-row kernel bounds the gradient:
+``deterministic=True`` writes every valid slot's fp32 dk row to a workspace
+and sums each key's rows in a fixed order (dsa/triton/segment_sum.py), chunk
+of query rows by chunk (segment_sum.WORKSPACE_BYTES, 1 GiB: 1024 rows at
+V3.2), the chunks in order. Two paths (``DETERMINISTIC_DK``), both bitwise
+reproducible:
 
-      B = |scale| * sum_t |sm_scale| * sum_h |w[t, h]| * max|q[t]| * G_t
+* "slots" (the default, measured): one pass computes dq and dweights only;
+  then per chunk one program per (row, slot block) recomputes its dots and
+  writes each slot's row at (row, slot), the chunk's keys are sorted
+  (torch.sort, int64) and segment_sum gathers each key's rows in that order.
+  A 6.78 ms KL step at V3.2, 2.6x the default.
+* "fused": the main pass itself stores each slot's dk tile (no recompute, no
+  second pass over q and k), at the row's position in its key's segment: one
+  sort of all T*K keys a step (int32, by chunk then key, stable) gives every
+  slot its position, so the sum streams contiguous rows (no gather). With
+  ``FUSED_ROWS_BF16`` (16-bit q) the rows are stored in bf16: half the
+  traffic below, one more bf16 rounding of each row (the sums stay fp32).
 
-  with G_t >= sum_j |g_j| over the row's valid slots (sum |dlogits|, or for
-  KL sum |target| + |S|, since |softmax_j S - target_j| sums to at most that).
-  Each dk element is a sum of terms g_j sm_scale sum_h w_h [s > 0] q[t, h, :],
-  each row t's terms on one element at most c_t, so |dk| <= B. The scale is
-  2^e, the largest power of two with 2^e B <= 2^60 (computed on the device in
-  fp64 by a fixed-order sum: no host sync, the same e every run, e clamped to
-  [-126, 126]). Each fp32 term x becomes round(x 2^e) (within one unit);
-  then |sum| <= 2^60 + (number of terms) < 2^63, so the final int64 sum
-  cannot overflow (a partial sum may wrap: modular addition is still exact).
-  dk = sum * 2^-e in fp64, then dk's dtype. Accuracy: the only error is one
-  unit 2^-e = B 2^-60 per term, against fp32 atomics' ~2^-24 of the running
-  sum per add: the fixed point is the more accurate unless an element is
-  below 2^-36 B. Non-finite terms: the bound sums only finite factors, a key
-  row that receives a NaN or Inf term is flagged (an int32 atomic or) and
-  comes out all NaN. Cost: the same MMAs; the adds are 8-byte scalar
-  atomics (no vector form: 64 a thread a block against 16 red.v4.f32),
-  twice the fp32 bytes, plus the bound pass (q and the row's g read once,
-  about 100 MB at V3.2) and the int64 -> dtype pass over [N, D_i].
-* "slots": one pass computes dq and dweights only; then, chunk by chunk of
-  query rows, one program per (row, slot block) recomputes its dots and
-  writes each slot's dk row to a workspace, the chunk's valid slots are
-  stably sorted by key (torch.sort), and one program per key sums its rows
-  in that fixed order into dk (dsa/triton/segment_sum.py). The price: the
-  recomputed dots and T*K*D_i*4 bytes written, sorted by key and read back
-  (8.6 GB of traffic at V3.2), in chunks of segment_sum.WORKSPACE_BYTES.
+Either way the rows cross HBM twice (4.3 GB written, 4.3 GB read back: the
+workspace is far larger than L2), against the default's L2-resident adds:
+at ~4 TB/s that is ~2.2 ms, so a deterministic step costs at least about
+default - 1.1 (the atomics) + 2.2 + the sort, ~3.9 ms at V3.2 with fp32 rows
+(~2.8 ms with bf16 rows).
+(int64 fixed-point atomics, the one-pass alternative, measured 7.37 ms: the
+integer adds are scalar, and 4.3 GB of them alone took 4.69 ms against 1.11
+for fp32 ones.)
 """
 
 from __future__ import annotations
@@ -71,25 +65,25 @@ import triton.language as tl
 from dsa._args import IndexerArgs, SparseIndexerArgs
 from dsa._rules import dense_rows, slot_validity
 from dsa.triton import fit
-from dsa.triton.rules import input_precision, load_slots, row_length, slot_rows
-from dsa.triton.segment_sum import chunk_rows, segment_sum
+from dsa.triton.rules import input_precision, row_length, slot_rows
+from dsa.triton.segment_sum import chunk_rows, grouped_positions, grouped_segment_sum, segment_sum
 from dsa.triton.training import _pow2, indexer_reason
 
 # the source of the logits' gradient (the kernel's MODE)
 MODE_SPARSE, MODE_KL, MODE_DENSE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-# where dk goes (DK_MODE): fp32 atomics, per-slot workspace rows, nowhere, int64 fixed-point atomics
-DK_ATOMIC, DK_SLOTS, DK_NONE, DK_FIXED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+# where dk goes (DK_MODE): fp32 atomics, per-slot workspace rows at (row, slot), nowhere,
+# per-slot workspace rows at their grouped positions
+DK_ATOMIC, DK_SLOTS, DK_NONE, DK_GROUPED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 
-# How ``deterministic=True`` makes dk: "fixed" (int64 fixed-point atomics in the
-# one backward pass) or "slots" (per-slot rows in a workspace, sorted, summed by
-# segment_sum). Both are bitwise reproducible; see the module header for costs.
-DETERMINISTIC_DK = "fixed"
-DETERMINISTIC_DK_CHOICES = ("fixed", "slots")
-# 2^FIXED_BITS * (the bound on |dk|) is the largest fixed-point value: 2 bits
-# below int64's 2^63 cover the bf16 rounding of ds (a factor 1 + 2^-8 on the
-# bound), the fp32 softmax summing to 1 + K eps, and the per-term rounding
-# (at most one unit per term, fewer than 2^40 terms).
-FIXED_BITS = 60
+# How ``deterministic=True`` makes dk (see the module header): "slots" (a
+# recompute pass writes per-slot rows, gathered by key) or "fused" (the main
+# pass writes them grouped by key).
+DETERMINISTIC_DK = "slots"
+DETERMINISTIC_DK_CHOICES = ("slots", "fused")
+# "fused" only: store the per-slot rows in bf16 when q is 16-bit (half the
+# workspace traffic; each row rounded once, as the final dk is; the sums stay
+# fp32). Off until measured.
+FUSED_ROWS_BF16 = False
 
 
 @triton.jit
@@ -112,11 +106,10 @@ def _slot_grads(b_s, b_ws, valid, GIN, t, o_k, stride_g, lse, tsum, MODE: tl.con
 
 
 @triton.jit
-def _dk_block(b_ds, b_q, DK, SCALE, FIX, FLAG, rows, valid, o_k, o_d, m_d, K, D: tl.constexpr, MODE: tl.constexpr,
+def _dk_block(b_ds, b_q, DK, SCALE, POS, t, rows, valid, o_k, o_d, m_d, K, D: tl.constexpr, MODE: tl.constexpr,
               DK_MODE: tl.constexpr, PREC: tl.constexpr, KEYS_AS_ROWS: tl.constexpr):
-    """The block's dk rows ds^T q [BK, BD]: fp32 atomics into DK, the per-slot
-    workspace rows, or (DK_FIXED) int64 atomics of round(dk * 2^e) into DK
-    with FIX = 2^e, a key row that receives a non-finite value marked in FLAG."""
+    """The block's dk rows ds^T q [BK, BD]: fp32 atomics into DK, or stores of
+    the per-slot workspace rows (at (program, slot), or at POS[t, slot])."""
     if KEYS_AS_ROWS:
         b_dk = tl.dot(b_ds.to(b_q.dtype), b_q, input_precision=PREC)  # [BK, BD]
     else:
@@ -127,14 +120,9 @@ def _dk_block(b_ds, b_q, DK, SCALE, FIX, FLAG, rows, valid, o_k, o_d, m_d, K, D:
     if DK_MODE == DK_SLOTS:
         p_ws = DK + (tl.program_id(0).to(tl.int64) * K + o_k)[:, None] * D + o_d[None, :]
         tl.store(p_ws, b_dk, mask=m_kd)
-    elif DK_MODE == DK_FIXED:
-        b_x = b_dk * tl.load(FIX)  # exact: a power of two, |b_x| < 2^FIXED_BITS by the bound
-        ok = tl.abs(b_x) < float("inf")  # False for NaN and +-inf
-        # round half away from zero, then truncate: within one unit of b_x
-        b_x = tl.where(ok, b_x + tl.where(b_x < 0.0, -0.5, 0.5), 0.0)
-        tl.atomic_add(DK + rows[:, None] * D + o_d[None, :], b_x.to(tl.int64), mask=m_kd, sem="relaxed")
-        bad = tl.max(tl.where(ok, 0, 1), 1)  # [BK]: the slot's dk row holds a NaN or an Inf
-        tl.atomic_or(FLAG + rows, bad, mask=valid & (bad != 0), sem="relaxed")
+    elif DK_MODE == DK_GROUPED:
+        b_pos = tl.load(POS + t * K + o_k, mask=valid, other=0).to(tl.int64)
+        tl.store(DK + b_pos[:, None] * D + o_d[None, :], b_dk.to(DK.dtype.element_ty), mask=m_kd)
     else:
         tl.atomic_add(DK + rows[:, None] * D + o_d[None, :], b_dk, mask=m_kd, sem="relaxed")
 
@@ -150,16 +138,15 @@ def _indexer_bwd_kernel(
     GIN,  # [T, stride_g] fp32: dlogits (SPARSE), target (KL), dscores (DENSE)
     STATS,  # [T, 4] fp32 from the KL forward (loss_t, lse, sum of target, has a valid slot)
     SCALE,  # [] fp32: dloss / max(R, 1) (KL)
-    FIX,  # [] fp32: 2^e, the fixed-point scale (DK_FIXED)
-    FLAG,  # [N] int32: a key row with a non-finite dk term (DK_FIXED)
+    POS,  # [T, K] int32: the slot's row in the chunk's workspace (DK_GROUPED)
     DQ,  # [T, H, D] q.dtype
-    DK,  # [N, D] fp32 accumulator (DK_ATOMIC), the per-slot workspace [C, K, D] (DK_SLOTS), [N, D] int64 (DK_FIXED)
+    DK,  # [N, D] fp32 accumulator (DK_ATOMIC), the chunk's per-slot workspace [C * K, D] (DK_SLOTS, DK_GROUPED)
     DW,  # [T, H] weights.dtype
     sm_scale, N, K, stride_g, t_start,
     H: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
     HAS_LEN: tl.constexpr,
     MODE: tl.constexpr,  # MODE_SPARSE, MODE_KL or MODE_DENSE
-    DK_MODE: tl.constexpr,  # DK_ATOMIC, DK_SLOTS, DK_NONE or DK_FIXED
+    DK_MODE: tl.constexpr,  # DK_ATOMIC, DK_SLOTS, DK_NONE or DK_GROUPED
     SPLIT: tl.constexpr,  # one slot block per program (axis 1), dk only: no dq / dweights
     PREC: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr = False,  # s^T = K Q^T and dq^T = K^T ds^T: slots on the MMAs' rows
@@ -209,7 +196,7 @@ def _indexer_bwd_kernel(
             else:
                 b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, b_dq, input_precision=PREC)  # [BH, BD]
         if DK_MODE != DK_NONE:
-            _dk_block(b_ds, b_q, DK, SCALE, FIX, FLAG, rows, valid, o_k, o_d, m_d, K, D, MODE, DK_MODE, PREC,
+            _dk_block(b_ds, b_q, DK, SCALE, POS, t, rows, valid, o_k, o_d, m_d, K, D, MODE, DK_MODE, PREC,
                       KEYS_AS_ROWS)
     if not SPLIT:
         if MODE == MODE_KL:
@@ -220,63 +207,6 @@ def _indexer_bwd_kernel(
         m_dq = tl.expand_dims(m_h, SLOT_AX) & tl.expand_dims(m_d, HEAD_AX)
         tl.store(p_dq, b_dq.to(DQ.dtype.element_ty), mask=m_dq)
         tl.store(DW + t * H + o_h, (b_dw * sm_scale).to(DW.dtype.element_ty), mask=m_h)
-
-
-@triton.jit
-def _finite_abs(x):
-    """|x|, 0 where x is NaN or +-Inf."""
-    a = tl.abs(x)
-    return tl.where(a < float("inf"), a, 0.0)
-
-
-@triton.jit
-def _fixed_bound_kernel(
-    Q,  # [T, H, D]
-    W,  # [T, H]
-    IDX,  # [T, K] int32
-    LEN,  # [T] int32 (HAS_LEN)
-    GIN,  # [T, stride_g] fp32: dlogits (SPARSE) or target (KL)
-    STATS,  # [T, 4] fp32 (KL)
-    OUT,  # [T] fp64: the row's bound c_t
-    sm_scale, N, K, stride_g,  # sm_scale: its absolute value
-    H: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
-    HAS_LEN: tl.constexpr, MODE: tl.constexpr,
-):
-    """c_t = sm_scale * sum_h |w[t, h]| * max |q[t]| * G_t with G_t >= sum_j |g_j|
-    over the row's valid slots: sum |dlogits| (SPARSE), or sum |target| + |S|
-    (KL: |softmax_j * S - target_j| summed, the softmax summing to 1).
-
-    Only finite values enter: a dk term is either non-finite (its key row is
-    flagged and ends NaN, whatever the bound) or made of finite factors alone,
-    which these sums cover. In fp64, so the product cannot overflow."""
-    t = tl.program_id(0).to(tl.int64)
-    o_h = tl.arange(0, BH)
-    m_h = o_h < H
-    o_d = tl.arange(0, BD)
-    b_q = tl.load(Q + t * (H * D) + o_h[:, None] * D + o_d[None, :], mask=m_h[:, None] & (o_d < D)[None, :],
-                  other=0.0).to(tl.float32)
-    q_max = tl.max(tl.max(_finite_abs(b_q), 1), 0)
-    w_sum = tl.sum(_finite_abs(tl.load(W + t * H + o_h, mask=m_h, other=0.0).to(tl.float32)), 0)
-    length = row_length(LEN, t, K, HAS_LEN)
-    v_g = tl.zeros([BK], tl.float64)
-    for k0 in range(0, length, BK):
-        o_k, m_k, idx, valid = load_slots(IDX, t, K, k0, length, N, BK)
-        v_g += _finite_abs(tl.load(GIN + t * stride_g + o_k, mask=valid, other=0.0)).to(tl.float64)
-    g_sum = tl.sum(v_g, 0)
-    if MODE == MODE_KL:
-        g_sum += _finite_abs(tl.load(STATS + t * 4 + 2)).to(tl.float64)
-    tl.store(OUT + t, sm_scale * q_max.to(tl.float64) * w_sum.to(tl.float64) * g_sum)
-
-
-@triton.jit
-def _fixed_to_float_kernel(ACC, FLAG, INV, OUT, numel, D: tl.constexpr, BLOCK: tl.constexpr):
-    """OUT = ACC * 2^-e (fp64, then OUT's dtype), NaN in a flagged key row."""
-    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = o < numel
-    b_x = tl.load(ACC + o, mask=m, other=0).to(tl.float64) * tl.load(INV)
-    bad = tl.load(FLAG + o // D, mask=m, other=0) != 0
-    b_x = tl.where(bad, float("nan"), b_x)
-    tl.store(OUT + o, b_x.to(OUT.dtype.element_ty), mask=m)
 
 
 # --------------------------------------------------------------------------
@@ -307,10 +237,10 @@ def bwd_config(K: int) -> IndexerBwdConfig:
 
 
 def bwd_spec(q_dtype, w_dtype, H: int, D: int, cfg: IndexerBwdConfig, *, mode=MODE_KL, dk_mode=DK_ATOMIC,
-             split: bool = False, has_len: bool = True) -> fit.KernelSpec:
+             split: bool = False, has_len: bool = True, rows_dtype=torch.float32) -> fit.KernelSpec:
     el = fit.ptr(q_dtype)
     types = dict(Q=el, Kp=el, W=fit.ptr(w_dtype), IDX="*i32", LEN="*i32", BASE="*i32", GIN="*fp32", STATS="*fp32",
-                 SCALE="*fp32", FIX="*fp32", FLAG="*i32", DQ=el, DK="*i64" if dk_mode == DK_FIXED else "*fp32",
+                 SCALE="*fp32", POS="*i32", DQ=el, DK=fit.ptr(rows_dtype),
                  DW=fit.ptr(w_dtype), sm_scale="fp32")
     const = dict(H=H, BH=_pow2(H), D=D, BD=_pow2(D), BK=cfg.BK, HAS_LEN=has_len, MODE=int(mode),
                  DK_MODE=int(dk_mode), SPLIT=split, PREC=input_precision(q_dtype), KEYS_AS_ROWS=cfg.keys_as_rows)
@@ -361,14 +291,13 @@ class _Problem:
     mode: int
 
 
-def _launch(p: _Problem, dq, dw, dk, t_start: int, rows: int, dk_mode: int, split: bool, fix=None,
-            flag=None) -> None:
+def _launch(p: _Problem, dq, dw, dk, t_start: int, rows: int, dk_mode: int, split: bool, pos=None) -> None:
     T, H, D = p.q.shape
     cfg, why = pick(p.q, p.weights.dtype, p.K)
     if cfg is None:
         raise ValueError(why)
     spec = bwd_spec(p.q.dtype, p.weights.dtype, H, D, cfg, mode=p.mode, dk_mode=dk_mode, split=split,
-                    has_len=p.length is not None)
+                    has_len=p.length is not None, rows_dtype=dk.dtype)
     dummy = p.indices
     grid = (rows, triton.cdiv(p.K, cfg.BK)) if split else (rows,)
     _indexer_bwd_kernel[grid](
@@ -378,8 +307,7 @@ def _launch(p: _Problem, dq, dw, dk, t_start: int, rows: int, dk_mode: int, spli
         p.grad_in,
         p.grad_in if p.stats is None else p.stats,
         p.grad_in if p.scale is None else p.scale,
-        p.grad_in if fix is None else fix,
-        dummy if flag is None else flag,
+        dummy if pos is None else pos,
         dq, dk, dw, p.sm_scale, p.k.shape[0], p.K, p.grad_in.stride(0), t_start,
         **spec.launch_kwargs(),
     )
@@ -393,40 +321,34 @@ def _chunk_keys(p: _Problem, t0: int, t1: int) -> torch.Tensor:
     return torch.where(valid, safe, N).view(-1)
 
 
-def fixed_scale(p: _Problem) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(2^e fp32, 2^-e fp64), 0-dim on the device (no host sync): the largest
-    power of two with 2^e * B <= 2^FIXED_BITS, B the bound on |dk| (module
-    header), e clamped to [-126, 126] (2^e a normal fp32)."""
-    T, H, D = p.q.shape
-    c = torch.empty(T, device=p.q.device, dtype=torch.float64)
-    BK = min(1024, _pow2(p.K))
-    dummy = p.indices
-    _fixed_bound_kernel[(T,)](
-        p.q, p.weights, p.indices, dummy if p.length is None else p.length, p.grad_in,
-        p.grad_in if p.stats is None else p.stats, c, abs(p.sm_scale), p.k.shape[0], p.K, p.grad_in.stride(0),
-        H=H, BH=_pow2(H, 1), D=D, BD=_pow2(D, 1), BK=BK, HAS_LEN=p.length is not None, MODE=p.mode,
-        num_warps=4,
-    )
-    bound = c.sum()  # a fixed reduction order: the same e every run
-    if p.scale is not None:
-        bound = bound * p.scale.double().abs()
-    # bound 0 (no valid slot anywhere): log2 = -inf, e = 126; a NaN scale gives NaN (every term flagged)
-    e = torch.floor(FIXED_BITS - torch.log2(bound)).clamp(-126.0, 126.0)
-    return torch.exp2(e).float(), torch.exp2(-e)
+def _slots_dk(p: _Problem, dq, dw, dk) -> None:
+    """DETERMINISTIC_DK "slots": dq and dweights in one pass, then per chunk a
+    recompute pass of per-slot rows, gathered by key."""
+    T, _, D = p.q.shape
+    _launch(p, dq, dw, dk, 0, T, DK_NONE, False)
+    # one program per (row, slot block), so that even a small chunk fills the GPU
+    rows = chunk_rows(T, p.K * D * 4)
+    ws = torch.empty(rows * p.K, D, device=p.q.device, dtype=torch.float32)
+    for t0 in range(0, T, rows):
+        t1 = min(T, t0 + rows)
+        _launch(p, dq, dw, ws, t0, t1 - t0, DK_SLOTS, True)
+        segment_sum(ws, _chunk_keys(p, t0, t1), dk, block_d=_pow2(D))
 
 
-def _fixed_dk(p: _Problem, dq, dw) -> torch.Tensor:
-    """dq, dweights and dk in one pass, dk through int64 fixed-point atomics."""
+def _fused_dk(p: _Problem, dq, dw, dk) -> None:
+    """DETERMINISTIC_DK "fused": per chunk, the main pass stores each slot's dk
+    row at its grouped position; contiguous sums per key."""
     T, _, D = p.q.shape
     N = p.k.shape[0]
-    fix, inv = fixed_scale(p)
-    acc = torch.zeros(N, D, device=p.k.device, dtype=torch.int64)
-    flag = torch.zeros(N, device=p.k.device, dtype=torch.int32)
-    _launch(p, dq, dw, acc, 0, T, DK_FIXED, False, fix=fix, flag=flag)
-    dk = torch.empty(N, D, device=p.k.device, dtype=p.k.dtype)
-    BLOCK = 1024
-    _fixed_to_float_kernel[(triton.cdiv(N * D, BLOCK),)](acc, flag, inv, dk, N * D, D=D, BLOCK=BLOCK, num_warps=4)
-    return dk
+    half = FUSED_ROWS_BF16 and p.q.element_size() == 2
+    rows_dtype = torch.bfloat16 if half else torch.float32
+    rows = chunk_rows(T, p.K * D * rows_dtype.itemsize)
+    pos, start = grouped_positions(_chunk_keys(p, 0, T), rows * p.K, N)
+    ws = torch.empty(rows * p.K, D, device=p.q.device, dtype=rows_dtype)
+    for c, t0 in enumerate(range(0, T, rows)):
+        t1 = min(T, t0 + rows)
+        _launch(p, dq, dw, ws, t0, t1 - t0, DK_GROUPED, False, pos=pos)
+        grouped_segment_sum(ws, start[c], dk, block_d=_pow2(D))
 
 
 def _backward(p: _Problem, deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -434,25 +356,16 @@ def _backward(p: _Problem, deterministic: bool) -> Tuple[torch.Tensor, torch.Ten
     N = p.k.shape[0]
     dq = torch.empty_like(p.q)
     dw = torch.empty_like(p.weights)
-    if deterministic and DETERMINISTIC_DK not in DETERMINISTIC_DK_CHOICES:
-        raise ValueError(f"indexer_bwd.DETERMINISTIC_DK: expected one of {DETERMINISTIC_DK_CHOICES}, "
-                         f"got {DETERMINISTIC_DK!r}")
-    if deterministic and DETERMINISTIC_DK == "fixed":
-        return dq, _fixed_dk(p, dq, dw), dw
     dk = torch.zeros(N, D, device=p.k.device, dtype=torch.float32)
     if not deterministic:
         _launch(p, dq, dw, dk, 0, T, DK_ATOMIC, False)
-        return dq, dk.to(p.k.dtype), dw
-    # dq and dweights: one program per row, as above, without dk
-    _launch(p, dq, dw, dk, 0, T, DK_NONE, False)
-    # dk: per-slot rows of a chunk of query rows, one program per (row, slot block) so that
-    # even a small chunk fills the GPU; then a fixed-order sum per key
-    rows = chunk_rows(T, p.K * D * 4)
-    ws = torch.empty(rows * p.K, D, device=p.q.device, dtype=torch.float32)
-    for t0 in range(0, T, rows):
-        t1 = min(T, t0 + rows)
-        _launch(p, dq, dw, ws, t0, t1 - t0, DK_SLOTS, True)
-        segment_sum(ws, _chunk_keys(p, t0, t1), dk, block_d=_pow2(D))
+    elif DETERMINISTIC_DK == "slots":
+        _slots_dk(p, dq, dw, dk)
+    elif DETERMINISTIC_DK == "fused":
+        _fused_dk(p, dq, dw, dk)
+    else:
+        raise ValueError(f"indexer_bwd.DETERMINISTIC_DK: expected one of {DETERMINISTIC_DK_CHOICES}, "
+                         f"got {DETERMINISTIC_DK!r}")
     return dq, dk.to(p.k.dtype), dw
 
 

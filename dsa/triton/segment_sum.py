@@ -14,6 +14,13 @@ contribution to a workspace row and sum them here:
    ``PARTS`` workspace copies (sparse attention writes one per head block).
 
 Every sum has a fixed order, so the result is bitwise reproducible.
+
+A backward that can write each contribution straight to its destination's
+segment skips the gather: :func:`grouped_positions` sorts the keys of every
+chunk of workspace rows once (one sort a step), giving each row its position
+within its chunk's workspace and each chunk's ``start``; the writer stores
+row i at ``pos[i]``, and :func:`grouped_segment_sum` sums contiguous rows
+(the same kernel without ``ORDER``: whole 512-byte lines streamed in order).
 """
 
 from __future__ import annotations
@@ -29,15 +36,16 @@ from dsa.triton import fit
 
 @triton.jit
 def segment_sum_kernel(
-    SRC,  # [PARTS * part_rows, D] fp32 workspace rows
-    ORDER,  # [M] int64: workspace rows sorted by destination (stable)
-    START,  # [n_dst + 1] int64: destination n owns ORDER[START[n]:START[n+1]]
+    SRC,  # [PARTS * part_rows, D] fp32 workspace rows (bf16 also, summed in fp32)
+    ORDER,  # [M] int64: workspace rows sorted by destination (stable); unused without GATHER
+    START,  # [n_dst + 1] int64: destination n owns ORDER[START[n]:START[n+1]] (SRC rows, without GATHER)
     DST,  # [n_dst, D] fp32, added to
     part_rows,
     D: tl.constexpr,
     PARTS: tl.constexpr,
     BR: tl.constexpr,
     BD: tl.constexpr,
+    GATHER: tl.constexpr = True,  # False: the rows are already grouped by destination
 ):
     row = tl.program_id(0).to(tl.int64)
     o_d = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -49,11 +57,15 @@ def segment_sum_kernel(
         for r0 in range(lo, hi, BR):
             o_r = r0 + tl.arange(0, BR)
             m_r = o_r < hi
-            ref = tl.load(ORDER + o_r, mask=m_r, other=0)
+            if GATHER:
+                ref = tl.load(ORDER + o_r, mask=m_r, other=0)
+            else:
+                ref = o_r
             m = m_r[:, None] & m_d[None, :]
             for part in tl.static_range(PARTS):
                 p = SRC + (part * part_rows + ref)[:, None] * D + o_d[None, :]
-                b_acc += tl.sum(tl.load(p, mask=m, other=0.0), 0)  # a fixed tree: the same bits every run
+                b_x = tl.load(p, mask=m, other=0.0).to(tl.float32)
+                b_acc += tl.sum(b_x, 0)  # a fixed tree: the same bits every run
         p_dst = DST + row * D + o_d
         tl.store(p_dst, tl.load(p_dst, mask=m_d, other=0.0) + b_acc, mask=m_d)
 
@@ -82,12 +94,39 @@ def inverse_index(keys: torch.Tensor, n_dst: int) -> Tuple[torch.Tensor, torch.T
     return order, start
 
 
-def spec(D: int, parts: int, block_d: int) -> fit.KernelSpec:
+def grouped_positions(keys: torch.Tensor, chunk: int, n_dst: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(pos [M] int32, start [C, n_dst + 1] int64) for M workspace rows with
+    destination ``keys`` [M] (any key >= n_dst: never summed), written in
+    chunks of ``chunk`` consecutive rows (C = ceil(M / chunk)): row i goes to
+    position pos[i] of its chunk's workspace, where the rows of destination n
+    are start[c, n] .. start[c, n + 1], in ascending i.
+
+    One stable sort for every chunk: the key c * (n_dst + 1) + min(key, n_dst)
+    orders by chunk, then destination, then row."""
+    M = keys.numel()
+    C = max(1, -(-M // chunk))
+    span = n_dst + 1
+    dt = torch.int32 if C * span < 2**31 else torch.int64  # a 32-bit sort has half the radix passes
+    row = torch.arange(M, device=keys.device)
+    comp = ((row // chunk) * span + keys.clamp(0, n_dst)).to(dt)
+    comp_sorted, order = torch.sort(comp, stable=True)
+    # chunk c's rows fill ranks [c * chunk, (c + 1) * chunk) of the sort
+    pos = torch.empty(M, device=keys.device, dtype=torch.int32)
+    pos[order] = (row - (order // chunk) * chunk).to(torch.int32)
+    bounds = (torch.arange(C, device=keys.device)[:, None] * span
+              + torch.arange(span, device=keys.device)[None, :]).to(dt)
+    start = torch.searchsorted(comp_sorted, bounds.flatten()).view(C, span)
+    start -= torch.arange(C, device=keys.device)[:, None] * chunk
+    return pos, start
+
+
+def spec(D: int, parts: int, block_d: int, gather: bool = True, src_dtype=torch.float32) -> fit.KernelSpec:
     """16 rows of BD <= block_d columns a step: a few KB of shared memory at
     most, on every target."""
     BD = min(block_d, triton.next_power_of_2(D))
-    types = dict(SRC="*fp32", ORDER="*i64", START="*i64", DST="*fp32")
-    return fit.KernelSpec(segment_sum_kernel, types, dict(D=D, PARTS=parts, BR=16, BD=BD), 2 if BD <= 64 else 4, 3)
+    types = dict(SRC=fit.ptr(src_dtype), ORDER="*i64", START="*i64", DST="*fp32")
+    return fit.KernelSpec(segment_sum_kernel, types, dict(D=D, PARTS=parts, BR=16, BD=BD, GATHER=gather),
+                          2 if BD <= 64 else 4, 3)
 
 
 def segment_sum(src: torch.Tensor, keys: torch.Tensor, dst: torch.Tensor, *, parts: int = 1,
@@ -101,3 +140,13 @@ def segment_sum(src: torch.Tensor, keys: torch.Tensor, dst: torch.Tensor, *, par
     s = spec(D, parts, block_d)
     segment_sum_kernel[(n_dst, triton.cdiv(D, s.constexprs["BD"]))](
         src, order, start, dst, keys.numel(), **s.launch_kwargs())
+
+
+def grouped_segment_sum(src: torch.Tensor, start: torch.Tensor, dst: torch.Tensor, *, block_d: int = 64) -> None:
+    """dst[n] += src[start[n]:start[n + 1]].sum(0), rows in order (one chunk of
+    :func:`grouped_positions`). src [M, D] fp32 or bf16, start [n_dst + 1]
+    int64, dst [n_dst, D] fp32 contiguous."""
+    n_dst, D = dst.shape
+    s = spec(D, 1, block_d, gather=False, src_dtype=src.dtype)
+    segment_sum_kernel[(n_dst, triton.cdiv(D, s.constexprs["BD"]))](
+        src, start, start, dst, src.shape[0], **s.launch_kwargs())

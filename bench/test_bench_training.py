@@ -17,7 +17,8 @@ fails): ``sparse_attn_score_recompute_wrapper`` for the target,
 ``sparse_indexer_score_recompute_wrapper`` (the softmax over the slots) for
 the logits, and that recompute followed by ``indexer_backward_wrapper`` for
 the KL step. cuDNN takes bf16 weights only: they are cast (and scaled by
-sm_scale for the recompute) once, outside the timing; dsa keeps fp32 weights. bench/training_peers.py times all of them in one process with
+sm_scale for the recompute) once, outside the timing; dsa keeps fp32 weights.
+bench/training_peers.py times all of them in one process with
 the gradients checked against float64.
 
 ``python bench/test_bench_training.py`` (CUDA) prints the same figures

@@ -11,10 +11,13 @@ Timed (triton.testing.do_bench, warmup 25 ms, rep 100 ms, median, ms):
   (which also takes the softmax);
 * the KL step (loss forward + backward to q_i, k_i, weights): dsa by default,
   dsa ``deterministic=True`` with each dk path of dsa/triton/indexer_bwd.py
-  (``fixed``: int64 fixed-point atomics; ``slots``: per-slot rows summed by
-  segment_sum), and cuDNN's (softmax recompute + ``indexer_backward_wrapper``);
-* the dk scatter alone (fp32 / int64 / int32 atomics of T * K rows of D_i
-  into N keys: the cost model of the fixed-point path);
+  (``slots``: a recompute pass of per-slot rows gathered by key; ``fused``:
+  rows stored grouped by key by the main pass, in fp32 and with
+  ``FUSED_ROWS_BF16``), and cuDNN's (softmax recompute +
+  ``indexer_backward_wrapper``; its bf16 weights cast outside the timing);
+* the deterministic path's floor, piece by piece: the dk rows' fp32 atomics
+  alone (the default's scatter), the one sort a step (grouped_positions),
+  the rows stored to the workspace and summed back (fp32, bf16);
 * with ``--sweep``, the default backward's other tiles.
 
 Checked: every deterministic path bitwise equal over ``--runs`` runs, and
@@ -103,48 +106,68 @@ def guarded(table: Table, op: str, method: str, fn: Callable[[], object], **extr
     return ms
 
 
-def det_path(mode: str):
-    """A context that sets indexer_bwd.DETERMINISTIC_DK."""
+def det_path(mode: str, rows_bf16: bool = False):
+    """A context that sets indexer_bwd.DETERMINISTIC_DK and FUSED_ROWS_BF16."""
     import contextlib
 
     from dsa.triton import indexer_bwd
 
     @contextlib.contextmanager
     def cm():
-        old = indexer_bwd.DETERMINISTIC_DK
-        indexer_bwd.DETERMINISTIC_DK = mode
+        old = indexer_bwd.DETERMINISTIC_DK, indexer_bwd.FUSED_ROWS_BF16
+        indexer_bwd.DETERMINISTIC_DK, indexer_bwd.FUSED_ROWS_BF16 = mode, rows_bf16
         try:
             yield
         finally:
-            indexer_bwd.DETERMINISTIC_DK = old
+            indexer_bwd.DETERMINISTIC_DK, indexer_bwd.FUSED_ROWS_BF16 = old
 
     return cm()
 
 
-def run_scatter(table: Table, shape) -> None:
-    """The dk scatter alone: T * K rows of D_i values into N keys, each
-    tl.atomic_add of one dtype (fp32 becomes red.v4.f32; int64 and int32 are
-    scalar)."""
+def run_floor(table: Table, s, shape) -> None:
+    """The pieces of a deterministic dk at the step's sizes: T * K rows of
+    D_i fp32 scattered by fp32 atomics into N keys (the default's dk), the
+    sort, and the rows stored at their grouped positions and summed back,
+    chunk by chunk as the fused path does (no MMAs: the traffic alone)."""
     import triton
     import triton.language as tl
 
+    from dsa.triton import segment_sum as ss
+
     @triton.jit
-    def scatter(DK, IDX, R, D: tl.constexpr, BK: tl.constexpr):
+    def rows(OUT, IDX, R, D: tl.constexpr, BK: tl.constexpr, ATOMIC: tl.constexpr):
         r = tl.program_id(0) * BK + tl.arange(0, BK)
         m = r < R
-        n = tl.load(IDX + r, mask=m, other=0)
+        n = tl.load(IDX + r, mask=m, other=0).to(tl.int64)
         c = tl.arange(0, D)
         v = ((r[:, None] * 7 + c[None, :]) % 1000 - 500).to(tl.float32)
-        tl.atomic_add(DK + n[:, None].to(tl.int64) * D + c[None, :], v.to(DK.dtype.element_ty), mask=m[:, None],
-                      sem="relaxed")
+        if ATOMIC:
+            tl.atomic_add(OUT + n[:, None] * D + c[None, :], v, mask=m[:, None], sem="relaxed")
+        else:
+            tl.store(OUT + n[:, None] * D + c[None, :], v.to(OUT.dtype.element_ty), mask=m[:, None])
 
-    R, N, D = shape.T * shape.K, shape.N, shape.D_i
-    idx = torch.randint(0, N, (R,), device="cuda", dtype=torch.int32)
-    for dt in (torch.float32, torch.int64, torch.int32):
-        dk = torch.zeros(N, D, device="cuda", dtype=dt)
-        guarded(table, "dk scatter alone", str(dt).replace("torch.", ""),
-                lambda: scatter[(triton.cdiv(R, 64),)](dk, idx, R, D=D, BK=64, num_warps=4),
-                gb_of_adds=round(R * D * dt.itemsize / 1e9, 2))
+    T, K, N, D = shape.T, shape.K, shape.N, shape.D_i
+    R = T * K
+    keys = s["indices"].long().view(-1)
+    dk = torch.zeros(N, D, device="cuda", dtype=torch.float32)
+    idx32 = keys.to(torch.int32)
+    guarded(table, "dk floor", "fp32 atomics of the rows", lambda: rows[(triton.cdiv(R, 64),)](
+        dk, idx32, R, D=D, BK=64, ATOMIC=True, num_warps=4), gb=round(R * D * 4 / 1e9, 2))
+    for dt in (torch.float32, torch.bfloat16):
+        per = ss.chunk_rows(T, K * D * dt.itemsize) * K
+        guarded(table, "dk floor", f"sort (grouped_positions, chunks of {per} rows)",
+                lambda: ss.grouped_positions(keys, per, N))
+        pos, start = ss.grouped_positions(keys, per, N)
+        ws = torch.empty(per, D, device="cuda", dtype=dt)
+
+        def store_sum():
+            for c, r0 in enumerate(range(0, R, per)):
+                n = min(per, R - r0)
+                rows[(triton.cdiv(n, 64),)](ws, pos[r0:r0 + n], n, D=D, BK=64, ATOMIC=False, num_warps=4)
+                ss.grouped_segment_sum(ws, start[c], dk, block_d=D)
+
+        guarded(table, "dk floor", f"store + grouped sum, {str(dt).replace('torch.', '')} rows", store_sum,
+                gb=round(2 * R * D * dt.itemsize / 1e9, 2))
 
 
 def run_kl(table: Table, s, shape, args, ref) -> None:
@@ -152,16 +175,24 @@ def run_kl(table: Table, s, shape, args, ref) -> None:
     step = kl_call(s, "triton", False)
     guarded(table, "KL step", "dsa default", step)
     results = {"dsa default": step()}
-    for mode in ("fixed", "slots"):
-        with det_path(mode):
+    import dsa
+
+    # where the step goes: the backward alone (the forward is "indexer_kl_loss fwd")
+    leaves = [s[n].detach().clone().requires_grad_() for n in ("q_i", "k_i", "weights")]
+    loss = dsa.indexer_kl_loss(*leaves, s["indices"], s["target"], sm_scale=sm, backend="triton")
+    guarded(table, "KL backward alone", "dsa default", lambda: torch.autograd.grad(loss, leaves, retain_graph=True))
+    del loss
+    for mode, bf16 in (("slots", False), ("fused", False), ("fused", True)):
+        name = f"dsa deterministic={mode}{' bf16 rows' if bf16 else ''}"
+        with det_path(mode, bf16):
             det = kl_call(s, "triton", True)
-            ms = guarded(table, "KL step", f"dsa deterministic={mode}", det)
+            ms = guarded(table, "KL step", name, det)
             if ms is None:
                 continue
             first = det()
             same = all(all(torch.equal(a, b) for a, b in zip(first, det())) for _ in range(args.runs - 1))
-            table.add("KL step", f"dsa deterministic={mode} bitwise", None, runs=args.runs, equal=same)
-            results[f"dsa deterministic={mode}"] = first
+            table.add("KL step", f"{name} bitwise", None, runs=args.runs, equal=same)
+            results[name] = first
     why = cudnn_peer.unavailable()
     if why is None:
         # cuDNN takes bf16 weights (and the recompute sm_scale-scaled ones): cast once, outside the timing
@@ -255,7 +286,7 @@ def main(argv=None) -> int:
     run_kl(table, s, shape, args, ref)
     del ref
     torch.cuda.empty_cache()
-    run_scatter(table, shape)
+    run_floor(table, s, shape)
     if args.sweep:
         run_sweep(table, s)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "seconds": time.time() - t0}

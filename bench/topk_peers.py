@@ -146,7 +146,8 @@ def variants(cols: int, k: int) -> Dict[str, dict]:
     """dsa's other kernels and list-path settings for this shape. The list
     path: ``sep`` = the build then a select kernel (the path before the
     inline select), ``inline`` = the build selects the lists of the block;
-    ``rev`` / ``fwd`` = rows last first / first first; c = the build's chunk."""
+    ``rev`` / ``fwd`` = rows last first / first first; c = the build's chunk;
+    pf = chunks prefetched to L2 ahead (sm_90+)."""
     from dsa.triton import topk as tk
 
     out: Dict[str, dict] = {}
@@ -154,14 +155,16 @@ def variants(cols: int, k: int) -> Dict[str, dict]:
         out["dsa_resident"] = {"list_min": 1 << 40}
     if list_plan(cols, k, True) is None:
         return out
-    sep = list_plan(cols, k, False, reverse=False)
+    sep = list_plan(cols, k, False, reverse=False, prefetch=0)
     out["dsa_list_sep_fwd"] = {"plan": sep}  # the list path as it was before the inline select
-    out["dsa_list_sep_rev"] = {"plan": dataclasses.replace(sep, reverse=True)}
-    inline = list_plan(cols, k, True, reverse=True)
+    out["dsa_list_sep_rev_pf4"] = {"plan": dataclasses.replace(sep, reverse=True, prefetch=4)}
+    inline = list_plan(cols, k, True, reverse=True, prefetch=4)
     for chunk in (1024, 2048):
         if chunk != inline.chunk:
             out[f"dsa_list_inline_c{chunk}"] = {"plan": dataclasses.replace(inline, chunk=chunk)}
     out["dsa_list_inline_fwd"] = {"plan": dataclasses.replace(inline, reverse=False)}
+    for pf in (0, 8):
+        out[f"dsa_list_inline_pf{pf}"] = {"plan": dataclasses.replace(inline, prefetch=pf)}
     if cols < tk.LIST_MIN:
         out["dsa_list"] = {"plan": list_plan(cols, k, tk.LIST_INLINE_SELECT)}
     return out
@@ -215,7 +218,8 @@ def run_topk(args, results: List[dict], cd) -> None:
 # dsa.triton.topk): "old" is the path before buffered chunks and row ends.
 INDEXER_VARIANTS = {
     "dsa_fused_old": dict(TOPK_BUFFERS=1, TOPK_ROW_ENDS=False, TOPK_CHUNK_FLOATS=1 << 25,
-                          LIST_INLINE_SELECT=False, LIST_REVERSE=False),
+                          LIST_INLINE_SELECT=False, LIST_REVERSE=False, LIST_PREFETCH=0),
+    "dsa_fused_pf0": dict(LIST_PREFETCH=0),
     "dsa_fused_ends_b1": dict(TOPK_BUFFERS=1),
     "dsa_fused_b2_noends": dict(TOPK_ROW_ENDS=False),
     "dsa_fused_b3": dict(TOPK_BUFFERS=3),

@@ -395,19 +395,21 @@ p = tk._list_plan(65536, 2048)
 out = {}
 for cap in (80, 90, 100, 120):
     for has_end in (False, True):
-        spec = tk.route_specs(("list", p), torch.float32, True, has_end)[0]
+        spec = tk.route_specs(("list", p), torch.float32, True, has_end, l2_prefetch=cap >= 90)[0]
         src = fit._source(spec)  # S and the row stride 16-divisible, as a launch on 65536 columns specializes them
         src.attrs.update({(spec.fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("S", "stride_s")})
         c = triton.compile(src, target=fit.Target.of(cap).gpu_target(), options=fit._options(spec))
         out[f"{cap}/{has_end}"] = dict(converts=c.asm["ttgir"].count("ttg.convert_layout"),
-                                       v4=c.asm["ptx"].count("ld.global.v4"))
+                                       v4=c.asm["ptx"].count("ld.global.v4"),
+                                       prefetch=c.asm["ptx"].count("cp.async.bulk.prefetch.L2"))
 print(json.dumps(out))
 """
 
 
 def test_list_build_compiles_for_every_arch():
     """The list build kernel compiles for sm_80 / 90 / 100 / 120 with 16-byte
-    row loads and its stores in the load's layout (no layout conversion)."""
+    row loads and its stores in the load's layout (no layout conversion),
+    with and without row ends, and from sm_90 on with the L2 prefetch."""
     import json
     import subprocess
     import sys
@@ -419,6 +421,7 @@ def test_list_build_compiles_for_every_arch():
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     for cap, c in got.items():
         assert c["converts"] == 0 and c["v4"] >= 2, (cap, c)
+        assert (c["prefetch"] > 0) == (int(cap.split("/")[0]) >= 90), (cap, c)
 
 
 # The routes against made-up shared-memory limits (sm_90 otherwise): the

@@ -85,6 +85,9 @@ LIST_SCRATCH = 1 << 26
 # row first).
 LIST_INLINE_SELECT = os.environ.get("DSA_TOPK_LIST_INLINE", "1") != "0"
 LIST_REVERSE = os.environ.get("DSA_TOPK_LIST_REVERSE", "1") != "0"
+# Chunks the build kernel asks L2 for ahead of the next one (env
+# DSA_TOPK_LIST_PREFETCH; 0: none): on sm_90+ where rows are 16-byte aligned.
+LIST_PREFETCH = int(os.environ.get("DSA_TOPK_LIST_PREFETCH", "4"))
 LIST_INLINE_CHUNK = 2048  # the build's chunk with the inline select (half up to LIST_INLINE_SMALL keys)
 LIST_INLINE_SMALL = 16384
 _SAMPLE_Z = tl.constexpr(5.0)
@@ -628,6 +631,17 @@ def _select_rank(b_x, b_key, K, SLACK, SEARCH: tl.constexpr = 2):
 
 
 @triton.jit
+def _prefetch_l2(p, nbytes):
+    """Ask L2 for the nbytes at p (16-byte aligned, a multiple of 16; sm_90+):
+    one bulk prefetch by the block's first thread. Bytes in flight that hold
+    no registers: the row read keeps HBM busy ahead of its loads."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred q; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 q, t, 0; "
+        "@q cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
+        "=r,l,r", [p, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _sample_bound(s_row, L, S, RANK, SLACK, STRIDE, SAMPLE: tl.constexpr, HAS_END: tl.constexpr):
     """The RANK-th largest key of SAMPLE scores of the row's first L (runs
     of 8 at STRIDE), or 1 (every selectable key) if the sample holds fewer:
@@ -677,16 +691,20 @@ def _list_build_kernel(
     CAP: tl.constexpr, CHUNK: tl.constexpr, SAMPLE: tl.constexpr, ASM_STORE: tl.constexpr,
     HAS_END: tl.constexpr = False, SELECT_BLOCK: tl.constexpr = 0, SEARCH: tl.constexpr = 2,
     FILL: tl.constexpr = 1024, REVERSE: tl.constexpr = False, WHOLE_MAX: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = 0, CHUNK_BYTES: tl.constexpr = 0,
 ):
     """Row row0 + b: list b = (value, position) of every key >= the sample
     bound, in position order (the first CAP of them); meta b = (list length,
     selectable keys of the row). HAS_END: the row is its first end[r]
     columns (rows of at most WHOLE_MAX taken whole). SELECT_BLOCK > 0: a
-    list of at most SELECT_BLOCK keys that holds the row's top K is selected and emitted here (the select kernel's work,
-    done while the list is still in L2 and overlapping other programs' row
-    reads); the select kernel then takes only the longer lists. REVERSE: the
+    list of at most SELECT_BLOCK keys that holds the row's top K is selected
+    and emitted here (the select kernel's work, done while the list is still
+    in L2 and overlapping other programs' row reads); the select kernel then
+    takes only the longer lists. REVERSE: the
     last row first (causal rows grow with the row index: the longest start
-    first and the tail is short rows)."""
+    first and the tail is short rows). PREFETCH > 0 (sm_90+, 16-byte aligned
+    rows): the chunks up to PREFETCH past the next one are prefetched to L2
+    (CHUNK_BYTES each), the first ones before the sample's search."""
     if REVERSE:
         b = n_rows - 1 - tl.program_id(0)
     else:
@@ -694,6 +712,10 @@ def _list_build_kernel(
     r = (row0 + b).to(tl.int64)
     s_row = s_ptr + r * stride_s
     L = _row_len(end_ptr, r, S, HAS_END)
+    if PREFETCH > 0:  # chunks 2 .. PREFETCH + 1 (0 and 1 are loaded below)
+        for j in tl.static_range(2, PREFETCH + 2):
+            if (j + 1) * CHUNK <= L:
+                _prefetch_l2(s_row + j * CHUNK, CHUNK_BYTES)
     rank, slack, stride, whole = _row_sample_plan(L, K, RANK, SLACK, STRIDE, WHOLE_MAX, SAMPLE, HAS_END)
     lo = tl.full([], 1, tl.uint32)
     if whole == 0:
@@ -706,6 +728,10 @@ def _list_build_kernel(
     # the next chunk is loaded before this one is compacted: two chunks in flight
     x_next = _load_upto(s_row, o_c, L, S, HAS_END)
     for c0 in range(0, L, CHUNK):
+        if PREFETCH > 0:
+            c_pf = c0 + (PREFETCH + 2) * CHUNK
+            if c_pf + CHUNK <= L:
+                _prefetch_l2(s_row + c_pf, CHUNK_BYTES)
         o = c0 + o_c
         x = x_next
         x_next = _load_upto(s_row, CHUNK + o, L, S, HAS_END)
@@ -853,6 +879,7 @@ class ListPlan:
     inline_select: bool = LIST_INLINE_SELECT
     reverse: bool = LIST_REVERSE  # the build takes the last row of a batch first
     build_maxnreg: Optional[int] = None  # ptxas cap of the build kernel (None: its choice)
+    prefetch: int = 0  # chunks the build prefetches to L2 ahead of its loads (sm_90+; 0: none)
 
 
 def _list_plan(S: int, k: int, sample: Optional[int] = None) -> Optional[ListPlan]:
@@ -887,8 +914,18 @@ def _list_plan(S: int, k: int, sample: Optional[int] = None) -> Optional[ListPla
         chunk = LIST_CHUNK // 2 if S <= LIST_SMALL_CHUNK_MAX else LIST_CHUNK
     return ListPlan(sample=n, stride=S // (n // 8), rank=rank, block=block, cap=cap, select_warps=warps,
                     select_maxnreg=128 if block == 4096 else None, slack=slack, chunk=chunk,
-                    inline_select=LIST_INLINE_SELECT, reverse=LIST_REVERSE,
+                    inline_select=LIST_INLINE_SELECT, reverse=LIST_REVERSE, prefetch=LIST_PREFETCH,
                     build_maxnreg=128 if block == 4096 and LIST_INLINE_SELECT else None)
+
+
+def _l2_prefetch_ok(scores: torch.Tensor) -> bool:
+    """Whether the list build may prefetch rows of ``scores`` to L2: PTX on
+    sm_90+ (the bulk prefetch) and every row start 16-byte aligned."""
+    if not ptx.enabled(scores):
+        return False
+    target = fit.device_target(scores)
+    return (target is not None and target.capability >= 90 and scores.data_ptr() % 16 == 0
+            and scores.stride(0) * scores.element_size() % 16 == 0)
 
 
 def _launch_list(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: torch.Tensor,
@@ -902,7 +939,8 @@ def _launch_list(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: t
     meta = torch.empty((rows, 2), dtype=torch.int32, device=dev)
     has_end = ends is not None
     end = ends if has_end else lengths  # never read without HAS_END
-    build, *selects, fallback = route_specs(("list", plan), scores.dtype, ptx.enabled(scores), has_end)
+    build, *selects, fallback = route_specs(("list", plan), scores.dtype, ptx.enabled(scores), has_end,
+                                            _l2_prefetch_ok(scores))
     if plan.inline_select:  # the build selects the lists of the first block itself
         selects = [sp for sp in selects if sp.constexprs["BLOCK"] != plan.block]
     for r0 in range(0, R, rows):
@@ -917,9 +955,11 @@ def _launch_list(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: t
                           **fallback.launch_kwargs())
 
 
-def route_specs(route: Tuple[str, Any], dtype: torch.dtype, asm: bool, has_end: bool = False) -> List[fit.KernelSpec]:
+def route_specs(route: Tuple[str, Any], dtype: torch.dtype, asm: bool, has_end: bool = False,
+                l2_prefetch: bool = False) -> List[fit.KernelSpec]:
     """Every kernel a route launches for ``dtype`` scores (asm: whether
-    ptx.store_i32 may emit PTX; has_end: rows read up to per-row ends).
+    ptx.store_i32 may emit PTX; has_end: rows read up to per-row ends;
+    l2_prefetch: the list build may prefetch, see ``_l2_prefetch_ok``).
     Routes: ("list", ListPlan): build, select (a second one at the capacity
     when it exceeds the block), fallback; ("resident", (BLOCK_S,
     ResidentConfig)); ("stream", CHUNK)."""
@@ -933,7 +973,9 @@ def route_specs(route: Tuple[str, Any], dtype: torch.dtype, asm: bool, has_end: 
         const = dict(CAP=p.cap, FILL=_FILL_BLOCK, ASM_STORE=asm, SEARCH=search)
         build_const = dict(CAP=p.cap, CHUNK=p.chunk, SAMPLE=p.sample, ASM_STORE=asm, HAS_END=has_end,
                            SELECT_BLOCK=p.block if p.inline_select else 0, SEARCH=search, FILL=_FILL_BLOCK,
-                           REVERSE=p.reverse, WHOLE_MAX=p.block)
+                           REVERSE=p.reverse, WHOLE_MAX=p.block, PREFETCH=0, CHUNK_BYTES=0)
+        if l2_prefetch and p.prefetch > 0:
+            build_const.update(PREFETCH=p.prefetch, CHUNK_BYTES=p.chunk * torch.finfo(dtype).bits // 8)
         build_warps = max(p.build_warps, p.select_warps) if p.inline_select else p.build_warps
         build_opts = {} if p.build_maxnreg is None else {"maxnreg": p.build_maxnreg}
         return [fit.KernelSpec(_list_build_kernel, dict(s_ptr=el, val_ptr=i32, pos_ptr=i32, meta_ptr=i32,

@@ -26,6 +26,7 @@ SHAPES = {  # name: T, N, H, D, d_v, K, sink
     "V4-pro": (8192, 8192, 128, 512, 512, 1152, True),
     "V4-flash": (8192, 8192, 64, 512, 512, 640, True),
     "TP16": (4096, 8192, 16, 576, 512, 2048, True),
+    "TP32": (4096, 8192, 32, 576, 512, 2048, True),
 }
 
 C = sa.TileConfig
@@ -43,6 +44,12 @@ BWD_VARIANTS = {
     "bh64-bn64-cw128-s1": C(64, 64, 128, 8, 1),
     "bh16-bn32-cw128-w4-s1": C(16, 32, 128, 4, 1),
     "bh16-bn64-cw128-w8-s1": C(16, 64, 128, 8, 1),
+    # slots as the MMAs' rows (see sparse_attention_bwd): the TP-shard head counts
+    "kar-bh16-bn64-cw64-w4-s2": C(16, 64, 64, 4, 2, keys_as_rows=True),
+    "kar-bh16-bn64-cw128-w4-s2": C(16, 64, 128, 4, 2, keys_as_rows=True),
+    "kar-bh16-bn128-cw64-w8-s1": C(16, 128, 64, 8, 1, keys_as_rows=True),
+    "kar-bh32-bn64-cw128-w8-s1": C(32, 64, 128, 8, 1, keys_as_rows=True),
+    "kar-bh32-bn64-cw64-w4-s1": C(32, 64, 64, 4, 1, keys_as_rows=True),
 }
 
 

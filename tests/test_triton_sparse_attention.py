@@ -510,3 +510,105 @@ def test_gpu_deterministic(name):
         for k in ("dq", "dkv", "dsink"):
             if first[k] is not None:
                 assert torch.equal(first[k], again[k]), k
+
+
+# ----------------------------------------------------------------------------
+# The backward with the slots as the MMAs' rows (keys_as_rows: the TP-shard
+# head counts), on the same math and every rule of the heads-as-rows tiles
+
+KAR = sa.TileConfig(BH=16, BN=16, CW=32, num_warps=4, num_stages=1, keys_as_rows=True)
+
+
+@pytest.fixture
+def nan_outputs(monkeypatch):
+    """Every float tensor the backward allocates with empty / empty_like starts as NaN."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(x):
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch, "empty", lambda *s, **k: poison(empty(*s, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *s, **k: poison(empty_like(*s, **k)))
+
+
+def _bwd_against_reference(a, dout, cfg, tol):
+    ref = reference(a.q, a.kv, a.indices, a.topk_length, a.sink, a.sm_scale, a.d_v, dout)
+    out, lse = sa.forward(a)
+    dq, dkv, dsink = sa.backward(a, out, lse, dout, cfg)
+    assert dq.dtype == a.q.dtype and dkv.dtype == a.kv.dtype
+    for name, x in dict(dq=dq, dkv=dkv).items():
+        close(x, ref[name], tol, name)
+    if a.sink is not None:
+        close(dsink, ref["dsink"], tol, "dsink")
+    return dict(dq=dq, dkv=dkv, dsink=dsink), ref
+
+
+@pytest.mark.parametrize("dtype,deterministic,cfg", [
+    (torch.float32, False, KAR),
+    (torch.float16, False, KAR),
+    (torch.float32, True, KAR),
+    (torch.float32, False, sa.TileConfig(BH=32, BN=32, CW=16, num_warps=4, num_stages=1, keys_as_rows=True)),
+])
+def test_keys_as_rows_backward(nan_outputs, dtype, deterministic, cfg):
+    """GQA, K past the last block, three column chunks with V ending mid-chunk,
+    topk_length 0 / negative / past K, -1 and out-of-range indices, NaN and
+    Inf in every kv row no valid slot reads, sinks of +-inf and one whose exp
+    overflows, and outputs NaN before the call."""
+    T, H, G, N, K, D, d_v = 5, 6, 2, 24, 37, 80, 48
+    q, kv, idx, _, _, dout = make_inputs(T, H, G, N, K, D, d_v, dtype, seed=5)
+    L = torch.tensor([37, 0, -4, 50, 9], dtype=torch.int32, device=DEV)
+    idx = idx % 12 + 2  # rows 0, 1 and 14.. are read by no valid slot
+    idx[:, :, ::4] = -1
+    idx[:, 1, 1::6] = N
+    idx[:, 0, 2::9] = torch.tensor(2 ** 31 - 1, dtype=torch.int32)
+    idx[4, :, 9:] = 0  # past topk_length: row 0 is poisoned
+    kv[:2] = float("nan")
+    kv[14:] = float("inf")
+    sink = torch.tensor([math.inf, -math.inf, 0.3, 2.4e38, -0.7, 1.1], device=DEV)
+    a = args(q, kv, idx, L, sink, d_v=d_v, deterministic=deterministic)
+    got, _ = _bwd_against_reference(a, dout, cfg, TOL[dtype])
+    for name, x in got.items():
+        assert not torch.isnan(x).any(), name
+    assert torch.equal(got["dkv"][:2], torch.zeros_like(got["dkv"][:2]))
+    assert torch.equal(got["dkv"][14:], torch.zeros_like(got["dkv"][14:]))
+    # the rows with no valid slot (topk_length 0 and -4) give exactly 0
+    assert torch.equal(got["dq"][1:3], torch.zeros_like(got["dq"][1:3]))
+    if deterministic:
+        again = sa.backward(a, *sa.forward(a), dout, cfg)
+        for x, y in zip(got.values(), again):
+            assert torch.equal(x, y)
+
+
+def test_keys_as_rows_matches_heads_as_rows():
+    """The two tilings of the same problem (MQA, 16 heads, no topk_length)
+    agree to fp32 rounding, and the keys-as-rows tiles are picked first where
+    the table names them."""
+    T, H, G, N, K, D, d_v = 2, 16, 1, 40, 33, 48, 32
+    q, kv, idx, _, s, dout = make_inputs(T, H, G, N, K, D, d_v, torch.float32, sink=True, seed=7)
+    a = args(q, kv, idx, None, s, d_v=d_v)
+    out, lse = sa.forward(a)
+    old = sa.backward(a, out, lse, dout, sa.TileConfig(16, 16, 32, 4, 1))
+    new = sa.backward(a, out, lse, dout, KAR)
+    for x, y in zip(old, new):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    assert "keys_as_rows" not in repr(KAR)  # the fit tables' printed form is the heads-as-rows one
+
+
+def test_keys_as_rows_table_leads_the_candidates(monkeypatch):
+    """An entry of KEYS_AS_ROWS_BWD is the backward's first candidate at its
+    BH on a GPU (then its stage and block fallbacks, then the heads-as-rows
+    tiles); the forward and fp32 never take it."""
+    cfg = sa.TileConfig(16, 64, 64, 4, 2, keys_as_rows=True)
+    monkeypatch.setitem(sa.KEYS_AS_ROWS_BWD, 16, cfg)
+    meta = dict(device="meta")
+    a = SparseAttnArgs(torch.empty(4, 16, 576, dtype=torch.bfloat16, **meta),
+                       torch.empty(64, 1, 576, dtype=torch.bfloat16, **meta),
+                       torch.empty(4, 1, 2048, dtype=torch.int32, **meta), None, None, 0.1, 512)
+    got = list(sa._candidates(a, True))
+    assert got[0] == cfg and got[1].num_stages == 1 and got[1].keys_as_rows
+    assert [c.BN for c in got if c.keys_as_rows] == [64, 64, 32, 16]
+    assert not got[-1].keys_as_rows
+    assert not any(c.keys_as_rows for c in sa._candidates(a, False))
+    a32 = SparseAttnArgs(**{**a.__dict__, "q": torch.empty(4, 16, 576, **meta),
+                            "kv": torch.empty(64, 1, 576, **meta)})
+    assert not any(c.keys_as_rows for c in sa._candidates(a32, True))

@@ -13,8 +13,8 @@ module checks what they serve, picks tiles that fit the device
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 import triton
@@ -39,7 +39,8 @@ class TileConfig:
     BH: query heads per program (the gathered kv tile is shared by them);
     BN: slots per loop step; CW: widest column chunk; skew and prefetch:
     forward only, see sparse_attention_fwd; num_warps / num_stages as in
-    Triton."""
+    Triton; keys_as_rows: backward only, the slots as the MMAs' rows (see
+    sparse_attention_bwd; for 16 or 32 heads a program)."""
 
     BH: int
     BN: int
@@ -48,6 +49,9 @@ class TileConfig:
     num_stages: int
     skew: bool = False
     prefetch: bool = True  # forward only: indices one block ahead (see sparse_attention_fwd)
+    # Left out of the repr, so the picks' printed form stays what the fit
+    # tables record for the heads-as-rows tiles.
+    keys_as_rows: bool = field(default=False, repr=False)
 
 
 # ----------------------------------------------------------------------------
@@ -124,6 +128,16 @@ def _warps(BH: int, acc_cols: int) -> int:
 #          79 against 68 with 4 warps and BN=32.
 
 
+# Backward tiles with the slots as the MMAs' rows (keys_as_rows, see
+# sparse_attention_bwd), by heads a program; an entry makes them the first
+# candidates at that BH, ahead of the heads-as-rows tiles.  Offline for
+# sm_90a (ptxas, H=16 D=576): BH16 BN64 CW64 4 warps 2 stages 200960 B of
+# shared memory, 255 registers, 188 B of spills, every product a wgmma;
+# CW128: 217344 B, 348 B; BN128 CW64 8 warps 1 stage: 219136 B, 572 B.
+# Empty until an H200 run of bench/bwd_tp_shards.py decides.
+KEYS_AS_ROWS_BWD: Dict[int, TileConfig] = {}
+
+
 def _preferred(a: SparseAttnArgs, BH: int, bwd: bool) -> TileConfig:
     """The measured best tiles at BH heads per program (fp32: FMA dots, small tiles)."""
     if a.q.dtype == torch.float32:
@@ -141,6 +155,8 @@ def _candidates(a: SparseAttnArgs, bwd: bool) -> Iterator[TileConfig]:
         return
     top = 16 if a.q.dtype == torch.float32 else heads_per_program(a.H // a.G)
     for BH in fit.halvings(top, 16):
+        if bwd and BH in KEYS_AS_ROWS_BWD and a.q.dtype != torch.float32:
+            yield from fit.shrinking(KEYS_AS_ROWS_BWD[BH], (("num_stages", 1), ("BN", 16)))
         yield from fit.shrinking(_preferred(a, BH, bwd), (("num_stages", 1), ("BN", 16)))
 
 
@@ -151,7 +167,8 @@ def kernel_spec(a: SparseAttnArgs, c: TileConfig, bwd: bool, store_slots: bool =
     if bwd:
         types = dict(q_ptr=el, kv_ptr=el, idx_ptr="*i32", len_ptr="*i32", dout_ptr=el, lg2den_ptr="*fp32",
                      delta_ptr="*fp32", dq_ptr=el, dkv_ptr="*fp32", qk_scale="fp32", sm_scale="fp32")
-        return fit.KernelSpec(sparse_attn_bwd_kernel, types, dict(shape, STORE_SLOTS=store_slots),
+        return fit.KernelSpec(sparse_attn_bwd_kernel, types,
+                              dict(shape, STORE_SLOTS=store_slots, KEYS_AS_ROWS=c.keys_as_rows),
                               c.num_warps, c.num_stages)
     types = dict(q_ptr=el, kv_ptr=el, idx_ptr="*i32", len_ptr="*i32", sink_ptr="*fp32", out_ptr=el,
                  lse_ptr="*fp32", qk_scale="fp32")

@@ -20,6 +20,16 @@ Two kernels, and the deterministic mode's fixed-order sum:
   column chunk at a time as dkv^T [w, BN] = q^T ds + dO^T p (sm_scale folded
   into ds), which are either added with fp32 atomics into a [N, G, D] buffer
   (default) or stored per slot (deterministic mode).
+* ``KEYS_AS_ROWS`` (the TP-shard head counts, 16 or 32 heads a kv head): the
+  same math with every product transposed so that the slots, not the heads,
+  are the MMA's rows: S^T = K Q^T and dP^T = V dO^T [BN, BH], dq^T += K^T
+  ds^T [w, BH] and dkv = ds^T q + p^T dO [BN, w].  With BH = 16 heads as
+  rows an MMA has M = 16, below the 64 rows a Hopper warpgroup MMA (wgmma)
+  takes, so the heads-as-rows kernel runs on mma.sync; with the slots
+  (BN = 64 or 128) or a column chunk (w = 64..256) as rows every product is
+  a wgmma, the heads only its N (>= 16) or its K (= BH, a multiple of 16).
+  The dkv rows come out slot-major, so each atomic instruction adds
+  contiguous columns of a kv row.
 * deterministic mode: ``dsa.triton.segment_sum`` sums each kv row's
   per-slot contributions in the fixed order of a stable sort, token chunk
   after token chunk, so dkv is bitwise reproducible.
@@ -77,6 +87,67 @@ def bwd_preprocess_kernel(
 
 
 @triton.jit
+def _dkv_out(p_c, b_dkv, m, STORE_SLOTS: tl.constexpr):
+    """The slots' dkv contributions: per-slot rows (deterministic) or fp32 atomics."""
+    if STORE_SLOTS:
+        tl.store(p_c, b_dkv, mask=m)
+    else:
+        tl.atomic_add(p_c, b_dkv, mask=m, sem="relaxed")
+
+
+@triton.jit
+def head_rows_step(b_qs, b_dos, b_ks, b_dqs, b_lg2, b_delta, valid, p_out, qk_scale, sm_scale,
+                   OFFS: tl.constexpr, WS: tl.constexpr, NC: tl.constexpr, NV: tl.constexpr,
+                   STORE_SLOTS: tl.constexpr, PREC: tl.constexpr):
+    """One block of BN slots with the heads as the MMAs' rows (64 heads a program)."""
+    dtype = b_qs[0].dtype
+    b_s = scores(b_qs, b_ks, NC, PREC)  # [BH, BN]
+    b_dp = scores(b_dos, b_ks, NV, PREC)  # [BH, BN]
+    b_p = tl.where(valid[None, :], tl.exp2(b_s * qk_scale - b_lg2[:, None]), 0.0)
+    b_ds = tl.where(valid[None, :], b_p * (b_dp - b_delta[:, None]) * sm_scale, 0.0)
+    b_dsc = b_ds.to(dtype)
+    b_pc = b_p.to(dtype)
+    # The slots' dkv rows, transposed and one column chunk at a time:
+    # dkv^T = q^T ds (+ dO^T p), so q and dO are read from the same shared
+    # tiles as in S and dP (as transposed A operands) and M = w >= 64 suits
+    # wgmma; the [w, BN] fp32 tile lives only until its atomics.
+    for c in tl.static_range(NC):
+        b_dkvT = tl.dot(tl.trans(b_qs[c]), b_dsc, input_precision=PREC)  # [w, BN]
+        if c < NV:
+            b_dkvT = tl.dot(tl.trans(b_dos[c]), b_pc, b_dkvT, input_precision=PREC)
+        _dkv_out(p_out[None, :] + OFFS[c] + tl.arange(0, WS[c])[:, None], b_dkvT, valid[None, :], STORE_SLOTS)
+    new = ()
+    for c in tl.static_range(NC):
+        new = new + (tl.dot(b_dsc, b_ks[c], b_dqs[c], input_precision=PREC),)  # [BH, w]
+    return new
+
+
+@triton.jit
+def slot_rows_step(b_qs, b_dos, b_ks, b_dqs, b_lg2, b_delta, valid, p_out, qk_scale, sm_scale,
+                   OFFS: tl.constexpr, WS: tl.constexpr, NC: tl.constexpr, NV: tl.constexpr,
+                   STORE_SLOTS: tl.constexpr, PREC: tl.constexpr):
+    """The same block with the slots as the MMAs' rows (KEYS_AS_ROWS, 16 or
+    32 heads a program): every product has M = BN or w and the heads on N or K."""
+    dtype = b_qs[0].dtype
+    b_sT = scores(b_ks, b_qs, NC, PREC)  # [BN, BH] = K Q^T
+    b_dpT = scores(b_ks, b_dos, NV, PREC)  # [BN, BH] = V dO^T
+    b_pT = tl.where(valid[:, None], tl.exp2(b_sT * qk_scale - b_lg2[None, :]), 0.0)
+    b_dsT = tl.where(valid[:, None], b_pT * (b_dpT - b_delta[None, :]) * sm_scale, 0.0)
+    b_dsTc = b_dsT.to(dtype)
+    b_pTc = b_pT.to(dtype)
+    # dkv [BN, w] = ds^T q (+ p^T dO): K = BH; the A operands stay in registers.
+    for c in tl.static_range(NC):
+        b_dkv = tl.dot(b_dsTc, b_qs[c], input_precision=PREC)  # [BN, w]
+        if c < NV:
+            b_dkv = tl.dot(b_pTc, b_dos[c], b_dkv, input_precision=PREC)
+        _dkv_out(p_out[:, None] + OFFS[c] + tl.arange(0, WS[c])[None, :], b_dkv, valid[:, None], STORE_SLOTS)
+    new = ()
+    for c in tl.static_range(NC):
+        new = new + (tl.dot(tl.trans(b_ks[c]), b_dsTc, b_dqs[c], input_precision=PREC),)  # [w, BH]
+    return new
+
+
+@triton.jit
 def sparse_attn_bwd_kernel(
     q_ptr, kv_ptr, idx_ptr, len_ptr, dout_ptr, lg2den_ptr, delta_ptr, dq_ptr, dkv_ptr,
     t0, N, K, qk_scale, sm_scale,
@@ -84,6 +155,7 @@ def sparse_attn_bwd_kernel(
     OFFS: tl.constexpr, WS: tl.constexpr, NV: tl.constexpr,
     BH: tl.constexpr, BN: tl.constexpr,
     HAS_LEN: tl.constexpr, STORE_SLOTS: tl.constexpr, PREC: tl.constexpr,
+    KEYS_AS_ROWS: tl.constexpr = False,
 ):
     """STORE_SLOTS=False: dkv_ptr is the fp32 [N, G, D] accumulator (atomics).
     STORE_SLOTS=True: dkv_ptr is the fp32 [HB, Tc, G, K, D] per-slot buffer of
@@ -110,45 +182,33 @@ def sparse_attn_bwd_kernel(
     L = row_length(len_ptr, t, K, HAS_LEN)
     p_idx = idx_ptr + (t.to(tl.int64) * G + g) * K
     p_kv = kv_ptr + g * D
-    b_dqs = ()
+    b_dqs = ()  # dq [BH, w] per chunk, or dq^T [w, BH] with KEYS_AS_ROWS
     for c in tl.static_range(NC):
-        b_dqs = b_dqs + (tl.zeros(b_qs[c].shape, tl.float32),)
+        if KEYS_AS_ROWS:
+            b_dqs = b_dqs + (tl.zeros(tl.trans(b_qs[c]).shape, tl.float32),)
+        else:
+            b_dqs = b_dqs + (tl.zeros(b_qs[c].shape, tl.float32),)
 
     for start in range(0, L, BN):
         idx, valid = slot_block(p_idx, start, L, N, BN)
         b_ks = load_chunks(p_kv + idx * (G * D), valid, OFFS, WS, 0, NC)  # [BN, w] each
-        b_s = scores(b_qs, b_ks, NC, PREC)  # [BH, BN]
-        b_dp = scores(b_dos, b_ks, NV, PREC)  # [BH, BN]
-        b_p = tl.where(valid[None, :], tl.exp2(b_s * qk_scale - b_lg2[:, None]), 0.0)
-        b_ds = tl.where(valid[None, :], b_p * (b_dp - b_delta[:, None]) * sm_scale, 0.0)
-        b_dsc = b_ds.to(dtype)
-        b_pc = b_p.to(dtype)
-
         if STORE_SLOTS:
             # [HB, Tc, G, K, D] buffer: slot (hb, t - t0, g, start + n).
             p_out = dkv_ptr + (((hb * tl.num_programs(0) + pid).to(tl.int64) * K
                                 + start + tl.arange(0, BN)) * D)
         else:
             p_out = dkv_ptr + idx * (G * D) + g * D
-        # The slots' dkv rows, transposed and one column chunk at a time:
-        # dkv^T = q^T ds (+ dO^T p), so q and dO are read from the same shared
-        # tiles as in S and dP (as transposed A operands) and M = w >= 64 suits
-        # wgmma; the [w, BN] fp32 tile lives only until its atomics.
-        for c in tl.static_range(NC):
-            b_dkvT = tl.dot(tl.trans(b_qs[c]), b_dsc, input_precision=PREC)  # [w, BN]
-            if c < NV:
-                b_dkvT = tl.dot(tl.trans(b_dos[c]), b_pc, b_dkvT, input_precision=PREC)
-            p_c = p_out[None, :] + OFFS[c] + tl.arange(0, WS[c])[:, None]
-            if STORE_SLOTS:
-                tl.store(p_c, b_dkvT, mask=valid[None, :])
-            else:
-                tl.atomic_add(p_c, b_dkvT, mask=valid[None, :], sem="relaxed")
-        new = ()
-        for c in tl.static_range(NC):
-            new = new + (tl.dot(b_dsc, b_ks[c], b_dqs[c], input_precision=PREC),)  # [BH, w]
-        b_dqs = new
+        if KEYS_AS_ROWS:
+            b_dqs = slot_rows_step(b_qs, b_dos, b_ks, b_dqs, b_lg2, b_delta, valid, p_out, qk_scale, sm_scale,
+                                   OFFS, WS, NC, NV, STORE_SLOTS, PREC)
+        else:
+            b_dqs = head_rows_step(b_qs, b_dos, b_ks, b_dqs, b_lg2, b_delta, valid, p_out, qk_scale, sm_scale,
+                                   OFFS, WS, NC, NV, STORE_SLOTS, PREC)
 
     b_dq = ()
     for c in tl.static_range(NC):
-        b_dq = b_dq + (b_dqs[c].to(dtype),)
+        if KEYS_AS_ROWS:
+            b_dq = b_dq + (tl.trans(b_dqs[c]).to(dtype),)
+        else:
+            b_dq = b_dq + (b_dqs[c].to(dtype),)
     store_chunks(dq_ptr + o_th * D, m_h, b_dq, OFFS, WS, 0, NC)

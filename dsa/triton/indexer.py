@@ -22,11 +22,17 @@ dimension the head sum stays inside a thread and its quad (no shared memory),
 and each key tile byte loaded serves 2*BQ*HP flops.
 
 ``indexer_topk`` runs the same kernel on query chunks whose score rows fit
-a scratch buffer of about Tq*topk/4 floats (at least 2**25, i.e. 128 MiB),
-and the top-k kernel on each chunk. The scores of a row do not depend on the
-chunking (same kernel, same tile config, same accumulation order), so the
-result equals ``topk(scores(a))`` bit for bit, ties included, while memory
-stays O(Tq*topk) whatever S_k is.
+scratch buffers of about max(Tq*topk/4, TOPK_CHUNK_FLOATS) floats, and the
+top-k kernel on each chunk. Chunk c goes to buffer and stream c % TOPK_BUFFERS
+(streams forked from the caller's and joined back), so a chunk's top-k
+(memory-bound) and the last wave of its scores (compute-bound) run beside
+the next chunk's scores instead of leaving the SMs idle. The top-k reads
+each row only up to its causal window's end (``row_ends``), so the scores
+kernel writes no -inf past the windows: about half the score bytes of a
+causal problem are neither written nor read. The scores of a row do not
+depend on the chunking (same kernel, same tile config, same accumulation
+order), so the result equals ``topk(scores(a))`` bit for bit, ties
+included, while memory stays O(Tq*topk) whatever S_k is.
 """
 
 from __future__ import annotations

@@ -39,11 +39,21 @@ stores keep the load's layout (``dsa.triton.ptx``).
   most 4096 scores in runs of 8; r puts count(key >= lo) below k only 5
   binomial spreads out), then one read of the row appends every score with
   key >= lo, and its position, to the row's list. The list holds every key
-  >= the k-th largest in position order: the select kernel runs the
-  resident search and emit on it (longer lists: a second select at the
-  capacity). Rows the bound missed run the streaming select in the fallback
-  kernel, so the result never depends on the sample. H200, fp32 randn, k
-  2048: 8192x32768 0.73 ms, 65536^2 causal 8.3 ms (streaming: 5.1, 82 ms).
+  >= the k-th largest in position order: the resident search and emit on it
+  give the row's result. The build does that itself for lists of at most
+  the select block (``inline_select``: the list is read back from L2 and the
+  search overlaps other programs' row reads on the SM; the select kernel
+  takes only longer lists); it takes a batch's rows last first (causal rows
+  grow with the index: the long ones start first) and on sm_90+ asks L2 for
+  the chunks ``prefetch`` ahead of its loads (bytes in flight that hold no
+  registers). Rows the bound missed run the streaming select in the
+  fallback kernel, so the result never depends on the sample. H200, fp32
+  randn, k 2048, before the inline select and the prefetch: 8192x32768
+  0.73 ms, 65536^2 causal 8.3 ms (streaming: 5.1, 82 ms).
+* Row ends (``launch(..., ends=)``, the fused indexer's causal windows):
+  row r is read only up to ends[r], the rest counting as -inf; the list
+  build then spreads its sample over [0, ends[r]) and sets the rank for that
+  length (rows up to the select block are taken whole).
 * Streaming kernel (other long rows, and the fallback): chunks of the row,
   ``thr`` from a 4-pass radix select (8-bit digits, 256-bin histograms),
   then an emit pass over the chunks in order with running counters.

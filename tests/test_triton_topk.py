@@ -523,3 +523,50 @@ def test_indexer_topk_chunks(buffers, row_ends, ratio, causal, monkeypatch):
         idx, lens = ix.indexer_topk(a, k)
         ref_idx, ref_len = topk_contract(ref, k)
         assert torch.equal(lens, ref_len) and torch.equal(idx, ref_idx), k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S,k", [(65536, 2048), (32768, 1024)])
+def test_gpu_list_path_row_ends(S, k):
+    """The list path with row ends on the GPU (inline select or not, L2
+    prefetch or not): rows of every length up to S, garbage past each end."""
+    import dataclasses
+
+    R = 256
+    gen = torch.Generator(device="cuda").manual_seed(S - k)
+    x = torch.randn(R, S, device="cuda", generator=gen)
+    plan = tk._list_plan(S, k)
+    ends = torch.randint(0, S + 1, (R,), device="cuda", generator=gen, dtype=torch.int32)
+    special = [0, 1, k - 1, k, k + 1, plan.block - 1, plan.block, plan.block + 1, plan.sample + 3, S - 1, S, S + 9]
+    ends[: len(special)] = torch.tensor(special, dtype=torch.int32)
+    x[R - 1] = torch.randint(-3, 3, (S,), device="cuda", generator=gen).float()  # ties
+    ref_idx, ref_len = topk_contract(_masked_past(x.cpu(), ends.cpu()).cuda(), k)
+    for p in (plan, dataclasses.replace(plan, inline_select=False, reverse=False, build_maxnreg=None),
+              dataclasses.replace(plan, prefetch=0)):
+        idx, lens = _run(x, k, plan=p, ends=ends)
+        assert torch.equal(lens, ref_len) and torch.equal(idx, ref_idx), p
+
+
+@pytest.mark.gpu
+def test_gpu_indexer_topk_long_rows(monkeypatch):
+    """The fused indexer_topk on the list path (20000 keys), in 7 chunks over
+    2 buffers and streams with row ends, equals the top-k of the full score
+    matrix, and the path without buffers or row ends."""
+    from dsa._args import IndexerArgs
+    from dsa.triton import indexer as ix
+
+    T, H, D = 20000, 16, 64
+    g = torch.Generator(device="cuda").manual_seed(3)
+    cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    a = IndexerArgs(q=torch.randn(T, H, D, device="cuda", generator=g).bfloat16(),
+                    k=torch.randn(T, D, device="cuda", generator=g).bfloat16(),
+                    weights=torch.randn(T, H, device="cuda", generator=g).bfloat16(), cu_seqlens_q=cu,
+                    cu_seqlens_k=cu, q_offsets=torch.zeros(1, dtype=torch.int64, device="cuda"), max_seqlen_k=T,
+                    ratio=1, causal=True, sm_scale=D**-0.5)
+    full = tk.topk(TopkArgs(ix.scores(a), 2048))
+    monkeypatch.setattr(ix, "chunk_rows", lambda Tq, S, k: 3000)
+    for buffers, ends in ((2, True), (1, False)):
+        monkeypatch.setattr(ix, "TOPK_BUFFERS", buffers)
+        monkeypatch.setattr(ix, "TOPK_ROW_ENDS", ends)
+        idx, lens = ix.indexer_topk(a, 2048)
+        assert torch.equal(idx, full[0]) and torch.equal(lens, full[1]), (buffers, ends)

@@ -153,6 +153,10 @@ def variants(cols: int, k: int) -> Dict[str, dict]:
     out: Dict[str, dict] = {}
     if cols <= tk.RESIDENT_MAX:
         out["dsa_resident"] = {"list_min": 1 << 40}
+    if cols == 4096:  # the resident kernel's shape, by occupancy (sm_90a: 4 warps at 128 registers, 4 an SM)
+        for w, nreg in ((8, 64), (2, 168)):  # 4 programs an SM of 8 warps; 6 of 2 warps (no spills either)
+            out[f"dsa_resident_w{w}_r{nreg}"] = {"config": tk.ResidentConfig(num_warps=w, search="interp",
+                                                                               maxnreg=nreg)}
     if list_plan(cols, k, True) is None:
         return out
     sep = list_plan(cols, k, False, reverse=False, prefetch=0)

@@ -8,7 +8,8 @@ process on the same inputs.
 Shapes (bench/tune_sparse_attention.SHAPES): TP16 = T 4096, N 8192, H 16 (one
 kv head), D 576, d_v 512, K 2048, sink on, bf16; TP32 the same with H 32.
 FLOPs: backward 2*T*H*K*(3*D + 2*d_v), forward 2*T*H*K*(D + d_v).  For each
-shape: the forward's default (timed, its out and lse feed every backward);
+shape: the forward's default (timed, its out and lse feed every backward) and
+its keys-as-rows variants (out and lse as rel L2 against the default);
 the backward's default pick and each keys-as-rows variant, timed with
 ``triton.testing.do_bench`` medians, with dq, dkv and dsink as rel L2 against
 the default pick; then the deterministic backward of the first keys-as-rows
@@ -26,13 +27,17 @@ import time
 
 import torch
 
-from bench.tune_sparse_attention import BWD_VARIANTS, SHAPES, bench, make, rel
+from bench.tune_sparse_attention import BWD_VARIANTS, FWD_VARIANTS, SHAPES, bench, make, rel
 from dsa._args import SparseAttnArgs
 from dsa.triton import sparse_attention as sa
 
 VARIANTS = {  # shape: BWD_VARIANTS names, the first also timed deterministic
     "TP16": ["kar-bh16-bn64-cw64-w4-s2", "kar-bh16-bn64-cw128-w4-s2", "kar-bh16-bn128-cw64-w8-s1"],
     "TP32": ["kar-bh32-bn64-cw128-w8-s1", "kar-bh32-bn64-cw64-w4-s1"],
+}
+FWD = {  # shape: FWD_VARIANTS names
+    "TP16": ["kar-bh16-bn64-cw128-w4-s2", "kar-bh16-bn128-cw64-w8-s1"],
+    "TP32": ["kar-bh32-bn64-cw128-w4-s2"],
 }
 
 
@@ -56,6 +61,16 @@ def main() -> int:
         f_fwd, f_bwd = 2 * slots * (D + d_v), 2 * slots * (3 * D + 2 * d_v)
         out, lse = sa.forward(a)
         report(shape, "fwd", f"default {sa.fwd_config(a)}", bench(lambda: sa.forward(a)), f_fwd)
+        for name in FWD[shape]:
+            cfg = FWD_VARIANTS[name]
+            try:
+                o, l = sa.forward(a, cfg)
+                fin = torch.isfinite(lse)
+                err = f"out {rel(o, out):.1e} lse {rel(l[fin], lse[fin]):.1e}"
+                del o, l
+                report(shape, "fwd", name, bench(lambda: sa.forward(a, cfg)), f_fwd, err)
+            except Exception as e:
+                print(shape, "fwd", name, "FAILED", type(e).__name__, str(e)[:300], flush=True)
         ref = sa.backward(a, out, lse, dout)
         report(shape, "bwd", f"default {sa.bwd_config(a)} kar={sa.bwd_config(a).keys_as_rows}",
                bench(lambda: sa.backward(a, out, lse, dout)), f_bwd)

@@ -36,6 +36,10 @@ FWD_VARIANTS = {
     "bh64-bn64-cw128-s1": C(64, 64, 128, 8, 1),
     "skew-bh64-bn32-cw128-s1": C(64, 32, 128, 8, 1, True),
     "no-prefetch": C(64, 64, 128, 8, 2, prefetch=False),
+    # slots as the MMAs' rows (see sparse_attention_fwd): the TP-shard head counts
+    "kar-bh16-bn64-cw128-w4-s2": C(16, 64, 128, 4, 2, keys_as_rows=True),
+    "kar-bh16-bn128-cw64-w8-s1": C(16, 128, 64, 8, 1, keys_as_rows=True),
+    "kar-bh32-bn64-cw128-w4-s2": C(32, 64, 128, 4, 2, keys_as_rows=True),
 }
 BWD_VARIANTS = {
     "bh64-bn32-cw128-s1": C(64, 32, 128, 8, 1),

@@ -586,7 +586,9 @@ def test_keys_as_rows_matches_heads_as_rows():
     T, H, G, N, K, D, d_v = 2, 16, 1, 40, 33, 48, 32
     q, kv, idx, _, s, dout = make_inputs(T, H, G, N, K, D, d_v, torch.float32, sink=True, seed=7)
     a = args(q, kv, idx, None, s, d_v=d_v)
-    out, lse = sa.forward(a)
+    out, lse = sa.forward(a, sa.TileConfig(16, 16, 32, 4, 1))
+    for x, y in zip((out, lse), sa.forward(a, KAR)):  # the online softmax across three blocks
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
     old = sa.backward(a, out, lse, dout, sa.TileConfig(16, 16, 32, 4, 1))
     new = sa.backward(a, out, lse, dout, KAR)
     for x, y in zip(old, new):
@@ -612,3 +614,24 @@ def test_keys_as_rows_table_leads_the_candidates(monkeypatch):
     a32 = SparseAttnArgs(**{**a.__dict__, "q": torch.empty(4, 16, 576, **meta),
                             "kv": torch.empty(64, 1, 576, **meta)})
     assert not any(c.keys_as_rows for c in sa._candidates(a32, True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_keys_as_rows_forward(nan_outputs, dtype):
+    """The forward with S^T = K Q^T and O^T += V^T P^T: GQA, topk_length 0 /
+    negative / past K, invalid indices, NaN in unread kv rows, sink extremes."""
+    T, H, G, N, K, D, d_v = 4, 6, 2, 20, 37, 80, 48
+    q, kv, idx, _, _, _ = make_inputs(T, H, G, N, K, D, d_v, dtype, seed=9)
+    L = torch.tensor([37, 0, -2, 60], dtype=torch.int32, device=DEV)
+    idx = idx % 10 + 1
+    idx[:, :, ::5] = -1
+    idx[:, 0, 3::7] = N
+    kv[0] = float("nan")
+    kv[11:] = float("inf")
+    sink = torch.tensor([math.inf, -math.inf, 0.3, 2.4e38, -0.7, 1.1], device=DEV)
+    a = args(q, kv, idx, L, sink, d_v=d_v)
+    ref = reference(q, kv, idx, L, sink, a.sm_scale, d_v)
+    out, lse = sa.forward(a, sa.TileConfig(16, 16, 32, 4, 1, keys_as_rows=True))
+    close(out, ref["out"], TOL[dtype], "out")
+    close(lse, ref["lse"], TOL[dtype], "lse")
+    assert not torch.isnan(out).any() and torch.all(lse[1:3] == math.inf)

@@ -39,8 +39,9 @@ class TileConfig:
     BH: query heads per program (the gathered kv tile is shared by them);
     BN: slots per loop step; CW: widest column chunk; skew and prefetch:
     forward only, see sparse_attention_fwd; num_warps / num_stages as in
-    Triton; keys_as_rows: backward only, the slots as the MMAs' rows (see
-    sparse_attention_bwd; for 16 or 32 heads a program)."""
+    Triton; keys_as_rows: the slots as the MMAs' rows (see
+    sparse_attention_bwd; for 16 or 32 heads a program; the forward's then
+    ignores skew and prefetch)."""
 
     BH: int
     BN: int
@@ -172,7 +173,7 @@ def kernel_spec(a: SparseAttnArgs, c: TileConfig, bwd: bool, store_slots: bool =
                               c.num_warps, c.num_stages)
     types = dict(q_ptr=el, kv_ptr=el, idx_ptr="*i32", len_ptr="*i32", sink_ptr="*fp32", out_ptr=el,
                  lse_ptr="*fp32", qk_scale="fp32")
-    flags = dict(SKEW=c.skew, PREFETCH=c.prefetch, HAS_SINK=a.sink is not None)
+    flags = dict(SKEW=c.skew, PREFETCH=c.prefetch, HAS_SINK=a.sink is not None, KEYS_AS_ROWS=c.keys_as_rows)
     return fit.KernelSpec(sparse_attn_fwd_kernel, types, dict(shape, **flags), c.num_warps, c.num_stages)
 
 

@@ -73,7 +73,7 @@ def sparse_attn_fwd_kernel(
     OFFS: tl.constexpr, WS: tl.constexpr, NV: tl.constexpr,
     BH: tl.constexpr, BN: tl.constexpr, SKEW: tl.constexpr,
     HAS_LEN: tl.constexpr, HAS_SINK: tl.constexpr, PREC: tl.constexpr,
-    PREFETCH: tl.constexpr = True,
+    PREFETCH: tl.constexpr = True, KEYS_AS_ROWS: tl.constexpr = False,
 ):
     HG: tl.constexpr = H // G
     NC: tl.constexpr = len(WS)
@@ -92,11 +92,29 @@ def sparse_attn_fwd_kernel(
 
     b_m = tl.full([BH], float("-inf"), tl.float32)
     b_l = tl.zeros([BH], tl.float32)
-    b_os = ()
+    b_os = ()  # O [BH, w] per V chunk, or O^T [w, BH] with KEYS_AS_ROWS
     for c in tl.static_range(NV):
-        b_os = b_os + (tl.zeros(b_qs[c].shape, tl.float32),)
+        if KEYS_AS_ROWS:
+            b_os = b_os + (tl.zeros(tl.trans(b_qs[c]).shape, tl.float32),)
+        else:
+            b_os = b_os + (tl.zeros(b_qs[c].shape, tl.float32),)
 
-    if SKEW:
+    if KEYS_AS_ROWS:
+        # The slots as the MMAs' rows (16 or 32 heads a program, see
+        # sparse_attention_bwd): S^T = K Q^T [BN, BH] and O^T += V^T P^T
+        # [w, BH], so M = BN or w and the heads are only N.
+        for start in range(0, L, BN):
+            idx, valid = slot_block(p_idx, start, L, N, BN)
+            b_ks = load_chunks(p_kv + idx * (G * D), valid, OFFS, WS, 0, NC)
+            b_sT = scores(b_ks, b_qs, NC, PREC)  # [BN, BH]
+            b_sT = tl.where(valid[:, None], b_sT * qk_scale, float("-inf"))
+            b_m, b_l, b_pT, b_alpha = online_softmax_step(b_sT, b_m, b_l, 0)
+            b_pTc = b_pT.to(b_ks[0].dtype)
+            new = ()
+            for c in tl.static_range(NV):
+                new = new + (tl.dot(tl.trans(b_ks[c]), b_pTc, b_os[c] * b_alpha[None, :], input_precision=PREC),)
+            b_os = new
+    elif SKEW:
         idx, valid = slot_block(p_idx, 0, L, N, BN)
         b_ks = load_chunks(p_kv + idx * (G * D), valid, OFFS, WS, 0, NC)
         b_s = scores(b_qs, b_ks, NC, PREC)
@@ -137,7 +155,10 @@ def sparse_attn_fwd_kernel(
     p_out = out_ptr + (t.to(tl.int64) * H + head) * D_V
     b_outs = ()
     for c in tl.static_range(NV):
-        b_outs = b_outs + ((b_os[c] * b_inv[:, None]).to(out_ptr.dtype.element_ty),)
+        if KEYS_AS_ROWS:
+            b_outs = b_outs + (tl.trans(b_os[c] * b_inv[None, :]).to(out_ptr.dtype.element_ty),)
+        else:
+            b_outs = b_outs + ((b_os[c] * b_inv[:, None]).to(out_ptr.dtype.element_ty),)
     store_chunks(p_out, m_h, b_outs, OFFS, WS, 0, NV)
     b_lse = tl.where(b_l == 0.0, float("inf"), (b_m + tl.log2(b_l)) * LN2)
     tl.store(lse_ptr + t.to(tl.int64) * H + head, b_lse, mask=m_h)

@@ -320,19 +320,15 @@ def main(argv: List[str]) -> None:
         except Exception as e:
             print(f"kl bwd {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
     indexer_bwd.BWD_CONFIG = b0
-    d0 = indexer_bwd.DETERMINISTIC_DK
-    for det, dk_path in ((False, d0), *((True, m) for m in indexer_bwd.DETERMINISTIC_DK_CHOICES)):
-        indexer_bwd.DETERMINISTIC_DK = dk_path
+    for det in (False, True):
         step = kl_call(s, "triton", det)
         ms = _time(step)
         peak = _peak(step, dev)
-        _report(f"indexer_kl_loss fwd+bwd deterministic={det}{f' ({dk_path})' if det else ''}", ms, shape.kl_flops,
+        _report(f"indexer_kl_loss fwd+bwd deterministic={det}", ms, shape.kl_flops,
                 f"peak extra {peak / 2**20:.0f} MiB = {peak / inb:.2f}x inputs ({inb / 2**20:.0f} MiB)")
         if det:
             a, b = step(), step()
-            print(f"deterministic ({dk_path}) bitwise repeat:", all(torch.equal(x, y) for x, y in zip(a, b)),
-                  flush=True)
-    indexer_bwd.DETERMINISTIC_DK = d0
+            print("deterministic bitwise repeat:", all(torch.equal(x, y) for x, y in zip(a, b)), flush=True)
 
 
 if __name__ == "__main__":

@@ -10,17 +10,16 @@ Timed (triton.testing.do_bench, warmup 25 ms, rep 100 ms, median, ms):
 * ``sparse_indexer_scores`` against ``sparse_indexer_score_recompute_wrapper``
   (which also takes the softmax);
 * the KL step (loss forward + backward to q_i, k_i, weights): dsa by default,
-  dsa ``deterministic=True`` with each dk path of dsa/triton/indexer_bwd.py
-  (``slots``: a recompute pass of per-slot rows gathered by key; ``fused``:
-  rows stored grouped by key by the main pass, in fp32 and with
-  ``FUSED_ROWS_BF16``), and cuDNN's (softmax recompute +
-  ``indexer_backward_wrapper``; its bf16 weights cast outside the timing);
-* the deterministic path's floor, piece by piece: the dk rows' fp32 atomics
+  dsa ``deterministic=True`` (dsa/triton/indexer_bwd.py: fp32 dk rows
+  stored grouped by key by the main pass, summed per key in order), and
+  cuDNN's (softmax recompute + ``indexer_backward_wrapper``; its bf16
+  weights cast outside the timing);
+* the deterministic step's floor, piece by piece: the dk rows' fp32 atomics
   alone (the default's scatter), the one sort a step (grouped_positions),
-  the rows stored to the workspace and summed back (fp32, bf16);
+  the fp32 rows stored to the workspace and summed back;
 * with ``--sweep``, the default backward's other tiles.
 
-Checked: every deterministic path bitwise equal over ``--runs`` runs, and
+Checked: the deterministic step bitwise equal over ``--runs`` runs, and
 the gradients of every KL step against float64 (relative L2; for cuDNN also
 the least-squares scale between its gradient and float64's). cuDNN rows are
 skipped with the reason when ``import cudnn`` fails. Writes DIR/training_peers.json.
@@ -106,29 +105,11 @@ def guarded(table: Table, op: str, method: str, fn: Callable[[], object], **extr
     return ms
 
 
-def det_path(mode: str, rows_bf16: bool = False):
-    """A context that sets indexer_bwd.DETERMINISTIC_DK and FUSED_ROWS_BF16."""
-    import contextlib
-
-    from dsa.triton import indexer_bwd
-
-    @contextlib.contextmanager
-    def cm():
-        old = indexer_bwd.DETERMINISTIC_DK, indexer_bwd.FUSED_ROWS_BF16
-        indexer_bwd.DETERMINISTIC_DK, indexer_bwd.FUSED_ROWS_BF16 = mode, rows_bf16
-        try:
-            yield
-        finally:
-            indexer_bwd.DETERMINISTIC_DK, indexer_bwd.FUSED_ROWS_BF16 = old
-
-    return cm()
-
-
 def run_floor(table: Table, s, shape) -> None:
     """The pieces of a deterministic dk at the step's sizes: T * K rows of
     D_i fp32 scattered by fp32 atomics into N keys (the default's dk), the
     sort, and the rows stored at their grouped positions and summed back,
-    chunk by chunk as the fused path does (no MMAs: the traffic alone)."""
+    chunk by chunk as the deterministic backward does (no MMAs: the traffic alone)."""
     import triton
     import triton.language as tl
 
@@ -153,21 +134,19 @@ def run_floor(table: Table, s, shape) -> None:
     idx32 = keys.to(torch.int32)
     guarded(table, "dk floor", "fp32 atomics of the rows", lambda: rows[(triton.cdiv(R, 64),)](
         dk, idx32, R, D=D, BK=64, ATOMIC=True, num_warps=4), gb=round(R * D * 4 / 1e9, 2))
-    for dt in (torch.float32, torch.bfloat16):
-        per = ss.chunk_rows(T, K * D * dt.itemsize) * K
-        guarded(table, "dk floor", f"sort (grouped_positions, chunks of {per} rows)",
-                lambda: ss.grouped_positions(keys, per, N))
-        pos, start = ss.grouped_positions(keys, per, N)
-        ws = torch.empty(per, D, device="cuda", dtype=dt)
+    per = ss.chunk_rows(T, K * D * 4) * K
+    guarded(table, "dk floor", f"sort (grouped_positions, chunks of {per} rows)",
+            lambda: ss.grouped_positions(keys, per, N))
+    pos, start = ss.grouped_positions(keys, per, N)
+    ws = torch.empty(per, D, device="cuda", dtype=torch.float32)
 
-        def store_sum():
-            for c, r0 in enumerate(range(0, R, per)):
-                n = min(per, R - r0)
-                rows[(triton.cdiv(n, 64),)](ws, pos[r0:r0 + n], n, D=D, BK=64, ATOMIC=False, num_warps=4)
-                ss.grouped_segment_sum(ws, start[c], dk, block_d=D)
+    def store_sum():
+        for c, r0 in enumerate(range(0, R, per)):
+            n = min(per, R - r0)
+            rows[(triton.cdiv(n, 64),)](ws, pos[r0:r0 + n], n, D=D, BK=64, ATOMIC=False, num_warps=4)
+            ss.grouped_segment_sum(ws, start[c], dk, block_d=D)
 
-        guarded(table, "dk floor", f"store + grouped sum, {str(dt).replace('torch.', '')} rows", store_sum,
-                gb=round(2 * R * D * dt.itemsize / 1e9, 2))
+    guarded(table, "dk floor", "store + grouped sum, fp32 rows", store_sum, gb=round(2 * R * D * 4 / 1e9, 2))
 
 
 def run_kl(table: Table, s, shape, args, ref) -> None:
@@ -182,17 +161,13 @@ def run_kl(table: Table, s, shape, args, ref) -> None:
     loss = dsa.indexer_kl_loss(*leaves, s["indices"], s["target"], sm_scale=sm, backend="triton")
     guarded(table, "KL backward alone", "dsa default", lambda: torch.autograd.grad(loss, leaves, retain_graph=True))
     del loss
-    for mode, bf16 in (("slots", False), ("fused", False), ("fused", True)):
-        name = f"dsa deterministic={mode}{' bf16 rows' if bf16 else ''}"
-        with det_path(mode, bf16):
-            det = kl_call(s, "triton", True)
-            ms = guarded(table, "KL step", name, det)
-            if ms is None:
-                continue
-            first = det()
-            same = all(all(torch.equal(a, b) for a, b in zip(first, det())) for _ in range(args.runs - 1))
-            table.add("KL step", f"{name} bitwise", None, runs=args.runs, equal=same)
-            results[name] = first
+    name = "dsa deterministic"
+    det = kl_call(s, "triton", True)
+    if guarded(table, "KL step", name, det) is not None:
+        first = det()
+        same = all(all(torch.equal(a, b) for a, b in zip(first, det())) for _ in range(args.runs - 1))
+        table.add("KL step", f"{name} bitwise", None, runs=args.runs, equal=same)
+        results[name] = first
     why = cudnn_peer.unavailable()
     if why is None:
         # cuDNN takes bf16 weights (and the recompute sm_scale-scaled ones): cast once, outside the timing

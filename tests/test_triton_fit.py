@@ -116,9 +116,9 @@ def _rows(caps):
             cfg, why = indexer_bwd.pick(ia.q, ia.weights.dtype, K, tgt)
             modes = [indexer_bwd.MODE_DENSE] if K == 64 else [indexer_bwd.MODE_SPARSE, indexer_bwd.MODE_KL]
             specs = [indexer_bwd.bwd_spec(torch.bfloat16, torch.float32, Hi, Di, cfg, mode=m) for m in modes]
-            if K != 64:
+            if K != 64:  # deterministic=True: dk rows stored at their grouped positions
                 specs.append(indexer_bwd.bwd_spec(torch.bfloat16, torch.float32, Hi, Di, cfg,
-                                                  dk_mode=indexer_bwd.DK_SLOTS, split=True))
+                                                  dk_mode=indexer_bwd.DK_GROUPED))
             add(what, f"H64/D128 K{K}", cfg, why, specs if cfg else [])
         cfg, why = training.pick_indexer_fwd(sia, tgt)
         add("sparse_indexer_fwd / KL fwd", "H64/D128 K2048", cfg, why,

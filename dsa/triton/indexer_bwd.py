@@ -23,34 +23,30 @@ dk accumulation. By default the [BK, D_i] tiles go to an fp32 buffer with
 relaxed (vectorised) atomics: T*K*D_i adds (4.3 GB at the V3.2 step, T 4096,
 K 2048, D_i 128) whose order the hardware picks, so dk differs in its last
 bits from run to run. The buffer is 4 MB, so the adds resolve in L2: 1.11 ms
-for the scatter alone on the H200, of a 2.59 ms KL step (forward 0.46).
+for the scatter alone on the H200, of a 2.61 ms KL step (backward alone
+2.16; cuDNN's recompute + indexer_backward 2.31).
 
-``deterministic=True`` writes every valid slot's fp32 dk row to a workspace
-and sums each key's rows in a fixed order (dsa/triton/segment_sum.py), chunk
-of query rows by chunk (segment_sum.WORKSPACE_BYTES, 1 GiB: 1024 rows at
-V3.2), the chunks in order. Two paths (``DETERMINISTIC_DK``), both bitwise
-reproducible:
+``deterministic=True`` has the main pass store each valid slot's fp32 dk
+tile to a workspace instead (no recompute, no second pass over q and k), at
+the slot's position in its key's segment, and sums each key's rows in that
+fixed order (dsa/triton/segment_sum.py), chunk of query rows by chunk
+(segment_sum.WORKSPACE_BYTES, 1 GiB: 1024 rows at V3.2), the chunks in
+order: bitwise reproducible. One sort of all T*K keys a step (int32, by
+chunk then key, stable: ``grouped_positions``) gives every slot its
+position, so each sum streams contiguous rows (no gather).
 
-* "slots" (the default, measured): one pass computes dq and dweights only;
-  then per chunk one program per (row, slot block) recomputes its dots and
-  writes each slot's row at (row, slot), the chunk's keys are sorted
-  (torch.sort, int64) and segment_sum gathers each key's rows in that order.
-  A 6.78 ms KL step at V3.2, 2.6x the default.
-* "fused": the main pass itself stores each slot's dk tile (no recompute, no
-  second pass over q and k), at the row's position in its key's segment: one
-  sort of all T*K keys a step (int32, by chunk then key, stable) gives every
-  slot its position, so the sum streams contiguous rows (no gather). With
-  ``FUSED_ROWS_BF16`` (16-bit q) the rows are stored in bf16: half the
-  traffic below, one more bf16 rounding of each row (the sums stay fp32).
-
-Either way the rows cross HBM twice (4.3 GB written, 4.3 GB read back: the
-workspace is far larger than L2), against the default's L2-resident adds:
-at ~4 TB/s that is ~2.2 ms, so a deterministic step costs at least about
-default - 1.1 (the atomics) + 2.2 + the sort, ~3.9 ms at V3.2 with fp32 rows
-(~2.8 ms with bf16 rows).
-(int64 fixed-point atomics, the one-pass alternative, measured 7.37 ms: the
+Cost at V3.2 on the H200 (bench/RESULTS.md, run C58): a 5.73 ms KL step,
+2.2x the default. The rows cross HBM twice (4.3 GB written, 4.3 GB read
+back: the workspace is far larger than L2), against the default's
+L2-resident adds; the floor, piece by piece, is the default - 1.11 (the
+atomics) + 1.01 (the sort) + 2.58 (rows stored and summed back, 3.3 TB/s),
+~5.09 ms, and the step is 0.64 ms above it. Measured and dropped in the same run: a recompute pass writing
+rows at (row, slot), gathered by key after an int64 sort of each chunk
+(6.77 ms), and bf16 rows (6.40 ms: store + sum 3.06 ms against fp32's
+2.58, for half the bytes; dk 1.96e-3 from float64 against 1.81e-3). Earlier,
+int64 fixed-point atomics (the one-pass alternative) measured 7.37 ms: the
 integer adds are scalar, and 4.3 GB of them alone took 4.69 ms against 1.11
-for fp32 ones.)
+for fp32 ones.
 """
 
 from __future__ import annotations
@@ -66,24 +62,13 @@ from dsa._args import IndexerArgs, SparseIndexerArgs
 from dsa._rules import dense_rows, slot_validity
 from dsa.triton import fit
 from dsa.triton.rules import input_precision, row_length, slot_rows
-from dsa.triton.segment_sum import chunk_rows, grouped_positions, grouped_segment_sum, segment_sum
+from dsa.triton.segment_sum import chunk_rows, grouped_positions, grouped_segment_sum
 from dsa.triton.training import _pow2, indexer_reason
 
 # the source of the logits' gradient (the kernel's MODE)
 MODE_SPARSE, MODE_KL, MODE_DENSE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-# where dk goes (DK_MODE): fp32 atomics, per-slot workspace rows at (row, slot), nowhere,
-# per-slot workspace rows at their grouped positions
-DK_ATOMIC, DK_SLOTS, DK_NONE, DK_GROUPED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
-
-# How ``deterministic=True`` makes dk (see the module header): "slots" (a
-# recompute pass writes per-slot rows, gathered by key) or "fused" (the main
-# pass writes them grouped by key).
-DETERMINISTIC_DK = "slots"
-DETERMINISTIC_DK_CHOICES = ("slots", "fused")
-# "fused" only: store the per-slot rows in bf16 when q is 16-bit (half the
-# workspace traffic; each row rounded once, as the final dk is; the sums stay
-# fp32). Off until measured.
-FUSED_ROWS_BF16 = False
+# where dk goes (DK_MODE): fp32 atomics, or per-slot workspace rows at their grouped positions
+DK_ATOMIC, DK_GROUPED = tl.constexpr(0), tl.constexpr(1)
 
 
 @triton.jit
@@ -109,7 +94,7 @@ def _slot_grads(b_s, b_ws, valid, GIN, t, o_k, stride_g, lse, tsum, MODE: tl.con
 def _dk_block(b_ds, b_q, DK, SCALE, POS, t, rows, valid, o_k, o_d, m_d, K, D: tl.constexpr, MODE: tl.constexpr,
               DK_MODE: tl.constexpr, PREC: tl.constexpr, KEYS_AS_ROWS: tl.constexpr):
     """The block's dk rows ds^T q [BK, BD]: fp32 atomics into DK, or stores of
-    the per-slot workspace rows (at (program, slot), or at POS[t, slot])."""
+    the per-slot workspace rows at POS[t, slot]."""
     if KEYS_AS_ROWS:
         b_dk = tl.dot(b_ds.to(b_q.dtype), b_q, input_precision=PREC)  # [BK, BD]
     else:
@@ -117,12 +102,9 @@ def _dk_block(b_ds, b_q, DK, SCALE, POS, t, rows, valid, o_k, o_d, m_d, K, D: tl
     if MODE == MODE_KL:
         b_dk = b_dk * tl.load(SCALE)
     m_kd = valid[:, None] & m_d[None, :]
-    if DK_MODE == DK_SLOTS:
-        p_ws = DK + (tl.program_id(0).to(tl.int64) * K + o_k)[:, None] * D + o_d[None, :]
-        tl.store(p_ws, b_dk, mask=m_kd)
-    elif DK_MODE == DK_GROUPED:
+    if DK_MODE == DK_GROUPED:
         b_pos = tl.load(POS + t * K + o_k, mask=valid, other=0).to(tl.int64)
-        tl.store(DK + b_pos[:, None] * D + o_d[None, :], b_dk.to(DK.dtype.element_ty), mask=m_kd)
+        tl.store(DK + b_pos[:, None] * D + o_d[None, :], b_dk, mask=m_kd)
     else:
         tl.atomic_add(DK + rows[:, None] * D + o_d[None, :], b_dk, mask=m_kd, sem="relaxed")
 
@@ -140,14 +122,13 @@ def _indexer_bwd_kernel(
     SCALE,  # [] fp32: dloss / max(R, 1) (KL)
     POS,  # [T, K] int32: the slot's row in the chunk's workspace (DK_GROUPED)
     DQ,  # [T, H, D] q.dtype
-    DK,  # [N, D] fp32 accumulator (DK_ATOMIC), the chunk's per-slot workspace [C * K, D] (DK_SLOTS, DK_GROUPED)
+    DK,  # [N, D] fp32 accumulator (DK_ATOMIC), the chunk's per-slot fp32 workspace [C * K, D] (DK_GROUPED)
     DW,  # [T, H] weights.dtype
     sm_scale, N, K, stride_g, t_start,
     H: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
     HAS_LEN: tl.constexpr,
     MODE: tl.constexpr,  # MODE_SPARSE, MODE_KL or MODE_DENSE
-    DK_MODE: tl.constexpr,  # DK_ATOMIC, DK_SLOTS, DK_NONE or DK_GROUPED
-    SPLIT: tl.constexpr,  # one slot block per program (axis 1), dk only: no dq / dweights
+    DK_MODE: tl.constexpr,  # DK_ATOMIC or DK_GROUPED
     PREC: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr = False,  # s^T = K Q^T and dq^T = K^T ds^T: slots on the MMAs' rows
 ):
@@ -177,11 +158,7 @@ def _indexer_bwd_kernel(
     else:
         b_dq = tl.zeros([BH, BD], tl.float32)
     b_dw = tl.zeros([BH], tl.float32)
-    k_lo = 0
-    if SPLIT:
-        k_lo = tl.program_id(1) * BK
-        length = tl.minimum(length, k_lo + BK)
-    for k0 in range(k_lo, length, BK):
+    for k0 in range(0, length, BK):
         o_k, m_k, rows, valid = slot_rows(IDX, t, K, base, k0, length, N, BK, MODE == MODE_DENSE)
         b_k = tl.load(Kp + rows[:, None] * D + o_d[None, :], mask=valid[:, None] & m_d[None, :], other=0.0)
         if KEYS_AS_ROWS:
@@ -189,24 +166,20 @@ def _indexer_bwd_kernel(
         else:
             b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)  # [BH, BK]
         b_relu, b_g, b_ds = _slot_grads(b_s, b_ws, valid, GIN, t, o_k, stride_g, lse, tsum, MODE, HEAD_AX)
-        if not SPLIT:
-            b_dw += tl.sum(b_relu * b_g, SLOT_AX)
-            if KEYS_AS_ROWS:
-                b_dq = tl.dot(tl.trans(b_k), b_ds.to(b_k.dtype), b_dq, input_precision=PREC)  # [BD, BH]
-            else:
-                b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, b_dq, input_precision=PREC)  # [BH, BD]
-        if DK_MODE != DK_NONE:
-            _dk_block(b_ds, b_q, DK, SCALE, POS, t, rows, valid, o_k, o_d, m_d, K, D, MODE, DK_MODE, PREC,
-                      KEYS_AS_ROWS)
-    if not SPLIT:
-        if MODE == MODE_KL:
-            scale = tl.load(SCALE)
-            b_dq = b_dq * scale
-            b_dw = b_dw * scale
-        p_dq = DQ + t * (H * D) + tl.expand_dims(o_h * D, SLOT_AX) + tl.expand_dims(o_d, HEAD_AX)
-        m_dq = tl.expand_dims(m_h, SLOT_AX) & tl.expand_dims(m_d, HEAD_AX)
-        tl.store(p_dq, b_dq.to(DQ.dtype.element_ty), mask=m_dq)
-        tl.store(DW + t * H + o_h, (b_dw * sm_scale).to(DW.dtype.element_ty), mask=m_h)
+        b_dw += tl.sum(b_relu * b_g, SLOT_AX)
+        if KEYS_AS_ROWS:
+            b_dq = tl.dot(tl.trans(b_k), b_ds.to(b_k.dtype), b_dq, input_precision=PREC)  # [BD, BH]
+        else:
+            b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, b_dq, input_precision=PREC)  # [BH, BD]
+        _dk_block(b_ds, b_q, DK, SCALE, POS, t, rows, valid, o_k, o_d, m_d, K, D, MODE, DK_MODE, PREC, KEYS_AS_ROWS)
+    if MODE == MODE_KL:
+        scale = tl.load(SCALE)
+        b_dq = b_dq * scale
+        b_dw = b_dw * scale
+    p_dq = DQ + t * (H * D) + tl.expand_dims(o_h * D, SLOT_AX) + tl.expand_dims(o_d, HEAD_AX)
+    m_dq = tl.expand_dims(m_h, SLOT_AX) & tl.expand_dims(m_d, HEAD_AX)
+    tl.store(p_dq, b_dq.to(DQ.dtype.element_ty), mask=m_dq)
+    tl.store(DW + t * H + o_h, (b_dw * sm_scale).to(DW.dtype.element_ty), mask=m_h)
 
 
 # --------------------------------------------------------------------------
@@ -237,13 +210,13 @@ def bwd_config(K: int) -> IndexerBwdConfig:
 
 
 def bwd_spec(q_dtype, w_dtype, H: int, D: int, cfg: IndexerBwdConfig, *, mode=MODE_KL, dk_mode=DK_ATOMIC,
-             split: bool = False, has_len: bool = True, rows_dtype=torch.float32) -> fit.KernelSpec:
+             has_len: bool = True) -> fit.KernelSpec:
     el = fit.ptr(q_dtype)
     types = dict(Q=el, Kp=el, W=fit.ptr(w_dtype), IDX="*i32", LEN="*i32", BASE="*i32", GIN="*fp32", STATS="*fp32",
-                 SCALE="*fp32", POS="*i32", DQ=el, DK=fit.ptr(rows_dtype),
+                 SCALE="*fp32", POS="*i32", DQ=el, DK="*fp32",
                  DW=fit.ptr(w_dtype), sm_scale="fp32")
     const = dict(H=H, BH=_pow2(H), D=D, BD=_pow2(D), BK=cfg.BK, HAS_LEN=has_len, MODE=int(mode),
-                 DK_MODE=int(dk_mode), SPLIT=split, PREC=input_precision(q_dtype), KEYS_AS_ROWS=cfg.keys_as_rows)
+                 DK_MODE=int(dk_mode), PREC=input_precision(q_dtype), KEYS_AS_ROWS=cfg.keys_as_rows)
     return fit.KernelSpec(_indexer_bwd_kernel, types, const, cfg.num_warps, cfg.num_stages)
 
 
@@ -291,16 +264,15 @@ class _Problem:
     mode: int
 
 
-def _launch(p: _Problem, dq, dw, dk, t_start: int, rows: int, dk_mode: int, split: bool, pos=None) -> None:
+def _launch(p: _Problem, dq, dw, dk, t_start: int, rows: int, dk_mode: int, pos=None) -> None:
     T, H, D = p.q.shape
     cfg, why = pick(p.q, p.weights.dtype, p.K)
     if cfg is None:
         raise ValueError(why)
-    spec = bwd_spec(p.q.dtype, p.weights.dtype, H, D, cfg, mode=p.mode, dk_mode=dk_mode, split=split,
-                    has_len=p.length is not None, rows_dtype=dk.dtype)
+    spec = bwd_spec(p.q.dtype, p.weights.dtype, H, D, cfg, mode=p.mode, dk_mode=dk_mode,
+                    has_len=p.length is not None)
     dummy = p.indices
-    grid = (rows, triton.cdiv(p.K, cfg.BK)) if split else (rows,)
-    _indexer_bwd_kernel[grid](
+    _indexer_bwd_kernel[(rows,)](
         p.q, p.k, p.weights, p.indices,
         dummy if p.length is None else p.length,
         dummy if p.base is None else p.base,
@@ -313,41 +285,24 @@ def _launch(p: _Problem, dq, dw, dk, t_start: int, rows: int, dk_mode: int, spli
     )
 
 
-def _chunk_keys(p: _Problem, t0: int, t1: int) -> torch.Tensor:
-    """Key of every slot of rows [t0, t1), N for an invalid one (sorted last, never summed)."""
+def _slot_keys(p: _Problem) -> torch.Tensor:
+    """Key of every slot [T * K], N for an invalid one (sorted last, never summed)."""
     N = p.k.shape[0]
-    length = None if p.length is None else p.length[t0:t1]
-    valid, safe = slot_validity(p.indices[t0:t1], length, N)
+    valid, safe = slot_validity(p.indices, p.length, N)
     return torch.where(valid, safe, N).view(-1)
 
 
-def _slots_dk(p: _Problem, dq, dw, dk) -> None:
-    """DETERMINISTIC_DK "slots": dq and dweights in one pass, then per chunk a
-    recompute pass of per-slot rows, gathered by key."""
-    T, _, D = p.q.shape
-    _launch(p, dq, dw, dk, 0, T, DK_NONE, False)
-    # one program per (row, slot block), so that even a small chunk fills the GPU
-    rows = chunk_rows(T, p.K * D * 4)
-    ws = torch.empty(rows * p.K, D, device=p.q.device, dtype=torch.float32)
-    for t0 in range(0, T, rows):
-        t1 = min(T, t0 + rows)
-        _launch(p, dq, dw, ws, t0, t1 - t0, DK_SLOTS, True)
-        segment_sum(ws, _chunk_keys(p, t0, t1), dk, block_d=_pow2(D))
-
-
-def _fused_dk(p: _Problem, dq, dw, dk) -> None:
-    """DETERMINISTIC_DK "fused": per chunk, the main pass stores each slot's dk
-    row at its grouped position; contiguous sums per key."""
+def _deterministic_dk(p: _Problem, dq, dw, dk) -> None:
+    """``deterministic=True`` (see the module header): per chunk, the main pass
+    stores each slot's fp32 dk row at its grouped position; contiguous sums per key."""
     T, _, D = p.q.shape
     N = p.k.shape[0]
-    half = FUSED_ROWS_BF16 and p.q.element_size() == 2
-    rows_dtype = torch.bfloat16 if half else torch.float32
-    rows = chunk_rows(T, p.K * D * rows_dtype.itemsize)
-    pos, start = grouped_positions(_chunk_keys(p, 0, T), rows * p.K, N)
-    ws = torch.empty(rows * p.K, D, device=p.q.device, dtype=rows_dtype)
+    rows = chunk_rows(T, p.K * D * 4)
+    pos, start = grouped_positions(_slot_keys(p), rows * p.K, N)
+    ws = torch.empty(rows * p.K, D, device=p.q.device, dtype=torch.float32)
     for c, t0 in enumerate(range(0, T, rows)):
         t1 = min(T, t0 + rows)
-        _launch(p, dq, dw, ws, t0, t1 - t0, DK_GROUPED, False, pos=pos)
+        _launch(p, dq, dw, ws, t0, t1 - t0, DK_GROUPED, pos=pos)
         grouped_segment_sum(ws, start[c], dk, block_d=_pow2(D))
 
 
@@ -357,15 +312,10 @@ def _backward(p: _Problem, deterministic: bool) -> Tuple[torch.Tensor, torch.Ten
     dq = torch.empty_like(p.q)
     dw = torch.empty_like(p.weights)
     dk = torch.zeros(N, D, device=p.k.device, dtype=torch.float32)
-    if not deterministic:
-        _launch(p, dq, dw, dk, 0, T, DK_ATOMIC, False)
-    elif DETERMINISTIC_DK == "slots":
-        _slots_dk(p, dq, dw, dk)
-    elif DETERMINISTIC_DK == "fused":
-        _fused_dk(p, dq, dw, dk)
+    if deterministic:
+        _deterministic_dk(p, dq, dw, dk)
     else:
-        raise ValueError(f"indexer_bwd.DETERMINISTIC_DK: expected one of {DETERMINISTIC_DK_CHOICES}, "
-                         f"got {DETERMINISTIC_DK!r}")
+        _launch(p, dq, dw, dk, 0, T, DK_ATOMIC)
     return dq, dk.to(p.k.dtype), dw
 
 

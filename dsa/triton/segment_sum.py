@@ -16,7 +16,7 @@ contribution to a workspace row and sum them here:
 Every sum has a fixed order, so the result is bitwise reproducible.
 
 A backward that can write each contribution straight to its destination's
-segment skips the gather: :func:`grouped_positions` sorts the keys of every
+segment (the indexer's dk) skips the gather: :func:`grouped_positions` sorts the keys of every
 chunk of workspace rows once (one sort a step), giving each row its position
 within its chunk's workspace and each chunk's ``start``; the writer stores
 row i at ``pos[i]``, and :func:`grouped_segment_sum` sums contiguous rows
@@ -36,7 +36,7 @@ from dsa.triton import fit
 
 @triton.jit
 def segment_sum_kernel(
-    SRC,  # [PARTS * part_rows, D] fp32 workspace rows (bf16 also, summed in fp32)
+    SRC,  # [PARTS * part_rows, D] fp32 workspace rows
     ORDER,  # [M] int64: workspace rows sorted by destination (stable); unused without GATHER
     START,  # [n_dst + 1] int64: destination n owns ORDER[START[n]:START[n+1]] (SRC rows, without GATHER)
     DST,  # [n_dst, D] fp32, added to
@@ -64,7 +64,7 @@ def segment_sum_kernel(
             m = m_r[:, None] & m_d[None, :]
             for part in tl.static_range(PARTS):
                 p = SRC + (part * part_rows + ref)[:, None] * D + o_d[None, :]
-                b_x = tl.load(p, mask=m, other=0.0).to(tl.float32)
+                b_x = tl.load(p, mask=m, other=0.0)
                 b_acc += tl.sum(b_x, 0)  # a fixed tree: the same bits every run
         p_dst = DST + row * D + o_d
         tl.store(p_dst, tl.load(p_dst, mask=m_d, other=0.0) + b_acc, mask=m_d)
@@ -120,11 +120,11 @@ def grouped_positions(keys: torch.Tensor, chunk: int, n_dst: int) -> Tuple[torch
     return pos, start
 
 
-def spec(D: int, parts: int, block_d: int, gather: bool = True, src_dtype=torch.float32) -> fit.KernelSpec:
+def spec(D: int, parts: int, block_d: int, gather: bool = True) -> fit.KernelSpec:
     """16 rows of BD <= block_d columns a step: a few KB of shared memory at
     most, on every target."""
     BD = min(block_d, triton.next_power_of_2(D))
-    types = dict(SRC=fit.ptr(src_dtype), ORDER="*i64", START="*i64", DST="*fp32")
+    types = dict(SRC="*fp32", ORDER="*i64", START="*i64", DST="*fp32")
     return fit.KernelSpec(segment_sum_kernel, types, dict(D=D, PARTS=parts, BR=16, BD=BD, GATHER=gather),
                           2 if BD <= 64 else 4, 3)
 
@@ -144,9 +144,9 @@ def segment_sum(src: torch.Tensor, keys: torch.Tensor, dst: torch.Tensor, *, par
 
 def grouped_segment_sum(src: torch.Tensor, start: torch.Tensor, dst: torch.Tensor, *, block_d: int = 64) -> None:
     """dst[n] += src[start[n]:start[n + 1]].sum(0), rows in order (one chunk of
-    :func:`grouped_positions`). src [M, D] fp32 or bf16, start [n_dst + 1]
+    :func:`grouped_positions`). src [M, D] fp32, start [n_dst + 1]
     int64, dst [n_dst, D] fp32 contiguous."""
     n_dst, D = dst.shape
-    s = spec(D, 1, block_d, gather=False, src_dtype=src.dtype)
+    s = spec(D, 1, block_d, gather=False)
     segment_sum_kernel[(n_dst, triton.cdiv(D, s.constexprs["BD"]))](
         src, start, start, dst, src.shape[0], **s.launch_kwargs())

@@ -229,7 +229,7 @@ INDEXER_VARIANTS = {
     "dsa_fused_b3": dict(TOPK_BUFFERS=3),
     "dsa_fused_b2_chunk25": dict(TOPK_CHUNK_FLOATS=1 << 25),
     "dsa_fused_b2_chunk27": dict(TOPK_CHUNK_FLOATS=1 << 27),
-    "dsa_fused_sep": dict(LIST_INLINE_SELECT=False),
+    "dsa_fused_inline": dict(LIST_INLINE_SELECT=True),
 }
 
 

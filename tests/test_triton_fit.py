@@ -28,6 +28,7 @@ ATTENTION = {
     "V4-pro": (128, 512, 512, 1152, True),
     "V4-flash": (64, 512, 512, 640, True),
     "H16/D576": (16, 576, 512, 2048, False),
+    "H32/D576": (32, 576, 512, 2048, False),
 }
 # (H, cache format, D, d_v, block table) of the sparse decode shapes (K = 2048, pages of 64)
 DECODE = {
@@ -47,7 +48,8 @@ SM90_ATTENTION = {
     ("V3.2", "fwd"): (64, 64, 128, 8, 2), ("V3.2", "bwd"): (64, 32, 128, 8, 1),
     ("V4-pro", "fwd"): (64, 64, 128, 8, 2), ("V4-pro", "bwd"): (64, 64, 128, 8, 1),
     ("V4-flash", "fwd"): (64, 64, 128, 8, 2), ("V4-flash", "bwd"): (64, 64, 128, 8, 1),
-    ("H16/D576", "fwd"): (16, 64, 128, 4, 2), ("H16/D576", "bwd"): (16, 64, 128, 8, 1),
+    ("H16/D576", "fwd"): (16, 64, 128, 4, 2), ("H16/D576", "bwd"): (16, 64, 64, 4, 2, True),
+    ("H32/D576", "fwd"): (32, 64, 128, 4, 2, True), ("H32/D576", "bwd"): (32, 32, 128, 8, 1),
 }
 
 
@@ -175,9 +177,9 @@ def test_fitted_shared_memory_is_the_compilers(table):
 
 def test_sm90_picks_are_the_measured_defaults(table):
     got = {(r[2], r[1][-3:]): r[3] for r in table if r[0] == 90 and r[1].startswith("sparse_attn_")}
-    for (shape, kind), (BH, BN, CW, w, s) in SM90_ATTENTION.items():
+    for (shape, kind), (BH, BN, CW, w, s, *kar) in SM90_ATTENTION.items():
         assert got[(shape, kind)] == (f"TileConfig(BH={BH}, BN={BN}, CW={CW}, num_warps={w}, num_stages={s}, "
-                                      "skew=False, prefetch=True)"), (shape, kind)
+                                      f"skew=False, prefetch=True, keys_as_rows={bool(kar)})"), (shape, kind)
     other = {r[1]: r[3] for r in table if r[0] == 90 and not r[1].startswith("sparse_attn_")}
     assert "BN=64, NCOLS=128, num_warps=4, num_stages=2" in other["indexer_scores"]
     assert "BK=64, num_warps=4, num_stages=1, keys_as_rows=True" in other["sparse_indexer_bwd / KL bwd"]

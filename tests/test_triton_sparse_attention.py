@@ -593,13 +593,13 @@ def test_keys_as_rows_matches_heads_as_rows():
     new = sa.backward(a, out, lse, dout, KAR)
     for x, y in zip(old, new):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
-    assert "keys_as_rows" not in repr(KAR)  # the fit tables' printed form is the heads-as-rows one
+    assert "keys_as_rows=True" in repr(KAR)  # explain() and the fit tables name the tiling
 
 
 def test_keys_as_rows_table_leads_the_candidates(monkeypatch):
-    """An entry of KEYS_AS_ROWS_BWD is the backward's first candidate at its
-    BH on a GPU (then its stage and block fallbacks, then the heads-as-rows
-    tiles); the forward and fp32 never take it."""
+    """An entry of KEYS_AS_ROWS_BWD (KEYS_AS_ROWS_FWD) is the backward's
+    (forward's) first candidate at its BH on a GPU, then its stage and block
+    fallbacks, then the heads-as-rows tiles; fp32 never takes it."""
     cfg = sa.TileConfig(16, 64, 64, 4, 2, keys_as_rows=True)
     monkeypatch.setitem(sa.KEYS_AS_ROWS_BWD, 16, cfg)
     meta = dict(device="meta")
@@ -614,6 +614,11 @@ def test_keys_as_rows_table_leads_the_candidates(monkeypatch):
     a32 = SparseAttnArgs(**{**a.__dict__, "q": torch.empty(4, 16, 576, **meta),
                             "kv": torch.empty(64, 1, 576, **meta)})
     assert not any(c.keys_as_rows for c in sa._candidates(a32, True))
+    fwd = sa.TileConfig(32, 64, 128, 4, 2, keys_as_rows=True)
+    monkeypatch.setitem(sa.KEYS_AS_ROWS_FWD, 32, fwd)
+    a_h32 = SparseAttnArgs(**{**a.__dict__, "q": torch.empty(4, 32, 576, dtype=torch.bfloat16, **meta)})
+    got = list(sa._candidates(a_h32, False))
+    assert got[0] == fwd and not got[-1].keys_as_rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -13,7 +13,7 @@ module checks what they serve, picks tiles that fit the device
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch
@@ -52,7 +52,7 @@ class TileConfig:
     prefetch: bool = True  # forward only: indices one block ahead (see sparse_attention_fwd)
     # Left out of the repr, so the picks' printed form stays what the fit
     # tables record for the heads-as-rows tiles.
-    keys_as_rows: bool = field(default=False, repr=False)
+    keys_as_rows: bool = False
 
 
 # ----------------------------------------------------------------------------
@@ -129,14 +129,19 @@ def _warps(BH: int, acc_cols: int) -> int:
 #          79 against 68 with 4 warps and BN=32.
 
 
-# Backward tiles with the slots as the MMAs' rows (keys_as_rows, see
-# sparse_attention_bwd), by heads a program; an entry makes them the first
-# candidates at that BH, ahead of the heads-as-rows tiles.  Offline for
-# sm_90a (ptxas, H=16 D=576): BH16 BN64 CW64 4 warps 2 stages 200960 B of
-# shared memory, 255 registers, 188 B of spills, every product a wgmma;
-# CW128: 217344 B, 348 B; BN128 CW64 8 warps 1 stage: 219136 B, 572 B.
-# Empty until an H200 run of bench/bwd_tp_shards.py decides.
-KEYS_AS_ROWS_BWD: Dict[int, TileConfig] = {}
+# Tiles with the slots as the MMAs' rows (keys_as_rows, see
+# sparse_attention_fwd / _bwd), by heads a program; an entry makes them the
+# first candidates at that BH, ahead of the heads-as-rows tiles.  H200, bf16,
+# T 4096, N 8192, D 576, K 2048, sink (bench/bwd_tp_shards.py, run C58):
+# backward H16: BH16 BN64 CW64 4 warps 2 stages 7.93 ms (93.2 TFLOP/s)
+#   against 9.27 heads-as-rows (79.7; BN64 CW128 4 warps 2 stages 9.79, BN128
+#   CW64 8 warps 1 stage 9.51); H32: heads-as-rows stays (15.32 ms against
+#   17.80 / 19.48: at 32 heads the two warpgroups duplicate work, and every
+#   keys-as-rows tile spills);
+# forward H32: BH32 BN64 CW128 4 warps 2 stages 2.98 ms (196.3 TFLOP/s)
+#   against 3.59 (162.6); H16: heads-as-rows stays (1.71 against 2.55).
+KEYS_AS_ROWS_BWD: Dict[int, TileConfig] = {16: TileConfig(16, 64, 64, 4, 2, keys_as_rows=True)}
+KEYS_AS_ROWS_FWD: Dict[int, TileConfig] = {32: TileConfig(32, 64, 128, 4, 2, keys_as_rows=True)}
 
 
 def _preferred(a: SparseAttnArgs, BH: int, bwd: bool) -> TileConfig:
@@ -156,8 +161,9 @@ def _candidates(a: SparseAttnArgs, bwd: bool) -> Iterator[TileConfig]:
         return
     top = 16 if a.q.dtype == torch.float32 else heads_per_program(a.H // a.G)
     for BH in fit.halvings(top, 16):
-        if bwd and BH in KEYS_AS_ROWS_BWD and a.q.dtype != torch.float32:
-            yield from fit.shrinking(KEYS_AS_ROWS_BWD[BH], (("num_stages", 1), ("BN", 16)))
+        table = KEYS_AS_ROWS_BWD if bwd else KEYS_AS_ROWS_FWD
+        if BH in table and a.q.dtype != torch.float32:
+            yield from fit.shrinking(table[BH], (("num_stages", 1), ("BN", 16)))
         yield from fit.shrinking(_preferred(a, BH, bwd), (("num_stages", 1), ("BN", 16)))
 
 

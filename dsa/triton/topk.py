@@ -89,11 +89,15 @@ LIST_SAMPLE_MAX = 4096
 LIST_SAMPLE_FRACTION = 16
 LIST_MAX = 16384
 LIST_SCRATCH = 1 << 26
-# The build kernel selects the lists that fit the select block itself, and
-# takes the rows of a batch last first (env DSA_TOPK_LIST_INLINE=0 /
-# DSA_TOPK_LIST_REVERSE=0, read at import: the separate select kernel, first
-# row first).
-LIST_INLINE_SELECT = os.environ.get("DSA_TOPK_LIST_INLINE", "1") != "0"
+# Whether the build kernel selects the lists that fit the select block itself
+# (env DSA_TOPK_LIST_INLINE=1; default: the separate select kernel), and
+# whether it takes the rows of a batch last first (DSA_TOPK_LIST_REVERSE=0:
+# first row first); read at import. H200, fp32 randn, k 2048 (run C58,
+# bench/topk_peers.py --variants): the inline select is slower everywhere
+# (32768^2 causal 2.90 ms against 2.60 separate; 65536^2 9.17 against 8.24;
+# 4096 x 16384 0.304 against 0.270), the row order and the prefetch move the
+# separate path by 1-3%; indexer_topk 0.9-2% faster with the separate select.
+LIST_INLINE_SELECT = os.environ.get("DSA_TOPK_LIST_INLINE", "0") != "0"
 LIST_REVERSE = os.environ.get("DSA_TOPK_LIST_REVERSE", "1") != "0"
 # Chunks the build kernel asks L2 for ahead of the next one (env
 # DSA_TOPK_LIST_PREFETCH; 0: none): on sm_90+ where rows are 16-byte aligned.

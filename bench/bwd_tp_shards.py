@@ -104,6 +104,7 @@ def main() -> int:
         del a, dout, out, lse, ref
         torch.cuda.empty_cache()
 
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bwd_tp_shards.json"), "w") as f:
         json.dump(rows, f, indent=1)
     return 0

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from bench.tune_sparse_attention import BWD_VARIANTS, FWD_VARIANTS, SHAPES, bench, make, rel
+from bench.tune_sparse_attention import BWD_VARIANTS, FWD_VARIANTS, SHAPES, bench, make, rel, reporter
 from dsa._args import SparseAttnArgs
 from dsa.triton import sparse_attention as sa
 
@@ -49,10 +49,7 @@ def main() -> int:
     args = ap.parse_args()
     rows = []
 
-    def report(shape, pas, variant, ms, flops, extra=""):
-        tf = flops / ms / 1e9
-        rows.append(dict(shape=shape, pass_=pas, variant=variant, ms=ms, tflops=tf, extra=extra))
-        print(f"{shape:5s} {pas:4s} {variant:28s} {ms:8.3f} ms {tf:6.1f} TFLOP/s {extra}", flush=True)
+    report = reporter(rows)
 
     print(torch.cuda.get_device_name(), flush=True)
     for shape in args.shapes.split(","):

@@ -81,6 +81,16 @@ def rel(x, y):
     return ((x.float() - y.float()).norm() / y.float().norm()).item()
 
 
+def reporter(rows):
+    """report(shape, pass, variant, ms, flops, extra=""): prints one timing
+    line with its TFLOP/s and appends it to ``rows``."""
+    def report(shape, pas, variant, ms, flops, extra=""):
+        tf = flops / ms / 1e9
+        rows.append(dict(shape=shape, pass_=pas, variant=variant, ms=ms, tflops=tf, extra=extra))
+        print(f"{shape:9s} {pas:5s} {variant:28s} {ms:9.3f} ms {tf:7.1f} TFLOP/s {extra}", flush=True)
+    return report
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="default configs only")
@@ -94,10 +104,7 @@ def main():
     args = ap.parse_args()
     rows = []
 
-    def report(shape, pas, variant, ms, flops, extra=""):
-        tf = flops / ms / 1e9
-        rows.append(dict(shape=shape, pass_=pas, variant=variant, ms=ms, tflops=tf, extra=extra))
-        print(f"{shape:9s} {pas:5s} {variant:28s} {ms:9.3f} ms {tf:7.1f} TFLOP/s {extra}", flush=True)
+    report = reporter(rows)
 
     for shape in args.shapes.split(","):
         T, N, H, D, d_v, K, sink = SHAPES[shape]

@@ -695,6 +695,18 @@ def test_empty_problems(fast_case, call):
     assert tgt.shape == (0, 4)
 
 
+def _indexer_grads(call, fn_name, backend, q, k, w, idx, tl, target, dl, det):
+    """(dq, dk, dweights) of indexer_kl_loss (against ``target``) or of
+    sparse_indexer_scores (with upstream gradient ``dl``)."""
+    if fn_name == "indexer_kl_loss":
+        f = lambda a, b, c: dsa.indexer_kl_loss(a, b, c, idx, target, topk_length=tl,  # noqa: E731
+                                                deterministic=det, backend=backend)
+        return call(grads_of, f, [q, k, w])[1]
+    f = lambda a, b, c: dsa.sparse_indexer_scores(a, b, c, idx, topk_length=tl,  # noqa: E731
+                                                  deterministic=det, backend=backend)
+    return call(grads_of, f, [q, k, w], dl)[1]
+
+
 @pytest.mark.usefixtures("indexer_rows")
 @pytest.mark.parametrize("fn_name", ["sparse_indexer_scores", "indexer_kl_loss"])
 def test_deterministic_is_bitwise_repeatable(fast_case, call, fn_name):
@@ -706,13 +718,7 @@ def test_deterministic_is_bitwise_repeatable(fast_case, call, fn_name):
     dl = torch.randn(idx.shape, generator=g).to(case.device)
 
     def run(det):
-        if fn_name == "indexer_kl_loss":
-            f = lambda a, b, c: dsa.indexer_kl_loss(a, b, c, idx, target, topk_length=tl,  # noqa: E731
-                                                    deterministic=det, backend=case.backend)
-            return call(grads_of, f, [q, k, w])[1]
-        f = lambda a, b, c: dsa.sparse_indexer_scores(a, b, c, idx, topk_length=tl,  # noqa: E731
-                                                      deterministic=det, backend=case.backend)
-        return call(grads_of, f, [q, k, w], dl)[1]
+        return _indexer_grads(call, fn_name, case.backend, q, k, w, idx, tl, target, dl, det)
 
     first, second, loose = run(True), run(True), run(False)
     for a, b, c in zip(first, second, loose):
@@ -751,6 +757,7 @@ def test_deterministic_chunked_against_float64(fast_case, call, fn_name, monkeyp
     assert (idx[:, 0] == idx[:, 1]).all() and ((idx < 0) | (idx >= N)).any() and valid.any()
     ql, kl, wl = leaves(q, k, w)
     dl = torch.randn(idx.shape, generator=g, dtype=torch.float64)
+    target = None
     if fn_name == "indexer_kl_loss":
         target = random_target(valid, g)
         bf_kl(ql, kl, wl, idx, target, tl, 1.0).backward()
@@ -762,13 +769,7 @@ def test_deterministic_chunked_against_float64(fast_case, call, fn_name, monkeyp
     monkeypatch.setattr(segment_sum, "WORKSPACE_BYTES", 4 * K * q.shape[-1] * 4)  # rows 0-3, 4-7, 8
 
     def run(det):
-        if fn_name == "indexer_kl_loss":
-            f = lambda a, b, c: dsa.indexer_kl_loss(a, b, c, idx, target, topk_length=tl,  # noqa: E731
-                                                    deterministic=det, backend=case.backend)
-            return call(grads_of, f, [q, k, w])[1]
-        f = lambda a, b, c: dsa.sparse_indexer_scores(a, b, c, idx, topk_length=tl,  # noqa: E731
-                                                      deterministic=det, backend=case.backend)
-        return call(grads_of, f, [q, k, w], dl)[1]
+        return _indexer_grads(call, fn_name, case.backend, q, k, w, idx, tl, target, dl, det)
 
     det, loose = run(True), run(False)
     for name, x, y, ref in zip(("dq", "dk", "dw"), det, loose, (ql.grad, kl.grad, wl.grad)):

@@ -178,34 +178,31 @@ if pytest is not None:
     def _cases(peers=("cudnn",)):
         return [pytest.param(s, b, id=f"{s.name}-{b}") for s in TRAINING for b in backends.DSA_BACKENDS + peers]
 
-    @pytest.mark.parametrize("shape,backend", _cases())
-    def test_attention_target(benchmark, shape, backend):
+    def _forward_row(benchmark, shape, backend, op, call, flops, names):
+        """One no-grad op on the training shape: its TFLOP/s, with the bytes
+        of the inputs ``names`` and of a [T, K] fp32 output."""
         shape = harness.resolve(shape)
         backends.skip_unless_runnable(backend, shape)
         dev = harness.device()
         s = make_set(shape, dev)
         with torch.no_grad():
             harness.run(
-                benchmark, harness.Rotation([target_call(s, backend)]), dev,
-                op="attention_target", shape=shape, backend=backend, flops=shape.target_flops,
-                nbytes=float(input_bytes(s, ("q", "kv", "indices", "lse")) + shape.T * shape.K * 4),
+                benchmark, harness.Rotation([call(s, backend)]), dev,
+                op=op, shape=shape, backend=backend, flops=flops(shape),
+                nbytes=float(input_bytes(s, names) + shape.T * shape.K * 4),
                 metric="tflops", sets=1, label=backend, skip_on=backends.skip_on(backend),
             )
 
     @pytest.mark.parametrize("shape,backend", _cases())
+    def test_attention_target(benchmark, shape, backend):
+        _forward_row(benchmark, shape, backend, "attention_target", target_call, lambda sh: sh.target_flops,
+                     ("q", "kv", "indices", "lse"))
+
+    @pytest.mark.parametrize("shape,backend", _cases())
     def test_sparse_indexer_scores(benchmark, shape, backend):
         """The indexer logits on the slots (cuDNN: its softmax recompute, the softmax included)."""
-        shape = harness.resolve(shape)
-        backends.skip_unless_runnable(backend, shape)
-        dev = harness.device()
-        s = make_set(shape, dev)
-        with torch.no_grad():
-            harness.run(
-                benchmark, harness.Rotation([scores_call(s, backend)]), dev,
-                op="sparse_indexer_scores", shape=shape, backend=backend, flops=shape.kl_flops / 4,
-                nbytes=float(input_bytes(s, KL_INPUTS[:4]) + shape.T * shape.K * 4),
-                metric="tflops", sets=1, label=backend, skip_on=backends.skip_on(backend),
-            )
+        _forward_row(benchmark, shape, backend, "sparse_indexer_scores", scores_call, lambda sh: sh.kl_flops / 4,
+                     KL_INPUTS[:4])
 
     @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
     @pytest.mark.parametrize("shape,backend", _cases())

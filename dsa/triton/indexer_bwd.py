@@ -213,8 +213,7 @@ def bwd_spec(q_dtype, w_dtype, H: int, D: int, cfg: IndexerBwdConfig, *, mode=MO
              has_len: bool = True) -> fit.KernelSpec:
     el = fit.ptr(q_dtype)
     types = dict(Q=el, Kp=el, W=fit.ptr(w_dtype), IDX="*i32", LEN="*i32", BASE="*i32", GIN="*fp32", STATS="*fp32",
-                 SCALE="*fp32", POS="*i32", DQ=el, DK="*fp32",
-                 DW=fit.ptr(w_dtype), sm_scale="fp32")
+                 SCALE="*fp32", POS="*i32", DQ=el, DK="*fp32", DW=fit.ptr(w_dtype), sm_scale="fp32")
     const = dict(H=H, BH=_pow2(H), D=D, BD=_pow2(D), BK=cfg.BK, HAS_LEN=has_len, MODE=int(mode),
                  DK_MODE=int(dk_mode), PREC=input_precision(q_dtype), KEYS_AS_ROWS=cfg.keys_as_rows)
     return fit.KernelSpec(_indexer_bwd_kernel, types, const, cfg.num_warps, cfg.num_stages)

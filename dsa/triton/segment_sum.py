@@ -64,8 +64,7 @@ def segment_sum_kernel(
             m = m_r[:, None] & m_d[None, :]
             for part in tl.static_range(PARTS):
                 p = SRC + (part * part_rows + ref)[:, None] * D + o_d[None, :]
-                b_x = tl.load(p, mask=m, other=0.0)
-                b_acc += tl.sum(b_x, 0)  # a fixed tree: the same bits every run
+                b_acc += tl.sum(tl.load(p, mask=m, other=0.0), 0)  # a fixed tree: the same bits every run
         p_dst = DST + row * D + o_d
         tl.store(p_dst, tl.load(p_dst, mask=m_d, other=0.0) + b_acc, mask=m_d)
 

@@ -208,7 +208,7 @@ def _sparse_indexer_fwd_kernel(
     IDX,  # [T, K] int32
     LEN,  # [T] int32 (HAS_LEN)
     TGT,  # [T, K] fp32 (KL)
-    OUT,  # [T, K] fp32 logits, -inf-initialised (not KL)
+    OUT,  # [T, K] fp32 logits, every slot written (not KL)
     STATS,  # [T, 4] fp32 (KL): loss_t, lse, sum target, has a valid slot
     sm_scale, N, K,
     H: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
@@ -234,7 +234,7 @@ def _sparse_indexer_fwd_kernel(
         v_ts = tl.zeros([BK], tl.float32)  # sum target
         v_n = tl.zeros([BK], tl.int32)  # valid slots
     for k0 in range(0, length, BK):
-        o_k, m_k, idx, valid = load_slots(IDX, t, K, k0, length, N, BK)
+        o_k, _, idx, valid = load_slots(IDX, t, K, k0, length, N, BK)
         if KEYS_AS_ROWS:
             # keys on the MMA's rows: each thread sums its own columns (heads),
             # then across the 4 threads of a row, instead of across warps
@@ -254,9 +254,14 @@ def _sparse_indexer_fwd_kernel(
             b_t = tl.load(TGT + t * K + o_k, mask=valid, other=0.0)
             v_m, v_l, v_a, v_b, v_ts, v_n = _kl_lanes_step(v_m, v_l, v_a, v_b, v_ts, v_n, b_lg, b_t, valid)
         else:
-            tl.store(OUT + t * K + o_k, b_lg, mask=m_k)
+            tl.store(OUT + t * K + o_k, b_lg, mask=o_k < K)  # -inf at slots past the length
     if KL:
         _kl_lanes_store(STATS, t, v_m, v_l, v_a, v_b, v_ts, v_n)
+    else:
+        # the blocks past the length: -inf here rather than a fill of the whole output first
+        for k0 in range(tl.cdiv(length, BK) * BK, K, BK):
+            o_k = k0 + tl.arange(0, BK)
+            tl.store(OUT + t * K + o_k, tl.full([BK], float("-inf"), tl.float32), mask=o_k < K)
 
 
 # --------------------------------------------------------------------------
@@ -464,8 +469,8 @@ def _launch_indexer_fwd(a: SparseIndexerArgs, target, out, stats, *, kl: bool) -
 
 
 def sparse_indexer_fwd(a: SparseIndexerArgs) -> torch.Tensor:
-    """-> logits [T, K] fp32, -inf on invalid slots."""
-    out = torch.full((a.T, a.K), float("-inf"), device=a.q.device, dtype=torch.float32)
+    """-> logits [T, K] fp32, -inf on invalid slots (the kernel writes every slot)."""
+    out = torch.empty((a.T, a.K), device=a.q.device, dtype=torch.float32)
     _launch_indexer_fwd(a, out, out, out, kl=False)
     return out
 

@@ -224,10 +224,26 @@ def run_forward_ops(table: Table, s, shape) -> None:
 
 
 def run_sweep(table: Table, s) -> None:
-    """The default backward's other tiles (KL step, deterministic off)."""
+    """The default backward's other tiles (KL step, deterministic off), and
+    the sparse indexer forward's (sparse_indexer_scores)."""
     import dataclasses
 
+    import dsa
     from dsa.triton import indexer_bwd as ib
+    from dsa.triton import training as tt
+
+    fwd = tt.INDEXER_FWD_CONFIG
+    sm = s["q_i"].shape[-1] ** -0.5
+    for cfg in (dataclasses.replace(fwd, num_stages=4), dataclasses.replace(fwd, num_stages=2),
+                dataclasses.replace(fwd, num_warps=8), dataclasses.replace(fwd, BK=128, num_warps=8),
+                dataclasses.replace(fwd, BK=128, num_warps=8, num_stages=4), dataclasses.replace(fwd, BK=32)):
+        tt.INDEXER_FWD_CONFIG = cfg
+        try:
+            with torch.no_grad():
+                guarded(table, "sparse_indexer_scores", f"dsa {cfg}", lambda: dsa.sparse_indexer_scores(
+                    s["q_i"], s["k_i"], s["weights"], s["indices"], sm_scale=sm, backend="triton"))
+        finally:
+            tt.INDEXER_FWD_CONFIG = fwd
 
     base = ib.BWD_CONFIG
     for cfg in (dataclasses.replace(base, num_stages=2), dataclasses.replace(base, BK=128, num_warps=8),

@@ -19,7 +19,10 @@ medians, warmup 25 ms, rep 100 ms):
 - ``dsa_fp8``: the same with FlashMLA's physical slots;
 - ``dsa_bf16``: the dequantised cache in bf16, paged, block table;
 - ``sparse_attention``: ``dsa.sparse_attention`` on that bf16 cache as a flat
-  [N, D] kv with physical slots (the path the issue measured).
+  [N, D] kv with physical slots (the path the issue measured);
+- ``cute_fp8_bt`` / ``cute_fp8`` / ``cute_bf16_bt``: the rows ``dsa_fp8_bt``,
+  ``dsa_fp8`` and ``dsa_bf16_bt`` with ``backend="cute"`` (the CuTe SM90
+  decode, ``dsa.cute.decode``).
 
 Per row: milliseconds, GB/s (bytes of the K gathered rows in the cache's
 format, q and out) and the fraction of 4.24 TB/s, the host microseconds a
@@ -27,9 +30,18 @@ call takes (a loop of eager calls without synchronising: launches are
 queued, so the loop measures the host), and the relative L2 error of out
 against the float64 reference on the dequantised cache. With the sweep
 (default), B = 1 and 32 also time dsa's FP8 decode at forced split counts
-(``dsa.triton.decode.forward(a, splits=s)``), the evidence for the split rule.
+(``dsa.triton.decode.forward(a, splits=s)``), the evidence for the split rule,
+and the cute decode at the split counts of ``--cute-splits`` (default the
+same sweep; ``cute_fp8_bt_splitsS`` rows, ``dsa.cute.decode.forward(a,
+splits=s)``), the evidence for its rule and for ``dsa.cute.decode.PLACEMENT``.
 A peer that is not installed or refuses a shape is a row with the reason.
 Prints a table; ``--out DIR`` writes DIR/decode_peers.json.
+
+    compute-sanitizer --tool memcheck python3 bench/decode_peers.py --sanitize
+
+runs only the cute decode on small hostile calls (block tables with -1 and
+pages past the pool, positions out of range both ways, seq_lens and
+topk_length cutting rows, every split count) for the memory checker.
 """
 
 from __future__ import annotations
@@ -46,6 +58,7 @@ import triton
 
 import dsa
 from dsa import _checks
+from dsa.cute import decode as cdecode
 from dsa.kv_cache import FORMATS
 from dsa.triton import decode as tdecode
 
@@ -173,7 +186,7 @@ def measure(row: Dict[str, Any], name: str, build: Callable[[], Callable[[], Any
     return fn
 
 
-def run_row(fmt: str, B: int, H: int, L: int, sweep: bool) -> Dict[str, Any]:
+def run_row(fmt: str, B: int, H: int, L: int, sweep: bool, cute_splits=SWEEP) -> Dict[str, Any]:
     pb = problem(fmt, B, H, L)
     f = FORMATS[fmt]
     q, cache, bt, pos, slots, sink, scale = (pb[k] for k in ("q", "cache", "bt", "pos", "slots", "sink", "scale"))
@@ -192,6 +205,13 @@ def run_row(fmt: str, B: int, H: int, L: int, sweep: bool) -> Dict[str, Any]:
             fp8_bytes, ref)
     measure(row, "dsa_bf16_bt", lambda: (lambda: dsa.sparse_decode(q, kv16, pos, block_table=bt, sink=sink,
                                                                     sm_scale=scale)), bf16_bytes, ref)
+    measure(row, "cute_fp8_bt", lambda: (lambda: dsa.sparse_decode(q, cache, pos, block_table=bt, sink=sink,
+                                                                    sm_scale=scale, backend="cute")), fp8_bytes, ref)
+    measure(row, "cute_fp8", lambda: (lambda: dsa.sparse_decode(q, cache, slots, sink=sink, sm_scale=scale,
+                                                                 backend="cute")), fp8_bytes, ref)
+    measure(row, "cute_bf16_bt", lambda: (lambda: dsa.sparse_decode(q, kv16, pos, block_table=bt, sink=sink,
+                                                                     sm_scale=scale, backend="cute")),
+            bf16_bytes, ref)
     flat, q2, s2 = kv16.view(-1, f.D), q.view(B, H, f.D), slots.view(B, K)
     measure(row, "sparse_attention", lambda: (lambda: dsa.sparse_attention(q2, flat, s2, sink=sink, sm_scale=scale)),
             bf16_bytes, ref.view(B, H, -1))
@@ -201,14 +221,65 @@ def run_row(fmt: str, B: int, H: int, L: int, sweep: bool) -> Dict[str, Any]:
         for s in SWEEP:
             measure(row, f"dsa_fp8_bt_splits{s}", lambda s=s: (lambda: tdecode.forward(a, splits=s)[0]), fp8_bytes,
                     ref.view(B, H, -1))
-    fm, ours = row.get("flashmla"), row.get("dsa_fp8_bt")
-    if isinstance(fm, dict) and isinstance(ours, dict):
-        row["speedup_graph"] = fm["graph_ms"] / ours["graph_ms"]
-        row["speedup_eager"] = fm["eager_ms"] / ours["eager_ms"]
-        print(f"  dsa_fp8_bt vs flashmla: {row['speedup_graph']:.2f}x (graphs), {row['speedup_eager']:.2f}x (eager)")
+    if cute_splits:
+        row["cute_splits"] = cdecode.plan(a).splits if cdecode.supports(a) is None else None
+        a16, _ = _checks.sparse_decode_args(q, kv16, pos, bt, None, None, sink, scale, None, None)
+        for s in cute_splits:
+            for name, args, nbytes in (("cute_fp8_bt", a, fp8_bytes), ("cute_bf16_bt", a16, bf16_bytes)):
+                measure(row, f"{name}_splits{s}", lambda s=s, args=args: (lambda: cdecode.forward(args, splits=s)[0]),
+                        nbytes, ref.view(B, H, -1))
+    fm = row.get("flashmla")
+    for ours_name, key in (("dsa_fp8_bt", "speedup"), ("cute_fp8_bt", "cute_speedup"),
+                           ("cute_bf16_bt", "cute_bf16_speedup")):
+        ours = row.get(ours_name)
+        if isinstance(fm, dict) and isinstance(ours, dict):
+            row[f"{key}_graph"] = fm["graph_ms"] / ours["graph_ms"]
+            row[f"{key}_eager"] = fm["eager_ms"] / ours["eager_ms"]
+            print(f"  {ours_name} vs flashmla: {row[f'{key}_graph']:.2f}x (graphs), {row[f'{key}_eager']:.2f}x (eager)")
     del pb, kv16, ref
     torch.cuda.empty_cache()
     return row
+
+
+def sanitize() -> None:
+    """The cute decode on small hostile calls, at every split count, for
+    ``compute-sanitizer --tool memcheck``: block tables with -1 and pages past
+    the pool, positions negative and far past the table, seq_lens cutting
+    rows (one to nothing), topk_length 0, short, past K and negative, a
+    padded page stride; FlashMLA-style slots out of range both ways."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    B, H, P, W, K = 6, 128, 24, 5, 320
+    q = torch.randn(B, 1, H, 576, device=dev, generator=g).bfloat16()
+    pad = torch.zeros(P, PAGE * 656 + 48, dtype=torch.uint8, device=dev)
+    pad[:, : PAGE * 656] = dsa.quantize_kv_cache(torch.randn(P, PAGE, 576, device=dev, generator=g),
+                                                 "fp8_v32").view(P, -1)
+    caches = {"fp8_v32": pad[:, : PAGE * 656].view(P, PAGE, 656),
+              "native": torch.randn(P, PAGE, 1, 576, device=dev, generator=g).bfloat16()}
+    bt = torch.randint(0, P, (B, W), device=dev, generator=g).int()
+    bt[0, 0], bt[1, 2], bt[2, 4] = -1, P, 2**31 - 1
+    pos = torch.randint(0, W * PAGE, (B, 1, K), device=dev, generator=g).int()
+    pos[0, 0, ::5], pos[1, 0, 1::7], pos[2, 0, 2::9] = -1, W * PAGE, 2**31 - 1
+    seq_lens = torch.tensor([W * PAGE, 0, 100, 1, W * PAGE - 7, 64], dtype=torch.int32, device=dev)
+    tl = torch.tensor([K, 0, 65, -4, K + 50, 129], dtype=torch.int32, device=dev)
+    slots = torch.randint(-P * PAGE, 2 * P * PAGE, (B, 1, K), device=dev, generator=g).int()
+    sink = torch.randn(H, device=dev, generator=g)
+    for fmt, cache in caches.items():
+        calls = {"block table": (pos, bt, seq_lens), "slots": (slots, None, None)}
+        for what, (idx, table, lens) in calls.items():
+            try:
+                a, _ = _checks.sparse_decode_args(q, cache, idx, table, lens, tl, sink, None, None, None)
+            except ValueError as e:
+                print(f"sanitize {fmt} {what}: {e}")
+                continue
+            why = cdecode.supports(a)
+            if why is not None:
+                print(f"sanitize {fmt} {what}: not served ({why})")
+                continue
+            for s in (None, 1, 2, 3, 5):
+                out, lse = cdecode.forward(a, splits=s)
+                torch.cuda.synchronize()
+                print(f"sanitize {fmt} {what} splits={s}: NaN in out {bool(out.isnan().any())}", flush=True)
 
 
 def main() -> None:
@@ -219,19 +290,29 @@ def main() -> None:
     p.add_argument("--heads", default="64,128")
     p.add_argument("--cache-lens", default="8192,32768")
     p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--cute-splits", default=",".join(map(str, SWEEP)),
+                   help="forced split counts of the cute decode to time (empty: none)")
+    p.add_argument("--sanitize", action="store_true", help="only the small hostile cute calls (compute-sanitizer)")
     args = p.parse_args()
-    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    if args.sanitize:
+        sanitize()
+        return
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
-    rows = [run_row(fmt, B, H, L, not args.no_sweep) for fmt in args.formats.split(",")
-            for H in ints(args.heads) for L in ints(args.cache_lens) for B in ints(args.batches)]
-    print("\nformat       H  cache_len    B   flashmla us  dsa_fp8_bt us  speedup(graphs)  dsa host us")
+    cute_splits = [] if args.no_sweep else ints(args.cute_splits)
+    rows = [run_row(fmt, B, H, L, not args.no_sweep, [s for s in cute_splits if B <= 32])
+            for fmt in args.formats.split(",") for H in ints(args.heads) for L in ints(args.cache_lens)
+            for B in ints(args.batches)]
+    print("\nformat       H  cache_len    B   flashmla us  dsa_fp8_bt us  cute_fp8_bt us  cute_bf16_bt us  "
+          "triton/fm  cute/fm  dsa host us  cute host us")
     for r in rows:
-        fm, ours = r.get("flashmla"), r.get("dsa_fp8_bt")
+        fm, ours, cute8, cute16 = (r.get(k) for k in ("flashmla", "dsa_fp8_bt", "cute_fp8_bt", "cute_bf16_bt"))
         fmt_us = lambda x: f"{x['graph_ms'] * 1e3:11.1f}" if isinstance(x, dict) else f"{'n/a':>11s}"  # noqa: E731
-        sp = f"{r['speedup_graph']:15.2f}" if "speedup_graph" in r else f"{'n/a':>15s}"
-        host = f"{ours['host_us']:11.1f}" if isinstance(ours, dict) else f"{'n/a':>11s}"
-        print(f"{r['format']:10s} {r['H']:3d} {r['cache_len']:10d} {r['B']:4d} {fmt_us(fm)}   {fmt_us(ours)}  {sp}  "
-              f"{host}")
+        sp = lambda k: f"{r[k]:9.2f}" if k in r else f"{'n/a':>9s}"  # noqa: E731
+        host = lambda x: f"{x['host_us']:11.1f}" if isinstance(x, dict) else f"{'n/a':>11s}"  # noqa: E731
+        print(f"{r['format']:10s} {r['H']:3d} {r['cache_len']:10d} {r['B']:4d} {fmt_us(fm)}   {fmt_us(ours)}   "
+              f"{fmt_us(cute8)}    {fmt_us(cute16)}  {sp('speedup_graph')} {sp('cute_speedup_graph')}  "
+              f"{host(ours)}  {host(cute8)}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "decode_peers.json"), "w") as fh:

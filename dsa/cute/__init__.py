@@ -7,10 +7,12 @@ goes to ``dsa.cute.sm100``, whose kernels are trusted only after their
 self-check at first use (``dsa.cute.gate``); every other call takes the SM90
 path below.
 
-Served on SM90: ``sparse_attention_fwd`` (``dsa.cute.sparse_attention``)
-and ``sparse_attention_bwd`` (``dsa.cute.sparse_attention_bwd``, both
-modes of ``deterministic``).  Every other op is declined with that reason,
-so asking for ``backend="cute"`` raises a ``ValueError`` that says so.
+Served on SM90: ``sparse_attention_fwd`` (``dsa.cute.sparse_attention``),
+``sparse_attention_bwd`` (``dsa.cute.sparse_attention_bwd``, both modes of
+``deterministic``) and ``sparse_decode`` (``dsa.cute.decode``: native and
+fp8_v32 caches, split over the slots).  Every other op is declined with
+that reason, so asking for ``backend="cute"`` raises a ``ValueError`` that
+says so.
 
 Under ``backend="auto"`` a call the kernel can serve goes to cute only
 where the measured placement table of its op (``dsa.cute.placement``: the
@@ -19,6 +21,9 @@ forward's ``placement_sm90.json``, the backward's
 table entry that decided.  Without a readable table measured on a GPU of
 this name (``bench/place_cute.py [--op bwd]`` writes one only when it passes
 its holdout check) auto keeps Triton; ``backend="cute"`` runs the kernel.
+The decode's placement is ``dsa.cute.decode.PLACEMENT``, a short list of
+(GPU, cache format, H, batch range) filled from bench/decode_peers.py;
+until it lists this GPU, auto leaves the decode to Triton.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ def backend_op(op: str, args: Any, auto: bool = False) -> Callable[..., Any]:
         return sm100.backend_op(op, args, auto)
     if op == "sparse_attention_bwd":
         return _backward(args, auto)
+    if op == "sparse_decode":
+        return _decode(args, auto)
     if op != "sparse_attention_fwd":
         raise Unsupported(f"the cute backend has no kernel for {op} in this release")
     from dsa.cute import sparse_attention
@@ -90,3 +97,18 @@ def _backward(args: Any, auto: bool) -> Callable[..., Any]:
     if why is not None:
         raise Unsupported(why)
     return _placed(sparse_attention_bwd.backward, args, auto, "TABLE_BWD")
+
+
+def _decode(args: Any, auto: bool) -> Callable[..., Any]:
+    """The cute decode where the kernel serves ``args`` and, under auto,
+    where its measured placement (``dsa.cute.decode.PLACEMENT``) names it."""
+    from dsa.cute import decode
+
+    why = decode.supports(args)
+    if why is None and auto:
+        why = decode.placement_reason(args)
+        if why is None:
+            return _Chosen(decode.decode, decode.placed_note(args))
+    if why is not None:
+        raise Unsupported(why)
+    return decode.decode

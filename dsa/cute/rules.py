@@ -13,12 +13,20 @@ resolves the source row of each slot (``slot_source``):
   blocks of slots ends at the last block holding a slot below L
   (``block_count``).
 
+A decode kernel reads a paged cache (``PagedCache``,
+``paged_block_sources``): an index is a slot page * page_size + offset, or
+with a block table a position of the row's sequence, valid below
+seq_lens[b] and where the table's page is in [0, P).
+
 Row maxima are kept in the log2 domain; a row with no valid slot so far
 keeps the maximum -inf and is shifted by 0 (``finite_shift``), so that no
 (-inf) - (-inf) appears, and its lse is +inf (``row_lse``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import cutlass
 import cutlass.cute as cute
@@ -99,6 +107,89 @@ def block_sources(base, mk, ns, block, L, N, kv_ptr: cute.Pointer, zero_ptr: cut
     for m in cutlass.range_constexpr(block_slots // rows_per_pass):
         slot = block * block_slots + row_in_pass + m * rows_per_pass
         addr, mask = slot_source(slot, L, ns[m], N, kv_ptr, zero_ptr, g, G, row_bytes)
+        base[m] = addr + col_bytes
+        mk[m] = mask
+
+
+@dataclass(frozen=True)
+class PagedCache:
+    """A decode kernel's KV cache (docs/semantics.md, "Sparse decode"): pages
+    of ``page_size`` tokens ``page_stride`` bytes apart, token ``o`` of a
+    page at byte ``o * G * row_bytes``, kv head g ``g * row_bytes`` further
+    (an FP8 token is one row of ``row_bytes`` = its record).  With a block
+    table an index is a position p of the row's sequence, looked up in the
+    sequence's row of ``bt_ptr`` ([B, bt_w] int32); without one it is the
+    slot page * page_size + offset.  Built once per kernel, never
+    reassigned."""
+
+    kv_ptr: Any
+    zero_ptr: Any      # the row an invalid slot reads
+    n_pages: Any       # Int32
+    page_stride: Any   # Int64, bytes
+    bt_ptr: Any
+    bt_w: Any          # Int32: pages of the block table a sequence
+    seqlen_ptr: Any
+    page_size: int
+    G: int
+    row_bytes: int
+    has_bt: bool
+    has_seqlen: bool
+
+    @cute.jit
+    def sequence(self, seq):
+        """(the sequence's block-table row, the positions it may address):
+        without a block table, the cache's slots and no row."""
+        bt_row = self.bt_ptr
+        lim = self.n_pages * self.page_size
+        if const_expr(self.has_bt):
+            bt_row = self.bt_ptr + Int64(seq) * Int64(self.bt_w)
+            lim = self.bt_w * self.page_size
+            if const_expr(self.has_seqlen):
+                # positions from seq_lens[b] on are invalid
+                lim = cutlass.min(lim, load(self.seqlen_ptr, Int64(seq)))
+        return bt_row, lim
+
+
+@cute.jit
+def paged_block_sources(base, mk, ns, block, L, cache: PagedCache, g, bt_row, lim, col_bytes,
+                        block_slots: cutlass.Constexpr, row_in_pass, rows_per_pass: cutlass.Constexpr):
+    """``block_sources`` for a paged cache: slot s (index n, below L) is
+    valid iff 0 <= n < lim (``PagedCache.sequence``) and, with a block
+    table, its page bt_row[n // page_size] is in [0, n_pages); its row is
+    offset n % page_size of that page.  Every block-table entry looked up
+    is inside the sequence's row (a bad position is clamped there, then
+    masked), and all lookups issue before any is used."""
+    R = block_slots // rows_per_pass
+    PS = cache.page_size
+    pages = cute.make_rmem_tensor((R,), Int32)
+    ids = cute.make_rmem_tensor((R,), Int32)
+    for m in cutlass.range_constexpr(R):
+        # ns[m] was read only for a slot below L (fetch_indices): 0 stands in past it
+        n = Int32(0)
+        if block * block_slots + row_in_pass + m * rows_per_pass < L:
+            n = ns[m]
+        ids[m] = n
+    if const_expr(cache.has_bt):
+        for m in cutlass.range_constexpr(R):
+            col = cutlass.min(cutlass.max(ids[m], Int32(0)) // PS, cache.bt_w - 1)
+            pages[m] = load(bt_row, Int64(col))
+    for m in cutlass.range_constexpr(R):
+        slot = block * block_slots + row_in_pass + m * rows_per_pass
+        n = ids[m]
+        addr = cache.zero_ptr.toint()
+        mask = -Float32.inf
+        if slot < L:
+            if n >= 0:
+                if n < lim:
+                    page = n // PS
+                    if const_expr(cache.has_bt):
+                        page = pages[m]
+                    if page >= 0:
+                        if page < cache.n_pages:
+                            row = (n % PS) * cache.G + g
+                            addr = (cache.kv_ptr.toint() + Int64(page) * cache.page_stride
+                                    + Int64(row) * Int64(cache.row_bytes))
+                            mask = Float32(0.0)
         base[m] = addr + col_bytes
         mk[m] = mask
 

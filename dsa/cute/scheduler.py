@@ -128,3 +128,44 @@ class SlotTiles:
         L = rules.row_length(self.len_ptr, t, self.K, has_len)
         n_blocks = rules.block_count(L, block)
         return t, g, head0, L, n_blocks, self.idx_ptr + Int64(row) * Int64(self.K)
+
+
+@dataclass(frozen=True)
+class SplitSlotTiles:
+    """The tiles of a decode kernel: (token t, kv head g, head block, split),
+    numbered head blocks fastest, then splits, then (t, g) rows, so that the
+    CTAs reading the same slots run side by side.  Split s of a row covers
+    its slots [s * chunk, min((s + 1) * chunk, L)) (chunk a whole number of
+    blocks), renumbered from 0: the kernel body sees a row of that length
+    whose indices start at slot s * chunk.  topk_length has one entry per
+    ``len_div`` rows; row t belongs to sequence t // rows_per_seq.  Built
+    once per kernel, never reassigned."""
+
+    sched: TileScheduler
+    idx_ptr: Any
+    len_ptr: Any
+    K: Any
+    chunk: Any        # Int32: slots of a split
+    n_split: Any      # Int32
+    len_div: Any      # Int32
+    rows_per_seq: Any  # Int32
+
+    @cute.jit
+    def tile(self, tile_id, HG: cutlass.Constexpr, block_h: cutlass.Constexpr, block: cutlass.Constexpr,
+             has_len: cutlass.Constexpr):
+        """(t, g, head0, L, n_blocks, idx_row, (sequence, split)) with L and
+        idx_row those of the split (``SlotTiles.tile``'s meaning otherwise)."""
+        hb = self.sched.head_blocks
+        rest = tile_id // hb
+        hblk = tile_id - rest * hb
+        row = rest // self.n_split
+        split = rest - row * self.n_split
+        t = row // self.sched.G
+        g = row - t * self.sched.G
+        head0 = g * HG + hblk * block_h
+        lo = split * self.chunk
+        L = rules.row_length(self.len_ptr, t // self.len_div, self.K, has_len)
+        L = cutlass.max(cutlass.min(L - lo, self.chunk), 0)
+        n_blocks = rules.block_count(L, block)
+        idx_row = self.idx_ptr + (Int64(row) * Int64(self.K) + Int64(lo))
+        return t, g, head0, L, n_blocks, idx_row, (t // self.rows_per_seq, split)

@@ -151,6 +151,9 @@ class ConsumerState:
 class SparseAttnFwdSm90:
     """Host-side builder of the kernel for one static configuration."""
 
+    producer_regs = PRODUCER_REGS
+    consumer_regs = CONSUMER_REGS
+
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, has_sink: bool,
                  profile: bool = False, refill: bool = True):
         why = self.can_implement(dtype, D, d_v, H, G)
@@ -186,6 +189,22 @@ class SparseAttnFwdSm90:
         prof_ptr: cute.Pointer,
         T: Int32, N: Int32, K: Int32, scale_log2: Float32, n_cta: Int32, stream,
     ):
+        mmas, layouts = self.operands()
+        # tiles (token, kv head, head block) in the order of dsa.cute.scheduler
+        n_tiles = scheduler.tile_count(T, self.G, self.HG // BLOCK_H)
+        self.kernel(
+            *mmas, *layouts,
+            q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr, zero_ptr, prof_ptr,
+            N, K, n_tiles, scale_log2,
+        ).launch(grid=[scheduler.grid_size(n_cta, n_tiles), 1, 1], block=[THREADS, 1, 1], stream=stream,
+                 min_blocks_per_mp=1)
+
+    @cute.jit
+    def operands(self):
+        """The wgmma atoms (S = Q K^T; O += P V with P from registers or
+        from shared memory) and the shared-memory layouts (Q, K stages, V,
+        P); sets ``self.smem``, the kernel's shared-memory struct.  Called
+        while a launcher is traced."""
         dt = self.dtype
         K_ = warpgroup.OperandMajorMode.K
         MN = warpgroup.OperandMajorMode.MN
@@ -228,14 +247,7 @@ class SparseAttnFwdSm90:
             sOk: cute.struct.MemRange[Float32, 2 * BN]
 
         self.smem = Smem
-        # tiles (token, kv head, head block) in the order of dsa.cute.scheduler
-        n_tiles = scheduler.tile_count(T, self.G, self.HG // BLOCK_H)
-        self.kernel(
-            qk_mma, pv_mma, pv_mma_ss, sq_layout, sk_layout, sv_layout, sp_layout,
-            q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr, zero_ptr, prof_ptr,
-            N, K, n_tiles, scale_log2,
-        ).launch(grid=[scheduler.grid_size(n_cta, n_tiles), 1, 1], block=[THREADS, 1, 1], stream=stream,
-                 min_blocks_per_mp=1)
+        return (qk_mma, pv_mma, pv_mma_ss), (sq_layout, sk_layout, sv_layout, sp_layout)
 
     # ---------------------------------------------------------------- device
     @cute.kernel
@@ -248,6 +260,19 @@ class SparseAttnFwdSm90:
         prof_ptr: cute.Pointer,
         N: Int32, K: Int32, n_tiles: Int32, scale_log2: Float32,
     ):
+        self.run((qk_mma, pv_mma, pv_mma_ss), (sv_layout, sp_layout), sq_layout, sk_layout, n_tiles,
+                 (idx_ptr, len_ptr, K), (kv_ptr, zero_ptr, N), q_ptr, sink_ptr, out_ptr, lse_ptr, prof_ptr,
+                 scale_log2)
+
+    @cute.jit
+    def run(self, mmas, pv_layouts, sq_layout: cute.ComposedLayout, sk_layout: cute.ComposedLayout, n_tiles,
+            tile_args, kv, q_ptr: cute.Pointer, sink_ptr: cute.Pointer, out_ptr: cute.Pointer,
+            lse_ptr: cute.Pointer, prof_ptr: cute.Pointer, scale_log2: Float32):
+        """The kernel body: shared memory, barriers, then the producer or a
+        consumer by warpgroup.  tile_args: what ``slot_tiles`` needs besides
+        the schedule; kv: where the producer reads rows from (``row_sources``)."""
+        qk_mma, pv_mma, pv_mma_ss = mmas
+        sv_layout, sp_layout = pv_layouts
         tidx, _, _ = cute.arch.thread_idx()
         sched = scheduler.TileScheduler.create(n_tiles, self.G, self.HG // BLOCK_H)
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -264,20 +289,20 @@ class SparseAttnFwdSm90:
         for h in cutlass.range_constexpr(4):
             # the producer's threads; the first half filled of a stage (L of
             # 0, R of 1) also carries its mask, from one thread a row
-            arrivals.append((full, h, 128 + (MASK_WRITERS if h in (0, 3) else 0)))
+            arrivals.append((full, h, self.fill_arrivals(h) + (MASK_WRITERS if h in (0, 3) else 0)))
             arrivals.append((empty, h, 128))  # the consumer reading that half as V
         pipeline.init_mbarriers(tidx, arrivals)
 
-        tiles = scheduler.SlotTiles(sched, idx_ptr, len_ptr, K)
+        tiles = self.slot_tiles(sched, *tile_args)
         for mma in (qk_mma, pv_mma, pv_mma_ss):
             mma.set(warpgroup.Field.ACCUMULATE, True)
         if wg == 0:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            cute.arch.setmaxregister_decrease(self.producer_regs)
             self.timer.start()
-            self.producer(tidx, sQ, sK, st.sOk.data_ptr(), bars, tiles, q_ptr, kv_ptr, zero_ptr, N)
+            self.producer(tidx, sQ, sK, st.sOk.data_ptr(), bars, tiles, q_ptr, *kv)
             self.timer.store(prof_ptr, tidx, THREADS // 32, PROF_TOTAL)
         else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(self.consumer_regs)
             args = (qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, tidx % 128, sQ, sK,
                     st.sP.data_ptr(), st.sM.data_ptr(), st.sL.data_ptr(), st.sOk.data_ptr(), bars, tiles,
                     sink_ptr, out_ptr, lse_ptr, scale_log2)
@@ -287,6 +312,30 @@ class SparseAttnFwdSm90:
             else:
                 self.consumer(1, *args)
             self.timer.store(prof_ptr, tidx, THREADS // 32, PROF_TOTAL)
+
+    # ------------------------------------------------ what a subclass changes
+    # A decode kernel (dsa.cute.decode_sm90) replaces these: its tiles carry a
+    # split of the slots, its rows come from a paged cache, its epilogue may
+    # write a partial result.
+
+    def fill_arrivals(self, h: int) -> int:
+        """Arrivals that complete half h's fill (the mask's come on top): one
+        per producer thread, its ``cp.async.mbarrier.arrive.noinc``."""
+        return 128
+
+    def slot_tiles(self, sched, idx_ptr, len_ptr, K):
+        """This CTA's tiles: (token, kv head, head block) over all K slots."""
+        return scheduler.SlotTiles(sched, idx_ptr, len_ptr, K)
+
+    def tile_of(self, tiles, tile_id):
+        """(t, g, head0, L, n_blocks, idx_row, extra) of a tile: its slots are
+        [0, L) of the indices at idx_row, in n_blocks blocks; extra is what
+        ``row_sources`` and ``epilogue`` need besides (nothing here)."""
+        return tiles.tile(tile_id, self.HG, BLOCK_H, BN, self.has_len) + (None,)
+
+    def row_sources(self, kv_ptr, zero_ptr, N, g, L, row_in_pass, col0, extra):
+        """What ``resolve_rows`` needs to place this thread's rows of a tile."""
+        return (kv_ptr, zero_ptr, g, L, N, row_in_pass, col0)
 
     # -------------------------------------------------------------- producer
     @cute.jit
@@ -311,8 +360,8 @@ class SparseAttnFwdSm90:
         u1 = Int32(0)
         j = Int32(0)   # tiles done
         for tile_id in cutlass.range(sched.first, sched.n_tiles, sched.stride, unroll=1):
-            t, g, head0, L, n_blocks, idx_row = tiles.tile(tile_id, self.HG, BLOCK_H, BN, self.has_len)
-            rows = (kv_ptr, zero_ptr, g, L, N, row_in_pass, col0)
+            t, g, head0, L, n_blocks, idx_row, extra = self.tile_of(tiles, tile_id)
+            rows = self.row_sources(kv_ptr, zero_ptr, N, g, L, row_in_pass, col0, extra)
             n_pairs = (n_blocks + 1) // 2
             self.fetch_rows(ns0, 0, idx_row, L, row_in_pass)
             self.fetch_rows(ns1, 1, idx_row, L, row_in_pass)
@@ -489,7 +538,7 @@ class SparseAttnFwdSm90:
         u1 = Int32(0)
         j = Int32(0)   # tiles done
         for tile_id in cutlass.range(sched.first, sched.n_tiles, sched.stride, unroll=1):
-            t, g, head0, L, n_blocks, idx_row = tiles.tile(tile_id, self.HG, BLOCK_H, BN, self.has_len)
+            t, g, head0, L, n_blocks, idx_row, extra = self.tile_of(tiles, tile_id)
             cs.acc_o.fill(0.0)
             cs.m_run.fill(-Float32.inf)
             cs.l_run.fill(0.0)
@@ -508,13 +557,13 @@ class SparseAttnFwdSm90:
                 if n_blocks % 2 == 1:
                     self.pair1(cs, n_full, False, u1)
             cute.arch.mbarrier_arrive(q_empty)  # Q may be refilled
-            self.tile_end(w, cs, sL + (j % 2) * (2 * BLOCK_H), sink_ptr, out_ptr, lse_ptr, t, head0)
+            self.tile_end(w, cs, sL + (j % 2) * (2 * BLOCK_H), sink_ptr, out_ptr, lse_ptr, t, head0, extra)
             u0 = u0 + (n_blocks + 1) // 2
             u1 = u1 + n_full
             j = j + 1
 
     @cute.jit
-    def tile_end(self, w: cutlass.Constexpr, cs: ConsumerState, sL, sink_ptr, out_ptr, lse_ptr, t, head0):
+    def tile_end(self, w: cutlass.Constexpr, cs: ConsumerState, sL, sink_ptr, out_ptr, lse_ptr, t, head0, extra):
         """Row sums over the 4 threads of a row, then over both consumers
         (sL: this tile's buffer of 2 x 64); then the epilogue."""
         l_run, lane, row_lo = cs.l_run, cs.lane, cs.row_lo
@@ -532,7 +581,7 @@ class SparseAttnFwdSm90:
             l_run[r] = l_run[r] + l_oth[row_lo + 8 * r]
         t0 = self.timer.tick()
         self.epilogue(cs.acc_o, cs.m_run, l_run, w, lane, row_lo, cs.col_lane, sink_ptr, out_ptr, lse_ptr,
-                      t, head0)
+                      t, head0, extra)
         self.timer.tock(PROF_EPI, t0)
 
     # -------------------------------------------------------- consumer steps
@@ -723,10 +772,11 @@ class SparseAttnFwdSm90:
 
     @cute.jit
     def epilogue(self, acc_o, m_run, l_run, half, lane, row_lo, col_lane, sink_ptr, out_ptr, lse_ptr,
-                 t, head0):
+                 t, head0, extra):
         """out = O / (l + exp(sink)) for this consumer's column half; lse
         (+inf on a row with no valid slot) from consumer 0.  m_run is the
-        running maximum (log2 domain), l_run the whole row sum."""
+        running maximum (log2 domain), l_run the whole row sum; extra is
+        ``tile_of``'s (unused here)."""
         inv = cute.make_rmem_tensor((2,), Float32)
         for r in cutlass.range_constexpr(2):
             mu = finite_shift(m_run[r])

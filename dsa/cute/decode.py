@@ -1,0 +1,342 @@
+"""CuTe DSL sparse decode (SM90): what it serves, its split plan and placement, compilation cache, launch.
+
+    decode(a)                -> out [T, H, d_v] (q.dtype), lse [T, H] fp32 (natural log, +inf on empty rows)
+    forward(a, splits=None)  -> the same, the split count forced when given (benchmark sweeps)
+
+on the canonical :class:`dsa._args.SparseDecodeArgs`.  The kernel is
+``decode_sm90.SparseDecodeSm90`` (the SM90 forward over a paged cache, split
+over the slots); with several splits its parts are merged, and the sink
+folded in, by the Triton merge kernel that the Triton decode uses
+(``dsa.triton.decode_kernels.decode_combine_kernel``), launched the same way.
+
+Splits: ``split_plan`` is the Triton decode's rule (``dsa.triton.decode.
+split_plan``) at 64-slot blocks: S = min(SMs // tiles, K / 64), about one
+wave.  It depends on the shapes and the device only, so the workspace
+(``[T, H, S]`` lse then ``[T, H, S, d_v]`` parts, fp32, one allocation) is
+sized by shapes alone and nothing is read back: a call captures in a CUDA
+graph.
+
+Host time: everything but the tensors' addresses is built once per shape
+key (``plan``): the compile key, the split count, the scalars, the merge's
+launch; a call allocates its outputs (and workspace) and launches.
+
+Placement under ``backend="auto"``: ``PLACEMENT`` lists, per GPU name, the
+(cache format, H, batch range) where bench/decode_peers.py measured the
+cute decode ahead; nothing is listed yet, so auto declines with the reason
+"no measurement of the cute decode on this GPU yet" and ``backend="cute"``
+runs the kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from dsa._args import SparseDecodeArgs
+from dsa._rules import LOG2E
+from dsa.cute.host import cutlass_dtype, current_stream, dsl_reason, gmem_ptr, sm90_reason, zero_row
+from dsa.kv_cache import FORMATS, NATIVE
+
+HEADS_PER_CTA = 64
+BLOCK = 64  # slots a block: a split is a whole number of them
+FP8_V32 = "fp8_v32"
+SERVED_FORMATS = (NATIVE,)
+
+# Measured placement: (GPU name, cache format, H, (first B, last B)) -> the
+# faster backend, filled from bench/decode_peers.py (its cute rows against
+# its Triton rows, under CUDA graphs) on that GPU.  Nothing measured yet.
+PLACEMENT: Dict[Tuple[str, str, int, Tuple[int, int]], str] = {}
+NOT_MEASURED = "no measurement of the cute decode on this GPU yet"
+
+
+# ----------------------------------------------------------------------------
+# What the kernel serves
+
+
+def supports(a: SparseDecodeArgs) -> Optional[str]:
+    """None when the SM90 decode kernel can serve ``a``, else the reason."""
+    why = sm90_reason(a.q.device, "the cute sparse decode kernel")
+    return why or dsl_reason() or call_reason(a)
+
+
+def call_reason(a: SparseDecodeArgs) -> Optional[str]:
+    """``supports`` without the device and DSL checks: the dtypes, the
+    kernel's shapes, the cache's layout and alignment, int32 sizes."""
+    from dsa.cute.decode_sm90 import decode_reason
+
+    if a.cache_format not in SERVED_FORMATS:
+        return f"cache_format {a.cache_format!r}: the cute decode reads {SERVED_FORMATS}"
+    dt = cutlass_dtype(a.q.dtype)
+    if dt is None:
+        return f"q dtype {a.q.dtype} is not bf16 or fp16"
+    if a.cache_format == NATIVE and a.kv.dtype != a.q.dtype:
+        return f"kv_cache dtype {a.kv.dtype} differs from q dtype {a.q.dtype}"
+    why = decode_reason(dt, a.D, a.d_v, a.H, a.G, a.cache_format, a.page_size, a.block_table is not None,
+                        a.seq_lens is not None)
+    if why:
+        return why
+    why = a.kernel_dtype_reason()
+    if why:
+        return why
+    return layout_reason(a) or size_reason(a)
+
+
+def layout_reason(a: SparseDecodeArgs) -> Optional[str]:
+    """Why the cache's layout or an address does not suit the 16-byte gathers (None if it does)."""
+    kv = a.kv
+    if a.cache_format == NATIVE:
+        want = (a.G * a.D, a.D, 1)  # [P, page_size, G, D]: every page's tokens contiguous
+        got = tuple(kv.stride()[1:]) if kv.dim() == 4 else None
+    else:
+        want = (FORMATS[a.cache_format].bytes_per_token, 1)
+        got = (kv.stride(1), kv.stride(-1)) if kv.dim() in (3, 4) else None
+    if got != want:
+        return f"kv_cache strides {tuple(kv.stride())}: the cute decode needs each page's tokens contiguous"
+    if (kv.stride(0) * kv.element_size()) % 16:
+        return f"kv_cache page stride of {kv.stride(0) * kv.element_size()} bytes is not a multiple of 16"
+    for name in ("q", "kv"):
+        if getattr(a, name).data_ptr() % 16:
+            return f"{name} is not 16-byte aligned"
+    return None
+
+
+def size_reason(a: SparseDecodeArgs) -> Optional[str]:
+    """Why a size passes the kernel's int32 arithmetic (None if none does)."""
+    pages = a.block_table.shape[1] if a.block_table is not None else a.num_pages
+    if pages * a.page_size >= 2**31 or a.num_pages * a.page_size >= 2**31:
+        return "the slots a cache or a block table addresses (pages * page_size) must fit in int32"
+    if a.K >= 2**31 or a.T * a.H // HEADS_PER_CTA * a.K // BLOCK >= 2**31:
+        return "K and the tiles of a call (T * H / 64 * K / 64) must fit in int32"
+    return None
+
+
+def placement_reason(a: SparseDecodeArgs) -> Optional[str]:
+    """Why auto leaves ``a`` to another backend (None where ``PLACEMENT``
+    names cute): no measurement on this GPU, none covering the shape, or a
+    faster backend measured there."""
+    name = _device_name(a.q.device)
+    rows = {k[1:]: v for k, v in PLACEMENT.items() if k[0] == name}
+    if not rows:
+        return NOT_MEASURED
+    B = a.T // a.rows_per_seq
+    for (fmt, H, (lo, hi)), backend in rows.items():
+        if fmt == a.cache_format and H == a.H and lo <= B <= hi:
+            if backend == "cute":
+                return None
+            return f"measured on this GPU ({fmt}, H={H}, B in [{lo}, {hi}]): {backend} is faster"
+    return f"no measurement of the cute decode on this GPU covers {a.cache_format}, H={a.H}, B={B}"
+
+
+_NAMES: Dict[Any, str] = {}
+
+
+def _device_name(device: torch.device) -> str:
+    key = (device.type, device.index)
+    if key not in _NAMES:
+        _NAMES[key] = torch.cuda.get_device_name(device)
+    return _NAMES[key]
+
+
+def placed_note(a: SparseDecodeArgs) -> str:
+    """The sentence explain() prints for a call auto sends to cute."""
+    return f"measured faster on this GPU for {a.cache_format}, H={a.H}, B={a.T // a.rows_per_seq}"
+
+
+# ----------------------------------------------------------------------------
+# Splits
+
+
+def split_plan(a: SparseDecodeArgs, sms: int, splits: Optional[int] = None) -> Tuple[int, int]:
+    """(S, chunk): the split count and slots a split (whole 64-slot blocks).
+    The Triton decode's rule over this kernel's tiles (rows x kv heads x
+    64-head blocks): S = min(SMs // tiles, K / 64), one wave without a
+    partial second; ``splits`` forces S (clamped to [1, K / 64])."""
+    from dsa.triton.decode import split_plan as plan_splits
+
+    tiles = a.T * a.G * (a.H // a.G // HEADS_PER_CTA)
+    return plan_splits(tiles, a.K, BLOCK, sms, splits, BLOCK)
+
+
+# ----------------------------------------------------------------------------
+# Compilation and launch
+
+
+def kernel_config(a: SparseDecodeArgs, split: bool):
+    """The ``DecodeSm90Config`` that serves ``a``."""
+    from dsa.cute.decode_sm90 import DecodeSm90Config
+
+    return DecodeSm90Config(cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G, a.topk_length is not None,
+                            a.sink is not None, a.cache_format, a.page_size, a.block_table is not None,
+                            a.seq_lens is not None, split)
+
+
+@dataclass(frozen=True, eq=False)
+class _Plan:
+    """What a call of one shape key launches, built once (no tensor kept)."""
+
+    config: Any       # DecodeSm90Config
+    device: int
+    splits: int
+    scalars: Tuple    # the kernel's scalar arguments, in its order
+    combine_grid: Tuple[int, int, int]
+    combine: Dict[str, Any]
+    combine_key: Tuple
+
+
+_PLANS: Dict[Tuple, _Plan] = {}
+_MAX_PLANS = 4096
+_COMPILED: Dict[Tuple, Any] = {}  # (DecodeSm90Config, device index) -> compiled kernel
+
+
+def _sm_count(device: torch.device) -> int:
+    from dsa.triton.decode import sm_count
+
+    return sm_count(device)
+
+
+def plan(a: SparseDecodeArgs, splits: Optional[int] = None) -> _Plan:
+    """The launch of ``a``, built once per shape key (and forced split count)."""
+    # shape_key leaves out the sizes and scalars the kernel takes besides: the
+    # cache's pages and page stride, the block table's width, the rows a
+    # sequence, the topk_length grouping and sm_scale
+    bt_w = a.block_table.shape[1] if a.block_table is not None else 0
+    key = (a.shape_key, a.num_pages, a.kv.stride(0), bt_w, a.rows_per_seq, a.len_div, a.sm_scale, splits)
+    p = _PLANS.get(key)
+    if p is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        p = _PLANS[key] = _build(a, splits)
+    return p
+
+
+def _build(a: SparseDecodeArgs, splits: Optional[int]) -> _Plan:
+    import cutlass
+
+    from dsa.triton.decode import combine_spec
+
+    sms = _sm_count(a.q.device)
+    S, chunk = split_plan(a, sms, splits)
+    bt_w = a.block_table.shape[1] if a.block_table is not None else 0
+    scalars = (cutlass.Int32(a.T), cutlass.Int32(a.K), cutlass.Int32(a.num_pages),
+               cutlass.Int64(a.kv.stride(0) * a.kv.element_size()), cutlass.Int32(bt_w), cutlass.Int32(chunk),
+               cutlass.Int32(S), cutlass.Int32(a.len_div), cutlass.Int32(a.rows_per_seq),
+               cutlass.Float32(a.sm_scale * LOG2E), cutlass.Int32(sms))
+    comb = combine_spec(a, S)
+    c = comb.constexprs
+    grid = (a.T, -(-a.H // c["BHC"]), -(-a.d_v // c["BV"]))
+    return _Plan(kernel_config(a, S > 1), a.q.device.index, S, scalars, grid, comb.launch_kwargs(),
+                 ("cute_decode_combine", a.q.dtype, a.H, a.d_v, S, a.sink is not None))
+
+
+def _compiled(p: _Plan, ptrs, stream):
+    """The compiled kernel of p's configuration on its device (compiled on first use)."""
+    key = (p.config, p.device)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        import cutlass.cute as cute
+
+        from dsa.cute.decode_sm90 import SparseDecodeSm90
+
+        fn = _COMPILED[key] = cute.compile(SparseDecodeSm90.from_config(p.config), *ptrs, *p.scalars, stream)
+    return fn
+
+
+_COMBINE = None
+
+
+def _combine():
+    global _COMBINE
+    if _COMBINE is None:
+        from dsa.triton.decode_kernels import decode_combine_kernel
+        from dsa.triton.launch import Launcher
+
+        _COMBINE = Launcher(decode_combine_kernel)
+    return _COMBINE
+
+
+def forward(a: SparseDecodeArgs, splits: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """out [T, H, d_v] in q.dtype and lse [T, H] fp32 (sink excluded, +inf on empty rows)."""
+    p = plan(a, splits)
+    T, H, S, dev = a.T, a.H, p.splits, a.q.device
+    # under a's device: its zero row, stream and compiled kernel are that device's
+    with torch.cuda.device(dev):
+        out = torch.empty((T, H, a.d_v), dtype=a.q.dtype, device=dev)
+        lse = torch.empty((T, H), dtype=torch.float32, device=dev)
+        if S == 1:
+            part_out, part_lse = out, lse
+        else:  # one workspace: the parts' lse [T, H, S], then their outputs [T, H, S, d_v]
+            work = torch.empty(T * H * S * (a.d_v + 1), dtype=torch.float32, device=dev)
+            part_lse, part_out = work[: T * H * S], work[T * H * S:]
+        ptrs = kernel_pointers(a, part_out, part_lse)
+        stream = current_stream(dev)
+        _compiled(p, ptrs, stream)(*ptrs, *p.scalars, stream)
+        if S > 1:
+            _combine()(p.combine_grid, (part_out, part_lse, a.sink, out, lse, S), p.combine, p.combine_key)
+    return out, lse
+
+
+def decode(a: SparseDecodeArgs) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The op's entry point (the selector calls it with ``a`` alone)."""
+    return forward(a)
+
+
+def kernel_pointers(a: SparseDecodeArgs, out: torch.Tensor, lse: torch.Tensor):
+    """The kernel's pointer arguments, in its order: q, kv, indices,
+    topk_length, block_table, seq_lens, sink, out (q.dtype, or the fp32
+    parts), lse (or the parts' lse) and the zero row."""
+    import cutlass
+
+    dt = cutlass_dtype(a.q.dtype)
+    native = a.cache_format == NATIVE
+    kv_t = dt if native else cutlass.Uint8
+    row = a.D if native else FORMATS[a.cache_format].bytes_per_token
+    zero = zero_row(a.q.device, a.q.dtype if native else torch.uint8, row)
+    # Absent optional inputs are never read; any valid address stands in.
+    stand_in = a.indices
+    return (
+        gmem_ptr(a.q, dt, 16), gmem_ptr(a.kv, kv_t, 16), gmem_ptr(a.indices, cutlass.Int32, 4),
+        gmem_ptr(_or(a.topk_length, stand_in), cutlass.Int32, 4),
+        gmem_ptr(_or(a.block_table, stand_in), cutlass.Int32, 4),
+        gmem_ptr(_or(a.seq_lens, stand_in), cutlass.Int32, 4),
+        gmem_ptr(_or(a.sink, lse), cutlass.Float32, 4),
+        gmem_ptr(out, dt if out.dtype == a.q.dtype else cutlass.Float32, 16),
+        gmem_ptr(lse, cutlass.Float32, 4), gmem_ptr(zero, kv_t, 16),
+    )
+
+
+def _or(t: Optional[torch.Tensor], other: torch.Tensor) -> torch.Tensor:
+    return t if t is not None else other
+
+
+# ----------------------------------------------------------------------------
+# Offline compilation (CI, inspection)
+
+
+def compile_offline(dtype: torch.dtype, H: int, cache: str = NATIVE, page_size: int = 64, has_len: bool = True,
+                    has_sink: bool = True, has_bt: bool = True, has_seqlen: bool = True, split: bool = True,
+                    D: int = 576, G: int = 1, options: str = "--keep-ptx"):
+    """Compile the decode kernel without a GPU (``CUTE_DSL_ARCH=sm_90a``)
+    for CI and inspection; returns the compiled object."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    from dsa.cute.decode_sm90 import SparseDecodeSm90
+
+    dt = cutlass_dtype(dtype) or dtype
+    kv_t = dt if cache == NATIVE else cutlass.Uint8
+
+    def p(ty, align):
+        return make_ptr(ty, align * 64, cute.AddressSpace.gmem, assumed_align=align)
+
+    i32, f32 = p(cutlass.Int32, 4), p(cutlass.Float32, 4)
+    ptrs = (p(dt, 16), p(kv_t, 16), i32, i32, i32, i32, f32, p(cutlass.Float32 if split else dt, 16), f32,
+            p(kv_t, 16))
+    scalars = (cutlass.Int32(1), cutlass.Int32(2048), cutlass.Int32(1), cutlass.Int64(16 * 656),
+               cutlass.Int32(1), cutlass.Int32(64), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
+               cutlass.Float32(LOG2E), cutlass.Int32(132))
+    kernel = SparseDecodeSm90(dt, D, 512, H, G, has_len, has_sink, cache, page_size, has_bt, has_seqlen, split)
+    return cute.compile(kernel, *ptrs, *scalars, cuda.CUstream(0), options=options)

@@ -1,0 +1,447 @@
+"""The CuTe DSL SM90 sparse decode (dsa/cute/decode.py, dsa/cute/decode_sm90.py).
+
+* CPU (CI): the shipped decode builds compiled ahead of time for sm_90a
+  (``CUTE_DSL_ARCH=sm_90a``, fake pointers) in a subprocess: the PTX holds
+  the Hopper instructions the design rests on and ptxas reports no spills.
+  Two builds run in CI (each compile takes about 20 s on two cores); set
+  ``DSA_TEST_CUTE_DECODE_BUILDS=1`` to compile every other build as well.
+  Then the host logic without a GPU: the split plan, every reason
+  ``supports`` gives, the measured placement and the selector hook, and the
+  launch's arguments (pointers, scalars, workspace, merge) with the
+  compiled kernel faked.
+* GPU (``-m gpu``, an SM90 device): every rule of docs/semantics.md's
+  "Sparse decode" against the float64 brute force (small problems) or the
+  reference backend in float64 (model shapes), outputs NaN-poisoned before
+  each call, at forced split counts that put split boundaries inside and at
+  the ends of rows; CUDA-graph capture without a host sync.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import pytest
+import torch
+
+import bruteforce as bf
+import dsa
+from cute_offline import HAVE_DSL, SM90, compile_reports
+from dsa._args import SparseDecodeArgs, Unsupported
+from dsa.cute import decode as cdec
+
+INF = float("inf")
+ALL_BUILDS = os.environ.get("DSA_TEST_CUTE_DECODE_BUILDS", "") not in ("", "0")
+needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl is not installed")
+
+# --------------------------------------------------------------------------
+# offline compilation for sm_90a
+
+# name, kwargs of dsa.cute.decode.compile_offline (bf16 q): the first CI_BUILDS run in CI
+BUILDS = [
+    # V3.2 heads, a paged bf16 cache through a block table and seq_lens, split
+    ("native_bt_split_h128", dict(H=128, cache="native", page_size=64, has_bt=True, has_seqlen=True, split=True)),
+    # FlashMLA-style slots, one split (the row finished in the kernel), no length, no sink
+    ("native_slots_h64", dict(H=64, cache="native", page_size=64, has_len=False, has_sink=False, has_bt=False,
+                              has_seqlen=False, split=False)),
+    # a flat cache (pages of one row), GQA, D 512
+    ("native_flat_gqa_d512", dict(H=128, G=2, D=512, cache="native", page_size=1, has_bt=False, has_seqlen=False,
+                                  split=True)),
+]
+CI_BUILDS = 1
+NEEDLES = ("wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc", "setmaxnreg.inc",
+           "setmaxnreg.dec", "mbarrier.try_wait", "st.global.v2.b32", "st.local", "ld.local",
+           "cvt.rn.f16x2.e4m3x2", "fence.proxy.async.shared::cta", "ld.global.v4", "st.shared.v4")
+
+
+def _builds():
+    return [pytest.param(b, id=b[0], marks=() if i < CI_BUILDS or ALL_BUILDS else pytest.mark.skip(
+        reason="set DSA_TEST_CUTE_DECODE_BUILDS=1 to compile it")) for i, b in enumerate(BUILDS)]
+
+
+@needs_dsl
+@pytest.mark.parametrize("build", _builds())
+def test_decode_compiles_offline(build, tmp_path):
+    from dsa.cute.sparse_attention_sm90 import SMEM_LIMIT, smem_bytes
+
+    name, kw = build
+    r = compile_reports([(name, "dsa.cute.decode:compile_offline", ["torch.bfloat16"], kw)], NEEDLES, "sm_90a",
+                        tmp_path)[name]
+    n = r["needles"]
+    D = kw.get("D", 576)
+    # S = Q K^T: D / 16 wgmma a block; O += P V: 4 a block and source of P
+    assert n["wgmma.mma_async"] >= D // 16 + 4, (name, r)
+    assert n["cp.async.cg.shared.global"] >= 1 and n["cp.async.mbarrier.arrive.noinc"] >= 5, (name, r)
+    assert n["setmaxnreg.inc"] >= 1 and n["setmaxnreg.dec"] >= 1 and n["mbarrier.try_wait"] >= 2, (name, r)
+    # the split build writes fp32 parts two columns at a time; the other finishes rows as the forward does
+    assert (n["st.global.v2.b32"] > 0) == kw["split"], (name, r)
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and n["st.local"] == 0 and n["ld.local"] == 0, (name, r)
+    assert r["smem"] == smem_bytes(D, 512, 2) <= SMEM_LIMIT == r["smem_limit"], (name, r)
+
+
+# --------------------------------------------------------------------------
+# host logic (CPU)
+
+
+def _args(T=2, H=128, D=576, K=2048, P=8, PS=64, G=1, dtype=torch.bfloat16, fmt="native", bt_w: Optional[int] = 4,
+          seq_lens=True, topk_length=True, sink=True, rows_per_seq=1, kv=None, indices=None) -> SparseDecodeArgs:
+    """Canonical decode arguments on CPU tensors (values irrelevant)."""
+    q = torch.zeros(T, H, D, dtype=dtype)
+    if kv is None:
+        kv = (torch.zeros(P, PS, G, D, dtype=dtype) if fmt == "native"
+              else torch.zeros(P, PS, 656, dtype=torch.uint8))
+    idx = indices if indices is not None else torch.zeros(T, G, K, dtype=torch.int32)
+    B = T // rows_per_seq
+    bt = torch.zeros(B, bt_w, dtype=torch.int32) if bt_w else None
+    sl = torch.zeros(B, dtype=torch.int32) if bt_w and seq_lens else None
+    tl = torch.zeros(T, dtype=torch.int32) if topk_length else None
+    sk = torch.zeros(H) if sink else None
+    return SparseDecodeArgs(q, kv, idx, tl, bt, sl, sk, D ** -0.5, min(D, 512), fmt, rows_per_seq)
+
+
+@pytest.mark.parametrize("B,H,splits,S,chunk", [
+    (1, 128, None, 32, 64),     # 2 tiles: as many splits as 64-slot blocks
+    (1, 64, None, 32, 64),
+    (32, 128, None, 2, 1024),   # 64 tiles: 2 splits, 128 of 132 SMs
+    (32, 64, None, 4, 512),     # 32 tiles: 4 splits
+    (128, 128, None, 1, 2048),  # 256 tiles: more than a wave, one split
+    (128, 64, None, 1, 2048),
+    (1, 128, 5, 5, 448),        # forced: 32 blocks over 5 splits of 7 blocks
+    (1, 128, 100, 32, 64),      # forced past the block count: clamped
+    (32, 128, 0, 1, 2048),      # forced below 1: clamped
+])
+def test_split_plan(B, H, splits, S, chunk):
+    a = _args(T=B, H=H)
+    assert cdec.split_plan(a, 132, splits) == (S, chunk)
+    # every split starts inside the row, the last one ends at K
+    assert (S - 1) * chunk < a.K <= S * chunk and chunk % cdec.BLOCK == 0
+
+
+def test_split_plan_short_rows():
+    a = _args(T=1, H=64, K=100)
+    assert cdec.split_plan(a, 132) == (2, 64)  # a split of 64 slots, the second one 36
+
+
+def _padded_native(P, PS, D, pad, dtype=torch.bfloat16):
+    buf = torch.zeros(P, PS * D + pad, dtype=dtype)
+    return buf[:, : PS * D].view(P, PS, 1, D)
+
+
+@pytest.mark.parametrize("what,kw,match", [
+    ("fp32 q", dict(dtype=torch.float32), "bf16 or fp16"),
+    ("32 heads", dict(H=32), "multiple of 64"),
+    ("D 128", dict(D=128), "D in"),
+    ("model1", dict(fmt="fp8_model1", kv=torch.zeros(4, 64, 584, dtype=torch.uint8)), "cache_format"),
+    ("kv dtype", dict(kv=torch.zeros(4, 64, 1, 576, dtype=torch.float16)), "differs from q dtype"),
+    ("int64 indices", dict(indices=torch.zeros(2, 1, 2048, dtype=torch.int64)), "int32"),
+    ("page stride", dict(kv=_padded_native(4, 64, 576, 3)), "multiple of 16"),
+    ("tokens apart", dict(kv=torch.zeros(4, 64, 2, 576, dtype=torch.bfloat16)[:, :, :1]), "contiguous"),
+    ("int32 pages", dict(kv=torch.zeros(1, 64, 1, 576, dtype=torch.bfloat16).expand(2**25, 64, 1, 576)), "int32"),
+    ("int32 table", dict(bt_w=2**25), "int32"),
+])
+def test_supports_reasons(what, kw, match):
+    why = cdec.call_reason(_args(**kw))
+    assert why is not None and match in why, (what, why)
+
+
+def test_supports_serves_the_model_layouts():
+    assert cdec.call_reason(_args()) is None
+    assert cdec.call_reason(_args(bt_w=None, seq_lens=False, topk_length=False, sink=False)) is None
+    assert cdec.call_reason(_args(dtype=torch.float16, H=64, D=512, G=1, PS=1, bt_w=None)) is None
+    assert cdec.call_reason(_args(kv=_padded_native(4, 64, 576, 8))) is None  # a padded page stride, 16-byte aligned
+    assert cdec.call_reason(_args(T=4, rows_per_seq=2)) is None
+
+
+def test_supports_needs_an_sm90_gpu():
+    why = cdec.supports(_args())
+    assert why is not None and "CUDA" in why
+
+
+def test_placement_declines_until_measured(monkeypatch):
+    a = _args(T=32)
+    monkeypatch.setattr(cdec, "_device_name", lambda d: "NVIDIA H200")
+    assert cdec.placement_reason(a) == cdec.NOT_MEASURED == "no measurement of the cute decode on this GPU yet"
+    monkeypatch.setattr(cdec, "PLACEMENT", {("NVIDIA H100", "native", 128, (1, 256)): "cute"})
+    assert cdec.placement_reason(a) == cdec.NOT_MEASURED  # another GPU's measurement
+    monkeypatch.setattr(cdec, "PLACEMENT", {("NVIDIA H200", "native", 128, (1, 16)): "cute",
+                                            ("NVIDIA H200", "native", 128, (17, 64)): "triton"})
+    assert "triton is faster" in cdec.placement_reason(a)
+    assert cdec.placement_reason(_args(T=8)) is None
+    assert "covers" in cdec.placement_reason(_args(T=128))
+    assert "covers" in cdec.placement_reason(_args(T=8, H=64))
+
+
+def test_backend_hook(monkeypatch):
+    import dsa.cute as cute_backend
+    from dsa.cute import host
+
+    a = _args(T=8)
+    monkeypatch.setattr(host, "arch_of", lambda d: "sm90")
+    monkeypatch.setattr(cdec, "supports", lambda a: None)
+    monkeypatch.setattr(cdec, "_device_name", lambda d: "NVIDIA H200")
+    assert cute_backend.backend_op("sparse_decode", a) is cdec.decode  # backend="cute" runs it
+    with pytest.raises(Unsupported, match="no measurement of the cute decode on this GPU yet"):
+        cute_backend.backend_op("sparse_decode", a, auto=True)
+    monkeypatch.setattr(cdec, "PLACEMENT", {("NVIDIA H200", "native", 128, (1, 16)): "cute"})
+    chosen = cute_backend.backend_op("sparse_decode", a, auto=True)
+    assert chosen.fn is cdec.decode and "measured faster" in chosen.note
+    monkeypatch.setattr(cdec, "supports", lambda a: "the kernel's own reason")
+    with pytest.raises(Unsupported, match="the kernel's own reason"):
+        cute_backend.backend_op("sparse_decode", a)
+
+
+@needs_dsl
+@pytest.mark.parametrize("B,H,split", [(1, 128, True), (128, 128, False)])
+def test_launch_arguments(monkeypatch, B, H, split):
+    """forward() without a GPU: the kernel gets its pointers in order (the
+    workspace views when split), the plan's scalars, and the merge gets the
+    parts; the plan is built once per key."""
+    import cutlass
+
+    launches, merges, zero = [], [], torch.zeros(576, dtype=torch.bfloat16)
+    monkeypatch.setattr(cdec, "_sm_count", lambda d: 132)
+    monkeypatch.setattr(cdec, "gmem_ptr", lambda t, ty, align: (t, ty, align))
+    monkeypatch.setattr(cdec, "current_stream", lambda d: "stream")
+    monkeypatch.setattr(cdec, "zero_row", lambda d, dt, D: zero)
+    monkeypatch.setattr(cdec, "_compiled", lambda p, ptrs, stream: lambda *x: launches.append((p, x)))
+    monkeypatch.setattr(cdec, "_combine", lambda: lambda *x: merges.append(x))
+    monkeypatch.setattr(torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(cdec, "_PLANS", {})
+    a = _args(T=B, H=H, P=6, bt_w=3)
+    out, lse = cdec.forward(a)
+    assert out.shape == (B, H, 512) and out.dtype == torch.bfloat16 and lse.shape == (B, H)
+    (p, x), = launches
+    S, chunk = cdec.split_plan(a, 132)
+    assert p.splits == S and p.config.split == split == (S > 1)
+    ptrs, scalars, stream = x[:10], x[10:-1], x[-1]
+    assert stream == "stream"
+    assert [t for t, _, _ in ptrs[:7]] == [a.q, a.kv, a.indices, a.topk_length, a.block_table, a.seq_lens, a.sink]
+    assert ptrs[1][1] is cutlass.BFloat16 and ptrs[9][0] is zero
+    part_out, part_lse = ptrs[7][0], ptrs[8][0]
+    if split:
+        assert ptrs[7][1] is cutlass.Float32 and part_out.numel() == B * H * S * 512 and part_lse.numel() == B * H * S
+        (grid, margs, _, _), = merges
+        assert margs[0] is part_out and margs[1] is part_lse and margs[2] is a.sink and margs[3] is out
+        assert margs[4] is lse and margs[5] == S and grid[0] == B
+    else:
+        assert part_out is out and part_lse is lse and not merges
+    T, K, P, stride, bt_w, ch, n_split, len_div, rps, scale, sms = [s.value if hasattr(s, "value") else s
+                                                                     for s in scalars]
+    assert (int(T), int(K), int(P), int(stride), int(bt_w), int(ch), int(n_split)) == (B, 2048, 6, 64 * 576 * 2,
+                                                                                        3, chunk, S)
+    assert (int(len_div), int(rps), int(sms)) == (1, 1, 132)
+    cdec.forward(a)
+    assert len(cdec._PLANS) == 1 and launches[1][0] is p  # the plan is reused
+    cdec.forward(_args(T=B, H=H, P=7, bt_w=3))  # a larger pool: another plan (P is a kernel argument)
+    assert len(cdec._PLANS) == 2
+
+
+# --------------------------------------------------------------------------
+# GPU: the contract on the cute decode
+
+gpu = pytest.mark.skipif(not (SM90 and HAVE_DSL), reason="needs an SM90 GPU and nvidia-cutlass-dsl")
+
+
+def _poison():
+    """Leave NaN in the caching allocator's free blocks, so that an output
+    element the kernel fails to write shows as NaN."""
+    x = torch.full((1 << 26,), float("nan"), device="cuda")
+    del x
+
+
+def _canonical(q, cache, idx, **kw):
+    from dsa import _checks
+
+    a, _ = _checks.sparse_decode_args(q, cache, idx, kw.get("block_table"), kw.get("seq_lens"),
+                                      kw.get("topk_length"), kw.get("sink"), kw.get("sm_scale"), kw.get("d_v"),
+                                      kw.get("cache_format"))
+    return a
+
+
+def _run(q, cache, idx, splits=None, **kw):
+    """The cute decode at a forced split count (None: the plan's), outputs poisoned first."""
+    a = _canonical(q, cache, idx, **kw)
+    assert cdec.supports(a) is None, cdec.supports(a)
+    _poison()
+    out, lse = cdec.forward(a, splits)
+    return out.view(*q.shape[:-1], a.d_v), lse.view(*q.shape[:-1])
+
+
+def _check_bf(q, cache, idx, fmt="native", splits=(None,), **kw):
+    """Against the float64 brute force at each split count; NaN only where it has NaN."""
+    exp = bf.sparse_decode(q, cache, idx, cache_format=fmt, **kw)
+    for s in splits:
+        out, lse = _run(q, cache, idx, s, **kw)
+        bf.assert_close(out, exp["out"], q.dtype, f"out splits={s}")
+        bf.assert_close(lse, exp["lse"], q.dtype, f"lse splits={s}")
+    return exp
+
+
+def _native_paged(P, PS, D, gen, dtype=torch.bfloat16, G=1, pad=0):
+    """[P, PS, G, D] on the GPU; with pad, each page is followed by pad elements of NaN (page stride padded)."""
+    kv = torch.randn(P, PS, G, D, generator=gen).to(dtype)
+    if not pad:
+        return kv.cuda()
+    buf = torch.full((P, PS * G * D + pad), float("nan"), dtype=dtype, device="cuda")
+    buf[:, : PS * G * D] = kv.view(P, -1).cuda()
+    return buf[:, : PS * G * D].view(P, PS, G, D)
+
+
+dtypes = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+
+
+@pytest.mark.gpu
+@gpu
+@dtypes
+@pytest.mark.parametrize("H", [64, 128])
+def test_block_table_edge_cases(dtype, H):
+    """A block table with -1 and out-of-range pages, seq_lens cutting rows,
+    -1 / out-of-range / huge positions, topk_length 0, partial, past K and
+    negative, NaN in every page no valid slot names, a padded page stride;
+    at split counts that put boundaries inside and at the ends of rows."""
+    gen = torch.Generator().manual_seed(1)
+    B, PS, W, P, K, D = 6, 16, 6, 20, 200, 576
+    q = torch.randn(B, 1, H, D, generator=gen).to(dtype).cuda()
+    kv = _native_paged(P, PS, D, gen, dtype, pad=24)
+    bt = torch.randint(0, P, (B, W), generator=gen, dtype=torch.int32)
+    bt[0, 1] = -1
+    bt[1, 2] = P
+    bt[2, 0] = 2**31 - 1
+    seq_lens = torch.tensor([W * PS, 40, 0, W * PS - 3, 17, 96], dtype=torch.int32)
+    idx = torch.randint(0, W * PS, (B, 1, K), generator=gen, dtype=torch.int32)
+    idx[0, 0, ::7] = -1
+    idx[1, 0, ::5] = W * PS
+    idx[3, 0, 1::9] = 2**31 - 1
+    idx[4, 0, 10:40] = idx[4, 0, 40:70]  # duplicates are separate slots
+    tl = torch.tensor([K, 63, 64, 65, 0, 1000], dtype=torch.int32)
+    # NaN in every page no block table entry names
+    named = torch.zeros(P, dtype=torch.bool)
+    named[bt[(bt >= 0) & (bt < P)].long()] = True
+    kv[~named.cuda()] = float("nan")
+    sink = (torch.randn(H, generator=gen) * 2).cuda()
+    kw = dict(block_table=bt.cuda(), seq_lens=seq_lens.cuda(), topk_length=tl.cuda(), sink=sink)
+    exp = _check_bf(q, kv, idx.cuda(), splits=(None, 1, 2, 3, 4), **kw)
+    assert torch.isinf(exp["lse"][2]).all() and torch.isinf(exp["lse"][4]).all()  # cut to nothing: empty rows
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("sink_value", [None, INF, -INF, 2.4e38, 0.5])
+def test_slots_without_block_table_and_sinks(sink_value):
+    """FlashMLA's slots (page * page_size + offset), -1 and past the pool,
+    every slot invalid in one row; sink absent, +inf, -inf, overflowing and
+    finite; splits of one block each."""
+    gen = torch.Generator().manual_seed(2)
+    T, H, P, PS, K, D = 4, 64, 8, 64, 256, 576
+    q = torch.randn(T, H, D, generator=gen).to(torch.bfloat16).cuda()
+    kv = _native_paged(P, PS, D, gen)
+    idx = torch.randint(0, P * PS, (T, K), generator=gen, dtype=torch.int32)
+    idx[1, ::3] = -1
+    idx[2, ::4] = P * PS
+    idx[3] = -7  # no valid slot
+    sink = None if sink_value is None else torch.full((H,), sink_value, device="cuda")
+    exp = _check_bf(q, kv, idx.cuda(), splits=(None, 1, 4), sink=sink)
+    assert torch.isinf(exp["lse"][3]).all()
+
+
+@pytest.mark.gpu
+@gpu
+@dtypes
+def test_flat_gqa_and_rows_per_sequence(dtype):
+    """A flat cache with two kv heads (D 512), and speculative rows: two
+    query rows a sequence sharing a per-sequence topk_length."""
+    gen = torch.Generator().manual_seed(3)
+    N, K = 500, 192
+    q = torch.randn(3, 2, 128, 512, generator=gen).to(dtype).cuda()
+    kv = torch.randn(N, 2, 512, generator=gen).to(dtype).cuda()
+    idx = torch.randint(-2, N + 2, (3, 2, 2, K), generator=gen, dtype=torch.int32).cuda()
+    tl = torch.tensor([K, 70, 0], dtype=torch.int32).cuda()
+    _check_bf(q, kv, idx, splits=(None, 1, 3), topk_length=tl)
+    _check_bf(q, kv, idx, splits=(None,))
+
+
+@pytest.mark.gpu
+@gpu
+def test_nan_in_q_and_in_a_valid_row_propagates():
+    gen = torch.Generator().manual_seed(4)
+    T, H, P, PS, K, D = 2, 64, 4, 64, 128, 576
+    q = torch.randn(T, H, D, generator=gen).to(torch.bfloat16).cuda()
+    kv = _native_paged(P, PS, D, gen)
+    idx = torch.randint(0, P * PS, (T, K), generator=gen, dtype=torch.int32)
+    unused = next(n for n in range(P * PS) if not (idx[0] == n).any())
+    idx[1, 5] = unused  # a row only the second query names
+    idx = idx.cuda()
+    q[0, 3, 7] = float("nan")
+    kv.view(-1, D)[unused] = float("nan")
+    for s in (None, 1, 2):
+        out, lse = _run(q, kv, idx, s)
+        assert out[0, 3].isnan().all() and not out[0, :3].isnan().any() and not out[0, 4:].isnan().any()
+        assert out[1].isnan().all()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("B,H", [(1, 64), (1, 128), (32, 64), (32, 128), (128, 64), (128, 128)])
+def test_model_shapes_against_reference(B, H):
+    """V3.2 shapes (K 2048, D 576, pages of 64 through a block table, a
+    sink, ragged lengths) against the reference backend in float64, at the
+    plan's split count and forced ones."""
+    gen = torch.Generator(device="cuda").manual_seed(B + H)
+    K, PS, W = 2048, 64, 64
+    P = B * W
+    q = torch.randn(B, 1, H, 576, device="cuda", generator=gen).bfloat16()
+    kv = torch.randn(P, PS, 1, 576, device="cuda", generator=gen).bfloat16()
+    bt = torch.randperm(P, device="cuda", generator=gen).view(B, W).int()
+    pos = torch.rand(B, W * PS, device="cuda", generator=gen).topk(K, dim=-1).indices.sort(-1).values
+    idx = pos.int().view(B, 1, K)
+    tl = torch.randint(0, K + 1, (B,), device="cuda", generator=gen).int()
+    tl[0] = K
+    sink = torch.randn(H, device="cuda", generator=gen)
+    kw = dict(block_table=bt, topk_length=tl, sink=sink)
+    ref, ref_lse = dsa.sparse_decode(q.double(), kv.double(), idx, return_lse=True, backend="reference", **kw)
+    for s in (None, 1, 3, 32):
+        out, lse = _run(q, kv, idx, s, **kw)
+        assert bf.rel_l2(out, ref) < 1e-2, s
+        assert not out.isnan().any() and not lse.isnan().any()
+        assert torch.allclose(lse.double(), ref_lse, rtol=1e-3, atol=1e-3), s
+
+
+@pytest.mark.gpu
+@gpu
+def test_public_call_cuda_graph_and_no_sync():
+    """backend="cute" through dsa.sparse_decode: no host sync, and a CUDA
+    graph replay equals an eager call on new q (split and unsplit)."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for B in (1, 128):
+        q = torch.randn(B, 1, 128, 576, device="cuda", generator=gen).bfloat16()
+        kv = torch.randn(64, 64, 1, 576, device="cuda", generator=gen).bfloat16()
+        bt = torch.randint(-1, 64, (B, 8), device="cuda", generator=gen).int()
+        idx = torch.randint(-1, 8 * 64, (B, 1, 512), device="cuda", generator=gen).int()
+        kw = dict(block_table=bt, sink=torch.randn(128, device="cuda"), return_lse=True, backend="cute")
+        dsa.sparse_decode(q, kv, idx, **kw)  # compiled outside the capture
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            dsa.sparse_decode(q, kv, idx, **kw)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            g_out, g_lse = dsa.sparse_decode(q, kv, idx, **kw)
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        out, lse = dsa.sparse_decode(q, kv, idx, **kw)
+        torch.cuda.synchronize()
+        assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
+
+
+@pytest.mark.gpu
+@gpu
+def test_auto_declines_with_the_reason():
+    q = torch.randn(1, 1, 128, 576, device="cuda").bfloat16()
+    kv = torch.randn(4, 64, 1, 576, device="cuda").bfloat16()
+    idx = torch.zeros(1, 1, 64, dtype=torch.int32, device="cuda")
+    text = dsa.explain("sparse_decode", q, kv, idx)
+    assert "cute: no measurement of the cute decode on this GPU yet" in text, text
+    with pytest.raises(ValueError, match="cute"):
+        dsa.sparse_decode(q.float(), kv.float(), idx, backend="cute")

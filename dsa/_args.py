@@ -220,12 +220,15 @@ class IndexerArgs(_Sequences):
 class TopkArgs:
     """Top-k over the last dim of a 2-D score matrix.
 
-    scores: [R, S] fp32 / bf16 / fp16, contiguous
-    topk:   number of slots per row (may exceed S; the row is padded with -1)
+    scores:   [R, S] fp32 / bf16 / fp16, contiguous
+    topk:     number of slots per row (may exceed S; the row is padded with -1)
+    row_ends: [R] int32, contiguous, or None (whole rows): row r is its first
+              clamp(row_ends[r], 0, S) scores, the rest counting as -inf
     """
 
     scores: torch.Tensor
     topk: int
+    row_ends: Optional[torch.Tensor] = None
 
     @property
     def empty(self) -> bool:

@@ -548,14 +548,23 @@ def indexer_args(
 # top-k
 
 
-def topk_args(scores, k) -> Tuple[TopkArgs, Tuple[int, ...]]:
+def topk_args(scores, k, row_ends=None) -> Tuple[TopkArgs, Tuple[int, ...]]:
     scores = _tensor("scores", scores, dtypes=FLOAT_DTYPES)
     _rank("scores", scores, tuple(range(1, 9)), "at least one dim (top-k runs on the last)")
     k = _int("k", k, low=0)
+    _optional("row_ends", row_ends, INT_DTYPES)
+    _same_device("scores", scores, row_ends=row_ends)
     lead = tuple(scores.shape[:-1])
     S = scores.shape[-1]
     rows = math.prod(lead)  # not reshape(-1, S): ambiguous when S == 0
-    return TopkArgs(scores=scores.reshape(rows, S).contiguous(), topk=k), lead
+    if row_ends is not None:
+        _shape("row_ends", row_ends, lead, "one end per row of scores, scores.shape[:-1]")
+        row_ends = row_ends.reshape(rows)
+        if row_ends.dtype != torch.int32:
+            # clamped before the cast so int64 ends past 2**31 cannot wrap (int32 is clamped where it is read)
+            row_ends = _int32(row_ends.clamp(0, S))
+        row_ends = row_ends.contiguous()
+    return TopkArgs(scores=scores.reshape(rows, S).contiguous(), topk=k, row_ends=row_ends), lead
 
 
 def topk_value(name: str, topk) -> int:

@@ -92,24 +92,30 @@ def indexer_scores(
     return layout.unpack(ops.call(ops.indexer_scores, a, backend))
 
 
-def _topk(scores, k, return_lengths, backend):
+def _topk(scores, k, row_ends, return_lengths, backend):
     _checks.flag("return_lengths", return_lengths)
     _checks.backend_arg(backend)
-    return _checks.topk_args(scores, k)
+    return _checks.topk_args(scores, k, row_ends)
 
 
 def topk_indices(
-    scores: Tensor, k: int, *, return_lengths: bool = False, backend: Backend = "auto"
+    scores: Tensor, k: int, *, row_ends: Optional[Tensor] = None, return_lengths: bool = False,
+    backend: Backend = "auto",
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Positions of the k largest scores of each row (last dim).
 
     scores [..., S] (fp32/bf16/fp16) -> indices [..., k] int32: the selected
     positions in ascending order, then -1 padding. NaN and -inf are never
     selected (+inf is, as the largest); ties at the cut go to the smaller
-    position; k may exceed S. With ``return_lengths`` also lengths [...]
-    int32, the count of valid entries, ready to pass as ``topk_length``.
+    position; k may exceed S. ``row_ends`` [...] (scores.shape[:-1], int32 or
+    int64, on the scores' device): row r is only its first
+    clamp(row_ends[r], 0, S) scores, the columns past it count as -inf
+    whatever they hold (a causal row i: min(S, (i + 1) // ratio)); the Triton
+    kernels read only that prefix. With ``return_lengths`` also lengths
+    [...] int32, the count of valid entries, ready to pass as
+    ``topk_length``.
     """
-    a, lead = _topk(scores, k, return_lengths, backend)
+    a, lead = _topk(scores, k, row_ends, return_lengths, backend)
     idx, lengths = ops.call(ops.topk, a, backend)
     idx, lengths = idx.view(*lead, a.topk), lengths.view(lead)
     return (idx, lengths) if return_lengths else idx
@@ -178,7 +184,8 @@ def shape_line(a) -> str:
     if isinstance(a, SparseIndexerArgs):
         return f"T={a.T} H_i={a.H} D_i={a.D} K={a.K} N={a.N} {_dtype(a.q)}"
     if isinstance(a, TopkArgs):
-        return f"R={a.scores.shape[0]} S={a.scores.shape[1]} k={a.topk} {_dtype(a.scores)}"
+        return (f"R={a.scores.shape[0]} S={a.scores.shape[1]} k={a.topk} {_dtype(a.scores)}"
+                + (" row_ends" if a.row_ends is not None else ""))
     T_q, H, D = a.q.shape
     return f"B={a.batch} T_q={T_q} H={H} D={D} max_seqlen_k={a.max_seqlen_k} {_dtype(a.q)}"
 

@@ -231,10 +231,16 @@ def indexer_topk(a: IndexerArgs, topk: int) -> Tuple[torch.Tensor, torch.Tensor]
 # top-k
 
 
-def _topk_rows(scores: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def _topk_rows(scores: torch.Tensor, k: int,
+               ends: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """scores [R, S] -> (indices [R, k], lengths [R]) int32; ends [R] (any int
+    dtype) or None: columns at or past clamp(ends[r], 0, S) count as -inf."""
     R, S = scores.shape
     key = scores if scores.dtype == torch.float64 else scores.float()
     key = torch.where(torch.isnan(key), _NEG_INF, key)
+    if ends is not None:
+        col = torch.arange(S, device=key.device).view(1, -1)
+        key = torch.where(col < ends.clamp(0, S).view(-1, 1), key, _NEG_INF)
     # a stable descending sort keeps equal scores in position order: ties go to the smaller position
     vals, order = torch.sort(key, dim=-1, descending=True, stable=True)
     take = min(k, S)
@@ -247,14 +253,16 @@ def _topk_rows(scores: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor
 
 
 def topk(a: TopkArgs) -> Tuple[torch.Tensor, torch.Tensor]:
-    """-> indices [R, k] int32 (selected positions ascending, then -1), lengths [R] int32."""
+    """-> indices [R, k] int32 (selected positions ascending, then -1), lengths [R] int32;
+    row r only up to clamp(a.row_ends[r], 0, S) when row_ends is given."""
     R, S = a.scores.shape
     idx = torch.empty((R, a.topk), device=a.scores.device, dtype=torch.int32)
     lengths = torch.empty(R, device=a.scores.device, dtype=torch.int32)
     step = _row_chunk(4 * S)
     for r0 in range(0, R, step):
         r1 = min(R, r0 + step)
-        idx[r0:r1], lengths[r0:r1] = _topk_rows(a.scores[r0:r1], a.topk)
+        ends = None if a.row_ends is None else a.row_ends[r0:r1]
+        idx[r0:r1], lengths[r0:r1] = _topk_rows(a.scores[r0:r1], a.topk, ends)
     return idx, lengths
 
 

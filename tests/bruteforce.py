@@ -397,18 +397,22 @@ def indexer_scores(
 # --------------------------------------------------------------------------
 
 
-def topk(scores: torch.Tensor, k: int):
+def topk(scores: torch.Tensor, k: int, row_ends: Optional[torch.Tensor] = None):
     """Per row of the last dim: positions of the k largest scores that are not
     NaN and not -inf (+inf counts as the largest), ties going to the smaller
     position, valid ones first in ascending position order, padded with -1.
+    row_ends (int, scores.shape[:-1]) or None: a row is only its first
+    min(max(row_ends[r], 0), S) scores, whatever lies past them.
     Returns (indices int64 [..., k], lengths int64 [...])."""
     a = _np(scores)
     lead = a.shape[:-1]
-    rows = a.reshape(int(np.prod(lead, dtype=np.int64)), a.shape[-1])
+    S = a.shape[-1]
+    rows = a.reshape(int(np.prod(lead, dtype=np.int64)), S)
+    ends = [S] * rows.shape[0] if row_ends is None else [min(max(int(e), 0), S) for e in _np(row_ends).reshape(-1)]
     out = np.full((rows.shape[0], k), -1, dtype=np.int64)
     lengths = np.zeros(rows.shape[0], dtype=np.int64)
     for r in range(rows.shape[0]):
-        cands = [(float(v), j) for j, v in enumerate(rows[r]) if not math.isnan(v) and v != -INF]
+        cands = [(float(v), j) for j, v in enumerate(rows[r, : ends[r]]) if not math.isnan(v) and v != -INF]
         cands.sort(key=lambda c: (-c[0], c[1]))
         chosen = sorted(j for _, j in cands[:k])
         out[r, : len(chosen)] = chosen

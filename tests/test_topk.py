@@ -44,14 +44,15 @@ def special_scores(R, S, dtype, gen, device):
     return s.to(dtype).to(device)
 
 
-def check_topk(call, backend, scores, k):
-    idx, lengths = call(dsa.topk_indices, scores, k, return_lengths=True, backend=backend)
-    want_idx, want_len = bf.topk(scores, k)
+def check_topk(call, backend, scores, k, row_ends=None):
+    kw = {} if row_ends is None else {"row_ends": row_ends}
+    idx, lengths = call(dsa.topk_indices, scores, k, return_lengths=True, backend=backend, **kw)
+    want_idx, want_len = bf.topk(scores, k, row_ends)
     assert idx.dtype == torch.int32 and lengths.dtype == torch.int32
     assert idx.shape == (*scores.shape[:-1], k) and lengths.shape == scores.shape[:-1]
     assert torch.equal(idx.cpu().long(), want_idx), f"indices differ:\n{idx}\n{want_idx}"
     assert torch.equal(lengths.cpu().long(), want_len)
-    only = call(dsa.topk_indices, scores, k, backend=backend)
+    only = call(dsa.topk_indices, scores, k, backend=backend, **kw)
     assert torch.equal(only, idx)
     return idx, lengths
 
@@ -124,6 +125,100 @@ def test_topk_long_rows(fast_case, call):
     check_topk(call, case.backend, s, 37)
 
 
+# --------------------------------------------------------------------------
+# row_ends: each row only up to its end, whatever lies past it
+
+
+def poison_past(scores: torch.Tensor, ends: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """scores with +inf, NaN and huge values right past each row's end (and
+    here and there further on): selected by anything that reads past it."""
+    x = scores.clone()
+    flat = x.view(-1, x.shape[-1])
+    S = flat.shape[1]
+    for r, e in enumerate(ends.reshape(-1).tolist()):
+        e = min(max(e, 0), S)
+        tail = torch.tensor([INF, NAN, 1e30, INF], dtype=x.dtype)[torch.randint(0, 4, (S - e,), generator=gen)]
+        flat[r, e:] = tail.to(x.device)
+    return x
+
+
+@pytest.mark.parametrize("k", [1, 9, 30])
+def test_topk_row_ends(case, call, k):
+    """Ends of 0, inside, S, past S and negative, int32 then int64 (one past
+    2**31: clamped, not wrapped); ties, NaN and +-inf inside the rows, +inf /
+    NaN / huge values past the ends."""
+    gen = _gen(700 + k)
+    R, S = 10, 24
+    scores = special_scores(R, S, topk_dtype(case), gen, "cpu")
+    ends = torch.tensor([24, 0, 13, 40, -3, 1, 7, 16, 17, 2**31 - 1])
+    scores = poison_past(scores, ends, gen).to(case.device)
+    big = ends.clone()
+    big[3] = 2**32 + 5
+    for e in (ends.to(torch.int32), big):
+        idx, lengths = call(dsa.topk_indices, scores, k, row_ends=e.to(case.device), return_lengths=True,
+                            backend=case.backend)
+        want_idx, want_len = bf.topk(scores, k, e)
+        assert idx.dtype == torch.int32 and lengths.dtype == torch.int32 and idx.shape == (R, k)
+        assert torch.equal(idx.cpu().long(), want_idx), f"indices differ:\n{idx}\n{want_idx}"
+        assert torch.equal(lengths.cpu().long(), want_len)
+        assert (idx.cpu() < ends.clamp(0, S).view(-1, 1)).all()
+
+
+def test_topk_row_ends_equal_the_masked_rows(fast_case, call):
+    """With ends the result is that of the rows with -inf past the ends (and
+    of whole rows where every end is >= S); higher-rank scores take ends of
+    their leading shape."""
+    case = fast_case
+    gen = _gen(710)
+    scores = special_scores(6, 13, topk_dtype(case), gen, "cpu").view(2, 3, 13)
+    ends = torch.tensor([[13, 0, 5], [12, 99, 1]])
+    col = torch.arange(13)
+    masked = torch.where(col < ends.clamp(0, 13)[..., None], scores, torch.full_like(scores, -INF))
+    scores = poison_past(scores, ends, gen)
+    dev = case.device
+    got = call(dsa.topk_indices, scores.to(dev), 4, row_ends=ends.to(dev), return_lengths=True, backend=case.backend)
+    want = call(dsa.topk_indices, masked.to(dev), 4, return_lengths=True, backend=case.backend)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    whole = call(dsa.topk_indices, scores.to(dev), 4, backend=case.backend)
+    full = call(dsa.topk_indices, scores.to(dev), 4, row_ends=torch.full((2, 3), 13, device=dev),
+                backend=case.backend)
+    assert torch.equal(whole, full)
+    check_topk(call, case.backend, scores[1, 2].to(dev), 4, ends[1, 2].to(dev))  # [S] with a 0-dim end
+    check_topk(call, case.backend, scores[:0].to(dev), 4, ends[:0].to(dev))  # no rows
+
+
+def test_topk_row_ends_through_the_op():
+    """The dispatcher's path (the schema's optional row_ends) on every CPU
+    backend, the fake's shapes, and what explain() reports."""
+    from dsa import _checks, ops
+    from conftest import _cpu_backend_params
+
+    gen = _gen(720)
+    s = special_scores(4, 11, torch.float32, gen, "cpu")
+    ends = torch.tensor([11, 0, 6, 3], dtype=torch.int32)
+    a, _ = _checks.topk_args(s, 3, ends)
+    want = bf.topk(s, 3, ends)
+    for backend in _cpu_backend_params():
+        idx, lengths = ops.topk(a, backend)
+        assert torch.equal(idx.long(), want[0]) and torch.equal(lengths.long(), want[1]), backend
+    torch.library.opcheck(ops.topk.op, (s, 3, ends, "reference"), test_utils=("test_schema", "test_faketensor"))
+    assert "row_ends" in dsa.explain("topk_indices", s, 3, row_ends=ends)
+    assert "row_ends" not in dsa.explain("topk_indices", s, 3)
+
+
+def test_topk_row_ends_errors():
+    s = torch.zeros(2, 3, 5)
+    with pytest.raises(TypeError, match="row_ends"):
+        dsa.topk_indices(s, 2, row_ends=torch.zeros(2, 3), backend="reference")  # float ends
+    with pytest.raises(TypeError, match="row_ends"):
+        dsa.topk_indices(s, 2, row_ends=[[1, 2, 3], [1, 2, 3]], backend="reference")
+    for shape in ((6,), (2, 3, 1), (3, 2), ()):
+        with pytest.raises(ValueError, match=r"row_ends: expected shape \(2, 3\)"):
+            dsa.topk_indices(s, 2, row_ends=torch.zeros(shape, dtype=torch.int32), backend="reference")
+    with pytest.raises(ValueError, match="row_ends: expected device cpu"):
+        dsa.topk_indices(s, 2, row_ends=torch.zeros(2, 3, dtype=torch.int32, device="meta"), backend="reference")
+
+
 _VALUES = st.sampled_from([0.0, 1.0, -1.0, 2.5, INF, -INF, NAN, 1e-30, -0.0])
 
 
@@ -137,6 +232,13 @@ def _score_rows(draw):
 @given(rows=_score_rows(), k=st.integers(0, 14))
 def test_topk_property_reference(call, rows, k):
     check_topk(call, "reference", torch.tensor(rows, dtype=torch.float32), k)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=_score_rows(), k=st.integers(0, 14), data=st.data())
+def test_topk_property_row_ends_reference(call, rows, k, data):
+    ends = data.draw(st.lists(st.integers(-2, 14), min_size=len(rows), max_size=len(rows)))
+    check_topk(call, "reference", torch.tensor(rows, dtype=torch.float32), k, torch.tensor(ends))
 
 
 # --------------------------------------------------------------------------

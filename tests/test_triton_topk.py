@@ -202,6 +202,53 @@ def test_row_ends(path):
     assert torch.equal(idx, ref_idx)
 
 
+# Each route through the public call (dsa.topk_indices, backend "triton"):
+# launch's route keywords forced, the kinds launched with row ends recorded.
+PUBLIC_ENDS_ROUTES = [  # (launch keywords, k, the route kind)
+    pytest.param(({}, 40, "resident"), id="resident"),
+    pytest.param(({"resident_max": 8, "chunk": 32}, 9, "stream"), id="stream"),
+    pytest.param(({"plan": _plan(128, 6, 32, 64, slack=2, inline_select=True)}, 9, "list"), id="list-inline"),
+    pytest.param(({"plan": _plan(128, 6, 32, 64, inline_select=False)}, 40, "list"), id="list-separate"),
+    pytest.param(({"plan": _plan(128, 6, 16, 16)}, 9, "list"), id="list-fallback"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("route", PUBLIC_ENDS_ROUTES)
+def test_row_ends_public_each_route(route, dtype, monkeypatch):
+    """topk_indices(..., row_ends=) on every route: the result is the top-k
+    of each row up to its end, with +inf / NaN / huge values placed right
+    past the ends (inside the 16-column group a vectorized load reads) and
+    further on; ends of 0, S, past S, negative, not multiples of 16."""
+    import functools
+
+    import dsa
+
+    kw, k, kind = route
+    launched = []
+    route_specs = tk.route_specs
+
+    def recording(route, dtype, asm, has_end=False, l2_prefetch=False):
+        if has_end:
+            launched.append(route[0])
+        return route_specs(route, dtype, asm, has_end, l2_prefetch)
+
+    monkeypatch.setattr(tk, "launch", functools.partial(tk.launch, **kw))
+    monkeypatch.setattr(tk, "route_specs", recording)
+    gen = torch.Generator().manual_seed(31 + k)
+    S = 128
+    x = torch.cat([_special_rows(6, S, gen), torch.randn(6, S, generator=gen)])
+    ends = torch.tensor([S, 0, 40, S + 9, 7, 100, 3, -5, 17, 60, 33, 2**31 - 1], dtype=torch.int32)
+    ref_idx, ref_len = topk_contract(_masked_past(x, ends), k)
+    for r, e in enumerate(ends.clamp(0, S).tolist()):
+        x[r, e:] = torch.tensor([INF, NAN, 1e30])[torch.arange(S - e) % 3]
+    x = x.to(dtype)
+    idx, lens = dsa.topk_indices(x, k, row_ends=ends, return_lengths=True, backend="triton")
+    assert launched == [kind]
+    assert torch.equal(lens, ref_len)
+    assert torch.equal(idx, ref_idx)
+
+
 def test_list_plan_sizes():
     """The plan's list fits k plus the sample's spread, and stays off where
     it would not pay (k near the row length)."""

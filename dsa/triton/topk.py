@@ -1073,9 +1073,10 @@ def launch(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: torch.T
 
 
 def topk(a: TopkArgs) -> Tuple[torch.Tensor, torch.Tensor]:
-    """scores [R, S] -> (indices [R, k] int32, lengths [R] int32)."""
+    """scores [R, S] -> (indices [R, k] int32, lengths [R] int32); with
+    a.row_ends (int32 [R]) every route reads row r only up to its end."""
     R = a.scores.shape[0]
     indices = torch.empty((R, a.topk), dtype=torch.int32, device=a.scores.device)
     lengths = torch.empty((R,), dtype=torch.int32, device=a.scores.device)
-    launch(a.scores, a.topk, indices, lengths)
+    launch(a.scores, a.topk, indices, lengths, ends=a.row_ends)
     return indices, lengths

@@ -509,3 +509,48 @@ def test_launcher_calls_the_compiled_kernel_directly():
     launch((3,), (x, 17), consts, "k")  # another int class
     assert [c[0] for c in calls] == ["jit", "direct", "jit", "jit"]
     assert calls[1] == ("direct", (3,), (x, 48, 3, (1, 2)))
+
+
+def test_direct_launch_follows_tritons_runner():
+    """direct_launch repeats what Triton's runner passes to its C launcher (read from Triton's own
+    source, so that a change there fails here), less the hooks' metadata, and only without hooks."""
+    import inspect
+
+    from triton.backends.nvidia.driver import CudaLauncher
+    from triton.compiler.compiler import CompiledKernel
+
+    from dsa.triton import launch as tl
+
+    runner = " ".join(inspect.getsource(CompiledKernel.__getitem__).split())
+    assert ("self.run(grid[0], grid[1], grid[2], stream, self.function, self.packed_metadata, launch_metadata, "
+            "knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args)") in runner
+    call = " ".join(inspect.getsource(CudaLauncher.__call__).split())
+    assert ("self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, "
+            "global_scratch, profile_scratch, *args)") in call
+    assert "if size > 0:" in call  # no scratch: None is passed
+
+    calls = []
+
+    class Launch:
+        launch_cooperative_grid, launch_pdl, global_scratch_size, profile_scratch_size = False, True, 0, 0
+
+        def launch(self, *args):
+            calls.append(args)
+
+    class Kernel:
+        run, function, packed_metadata = Launch(), 77, (4, 1, 0)
+
+    run = tl.direct_launch(Kernel())
+    run((3, 2, 1), 555, (1024, 7), ("c",))
+    assert calls == [(3, 2, 1, 555, 77, False, True, None, None, (4, 1, 0), None, None, None, 1024, 7, "c")]
+    Kernel.run.global_scratch_size = 8  # a kernel that needs scratch memory takes the runner
+    assert tl.direct_launch(Kernel()) is None
+    assert tl.direct_launch(object()) is None
+    assert not tl._hooked()
+    hook = lambda meta: None  # noqa: E731
+    tl.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert tl._hooked()
+    finally:
+        tl.knobs.runtime.launch_enter_hook.remove(hook)
+    assert not tl._hooked()

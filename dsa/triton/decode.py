@@ -22,7 +22,11 @@ may be one block, so the tests' few rows and slots run the split path.
 
 Host time. A call's launch parameters (tiles, splits, the constexprs, the
 grids) depend only on the shapes, dtypes and flags, and are built once per
-such key (:func:`_plan`); a call then allocates its outputs and launches.
+such key (:func:`plan`). :class:`Prepared` (the backend's ``prepare``, see
+:mod:`dsa.ops.decode`) also binds the integer arguments of one call
+metadata and, for a ``dsa.SparseDecodePlan``, the workspace: a call then
+reads its tensors' addresses and launches, through Triton's C launcher
+once the kernels are compiled (:mod:`dsa.triton.launch`).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from dsa._rules import LOG2E
 from dsa.kv_cache import FORMATS, NATIVE
 from dsa.triton import fit
 from dsa.triton.decode_kernels import KIND_BF16, KIND_E4M3, KIND_NATIVE, decode_combine_kernel, sparse_decode_kernel
-from dsa.triton.launch import Launcher
+from dsa.triton.launch import Launcher, arg_spec
 from dsa.triton.rules import input_precision
 from dsa.triton.sparse_attention import TileConfig, heads_per_program, shared_reason
 from dsa.triton.sparse_attention_common import ColumnChunks
@@ -287,29 +291,84 @@ _DECODE = Launcher(sparse_decode_kernel)
 _COMBINE = Launcher(decode_combine_kernel)
 
 
+class Prepared:
+    """The launches of every call with ``a``'s metadata, all but the tensors bound once: the plan, the
+    integer arguments and their specialization, and (``reuse_workspace``) the split workspace, which its
+    calls then share (ordered on one stream). ``run(q, kv, indices, topk_length, block_table, seq_lens,
+    sink, out, lse)`` takes the canonical tensors (any shape of their elements) and writes out and lse:
+    the protocol of ``prepare`` in :mod:`dsa.ops.decode`. No tensor of ``a`` is kept.
+
+    A call reads each tensor's address once: for its alignment (the specialization) and, on CUDA, as the
+    argument itself (:func:`dsa.triton.launch.direct_launch`)."""
+
+    def __init__(self, a: SparseDecodeArgs, reuse_workspace: bool = False, splits: Optional[int] = None):
+        p = self.plan = plan(a, splits)
+        bt = a.block_table
+        self._ints = (a.N, a.num_pages, a.K, p.chunk, a.len_div, a.rows_per_seq, bt.shape[1] if bt is not None else 0,
+                      a.kv.stride(0), a.sm_scale * LOG2E)
+        # what the launches' specializations take from the plan and the integers (tensors add their alignment)
+        self._spec = (p.key, *map(arg_spec, self._ints))
+        self._n_lse = a.T * a.H * p.splits  # the parts' lse [T, H, S], then their outputs [T, H, S, d_v]
+        self._n_work = self._n_lse * (a.d_v + 1)
+        self._device = a.q.device
+        self._cuda = a.q.device.index if a.q.is_cuda else None
+        self._work = self._workspace() if reuse_workspace and p.splits > 1 else None
+
+    def _workspace(self) -> Tuple[torch.Tensor, torch.Tensor, int, int]:
+        """(the parts' lse, their outputs, the addresses of both)."""
+        work = torch.empty(self._n_work, dtype=torch.float32, device=self._device)
+        part_lse, part_out = work[: self._n_lse], work[self._n_lse:]
+        return part_lse, part_out, part_lse.data_ptr(), part_out.data_ptr()
+
+    def __call__(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, topk_length: Optional[torch.Tensor],
+                 block_table: Optional[torch.Tensor], seq_lens: Optional[torch.Tensor], sink: Optional[torch.Tensor],
+                 out: torch.Tensor, lse: torch.Tensor) -> None:
+        p = self.plan
+        # each address read once (spelled out: a generator here costs more than the reads)
+        a_q, a_kv, a_idx, a_out, a_lse = q.data_ptr(), kv.data_ptr(), indices.data_ptr(), out.data_ptr(), lse.data_ptr()
+        a_len = None if topk_length is None else topk_length.data_ptr()
+        a_bt = None if block_table is None else block_table.data_ptr()
+        a_sl = None if seq_lens is None else seq_lens.data_ptr()
+        a_sink = None if sink is None else sink.data_ptr()
+        if p.splits == 1:
+            part_out, part_lse, a_pout, a_plse = out, lse, a_out, a_lse
+        else:
+            part_lse, part_out, a_plse, a_pout = self._work if self._work is not None else self._workspace()
+        al_sink = None if a_sink is None else a_sink & 15 == 0
+        spec = (self._spec, a_q & 15 == 0, a_kv & 15 == 0, a_idx & 15 == 0, None if a_len is None else a_len & 15 == 0,
+                None if a_bt is None else a_bt & 15 == 0, None if a_sl is None else a_sl & 15 == 0, al_sink,
+                a_pout & 15 == 0, a_plse & 15 == 0)
+        stream = None if self._cuda is None else torch._C._cuda_getCurrentRawStream(self._cuda)
+        raw = None if stream is None else (a_q, a_kv, a_idx, a_len, a_bt, a_sl, a_sink, a_pout, a_plse, *self._ints)
+        _DECODE.launch(p.grid, (q, kv, indices, topk_length, block_table, seq_lens, sink, part_out, part_lse,
+                                *self._ints), p.launch, spec, raw, stream)
+        if p.splits > 1:
+            raw = None if stream is None else (a_pout, a_plse, a_sink, a_out, a_lse, p.splits)
+            _COMBINE.launch(p.combine_grid, (part_out, part_lse, sink, out, lse, p.splits), p.combine,
+                            (p.key, a_pout & 15 == 0, a_plse & 15 == 0, al_sink, a_out & 15 == 0, a_lse & 15 == 0),
+                            raw, stream)
+
+
+def prepare(a: SparseDecodeArgs, reuse_workspace: bool = False) -> Prepared:
+    """The launches of every call with ``a``'s metadata (see :class:`Prepared`)."""
+    return Prepared(a, reuse_workspace)
+
+
 def forward(a: SparseDecodeArgs, splits: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """out [T, H, d_v] in q.dtype and lse [T, H] fp32 (sink excluded, +inf on empty rows)."""
-    p = plan(a, splits)
-    T, H, S, dev = a.T, a.H, p.splits, a.q.device
-    out = torch.empty((T, H, a.d_v), dtype=a.q.dtype, device=dev)
-    lse = torch.empty((T, H), dtype=torch.float32, device=dev)
-    if S == 1:
-        part_out, part_lse = out, lse
-    else:  # one workspace: the parts' lse [T, H, S], then their outputs [T, H, S, d_v]
-        work = torch.empty(T * H * S * (a.d_v + 1), dtype=torch.float32, device=dev)
-        part_lse, part_out = work[: T * H * S], work[T * H * S:]
-    bt = a.block_table
-    _DECODE(p.grid, (a.q, a.kv, a.indices, a.topk_length, bt, a.seq_lens, a.sink, part_out, part_lse,
-                     a.N, a.num_pages, a.K, p.chunk, a.len_div, a.rows_per_seq, bt.shape[1] if bt is not None else 0,
-                     a.kv.stride(0), a.sm_scale * LOG2E), p.launch, p.key)
-    if S > 1:
-        _COMBINE(p.combine_grid, (part_out, part_lse, a.sink, out, lse, S), p.combine, p.key)
+    run = Prepared(a, splits=splits)
+    out = torch.empty((a.T, a.H, a.d_v), dtype=a.q.dtype, device=a.q.device)
+    lse = torch.empty((a.T, a.H), dtype=torch.float32, device=a.q.device)
+    run(a.q, a.kv, a.indices, a.topk_length, a.block_table, a.seq_lens, a.sink, out, lse)
     return out, lse
 
 
 def decode(a: SparseDecodeArgs) -> Tuple[torch.Tensor, torch.Tensor]:
     """The op's entry point (the selector calls it with ``a`` alone)."""
     return forward(a)
+
+
+decode.prepare = prepare  # the optional protocol of dsa.ops.decode
 
 
 # ----------------------------------------------------------------------------

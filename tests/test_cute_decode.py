@@ -11,9 +11,10 @@
   compiled kernel faked.
 * GPU (``-m gpu``, an SM90 device): every rule of docs/semantics.md's
   "Sparse decode" against the float64 brute force (small problems) or the
-  reference backend in float64 (model shapes), outputs NaN-poisoned before
-  each call, at forced split counts that put split boundaries inside and at
-  the ends of rows; CUDA-graph capture without a host sync.
+  reference backend in float64 (model shapes), on native (bf16, fp16) and
+  fp8_v32 caches, outputs NaN-poisoned before each call, at forced split
+  counts that put split boundaries inside and at the ends of rows; the FP8
+  dequantisation bit for bit; CUDA-graph capture without a host sync.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl is not i
 BUILDS = [
     # V3.2 heads, a paged bf16 cache through a block table and seq_lens, split
     ("native_bt_split_h128", dict(H=128, cache="native", page_size=64, has_bt=True, has_seqlen=True, split=True)),
+    # the same on the FP8 cache: the producer dequantises while it gathers
+    ("fp8_bt_split_h128", dict(H=128, cache="fp8_v32", page_size=64, has_bt=True, has_seqlen=True, split=True)),
+    # FP8 with FlashMLA's slots, one split, no length, no sink, H 64
+    ("fp8_slots_h64", dict(H=64, cache="fp8_v32", page_size=64, has_len=False, has_sink=False, has_bt=False,
+                           has_seqlen=False, split=False)),
     # FlashMLA-style slots, one split (the row finished in the kernel), no length, no sink
     ("native_slots_h64", dict(H=64, cache="native", page_size=64, has_len=False, has_sink=False, has_bt=False,
                               has_seqlen=False, split=False)),
@@ -48,10 +54,11 @@ BUILDS = [
     ("native_flat_gqa_d512", dict(H=128, G=2, D=512, cache="native", page_size=1, has_bt=False, has_seqlen=False,
                                   split=True)),
 ]
-CI_BUILDS = 1
+CI_BUILDS = 2
 NEEDLES = ("wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc", "setmaxnreg.inc",
            "setmaxnreg.dec", "mbarrier.try_wait", "st.global.v2.b32", "st.local", "ld.local",
-           "cvt.rn.f16x2.e4m3x2", "fence.proxy.async.shared::cta", "ld.global.v4", "st.shared.v4")
+           "cvt.rn.f16x2.e4m3x2", "cvt.rn.bf16x2.f32", "mul.rn.f32", "fence.proxy.async.shared::cta",
+           "ld.global.v4", "st.shared.v4", "prefetch.global.L2")
 
 
 def _builds():
@@ -75,6 +82,16 @@ def test_decode_compiles_offline(build, tmp_path):
     assert n["setmaxnreg.inc"] >= 1 and n["setmaxnreg.dec"] >= 1 and n["mbarrier.try_wait"] >= 2, (name, r)
     # the split build writes fp32 parts two columns at a time; the other finishes rows as the forward does
     assert (n["st.global.v2.b32"] > 0) == kw["split"], (name, r)
+    if kw["cache"] == "fp8_v32":
+        # 16-byte loads of e4m3 bytes, converted (e4m3 -> f16, times the scale in fp32, one rounding to
+        # bf16) and stored as 16-byte units, fenced for the consumers' wgmma; lines prefetched into L2
+        for needle in ("ld.global.v4", "cvt.rn.f16x2.e4m3x2", "cvt.rn.bf16x2.f32", "mul.rn.f32", "st.shared.v4",
+                       "fence.proxy.async.shared::cta", "prefetch.global.L2"):
+            assert n[needle] > 0, (name, needle, r)
+        # each 16-byte load: 8 conversions of two bytes, two 16-byte stores
+        assert n["cvt.rn.f16x2.e4m3x2"] == 8 * n["ld.global.v4"] and n["st.shared.v4"] == 2 * n["ld.global.v4"], r
+    else:
+        assert n["cvt.rn.f16x2.e4m3x2"] == 0 and n["st.shared.v4"] == 0, (name, r)
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and n["st.local"] == 0 and n["ld.local"] == 0, (name, r)
     assert r["smem"] == smem_bytes(D, 512, 2) <= SMEM_LIMIT == r["smem_limit"], (name, r)
 
@@ -117,9 +134,21 @@ def test_split_plan(B, H, splits, S, chunk):
     assert (S - 1) * chunk < a.K <= S * chunk and chunk % cdec.BLOCK == 0
 
 
+@pytest.mark.parametrize("B,H,blocks", [(1, 128, (4, 32)), (1, 64, (4, 32)), (32, 128, (16, 128)),
+                                         (128, 64, (16, 128))])
+def test_merge_blocks(B, H, blocks):
+    """The merge's blocks shrink until it has two programs an SM (the Triton decode's 16 x 128 otherwise)."""
+    assert cdec.merge_blocks(_args(T=B, H=H), 132) == blocks
+
+
 def test_split_plan_short_rows():
     a = _args(T=1, H=64, K=100)
     assert cdec.split_plan(a, 132) == (2, 64)  # a split of 64 slots, the second one 36
+
+
+def _padded_fp8(P, PS, pad):
+    buf = torch.zeros(P, PS * 656 + pad, dtype=torch.uint8)
+    return buf[:, : PS * 656].view(P, PS, 656)
 
 
 def _padded_native(P, PS, D, pad, dtype=torch.bfloat16):
@@ -138,6 +167,9 @@ def _padded_native(P, PS, D, pad, dtype=torch.bfloat16):
     ("tokens apart", dict(kv=torch.zeros(4, 64, 2, 576, dtype=torch.bfloat16)[:, :, :1]), "contiguous"),
     ("int32 pages", dict(kv=torch.zeros(1, 64, 1, 576, dtype=torch.bfloat16).expand(2**25, 64, 1, 576)), "int32"),
     ("int32 table", dict(bt_w=2**25), "int32"),
+    ("fp8 with fp16 q", dict(dtype=torch.float16, fmt="fp8_v32"), "bf16"),
+    ("fp8 page stride", dict(fmt="fp8_v32", kv=_padded_fp8(4, 64, 8)), "multiple of 16"),
+    ("fp8 D", dict(fmt="fp8_v32", D=512), "D = 576"),
 ])
 def test_supports_reasons(what, kw, match):
     why = cdec.call_reason(_args(**kw))
@@ -150,6 +182,8 @@ def test_supports_serves_the_model_layouts():
     assert cdec.call_reason(_args(dtype=torch.float16, H=64, D=512, G=1, PS=1, bt_w=None)) is None
     assert cdec.call_reason(_args(kv=_padded_native(4, 64, 576, 8))) is None  # a padded page stride, 16-byte aligned
     assert cdec.call_reason(_args(T=4, rows_per_seq=2)) is None
+    assert cdec.call_reason(_args(fmt="fp8_v32")) is None
+    assert cdec.call_reason(_args(fmt="fp8_v32", kv=_padded_fp8(4, 64, 48), bt_w=None, H=64)) is None
 
 
 def test_supports_needs_an_sm90_gpu():
@@ -223,6 +257,7 @@ def test_launch_arguments(monkeypatch, B, H, split):
         (grid, margs, _, _), = merges
         assert margs[0] is part_out and margs[1] is part_lse and margs[2] is a.sink and margs[3] is out
         assert margs[4] is lse and margs[5] == S and grid[0] == B
+        assert grid[0] * grid[1] * grid[2] >= 2 * 132  # B1's merge spread over the GPU
     else:
         assert part_out is out and part_lse is lse and not merges
     T, K, P, stride, bt_w, ch, n_split, len_div, rps, scale, sms = [s.value if hasattr(s, "value") else s
@@ -445,3 +480,143 @@ def test_auto_declines_with_the_reason():
     assert "cute: no measurement of the cute decode on this GPU yet" in text, text
     with pytest.raises(ValueError, match="cute"):
         dsa.sparse_decode(q.float(), kv.float(), idx, backend="cute")
+
+
+# --------------------------------------------------------------------------
+# GPU: FP8 (fp8_v32) caches
+
+NAN_BYTE = 0x7F  # e4m3 NaN
+
+
+def _fp8_paged(P, PS, gen, pad=0, scale=2.0):
+    """A quantised fp8_v32 cache [P, PS, 656] on the GPU; with pad, each page
+    is followed by pad bytes of 0x7F (page stride padded, NaN if read)."""
+    cache = dsa.quantize_kv_cache(torch.randn(P, PS, 576, generator=gen) * scale, "fp8_v32").cuda()
+    if not pad:
+        return cache
+    buf = torch.full((P, PS * 656 + pad), NAN_BYTE, dtype=torch.uint8, device="cuda")
+    buf[:, : PS * 656] = cache.view(P, -1)
+    return buf[:, : PS * 656].view(P, PS, 656)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("H", [64, 128])
+def test_fp8_block_table_edge_cases(H):
+    """The block-table edge cases on an fp8_v32 cache with padded pages:
+    every page no table entry names is NaN bytes, one referenced token
+    holds a NaN byte (the row naming it is NaN, the others not)."""
+    gen = torch.Generator().manual_seed(6)
+    B, PS, W, P, K = 6, 16, 6, 20, 200
+    q = torch.randn(B, 1, H, 576, generator=gen).bfloat16().cuda()
+    cache = _fp8_paged(P, PS, gen, pad=48)
+    bt = torch.randint(0, P, (B, W), generator=gen, dtype=torch.int32)
+    bt[0, 1], bt[1, 2], bt[2, 0] = -1, P, 2**31 - 1
+    seq_lens = torch.tensor([W * PS, 40, 0, W * PS - 3, 17, 96], dtype=torch.int32)
+    idx = torch.randint(0, W * PS, (B, 1, K), generator=gen, dtype=torch.int32)
+    idx[0, 0, ::7] = -1
+    idx[1, 0, ::5] = W * PS
+    idx[3, 0, 1::9] = 2**31 - 1
+    tl = torch.tensor([K, 63, 64, 65, 0, 1000], dtype=torch.int32)
+    named = torch.zeros(P, dtype=torch.bool)
+    named[bt[(bt >= 0) & (bt < P)].long()] = True
+    cache[~named.cuda()] = NAN_BYTE  # NaN values (and huge scales): never read
+    # a NaN byte in the token only row 5 names (position 5 of sequence 5)
+    idx[5, 0, 0] = 5
+    page5 = int(bt[5, 0])
+    cache[page5, 5, 7] = NAN_BYTE
+    others = [(b, j) for b in range(B) for j in range(K) if b != 5 and int(idx[b, 0, j]) // PS < W
+              and int(bt[b, max(0, int(idx[b, 0, j])) // PS]) == page5 and int(idx[b, 0, j]) % PS == 5]
+    for b, j in others:
+        idx[b, 0, j] = -1
+    sink = (torch.randn(H, generator=gen) * 2).cuda()
+    kw = dict(block_table=bt.cuda(), seq_lens=seq_lens.cuda(), topk_length=tl.cuda(), sink=sink)
+    exp = _check_bf(q, cache, idx.cuda(), "fp8_v32", splits=(None, 1, 2, 3, 4), **kw)
+    assert exp["out"][5].isnan().all() and not exp["out"][:5].isnan().any()
+
+
+@pytest.mark.gpu
+@gpu
+def test_fp8_dequantisation_is_exact():
+    """One valid slot a row: out is that token's dequantised NoPE values,
+    bit for bit (bf16 of the fp32 product), over every finite e4m3 byte and
+    scales from 2^-20 to 2^20; lse checks its RoPE half (q zero elsewhere)."""
+    gen = torch.Generator().manual_seed(7)
+    T, H, PS, P = 16, 64, 4, 4
+    raw = torch.zeros(P, PS, 656, dtype=torch.uint8)
+    codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
+    for n in range(P * PS):
+        p, o = divmod(n, PS)
+        raw[p, o, :512] = codes[(torch.arange(512) * 7 + n * 13) % len(codes)]
+        exps = torch.tensor([(n * 5 + 3 * k) % 41 - 20 for k in range(4)], dtype=torch.float32)
+        raw[p, o, 512:528] = torch.pow(2.0, exps).view(torch.uint8)
+        raw[p, o, 528:] = torch.randn(64, generator=gen).bfloat16().view(torch.uint8)
+    cache = raw.cuda()
+    q = torch.zeros(T, H, 576)
+    q[:, :, 512:] = torch.randn(T, H, 64, generator=gen)
+    q = q.bfloat16().cuda()
+    slots = torch.full((T, 64), -1, dtype=torch.int32)
+    slots[:, 37] = torch.arange(T) % (P * PS)  # one valid slot, inside a block
+    rows = dsa.dequantize_kv_cache(cache, "fp8_v32").view(P * PS, 576)
+    for s in (None, 1):
+        out, lse = _run(q, cache, slots.cuda(), s)
+        want = rows[slots[:, 37].long().cuda()][:, None, :512].bfloat16().expand(T, H, 512)
+        assert torch.equal(out, want), s
+        s_exp = (q.double()[:, :, 512:] * rows[slots[:, 37].long().cuda()][:, None, 512:].double()).sum(-1)
+        torch.testing.assert_close(lse.double(), s_exp * 576 ** -0.5, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("B,H", [(1, 64), (1, 128), (32, 64), (32, 128), (128, 64), (128, 128)])
+def test_fp8_model_shapes_against_reference(B, H):
+    """V3.2 on an fp8_v32 cache (K 2048, pages of 64 through a block table,
+    a sink, ragged lengths) against the reference backend in float64, at
+    the plan's split count and forced ones; FlashMLA-style slots too."""
+    gen = torch.Generator(device="cuda").manual_seed(B * H)
+    K, PS, W = 2048, 64, 64
+    P = B * W
+    q = torch.randn(B, 1, H, 576, device="cuda", generator=gen).bfloat16()
+    cache = dsa.quantize_kv_cache(torch.randn(P, PS, 576, device="cuda", generator=gen), "fp8_v32")
+    bt = torch.randperm(P, device="cuda", generator=gen).view(B, W).int()
+    pos = torch.rand(B, W * PS, device="cuda", generator=gen).topk(K, dim=-1).indices.sort(-1).values
+    idx = pos.int().view(B, 1, K)
+    tl = torch.randint(0, K + 1, (B,), device="cuda", generator=gen).int()
+    tl[0] = K
+    sink = torch.randn(H, device="cuda", generator=gen)
+    kw = dict(block_table=bt, topk_length=tl, sink=sink)
+    ref, ref_lse = dsa.sparse_decode(q.double(), cache, idx, return_lse=True, backend="reference", **kw)
+    slots = (bt.long().gather(1, pos.long() // PS) * PS + pos.long() % PS).int().view(B, 1, K)
+    for s in (None, 1, 3, 32):
+        for indices, extra in ((idx, dict(block_table=bt)), (slots, {})):
+            out, lse = _run(q, cache, indices, s, topk_length=tl, sink=sink, **extra)
+            assert bf.rel_l2(out, ref) < 1e-2, s
+            assert not out.isnan().any() and not lse.isnan().any()
+            assert torch.allclose(lse.double(), ref_lse, rtol=1e-3, atol=1e-3), s
+
+
+@pytest.mark.gpu
+@gpu
+def test_fp8_cuda_graph_and_no_sync():
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    for B in (1, 128):
+        q = torch.randn(B, 1, 128, 576, device="cuda", generator=gen).bfloat16()
+        cache = dsa.quantize_kv_cache(torch.randn(64, 64, 576, device="cuda", generator=gen), "fp8_v32")
+        bt = torch.randint(-1, 64, (B, 8), device="cuda", generator=gen).int()
+        idx = torch.randint(-1, 8 * 64, (B, 1, 512), device="cuda", generator=gen).int()
+        kw = dict(block_table=bt, sink=torch.randn(128, device="cuda"), return_lse=True, backend="cute")
+        dsa.sparse_decode(q, cache, idx, **kw)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            dsa.sparse_decode(q, cache, idx, **kw)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            g_out, g_lse = dsa.sparse_decode(q, cache, idx, **kw)
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        out, lse = dsa.sparse_decode(q, cache, idx, **kw)
+        torch.cuda.synchronize()
+        assert torch.equal(g_out, out) and torch.equal(g_lse, lse)

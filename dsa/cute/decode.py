@@ -7,7 +7,8 @@ on the canonical :class:`dsa._args.SparseDecodeArgs`.  The kernel is
 ``decode_sm90.SparseDecodeSm90`` (the SM90 forward over a paged cache, split
 over the slots); with several splits its parts are merged, and the sink
 folded in, by the Triton merge kernel that the Triton decode uses
-(``dsa.triton.decode_kernels.decode_combine_kernel``), launched the same way.
+(``dsa.triton.decode_kernels.decode_combine_kernel``), launched the same way
+but with smaller blocks when the rows are few (``merge_blocks``).
 
 Splits: ``split_plan`` is the Triton decode's rule (``dsa.triton.decode.
 split_plan``) at 64-slot blocks: S = min(SMs // tiles, K / 64), about one
@@ -42,7 +43,7 @@ from dsa.kv_cache import FORMATS, NATIVE
 HEADS_PER_CTA = 64
 BLOCK = 64  # slots a block: a split is a whole number of them
 FP8_V32 = "fp8_v32"
-SERVED_FORMATS = (NATIVE,)
+SERVED_FORMATS = (NATIVE, FP8_V32)
 
 # Measured placement: (GPU name, cache format, H, (first B, last B)) -> the
 # faster backend, filled from bench/decode_peers.py (its cute rows against
@@ -211,10 +212,36 @@ def plan(a: SparseDecodeArgs, splits: Optional[int] = None) -> _Plan:
     return p
 
 
+def merge_blocks(a: SparseDecodeArgs, sms: int) -> Tuple[int, int]:
+    """(heads, columns) a merge program takes: the Triton decode's 16 x 128,
+    halved (columns first, down to 32 x 4) until the merge has two programs
+    an SM, so that B1's parts ([H, S, d_v] fp32: 8 MB at H 128 and 32
+    splits) are read by the whole GPU, not by 32 programs."""
+    bh, bv = 16, 128
+    while a.T * -(-a.H // bh) * -(-a.d_v // bv) < 2 * sms and (bv > 32 or bh > 4):
+        if bv > 32:
+            bv //= 2
+        else:
+            bh //= 2
+    return bh, bv
+
+
+def combine_spec(a: SparseDecodeArgs, S: int, sms: int):
+    """The Triton merge at this call's blocks (``merge_blocks``)."""
+    import triton
+
+    from dsa.triton import fit
+    from dsa.triton.decode_kernels import decode_combine_kernel
+
+    bh, bv = merge_blocks(a, sms)
+    types = dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", sink_ptr="*fp32", out_ptr=fit.ptr(a.q.dtype),
+                 lse_ptr="*fp32")
+    const = dict(H=a.H, D_V=a.d_v, BHC=bh, BV=bv, S_P2=triton.next_power_of_2(S), HAS_SINK=a.sink is not None)
+    return fit.KernelSpec(decode_combine_kernel, types, const, 4, 1)
+
+
 def _build(a: SparseDecodeArgs, splits: Optional[int]) -> _Plan:
     import cutlass
-
-    from dsa.triton.decode import combine_spec
 
     sms = _sm_count(a.q.device)
     S, chunk = split_plan(a, sms, splits)
@@ -223,11 +250,11 @@ def _build(a: SparseDecodeArgs, splits: Optional[int]) -> _Plan:
                cutlass.Int64(a.kv.stride(0) * a.kv.element_size()), cutlass.Int32(bt_w), cutlass.Int32(chunk),
                cutlass.Int32(S), cutlass.Int32(a.len_div), cutlass.Int32(a.rows_per_seq),
                cutlass.Float32(a.sm_scale * LOG2E), cutlass.Int32(sms))
-    comb = combine_spec(a, S)
+    comb = combine_spec(a, S, sms)
     c = comb.constexprs
     grid = (a.T, -(-a.H // c["BHC"]), -(-a.d_v // c["BV"]))
     return _Plan(kernel_config(a, S > 1), a.q.device.index, S, scalars, grid, comb.launch_kwargs(),
-                 ("cute_decode_combine", a.q.dtype, a.H, a.d_v, S, a.sink is not None))
+                 ("cute_decode_combine",) + comb.key())
 
 
 def _compiled(p: _Plan, ptrs, stream):

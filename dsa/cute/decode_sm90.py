@@ -22,13 +22,16 @@ each one of its hooks:
   the sink into.
 
 FP8 caches (``fp8_v32``, ``dsa.kv_cache``): the producer dequantises while it
-gathers (``copy_half``): 16-byte global loads of e4m3 NoPE bytes into
-registers, all of a half stage's issued before the first is converted, then
-e4m3 -> f16 -> f32, times the token's fp32 scale (exact: the contract's
-fp32 value), rounded once to bf16 and stored into the same swizzled K-major
-positions the bf16 gather fills; a ``fence.proxy.async`` then makes the
-stores visible to the consumers' wgmma before the half's barrier.  The
-RoPE bf16 columns go by cp.async as in the forward.
+gathers (``convert_half``): 16-byte global loads of e4m3 NoPE bytes into
+registers, all of a half stage's (and the rows' scales) issued before the
+first is converted, then e4m3 -> f16 -> f32, times the token's fp32 scale
+(exact: the contract's fp32 value), rounded once to bf16 and stored into
+the same swizzled K-major positions the bf16 gather fills; a
+``fence.proxy.async`` and a release arrival then hand the stores to the
+consumers' wgmma (``signal_fill``).  The RoPE bf16 columns go by cp.async
+as in the forward.  Loads into registers cannot be many in flight, so the
+rows' lines are prefetched into L2 when their addresses are resolved, a
+pair of blocks ahead (``resolve_rows``).
 
 Compiled per ``DecodeSm90Config`` and cached by ``dsa.cute.decode``.
 """
@@ -42,6 +45,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dsa.cute import rules, scheduler
 from dsa.cute.gmem import aligned
@@ -50,6 +55,7 @@ from dsa.cute.sparse_attention_sm90 import (
     BLOCK_H,
     BN,
     L_CHUNKS,
+    PROF_ISSUE,
     PROF_LOOKUP,
     THREADS,
     SparseAttnFwdSm90,
@@ -57,7 +63,7 @@ from dsa.cute.sparse_attention_sm90 import (
 
 NATIVE = "native"
 FP8_V32 = "fp8_v32"
-CACHES = (NATIVE,)
+CACHES = (NATIVE, FP8_V32)
 
 # fp8_v32's token record (dsa.kv_cache.FORMATS["fp8_v32"]): NoPE e4m3 bytes,
 # then 4 fp32 scales (one per 128 values), then 64 bf16 RoPE values.
@@ -66,6 +72,42 @@ FP8_NOPE = 512
 FP8_SCALES = 512
 FP8_ROPE = 528
 FP8_TILE = 128
+L2_LINE = 128
+
+# Registers a thread (setmaxnreg) for an FP8 cache: the producer holds a half
+# stage's e4m3 bytes (4 rows x 32 bytes) and scales while it converts them,
+# so it takes more than the bf16 gather's 56 (consumers 224); 80 + 2 * 216
+# fill the register file.  ptxas (sm_90a, H 128, block table, split): no
+# spills at 80 / 216 and at 112 / 200, 16 bytes at 96 / 208.
+FP8_PRODUCER_REGS = 80
+FP8_CONSUMER_REGS = 216
+
+
+@dsl_user_op
+def e4m3x2_to_bf16x2(word: Int32, upper: bool, scale: Float32, *, loc=None, ip=None) -> Int32:
+    """The two e4m3 bytes of ``word``'s lower (upper) half, each times
+    ``scale``, as bf16x2 (the lower byte in the lower half): e4m3 -> f16 is
+    exact, f16 -> f32 is exact, the fp32 product is the contract's dequantised
+    value (exact for a power-of-two scale), and it is rounded once to bf16.
+    A NaN byte (0x7F / 0xFF) stays NaN."""
+    asm = ("{\n.reg .b16 lo, hi;\n.reg .b32 h2;\n.reg .f16 x, y;\n.reg .f32 fx, fy;\n"
+           "mov.b32 {lo, hi}, $1;\n"
+           f"cvt.rn.f16x2.e4m3x2 h2, {'hi' if upper else 'lo'};\n"
+           "mov.b32 {x, y}, h2;\n"
+           "cvt.f32.f16 fx, x;\ncvt.f32.f16 fy, y;\n"
+           "mul.rn.f32 fx, fx, $2;\nmul.rn.f32 fy, fy, $2;\n"
+           "cvt.rn.bf16x2.f32 $0, fy, fx;\n}")
+    return Int32(llvm.inline_asm(T.i32(), [Int32(word).ir_value(loc=loc, ip=ip), Float32(scale).ir_value(loc=loc, ip=ip)],
+                                 asm, "=r,r,f", has_side_effects=False, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def prefetch_l2(addr: Int64, *, loc=None, ip=None) -> None:
+    """Bring the 128-byte line holding global byte address ``addr`` into L2."""
+    llvm.inline_asm(res=None, operands_=[Int64(addr).ir_value(loc=loc, ip=ip)],
+                    asm_string="prefetch.global.L2 [$0];", constraints="l", has_side_effects=True,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 @dataclass(frozen=True)
@@ -119,6 +161,8 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         self.cache, self.page_size = cache, page_size
         self.has_bt, self.has_seqlen, self.split = has_bt, has_seqlen, split
         self.fp8 = cache == FP8_V32
+        if self.fp8:
+            self.producer_regs, self.consumer_regs = FP8_PRODUCER_REGS, FP8_CONSUMER_REGS
 
     @classmethod
     def from_config(cls, config: DecodeSm90Config) -> "SparseDecodeSm90":
@@ -183,11 +227,100 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         """base[m] / mk[m]: source address and mask of this thread's m-th row
         of block b (``rules.paged_block_sources``); base is the row's first
         byte for an FP8 cache (``copy_half`` adds the columns), its first
-        column of this thread for a native one."""
+        column of this thread for a native one.  An FP8 row is read into
+        registers, not copied asynchronously: its lines are prefetched into
+        L2 now, a pair ahead of their loads, so that those hit L2."""
         t0 = self.timer.tick()
         col_bytes = 0 if const_expr(self.fp8) else col0 * (self.dtype.width // 8)
         rules.paged_block_sources(base, mk, ns, b, L, cache, g, bt_row, lim, col_bytes, BN, row_in_pass, 16)
+        if const_expr(self.fp8):
+            line = col0 // 8  # this thread's 128-byte line of each of its rows (a token spans 6)
+            if line * L2_LINE < FP8_TOKEN:
+                for m in cutlass.range_constexpr(BN // 16):
+                    prefetch_l2(base[m] + line * L2_LINE)
         self.timer.tock(PROF_LOOKUP, t0)
+
+    # ----------------------------------------------------------- FP8 gather
+    def fill_arrivals(self, h: int) -> int:
+        # FP8: each producer thread also arrives (release) after its converted stores
+        return 256 if self.fp8 else 128
+
+    def signal_fill(self, bar):
+        if self.fp8:
+            # the converted values were written through the generic proxy; the
+            # consumers' wgmma reads them through the async proxy
+            cute.arch.fence_view_async_shared()
+            cute.arch.mbarrier_arrive(bar)
+        cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+
+    def stage_partitions(self, thr, sK, tidx):
+        """The forward's slices, and for an FP8 cache also the thread's slices
+        of each stage's NoPE columns [64, 512] for the converted stores: 16
+        columns (two 16-byte units) of each 128-column group, thread tid at
+        row tid // 8 of a pass of 16 rows and columns 16 (tid % 8) onwards,
+        so that its 16-byte global loads of e4m3 bytes are 8 threads' 128
+        contiguous bytes of a row."""
+        tK0, tK1 = SparseAttnFwdSm90.stage_partitions(self, thr, sK, tidx)
+        if not self.fp8:
+            return tK0, tK1
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        tiled = cute.make_tiled_copy_tv(atom, cute.make_ordered_layout((16, 8), order=(1, 0)),
+                                        cute.make_layout((1, 16)))
+        fthr = tiled.get_slice(tidx)
+        k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
+        # a stage's NoPE columns are its first 8 column atoms: the same bytes
+        # and swizzle as the stage's own layout (rows first, then columns)
+        nope = cute.tile_to_shape(k_atom, (BN, FP8_NOPE), order=(0, 1))
+        raw = cute.recast_ptr(sK.iterator, None)
+        views = [cute.make_tensor(cute.recast_ptr(raw + s * BN * self.D, nope.inner), nope.outer) for s in (0, 1)]
+        lane = tidx % 8
+        return ((tK0, fthr.partition_D(views[0]), lane), (tK1, fthr.partition_D(views[1]), lane))
+
+    @cute.jit
+    def copy_half(self, atom, base, tKs, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr):
+        if const_expr(self.fp8):
+            self.convert_half(atom, base, tKs, c_lo, c_hi)
+        else:
+            SparseAttnFwdSm90.copy_half(self, atom, base, tKs, c_lo, c_hi)
+
+    @cute.jit
+    def convert_half(self, atom, base, tKs, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr):
+        """An FP8 half stage: the NoPE columns [64 c_lo, 64 min(c_hi, 8)) of
+        this thread's 4 rows loaded (all 8 loads of 16 e4m3 bytes, and the
+        rows' two scales, issued before the first conversion), dequantised
+        to bf16 and stored; the RoPE chunk (c_hi = 9) by cp.async from the
+        token's bf16 values."""
+        tK, tN, lane = tKs
+        R = BN // 16
+        n_lo = c_lo * 64                        # first NoPE column (byte) of the half
+        groups = (min(c_hi, 8) - c_lo) * 64 // FP8_TILE  # 128-value groups: one scale each
+        t0 = self.timer.tick()
+        raw = cute.make_rmem_tensor((4, groups, R), Int32)
+        sc = cute.make_rmem_tensor((groups, R), Float32)
+        for m in cutlass.range_constexpr(R):
+            for k in cutlass.range_constexpr(groups):
+                src = cute.make_tensor(aligned(Int32, base[m] + (n_lo + FP8_TILE * k) + 16 * lane),
+                                       cute.make_layout((4,)))
+                cute.autovec_copy(src, raw[None, k, m])
+        for m in cutlass.range_constexpr(R):
+            src = cute.make_tensor(aligned(Float32, base[m] + (FP8_SCALES + 4 * (n_lo // FP8_TILE)), 4 * groups),
+                                   cute.make_layout((groups,)))
+            cute.autovec_copy(src, sc[None, m])
+        if const_expr(c_hi > FP8_NOPE // 64):
+            ES = self.dtype.width // 8
+            for m in cutlass.range_constexpr(R):
+                src = cute.make_tensor(aligned(self.dtype, base[m] + FP8_ROPE + 8 * lane * ES), cute.make_layout((8,)))
+                cute.copy(atom, src, tK[None, m, FP8_NOPE // 64])
+        vals = cute.make_rmem_tensor((16,), self.dtype)
+        words = cute.recast_tensor(vals, Int32)
+        for m in cutlass.range_constexpr(R):
+            for k in cutlass.range_constexpr(groups):
+                s_ = sc[k, m]
+                for w in cutlass.range_constexpr(4):
+                    words[2 * w] = e4m3x2_to_bf16x2(raw[w, k, m], False, s_)
+                    words[2 * w + 1] = e4m3x2_to_bf16x2(raw[w, k, m], True, s_)
+                cute.autovec_copy(vals, tN[None, m, n_lo // FP8_TILE + k])
+        self.timer.tock(PROF_ISSUE, t0)
 
     @cute.jit
     def epilogue(self, acc_o, m_run, l_run, half, lane, row_lo, col_lane, sink_ptr, out_ptr, lse_ptr,

@@ -323,6 +323,16 @@ class SparseAttnFwdSm90:
         per producer thread, its ``cp.async.mbarrier.arrive.noinc``."""
         return 128
 
+    def stage_partitions(self, thr, sK, tidx):
+        """This thread's slices of the two K stages as ``copy_half`` fills
+        them (``thr``: its slice of the gather's tiled copy)."""
+        return thr.partition_D(sK[None, None, 0]), thr.partition_D(sK[None, None, 1])
+
+    def signal_fill(self, bar):
+        """This thread's arrival on a half's full barrier once its copies of
+        the half have landed (``fill_arrivals`` counts it)."""
+        cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+
     def slot_tiles(self, sched, idx_ptr, len_ptr, K):
         """This CTA's tiles: (token, kv head, head block) over all K slots."""
         return scheduler.SlotTiles(sched, idx_ptr, len_ptr, K)
@@ -343,8 +353,7 @@ class SparseAttnFwdSm90:
         q_full, q_empty, full, empty = bars
         sched = tiles.sched
         atom, thr, row_in_pass, col0 = gather_copier(self.dtype, tidx)
-        tK0 = thr.partition_D(sK[None, None, 0])
-        tK1 = thr.partition_D(sK[None, None, 1])
+        tK0, tK1 = self.stage_partitions(thr, sK, tidx)
         # kv-row byte offsets of the pair's two blocks (the zero row's for an
         # invalid slot); their indices are loaded a pair ahead (ns0, ns1)
         base0 = cute.make_rmem_tensor((BN // 16,), Int64)
@@ -410,23 +419,23 @@ class SparseAttnFwdSm90:
         if n0 > 0:
             self.timer.wait_mbarrier(empty + 0, freed_phase(n0), PROF_EMPTY)
         self.fill(atom, base0, tK0, 0, L_CHUNKS, n0)
-        cute.arch.cp_async_mbarrier_arrive_noinc(full + 0)
+        self.signal_fill(full + 0)
         self.publish_mask(masks, 0, full + 0)
         if has1:
             if n1 > 0:
                 self.timer.wait_mbarrier(empty + 3, freed_phase(n1), PROF_EMPTY)
             self.fill(atom, base1, tK1, L_CHUNKS, CHUNKS, n1)
-            cute.arch.cp_async_mbarrier_arrive_noinc(full + 3)
+            self.signal_fill(full + 3)
             self.publish_mask(masks, 1, full + 3)
         if n0 > 0:
             self.timer.wait_mbarrier(empty + 1, freed_phase(n0), PROF_EMPTY)
         self.fill(atom, base0, tK0, L_CHUNKS, CHUNKS, n0)
-        cute.arch.cp_async_mbarrier_arrive_noinc(full + 1)
+        self.signal_fill(full + 1)
         if has1:
             if n1 > 0:
                 self.timer.wait_mbarrier(empty + 2, freed_phase(n1), PROF_EMPTY)
             self.fill(atom, base1, tK1, 0, L_CHUNKS, n1)
-            cute.arch.cp_async_mbarrier_arrive_noinc(full + 2)
+            self.signal_fill(full + 2)
 
     @cute.jit
     def fetch_rows(self, ns, b, idx_row, L, row_in_pass):

@@ -1,7 +1,7 @@
 """dsa: DeepSeek Sparse Attention kernels.
 
     from dsa import sparse_attention, indexer_scores, topk_indices, indexer_topk, explain
-    from dsa import sparse_decode, quantize_kv_cache, dequantize_kv_cache   # serving
+    from dsa import sparse_decode, sparse_decode_plan, quantize_kv_cache, dequantize_kv_cache   # serving
 
 Backends: ``reference`` (plain PyTorch, any device), ``triton`` (every CUDA
 GPU), ``cute`` (CuTe DSL kernels for Hopper/Blackwell where measured faster).
@@ -9,7 +9,7 @@ GPU), ``cute`` (CuTe DSL kernels for Hopper/Blackwell where measured faster).
 """
 
 from dsa.api import explain, indexer_scores, indexer_topk, sparse_attention, topk_indices
-from dsa.decode import sparse_decode
+from dsa.decode import SparseDecodePlan, sparse_decode, sparse_decode_plan
 from dsa.kv_cache import dequantize_kv_cache, quantize_kv_cache
 from dsa.training import attention_target, dense_attention_target, indexer_kl_loss, sparse_indexer_scores
 
@@ -24,6 +24,8 @@ __all__ = [
     "indexer_kl_loss",
     "dense_attention_target",
     "sparse_decode",
+    "sparse_decode_plan",
+    "SparseDecodePlan",
     "quantize_kv_cache",
     "dequantize_kv_cache",
 ]

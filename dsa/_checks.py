@@ -258,6 +258,14 @@ def sparse_attention_args(
 
 # --------------------------------------------------------------------------
 # sparse decode
+#
+# A decode call's checks depend on its arguments' metadata alone (types,
+# shapes, dtypes, devices, the cache's strides, the scalars), so they run in
+# two parts: sparse_decode_form checks the metadata and concludes a
+# DecodeForm (the sizes, the resolved scalars, how each tensor becomes
+# canonical); DecodeForm.args applies it to the tensors. A serving loop
+# repeats its metadata every step: dsa.sparse_decode keeps the forms by
+# decode_key, and a dsa.SparseDecodePlan keeps one.
 
 
 def _decode_format(kv_cache: torch.Tensor, cache_format) -> str:
@@ -282,55 +290,146 @@ def _decode_format(kv_cache: torch.Tensor, cache_format) -> str:
     return cache_format
 
 
-def _decode_cache(q: torch.Tensor, kv_cache: torch.Tensor, name: str) -> Tuple[torch.Tensor, int, bool]:
-    """-> (the canonical cache, the D of its rows, whether it is paged); its last dims contiguous."""
+def _cache_view(kv_cache: torch.Tensor, name: str) -> torch.Tensor:
+    """The cache as the canonical view: uint8 [P, page_size, bytes] (FP8) or [P, page_size, H_kv, D] (native;
+    a flat cache is P = N pages of one row)."""
+    if name != kv_formats.NATIVE:
+        c = kv_cache.view(torch.uint8) if kv_cache.dtype != torch.uint8 else kv_cache
+        return c[:, :, 0] if c.dim() == 4 else c
+    if kv_cache.dim() == 2:
+        return kv_cache[:, None, None]
+    return kv_cache[:, None] if kv_cache.dim() == 3 else kv_cache
+
+
+def _decode_cache(q: torch.Tensor, kv_cache: torch.Tensor, name: str) -> Tuple[torch.Tensor, int, bool, bool]:
+    """-> (the canonical view of the cache, the D of its rows, whether it is paged, whether its rows must be
+    copied to be contiguous: a native cache's page stride may be anything, its rows' layout may not)."""
     if name != kv_formats.NATIVE:
         fmt = kv_formats.cache_format_of(kv_cache, name)
-        c = kv_cache.view(torch.uint8) if kv_cache.dtype != torch.uint8 else kv_cache
-        c = c[:, :, 0] if c.dim() == 4 else c
+        c = _cache_view(kv_cache, name)
         if (c.shape[2] > 1 and c.stride(2) != 1) or (c.shape[1] > 1 and c.stride(1) != c.shape[2]):
             raise ValueError(f"kv_cache: the {fmt.bytes_per_token} bytes of each token and the tokens of a page "
                              f"must be contiguous, got strides {tuple(kv_cache.stride())}")
-        return c, fmt.D, True
+        return c, fmt.D, True, False
     if kv_cache.dtype != q.dtype:
         raise ValueError(f"kv_cache: expected dtype {q.dtype} (that of q) for a native cache, got {kv_cache.dtype}")
     _rank("kv_cache", kv_cache, (2, 3, 4),
           "[N, D] or [N, H_kv, D] (flat) or [num_pages, page_size, H_kv, D] (paged)")
-    kv4 = {2: lambda c: c[:, None, None], 3: lambda c: c[:, None], 4: lambda c: c}[kv_cache.dim()](kv_cache)
+    kv4 = _cache_view(kv_cache, name)
     _, PS, G, D = kv4.shape
-    if (D > 1 and kv4.stride(3) != 1) or (G > 1 and kv4.stride(2) != D) or (PS > 1 and kv4.stride(1) != G * D):
-        kv4 = kv4.contiguous()  # a page's rows must be contiguous; the page stride may be anything
-    return kv4, D, kv_cache.dim() == 4
+    copy = (D > 1 and kv4.stride(3) != 1) or (G > 1 and kv4.stride(2) != D) or (PS > 1 and kv4.stride(1) != G * D)
+    return kv4, D, kv_cache.dim() == 4, copy
 
 
-def _decode_tables(block_table, seq_lens, B: int, num_pages: int, page_size: int, paged: bool):
-    """block_table [B, W] (entries outside [0, P) become -1) and seq_lens [B], int32, checked."""
+def _decode_tables(block_table, seq_lens, B: int, paged: bool) -> None:
+    """block_table [B, W] and seq_lens [B] (only with a block table, on a paged cache), their shapes checked."""
     if block_table is None:
         if seq_lens is not None:
             raise ValueError("seq_lens: only with a block_table (it bounds the positions the table translates)")
-        return None, None
+        return
     if not paged:
         raise ValueError("block_table: needs a paged kv_cache ([num_pages, page_size, ...]); this one is flat")
     _rank("block_table", block_table, (2,), f"[B={B}, max_pages]")
     if block_table.shape[0] != B:
         raise ValueError(f"block_table: expected {B} rows (one per sequence), got shape {tuple(block_table.shape)}")
-    if block_table.dtype != torch.int32:
-        block_table = _safe_indices(block_table, num_pages, None)
     if seq_lens is not None:
         _shape("seq_lens", seq_lens, (B,), "one length per sequence [B]")
-        if seq_lens.dtype != torch.int32:  # clamped before the cast, so no length wraps
-            seq_lens = _int32(seq_lens.clamp(-1, block_table.shape[1] * page_size))
-        seq_lens = seq_lens.contiguous()
-    return block_table.contiguous(), seq_lens
 
 
-def sparse_decode_args(
+def _canonical(x: torch.Tensor, shape: Tuple[int, ...], views: bool) -> torch.Tensor:
+    """x's elements as a contiguous tensor of ``shape`` (``views=False``: x itself when contiguous)."""
+    if x.is_contiguous():
+        return x.view(shape) if views and x.shape != shape else x
+    return x.reshape(shape).contiguous()
+
+
+@dataclass(frozen=True)
+class DecodeForm:
+    """What the checks of a sparse-decode call concluded from its metadata.
+
+    B sequences of S query rows (T = B * S; packed q is S = 1), H heads of
+    D, G kv heads, K slots; the cache's format, its canonical shape
+    ``cache_shape`` and whether it is a copy (``cache_copy``: a native cache
+    whose rows are not contiguous); which of the optional tensors are given
+    and which need int64 -> int32 conversion. :meth:`args` builds the
+    canonical arguments; equal metadata, equal form."""
+
+    cache_format: str
+    B: int
+    S: int
+    H: int
+    D: int
+    G: int
+    K: int
+    batched: bool
+    sm_scale: float
+    d_v: int
+    cache_shape: Tuple[int, ...]
+    cache_copy: bool
+    table_width: Optional[int]  # W of block_table [B, W], None without one
+    wide: Tuple[bool, bool, bool, bool]  # int64 indices, block_table, seq_lens, topk_length: converted to int32
+    layout: SparseAttnLayout
+
+    @property
+    def T(self) -> int:
+        return self.B * self.S
+
+    @property
+    def slots(self) -> int:
+        """How many slots an index may address: the table's or the cache's pages times page_size."""
+        pages = self.table_width if self.table_width is not None else self.cache_shape[0]
+        return pages * self.cache_shape[1]
+
+    def cache(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The canonical cache of ``kv_cache`` (metadata as checked): a view, or a copy when ``cache_copy``."""
+        c = _cache_view(kv_cache, self.cache_format)
+        return c.contiguous() if self.cache_copy else c
+
+    def rows(self, q, indices, block_table, seq_lens, topk_length, *,
+             views: bool = True) -> Tuple[Optional[torch.Tensor], ...]:
+        """(q, indices, block_table, seq_lens, topk_length) of a call with the form's metadata, canonical:
+        q [T, H, D], indices [T, G, K], topk_length [T] or [B]; the integers int32 (int64 values outside
+        their range made invalid, or clamped, before the cast so that none wraps); all contiguous. With
+        ``views=False`` a contiguous tensor keeps its own shape: its contents are the canonical ones (the
+        form a launch that reads pointers takes, without the views' host time)."""
+        T, K = self.T, self.K
+        wide_idx, wide_bt, wide_sl, wide_tl = self.wide
+        q = _canonical(q, (T, self.H, self.D), views)
+        idx = _canonical(indices, (T, self.G, K), views)
+        if wide_idx:
+            idx = _safe_indices(idx, self.slots, None)
+        if block_table is not None:
+            if wide_bt:
+                block_table = _safe_indices(block_table, self.cache_shape[0], None)
+            block_table = block_table.contiguous()
+        if seq_lens is not None:
+            seq_lens = (_int32(seq_lens.clamp(-1, self.slots)) if wide_sl else seq_lens).contiguous()
+        if topk_length is not None:
+            topk_length = _canonical(topk_length, (topk_length.numel(),), views)
+            if wide_tl:  # clamped before the cast (int32 lengths are clamped where they are read)
+                topk_length = _int32(topk_length.clamp(-1, K))
+        return q, idx, block_table, seq_lens, topk_length
+
+    def args(self, q, kv_cache, indices, block_table, seq_lens, topk_length, sink) -> SparseDecodeArgs:
+        """The canonical arguments of tensors whose metadata is the form's."""
+        return self.bind(self.rows(q, indices, block_table, seq_lens, topk_length), self.cache(kv_cache),
+                         None if sink is None else sink.contiguous())
+
+    def bind(self, rows: Tuple[Optional[torch.Tensor], ...], kv: torch.Tensor,
+             sink: Optional[torch.Tensor]) -> SparseDecodeArgs:
+        """The canonical arguments of :meth:`rows`' tensors, the canonical cache and a contiguous sink."""
+        q, idx, block_table, seq_lens, topk_length = rows
+        return SparseDecodeArgs(q, kv, idx, topk_length, block_table, seq_lens, sink, self.sm_scale, self.d_v,
+                                self.cache_format, self.S)
+
+
+def sparse_decode_form(
     q, kv_cache, indices, block_table, seq_lens, topk_length, sink, sm_scale, d_v, cache_format
-) -> Tuple[SparseDecodeArgs, SparseAttnLayout]:
-    """Sparse decode: batched q [B, S_q, H, D] (indices [B, S_q, K], topk_length
-    [B, S_q] or [B]) or packed q [T, H, D] (each row its own sequence: indices
-    [T, K], topk_length [T]); indices carry an H_kv axis before K when the
-    native cache has H_kv > 1. block_table [B, W], seq_lens [B]."""
+) -> DecodeForm:
+    """Every check of a sparse-decode call (batched q [B, S_q, H, D] with indices [B, S_q, K] and
+    topk_length [B, S_q] or [B]; packed q [T, H, D], each row its own sequence, with indices [T, K] and
+    topk_length [T]; indices carry an H_kv axis before K when the native cache has H_kv > 1;
+    block_table [B, W], seq_lens [B]), on metadata only: no tensor is read or written."""
     q = _tensor("q", q, dtypes=FLOAT_DTYPES)
     _rank("q", q, (3, 4), "[B, S_q, H, D] (batched) or [T, H, D] (packed)")
     kv_cache = _tensor("kv_cache", kv_cache)
@@ -342,7 +441,7 @@ def sparse_decode_args(
     _same_device("q", q, kv_cache=kv_cache, indices=indices, block_table=block_table, seq_lens=seq_lens,
                  topk_length=topk_length, sink=sink)
     name = _decode_format(kv_cache, cache_format)
-    kv, D_kv, paged = _decode_cache(q, kv_cache, name)
+    kv, D_kv, paged, copy = _decode_cache(q, kv_cache, name)
     batched = q.dim() == 4
     B, S = (q.shape[0], q.shape[1]) if batched else (q.shape[0], 1)
     H, D = q.shape[-2], q.shape[-1]
@@ -354,23 +453,46 @@ def sparse_decode_args(
     row_shape, rows = _row_shape(B if batched else None, S if batched else B)
     _indices_shape(indices, row_shape, rows, G, "kv_cache")
     K = indices.shape[-1]
-    sm_scale, d_v, sink = _scale_dv_sink(q, D, H, sm_scale, d_v, sink)
-    block_table, seq_lens = _decode_tables(block_table, seq_lens, B, kv.shape[0], kv.shape[1], paged)
-    T = B * S
-    if topk_length is not None:
-        if not (batched and tuple(topk_length.shape) == (B,)):
-            _shape("topk_length", topk_length, row_shape,
-                   f"one length per query row {rows}" + (" or per sequence [B]" if batched else ""))
-        # int64: clamped before the cast so lengths past 2**31 cannot wrap (int32 is clamped where it is read)
-        topk_length = topk_length.reshape(-1)
-        topk_length = (topk_length if topk_length.dtype == torch.int32 else _int32(topk_length.clamp(-1, K))).contiguous()
-    pages = block_table.shape[1] if block_table is not None else kv.shape[0]
-    idx = indices.reshape(T, G, K)
-    if idx.dtype != torch.int32:
-        idx = _safe_indices(idx, pages * kv.shape[1], None)
-    args = SparseDecodeArgs(q.reshape(T, H, D).contiguous(), kv, idx.contiguous(), topk_length, block_table,
-                            seq_lens, sink, sm_scale, d_v, name, S)
-    return args, SparseAttnLayout(batch=B if batched else None, seqlen=S if batched else B)
+    sm_scale, d_v, _ = _scale_dv_sink(q, D, H, sm_scale, d_v, sink)
+    _decode_tables(block_table, seq_lens, B, paged)
+    if topk_length is not None and not (batched and tuple(topk_length.shape) == (B,)):
+        _shape("topk_length", topk_length, row_shape,
+               f"one length per query row {rows}" + (" or per sequence [B]" if batched else ""))
+    wide = tuple(t is not None and t.dtype != torch.int32 for t in (indices, block_table, seq_lens, topk_length))
+    return DecodeForm(name, B, S, H, D, G, K, batched, sm_scale, d_v, tuple(kv.shape), copy,
+                      None if block_table is None else block_table.shape[1], wide,
+                      SparseAttnLayout(batch=B if batched else None, seqlen=S if batched else B))
+
+
+def sparse_decode_args(
+    q, kv_cache, indices, block_table, seq_lens, topk_length, sink, sm_scale, d_v, cache_format
+) -> Tuple[SparseDecodeArgs, SparseAttnLayout]:
+    """Sparse decode's canonical arguments and the user's layout (:func:`sparse_decode_form`'s checks)."""
+    form = sparse_decode_form(q, kv_cache, indices, block_table, seq_lens, topk_length, sink, sm_scale, d_v,
+                              cache_format)
+    return form.args(q, kv_cache, indices, block_table, seq_lens, topk_length, sink), form.layout
+
+
+def _meta(x) -> Optional[tuple]:
+    """What the checks read of a tensor argument (strides: the cache's alone)."""
+    return None if x is None else (x.dtype, x.shape, x.device)
+
+
+def decode_key(q, kv_cache, indices, block_table, seq_lens, topk_length, sink, sm_scale, d_v,
+               cache_format) -> Optional[tuple]:
+    """Everything :func:`sparse_decode_form` reads, as a hashable key: calls with equal keys have equal forms
+    (and pass or fail its checks alike). It is each tensor's dtype, shape and device, the cache's strides and
+    the scalars; None (no key: check the call afresh) unless every tensor is a plain ``torch.Tensor`` (or
+    None) and sm_scale, d_v and cache_format are a Python float or int, int and str (or None)."""
+    for x in (q, kv_cache, indices, block_table, seq_lens, topk_length, sink):
+        if x is not None and type(x) is not torch.Tensor:
+            return None
+    # bool is not int here, and 2 and 2.0 are one key with one result (sm_scale 2.0)
+    if not ((sm_scale is None or type(sm_scale) is float or type(sm_scale) is int)
+            and (d_v is None or type(d_v) is int) and (cache_format is None or type(cache_format) is str)):
+        return None
+    return (_meta(q), _meta(kv_cache), kv_cache.stride(), _meta(indices), _meta(block_table), _meta(seq_lens),
+            _meta(topk_length), _meta(sink), sm_scale, d_v, cache_format)
 
 
 # --------------------------------------------------------------------------

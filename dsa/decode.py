@@ -2,21 +2,43 @@
 
     out = sparse_decode(q, kv_cache, indices, block_table=bt, seq_lens=lens, topk_length=n)
 
+    plan = sparse_decode_plan(q, kv_cache, indices, block_table=bt, seq_lens=lens, topk_length=n)
+    out = plan(q, kv_cache, indices, block_table=bt, seq_lens=lens, topk_length=n)   # every layer and step
+
 The computation is sparse attention's (docs/semantics.md, "Sparse decode"):
 the same scores, sink and lse, on the rows that ``indices`` address in the
 cache, dequantised when the cache is FP8 (:mod:`dsa.kv_cache`). The op is
 ``dsa::sparse_decode`` (:mod:`dsa.ops.decode`); the Triton backend splits each
 row's slots over several programs when the rows alone would leave the GPU
 idle, and merges the parts by their lse.
+
+Host time. A decode kernel takes tens of microseconds, so the Python around
+its launches matters. Every check of a call depends on its arguments'
+metadata alone (``dsa._checks.sparse_decode_form``), so the function keeps
+what the checks concluded, the backend's choice and the backend's prepared
+launches (``prepare`` in :mod:`dsa.ops.decode`) per metadata
+(``dsa._checks.decode_key``); a repeated call pays the key, the views that
+make its tensors canonical, its output allocations and the launches. A
+:class:`SparseDecodePlan` goes further: it checks one call's metadata once,
+and a call compares its tensors' shapes, dtypes and devices with the plan's
+(no key, no environment read) and launches, its scratch memory allocated
+once. Eager calls run the chosen implementation directly; anything the dispatcher
+must see (``torch.compile``, a dispatch mode, a functorch transform, a tensor
+subclass, autograd) goes through the op.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+import os
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
+import torch
 from torch import Tensor
 
 from dsa import _checks, ops
+from dsa._rules import acc_dtype
+from dsa.ops import decode as decode_op
+from dsa.ops._core import direct_plain
 
 Backend = str  # "auto" | "reference" | "triton" | "cute"
 
@@ -27,6 +49,46 @@ def _decode(q, kv_cache, indices, block_table, seq_lens, topk_length, sink, sm_s
     _checks.backend_arg(backend)
     return _checks.sparse_decode_args(q, kv_cache, indices, block_table, seq_lens, topk_length, sink, sm_scale,
                                       d_v, cache_format)
+
+
+def _on_device(index: Optional[int], run: Callable[..., Any], *args: Any) -> Any:
+    """run(*args) with CUDA device ``index`` current (None: not CUDA), as the op's body runs
+    (dsa.ops._core.on_device): kernels launch on the current device."""
+    if index is not None and index != torch.cuda.current_device():
+        with torch.cuda.device(index):
+            return run(*args)
+    return run(*args)
+
+
+class _Known:
+    """What sparse_decode keeps for one call metadata (``_checks.decode_key``): the checks' form, the
+    shape key, the outputs' shapes, and per backend asked for (and steering variables) the chosen
+    implementation with its prepared launches (None when it offers none or the call is empty)."""
+
+    def __init__(self, form: _checks.DecodeForm, a, q: Tensor):
+        self.form = form
+        self.shape_key = a.shape_key
+        self.empty = a.empty
+        self.out_shape = q.shape[:-1] + (form.d_v,)
+        self.lse_shape = q.shape[:-1]
+        self.lse_dtype = acc_dtype(q)
+        self.cuda = q.get_device() if q.is_cuda else None
+        self.runs: Dict[Tuple, Tuple[Callable[..., Any], Optional[Callable[..., None]]]] = {}
+
+    def run(self, a, backend: str) -> Tuple[Callable[..., Any], Optional[Callable[..., None]]]:
+        key = (backend, os.environ.get("DSA_BACKEND"), os.environ.get("DSA_DISABLE_CUTE"))
+        run = self.runs.get(key)
+        if run is None:
+            if a is None:
+                return None, None
+            fn = decode_op.choice(a, backend).fn
+            prepare = getattr(fn, "prepare", None)
+            run = self.runs[key] = (fn, prepare(a, False) if prepare is not None and not self.empty else None)
+        return run
+
+
+_KNOWN: Dict[tuple, _Known] = {}
+_MAX_KNOWN = 4096  # distinct call metadata kept; a serving loop has a few per batch size and layer shape
 
 
 def sparse_decode(
@@ -65,12 +127,240 @@ def sparse_decode(
 
     Returns out [..., H, d_v] in q's dtype and, with ``return_lse``, lse
     [..., H] fp32 (natural log, sink excluded, +inf on a row with no valid slot).
+
+    A serving loop that repeats one shape every step saves most of the host
+    time per call with :func:`sparse_decode_plan`.
     """
+    if not torch.compiler.is_compiling():
+        key = _checks.decode_key(q, kv_cache, indices, block_table, seq_lens, topk_length, sink, sm_scale, d_v,
+                                 cache_format)
+        if key is not None:
+            return _known_call(key, q, kv_cache, indices, block_table, seq_lens, topk_length, sink, sm_scale, d_v,
+                               cache_format, return_lse, backend)
     a, layout = _decode(q, kv_cache, indices, block_table, seq_lens, topk_length, sink, sm_scale, d_v, cache_format,
                         return_lse, backend)
     out, lse = ops.call(ops.sparse_decode, a, backend)
     out = layout.unpack(out)
     return (out, layout.unpack(lse)) if return_lse else out
+
+
+def _known_call(key, q, kv_cache, indices, block_table, seq_lens, topk_length, sink, sm_scale, d_v, cache_format,
+                return_lse, backend):
+    """An eager call whose metadata has a key: checked once per key, then run through the kept choice."""
+    _checks.flag("return_lse", return_lse)
+    _checks.backend_arg(backend)
+    known = _KNOWN.get(key)
+    a = None
+    if known is None:
+        form = _checks.sparse_decode_form(q, kv_cache, indices, block_table, seq_lens, topk_length, sink, sm_scale,
+                                          d_v, cache_format)
+        a = form.args(q, kv_cache, indices, block_table, seq_lens, topk_length, sink)
+        if len(_KNOWN) >= _MAX_KNOWN:
+            _KNOWN.clear()
+        known = _KNOWN[key] = _Known(form, a, q)
+    form = known.form
+    fn, prepared = known.run(a, backend)
+    if fn is None:  # a new backend (or steering variable) for this metadata: the choice needs the arguments
+        a = form.args(q, kv_cache, indices, block_table, seq_lens, topk_length, sink)
+        fn, prepared = known.run(a, backend)
+    # decode_key gave a key: every tensor is a plain torch.Tensor
+    if prepared is not None and direct_plain((q, kv_cache, indices, block_table, seq_lens, topk_length, sink)):
+        rows = form.rows(q, indices, block_table, seq_lens, topk_length, views=False)
+        out = q.new_empty(known.out_shape)
+        lse = q.new_empty(known.lse_shape, dtype=known.lse_dtype)
+        _on_device(known.cuda, prepared, rows[0], form.cache(kv_cache), rows[1], rows[4], rows[2], rows[3],
+                   None if sink is None else sink.contiguous(), out, lse)
+        return (out, lse) if return_lse else out
+    if a is None:
+        a = form.args(q, kv_cache, indices, block_table, seq_lens, topk_length, sink)
+    a.__dict__["shape_key"] = known.shape_key  # what the cached property computes for this metadata
+    out, lse = ops.call(ops.sparse_decode, a, backend)
+    out = form.layout.unpack(out)
+    return (out, form.layout.unpack(lse)) if return_lse else out
+
+
+# ----------------------------------------------------------------------------
+# The plan: checked once, called every step
+
+
+def _meta(x: Optional[Tensor]) -> Optional[Tuple[Any, ...]]:
+    """What a plan compares of a per-call tensor: its class (a subclass goes through the dispatcher),
+    shape, dtype and device. Raises AttributeError for a non-tensor."""
+    return None if x is None else (x.__class__, x.shape, x.dtype, x.device)
+
+
+_PER_CALL = ("q", "kv_cache", "indices", "block_table", "seq_lens", "topk_length", "sink")
+
+
+class SparseDecodePlan:
+    """:func:`sparse_decode` planned for one shape of call: made once (:func:`sparse_decode_plan`), called
+    every decode step of every layer of that shape.
+
+    The plan checks the example call's arguments once (the cache's layout and strides, the block table,
+    the dtypes, the scalars), chooses the backend once and prepares its launches (grids, integer
+    arguments, the split workspace). A call passes the step's tensors; each must have the example's
+    class, shape, dtype and device (the cache also its strides): attribute comparisons, then the launches.
+    A call reads nothing back from the device and allocates only its outputs (none with ``out=`` and
+    ``lse=``), so it captures in a CUDA graph; its result is bitwise that of :func:`sparse_decode` with the
+    same arguments.
+
+    The workspace is the plan's, shared by its calls: they must run in order on one stream, as the
+    layers of a decode step do (steps decoded concurrently on two streams take a plan each).
+
+    Attributes: ``backend``, the backend chosen; :meth:`explain` says why.
+    """
+
+    def __init__(
+        self, q: Tensor, kv_cache: Tensor, indices: Tensor, *, block_table: Optional[Tensor] = None,
+        seq_lens: Optional[Tensor] = None, topk_length: Optional[Tensor] = None, sink: Optional[Tensor] = None,
+        sm_scale: Optional[float] = None, d_v: Optional[int] = None, cache_format: Optional[str] = None,
+        return_lse: bool = False, backend: Backend = "auto",
+    ) -> None:
+        self.return_lse = _checks.flag("return_lse", return_lse)
+        _checks.backend_arg(backend)
+        form = _checks.sparse_decode_form(q, kv_cache, indices, block_table, seq_lens, topk_length, sink, sm_scale,
+                                          d_v, cache_format)
+        if form.cache_copy:
+            raise ValueError(f"kv_cache: each row ([H_kv, D] of a token) must be contiguous for a plan, which reads "
+                             f"the cache in place (the page stride may be anything); got strides "
+                             f"{tuple(kv_cache.stride())}")
+        self._form = form
+        a = form.args(q, kv_cache, indices, block_table, seq_lens, topk_length, sink)
+        self._choice = decode_op.choice(a, backend)
+        self.backend: str = self._choice.backend
+        self._fn = self._choice.fn
+        self._empty = a.empty
+        prepare = getattr(self._fn, "prepare", None)
+        self._run = prepare(a, True) if prepare is not None and not self._empty else None
+        self._cuda = q.get_device() if q.is_cuda else None
+        tensors = (q, kv_cache, indices, block_table, seq_lens, topk_length, sink)
+        self._want = tuple(None if x is None else (Tensor, x.shape, x.dtype, x.device) for x in tensors)
+        self._cache_stride = kv_cache.stride()
+        self._out = (q.shape[:-1] + (form.d_v,), q.dtype, q.device)
+        self._lse = (q.shape[:-1], acc_dtype(q), q.device)
+        # the kernels' lse when the caller keeps none: written every call, never read
+        self._lse_scratch = None if return_lse or self._run is None else torch.empty(
+            self._lse[0], dtype=self._lse[1], device=q.device)
+
+    def explain(self) -> str:
+        """Which backend the plan runs and why (as :func:`dsa.explain` says it)."""
+        return self._choice.describe("sparse_decode")
+
+    def __call__(
+        self, q: Tensor, kv_cache: Tensor, indices: Tensor, *, block_table: Optional[Tensor] = None,
+        seq_lens: Optional[Tensor] = None, topk_length: Optional[Tensor] = None, sink: Optional[Tensor] = None,
+        out: Optional[Tensor] = None, lse: Optional[Tensor] = None,
+    ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+        """One decode step of one layer: the arguments of :func:`sparse_decode`, each with the class,
+        shape, dtype and device of the plan's example (the cache also its strides; each optional one given
+        iff the example had it).
+
+        out: [..., H, d_v] in q's dtype and lse: [..., H] fp32, contiguous, where the results are written
+        (allocated when not given; lse is written when given, returned with ``return_lse``). Returns out,
+        or (out, lse) with ``return_lse``.
+        """
+        try:
+            plain = (_meta(q), _meta(kv_cache), _meta(indices), _meta(block_table), _meta(seq_lens),
+                     _meta(topk_length), _meta(sink)) == self._want and kv_cache.stride() == self._cache_stride
+        except AttributeError:  # not a tensor: _mismatch says which
+            plain = False
+        if not plain:
+            self._mismatch((q, kv_cache, indices, block_table, seq_lens, topk_length, sink))
+        if out is not None:
+            self._output("out", out, self._out)
+        if lse is not None:
+            self._output("lse", lse, self._lse)
+        form = self._form
+        if sink is not None:
+            sink = sink.contiguous()
+        eager = plain and direct_plain((q, kv_cache, indices, block_table, seq_lens, topk_length, sink))
+        if self._run is not None and eager:
+            if out is None:
+                out = q.new_empty(self._out[0])
+            if lse is None:
+                lse = self._lse_scratch if self._lse_scratch is not None else q.new_empty(
+                    self._lse[0], dtype=self._lse[1])
+            q, indices, block_table, seq_lens, topk_length = form.rows(q, indices, block_table, seq_lens,
+                                                                       topk_length, views=False)
+            _on_device(self._cuda, self._run, q, form.cache(kv_cache), indices, topk_length, block_table, seq_lens,
+                       sink, out, lse)
+            return (out, lse) if self.return_lse else out
+        a = form.bind(form.rows(q, indices, block_table, seq_lens, topk_length), form.cache(kv_cache), sink)
+        if eager:  # a backend without prepared launches, or an empty call
+            res_out, res_lse = decode_op.empty(a) if self._empty else _on_device(self._cuda, self._fn, a)
+        else:  # through the dispatcher: torch.compile, a dispatch mode or transform, a subclass, autograd
+            res_out, res_lse = ops.sparse_decode(a, self.backend)
+        res_out, res_lse = res_out.view(self._out[0]), res_lse.view(self._lse[0])
+        if out is not None:
+            res_out = out.copy_(res_out)
+        if lse is not None:
+            res_lse = lse.copy_(res_lse)
+        return (res_out, res_lse) if self.return_lse else res_out
+
+    def _mismatch(self, given: Tuple[Any, ...]) -> None:
+        """Raise for the first argument that is not what the plan was made with (a tensor subclass with
+        the plan's metadata passes: it goes through the dispatcher)."""
+        for name, x, want in zip(_PER_CALL, given, self._want):
+            if want is None:
+                if x is not None:
+                    raise ValueError(f"{name}: the plan was made without one; make a plan with it")
+                continue
+            if x is None:
+                raise ValueError(f"{name}: the plan was made with one ({_describe(want[1:])}), got None")
+            if not isinstance(x, Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+            _, shape, dtype, device = want
+            if x.shape != shape:
+                raise ValueError(f"{name}: expected shape {tuple(shape)} (the plan's), got {tuple(x.shape)}; a plan "
+                                 f"serves one shape of call: make one for this shape, or call dsa.sparse_decode")
+            if x.dtype != dtype:
+                raise ValueError(f"{name}: expected dtype {dtype} (the plan's), got {x.dtype}")
+            if x.device != device:
+                raise ValueError(f"{name}: expected device {device} (the plan's), got {x.device}")
+        if given[1].stride() != self._cache_stride:
+            raise ValueError(f"kv_cache: expected strides {self._cache_stride} (the plan's cache layout), got "
+                             f"{given[1].stride()}")
+
+    @staticmethod
+    def _output(name: str, x: Any, want: Tuple[Any, ...]) -> None:
+        """Raise unless ``x`` is a contiguous tensor of shape, dtype and device ``want``."""
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(x).__name__}")
+        if (x.shape, x.dtype, x.device) != want:
+            raise ValueError(f"{name}: expected {_describe(want)}, got {_describe((x.shape, x.dtype, x.device))}")
+        if not x.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor, got strides {x.stride()}")
+
+
+def _describe(meta: Tuple[Any, ...]) -> str:
+    shape, dtype, device = meta
+    return f"shape {tuple(shape)}, {str(dtype).replace('torch.', '')} on {device}"
+
+
+def sparse_decode_plan(
+    q: Tensor, kv_cache: Tensor, indices: Tensor, *, block_table: Optional[Tensor] = None,
+    seq_lens: Optional[Tensor] = None, topk_length: Optional[Tensor] = None, sink: Optional[Tensor] = None,
+    sm_scale: Optional[float] = None, d_v: Optional[int] = None, cache_format: Optional[str] = None,
+    return_lse: bool = False, backend: Backend = "auto",
+) -> SparseDecodePlan:
+    """A :class:`SparseDecodePlan`: :func:`sparse_decode` checked, its backend chosen and its launches
+    prepared once, for calls whose tensors are shaped like these and whose sm_scale, d_v, cache_format,
+    return_lse and backend are these.
+
+    Arguments as in :func:`sparse_decode`; only the tensors' metadata is used (the cache's layout and
+    strides, each tensor's shape, dtype and device), never their values. Raises what
+    :func:`sparse_decode` raises for them, and ValueError for a native cache whose rows are not
+    contiguous (which every call would have to copy)::
+
+        plan = dsa.sparse_decode_plan(q, caches[0], positions, block_table=bt, seq_lens=lens,
+                                      topk_length=n, sink=sinks[0])
+        for layer in range(layers):                   # every step: new q, positions, lengths
+            out = plan(q, caches[layer], positions, block_table=bt, seq_lens=lens, topk_length=n,
+                       sink=sinks[layer])
+    """
+    return SparseDecodePlan(q, kv_cache, indices, block_table=block_table, seq_lens=seq_lens,
+                            topk_length=topk_length, sink=sink, sm_scale=sm_scale, d_v=d_v, cache_format=cache_format,
+                            return_lse=return_lse, backend=backend)
 
 
 # public name -> (the public function, its preparation, the ops it runs), for dsa.explain

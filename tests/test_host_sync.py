@@ -103,3 +103,38 @@ def test_packed_indexer_topk_with_cu_seqlens_captures_in_a_cuda_graph():
         torch.cuda.synchronize()
         assert torch.equal(idx, exp_idx) and torch.equal(lengths, exp_len)
         assert (lengths > 0).any() and (idx >= 100).any()  # global rows of the later sequences
+
+
+def _decode_step(B=4, H=64, K=256, P=64, PS=64, seed=3):
+    """A decode step on a V3.2 FP8 cache with a block table: (q, cache, positions, keywords)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cache = dsa.quantize_kv_cache(torch.randn(P, PS, 576, device="cuda", generator=g), "fp8_v32")
+    q = torch.randn(B, 1, H, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    pos = torch.randint(-1, 4 * PS, (B, 1, K), device="cuda", generator=g).int()
+    kw = dict(block_table=torch.randperm(P, device="cuda", generator=g)[: B * 4].view(B, 4).int(),
+              seq_lens=torch.randint(0, 4 * PS + 1, (B,), device="cuda", generator=g).int(),
+              topk_length=torch.randint(0, K + 1, (B,), device="cuda", generator=g).int(),
+              sink=torch.randn(H, device="cuda", generator=g))
+    return q, cache, pos, kw
+
+
+@pytest.mark.parametrize("B", [1, 4])
+def test_sparse_decode_plan_does_not_sync_and_captures(B):
+    """A plan's call (split over programs at B1, and with its outputs given) neither syncs nor allocates
+    by value: it captures in a CUDA graph, whose replays follow new inputs and equal the function's."""
+    q, cache, pos, kw = _decode_step(B=B)
+    plan = dsa.sparse_decode_plan(q, cache, pos, **kw, return_lse=True)
+    out, lse = torch.empty(B, 1, 64, 512, device="cuda", dtype=torch.bfloat16), torch.empty(B, 1, 64, device="cuda")
+    _twice(lambda: plan(q, cache, pos, **kw))
+    _twice(lambda: plan(q, cache, pos, **kw, out=out, lse=lse))
+    _twice(lambda: dsa.sparse_decode(q, cache, pos, **kw, return_lse=True))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = plan(q, cache, pos, **kw)
+    g = torch.Generator(device="cuda").manual_seed(9)
+    for _ in range(2):
+        q.copy_(torch.randn(q.shape, device="cuda", generator=g).to(q.dtype))
+        graph.replay()
+        exp_out, exp_lse = dsa.sparse_decode(q, cache, pos, **kw, return_lse=True)
+        torch.cuda.synchronize()
+        assert torch.equal(g_out, exp_out) and torch.equal(g_lse, exp_lse)

@@ -156,20 +156,47 @@ def op(name: str, cls, *, extra: str = "", returns: str = "Tensor") -> Callable[
     return lambda body: Op(name, cls, body, extra, returns)
 
 
-def call(op: Op, a, *rest):
-    """``op(a, *rest)``, or its body directly when the dispatcher has nothing
-    to add: no tracing or compiling, no dispatch mode or functorch transform,
-    no tensor subclass, and no autograd (grad mode off or no input requiring
-    grad). Same body, same result; it saves the dispatcher's host time (tens
-    of microseconds a call), which short kernels would otherwise wait on."""
-    if (
+def traced() -> bool:
+    """Compiling or tracing, a dispatch mode or a functorch transform: the dispatcher must see the call."""
+    return (
         torch.compiler.is_compiling()
         or torch._C._are_functorch_transforms_active()
         or torch.utils._python_dispatch._get_current_dispatch_mode() is not None
-    ):
-        return op(a, *rest)
+    )
+
+
+def _plain(values) -> bool:
+    """No tensor subclass among ``values`` and none requiring grad while grad mode is on."""
     grad = torch.is_grad_enabled()
-    for x in [getattr(a, n) for n in _names(type(a))] + list(rest):  # eager only: the names are cached
+    for x in values:
         if isinstance(x, Tensor) and (type(x) is not Tensor or (grad and x.requires_grad)):
-            return op(a, *rest)
+            return False
+    return True
+
+
+def direct(values) -> bool:
+    """Whether a call on ``values`` (its tensors, and anything else) may skip the dispatcher and run an
+    op's body: no tracing or compiling, no dispatch mode or functorch transform, no tensor subclass, and no
+    autograd (grad mode off or no tensor requiring grad)."""
+    return not traced() and _plain(values)
+
+
+def direct_plain(tensors) -> bool:
+    """:func:`direct` for ``tensors`` known to be plain ``torch.Tensor`` objects (or None)."""
+    if traced():
+        return False
+    if torch.is_grad_enabled():
+        for x in tensors:
+            if x is not None and x.requires_grad:
+                return False
+    return True
+
+
+def call(op: Op, a, *rest):
+    """``op(a, *rest)``, or its body directly when the dispatcher has nothing
+    to add (:func:`direct`). Same body, same result; it saves the dispatcher's
+    host time (tens of microseconds a call), which short kernels would
+    otherwise wait on."""
+    if traced() or not _plain([getattr(a, n) for n in _names(type(a))] + list(rest)):  # eager: names cached
+        return op(a, *rest)
     return op.body(a, *rest)

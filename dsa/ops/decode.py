@@ -3,42 +3,62 @@
 A decode step calls the op once a layer with the same shapes, so the
 selector's choice is kept per shape (``SparseDecodeArgs.shape_key``), the
 backend asked for and the two environment variables that steer it: the
-selector runs once per such key, not once per call.
+selector runs once per such key, not once per call (:func:`choice`).
+
+A backend's implementation ``fn(a) -> (out, lse)`` may also offer
+``fn.prepare(a, reuse_workspace) -> run``: everything a call of ``a``'s
+metadata needs but its tensors, built once (``dsa.SparseDecodePlan`` and
+the eager ``dsa.sparse_decode`` use it). ``run(q, kv, indices, topk_length,
+block_table, seq_lens, sink, out, lse)`` takes the canonical tensors of a
+call whose metadata is ``a``'s (contiguous, each in the canonical shape or
+another of the same elements, e.g. q [B, S_q, H, D] for [T, H, D]) and
+writes out [T, H, d_v] (q.dtype) and lse [T, H] fp32 into the given
+contiguous tensors; it allocates nothing whose size depends on values and
+reads nothing back to the host. With ``reuse_workspace`` its scratch memory
+is allocated once and shared by its calls (which must then be ordered on
+one stream); without, every call allocates its own. A backend without
+``prepare`` is called as ``fn(a)``.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Dict, Tuple
+from typing import Dict, Tuple
 
 import torch
 
 from dsa._args import SparseDecodeArgs
 from dsa._rules import acc_dtype
 from dsa.ops._core import op
-from dsa.selector import select
+from dsa.selector import Choice, select
 
 
-_CHOICES: Dict[Tuple, Callable[..., Any]] = {}
+_CHOICES: Dict[Tuple, Choice] = {}
 
 
-def _chosen(a: SparseDecodeArgs, backend: str) -> Callable[..., Any]:
+def choice(a: SparseDecodeArgs, backend: str) -> Choice:
+    """The selector's choice for ``a``, kept per shape, backend and steering environment variables."""
     key = (a.shape_key, backend, os.environ.get("DSA_BACKEND"), os.environ.get("DSA_DISABLE_CUTE"))
-    fn = _CHOICES.get(key)
-    if fn is None:
+    c = _CHOICES.get(key)
+    if c is None:
         if len(_CHOICES) >= 4096:
             _CHOICES.clear()
-        fn = _CHOICES[key] = select("sparse_decode", a, backend).fn
-    return fn
+        c = _CHOICES[key] = select("sparse_decode", a, backend)
+    return c
+
+
+def empty(a: SparseDecodeArgs) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The result of a call without rows, slots, keys or heads: out 0, lse +inf (no kernel)."""
+    lse = torch.full((a.T, a.H), float("inf"), device=a.q.device, dtype=acc_dtype(a.q))
+    return a.q.new_zeros(a.T, a.H, a.d_v), lse
 
 
 @op("sparse_decode", SparseDecodeArgs, returns="(Tensor, Tensor)")
 def sparse_decode(a: SparseDecodeArgs, backend: str):
     """-> out [T, H, d_v] (q.dtype), lse [T, H] fp32 (+inf on rows with no valid slot)."""
     if a.empty:
-        lse = torch.full((a.T, a.H), float("inf"), device=a.q.device, dtype=acc_dtype(a.q))
-        return a.q.new_zeros(a.T, a.H, a.d_v), lse
-    return _chosen(a, backend)(a)
+        return empty(a)
+    return choice(a, backend).fn(a)
 
 
 @sparse_decode.fake

@@ -16,6 +16,8 @@ medians, warmup 25 ms, rep 100 ms):
   first: SM90 is on FlashMLA's legacy side);
 - ``dsa_fp8_bt``: ``dsa.sparse_decode`` on the same cache with the block
   table and logical positions (what a serving engine holds);
+- ``dsa_fp8_bt_plan``: the same call through ``dsa.sparse_decode_plan``
+  (made once, called each time): the serving path's host time;
 - ``dsa_fp8``: the same with FlashMLA's physical slots;
 - ``dsa_bf16``: the dequantised cache in bf16, paged, block table;
 - ``sparse_attention``: ``dsa.sparse_attention`` on that bf16 cache as a flat
@@ -26,8 +28,9 @@ medians, warmup 25 ms, rep 100 ms):
 
 Per row: milliseconds, GB/s (bytes of the K gathered rows in the cache's
 format, q and out) and the fraction of 4.24 TB/s, the host microseconds a
-call takes (a loop of eager calls without synchronising: launches are
-queued, so the loop measures the host), and the relative L2 error of out
+call takes (bench/decode_host.py's method: eager calls while the stream is
+held behind a sleeping kernel, so that no call waits for the device), and
+the relative L2 error of out
 against the float64 reference on the dequantised cache. With the sweep
 (default), B = 1 and 32 also time dsa's FP8 decode at forced split counts
 (``dsa.triton.decode.forward(a, splits=s)``), the evidence for the split rule,
@@ -50,7 +53,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -61,6 +63,8 @@ from dsa import _checks
 from dsa.cute import decode as cdecode
 from dsa.kv_cache import FORMATS
 from dsa.triton import decode as tdecode
+
+from decode_host import host_us_cuda  # bench/, the script's folder
 
 PAGE = 64
 K = 2048
@@ -86,17 +90,9 @@ def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
     return graph.replay
 
 
-def host_us(fn: Callable[[], Any], n: int = 200) -> float:
-    """Host time of one call: n eager calls queued without a synchronisation."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    dt = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return dt / n * 1e6
+def host_us(fn: Callable[[], Any]) -> float:
+    """Host microseconds of one call (the minimum of decode_host.host_us_cuda's samples)."""
+    return host_us_cuda(fn, calls=100, reps=10)[0]
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -201,6 +197,8 @@ def run_row(fmt: str, B: int, H: int, L: int, sweep: bool, cute_splits=SWEEP) ->
     measure(row, "flashmla", lambda: flashmla_fn(pb), fp8_bytes, ref)
     measure(row, "dsa_fp8_bt", lambda: (lambda: dsa.sparse_decode(q, cache, pos, block_table=bt, sink=sink,
                                                                    sm_scale=scale)), fp8_bytes, ref)
+    plan = dsa.sparse_decode_plan(q, cache, pos, block_table=bt, sink=sink, sm_scale=scale)
+    measure(row, "dsa_fp8_bt_plan", lambda: (lambda: plan(q, cache, pos, block_table=bt, sink=sink)), fp8_bytes, ref)
     measure(row, "dsa_fp8", lambda: (lambda: dsa.sparse_decode(q, cache, slots, sink=sink, sm_scale=scale)),
             fp8_bytes, ref)
     measure(row, "dsa_bf16_bt", lambda: (lambda: dsa.sparse_decode(q, kv16, pos, block_table=bt, sink=sink,
@@ -304,15 +302,16 @@ def main() -> None:
             for fmt in args.formats.split(",") for H in ints(args.heads) for L in ints(args.cache_lens)
             for B in ints(args.batches)]
     print("\nformat       H  cache_len    B   flashmla us  dsa_fp8_bt us  cute_fp8_bt us  cute_bf16_bt us  "
-          "triton/fm  cute/fm  dsa host us  cute host us")
+          "triton/fm  cute/fm  dsa host us  plan host us  cute host us")
     for r in rows:
-        fm, ours, cute8, cute16 = (r.get(k) for k in ("flashmla", "dsa_fp8_bt", "cute_fp8_bt", "cute_bf16_bt"))
+        fm, ours, plan, cute8, cute16 = (r.get(k) for k in ("flashmla", "dsa_fp8_bt", "dsa_fp8_bt_plan", "cute_fp8_bt",
+                                                             "cute_bf16_bt"))
         fmt_us = lambda x: f"{x['graph_ms'] * 1e3:11.1f}" if isinstance(x, dict) else f"{'n/a':>11s}"  # noqa: E731
         sp = lambda k: f"{r[k]:9.2f}" if k in r else f"{'n/a':>9s}"  # noqa: E731
         host = lambda x: f"{x['host_us']:11.1f}" if isinstance(x, dict) else f"{'n/a':>11s}"  # noqa: E731
         print(f"{r['format']:10s} {r['H']:3d} {r['cache_len']:10d} {r['B']:4d} {fmt_us(fm)}   {fmt_us(ours)}   "
               f"{fmt_us(cute8)}    {fmt_us(cute16)}  {sp('speedup_graph')} {sp('cute_speedup_graph')}  "
-              f"{host(ours)}  {host(cute8)}")
+              f"{host(ours)}   {host(plan)}   {host(cute8)}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "decode_peers.json"), "w") as fh:

@@ -252,3 +252,21 @@ def test_plan_on_gpu_is_bitwise_the_function(fmt, B, H):
     for c in caches + caches:
         _same(plan(q, c, pos, **kw), dsa.sparse_decode(q, c, pos, **kw, return_lse=True, backend="triton"))
     assert all(run is not None for _, _, run in tdecode._DECODE._compiled.values())
+
+
+@pytest.mark.skipif(CUDA or not TRITON_IMPORTABLE, reason="the CPU run of the bench (Triton's launches stubbed)")
+def test_decode_host_bench_runs_on_cpu(tmp_path):
+    """bench/decode_host.py measures every path on CPU and leaves the launchers as it found them."""
+    import json
+
+    from bench import decode_host
+    from dsa.triton import decode as tdecode
+
+    before = (tdecode._DECODE.fn, tdecode.sm_count)
+    res = decode_host.main(["--formats", "fp8_v32", "--batches", "1", "--heads", "64", "--calls", "3", "--reps", "1",
+                            "--out", str(tmp_path)])
+    (row,) = res["rows"]
+    assert res["stubbed"] and row["backend"] == "triton" and row["splits"] > 1  # 132 SMs: split, merged
+    assert all(row[f"{p}_us"] > 0 for p in ("function", "plan", "plan_out", "launches"))
+    assert json.loads((tmp_path / "decode_host.json").read_text())["rows"][0]["B"] == 1
+    assert (tdecode._DECODE.fn, tdecode.sm_count) == before

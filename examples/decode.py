@@ -7,7 +7,10 @@
 On a GPU the shapes are DeepSeek V3.2's (H = 128, D = 576, top-k 2048,
 caches of 8192 tokens) and the Triton kernels run; the example checks the
 FP8 result against the same call on the dequantised cache (bf16 on a GPU),
-and prints which backend served it.
+and prints which backend served it. It then runs the step the way a server
+does, through a plan made once (dsa.sparse_decode_plan) and called for every
+layer, its outputs written into buffers of the engine's, and checks that each
+layer's result is bitwise the function's.
 """
 
 from __future__ import annotations
@@ -62,6 +65,23 @@ def main() -> None:
     print(f"out {tuple(out.shape)} {out.dtype}, lse {tuple(lse.shape)}; relative L2 against the dequantised cache: "
           f"{err:.2e}")
     assert err < 1e-2, err
+
+    # serving: one plan for every layer of this batch shape (checks, backend choice and launch
+    # parameters made once), called each step with that layer's cache and sink
+    layers = 3
+    caches = [cache] + [dsa.quantize_kv_cache(torch.randn(pool, PAGE, D, device=dev, generator=g), args.format)
+                        for _ in range(layers - 1)]
+    sinks = [torch.randn(H, device=dev, generator=g) for _ in range(layers)]
+    plan = dsa.sparse_decode_plan(q, cache, positions, block_table=block_table, seq_lens=seq_lens,
+                                  topk_length=lengths, sink=sink)
+    out_buf = torch.empty(B, S, H, 512, device=dev, dtype=dtype)  # the engine's output buffer
+    for layer in range(layers):
+        plan(q, caches[layer], positions, block_table=block_table, seq_lens=seq_lens, topk_length=lengths,
+             sink=sinks[layer], out=out_buf)
+        exp = dsa.sparse_decode(q, caches[layer], positions, block_table=block_table, seq_lens=seq_lens,
+                                topk_length=lengths, sink=sinks[layer])
+        assert torch.equal(out_buf, exp), layer
+    print(f"plan on '{plan.backend}': {layers} layers, each bitwise the function's result")
 
 
 if __name__ == "__main__":

@@ -241,6 +241,7 @@ def test_launch_arguments(monkeypatch, B, H, split):
     monkeypatch.setattr(cdec, "_combine", lambda: lambda *x: merges.append(x))
     monkeypatch.setattr(torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
     monkeypatch.setattr(cdec, "_PLANS", {})
+    monkeypatch.setattr(cdec, "_PTRS", {})
     a = _args(T=B, H=H, P=6, bt_w=3)
     out, lse = cdec.forward(a)
     assert out.shape == (B, H, 512) and out.dtype == torch.bfloat16 and lse.shape == (B, H)

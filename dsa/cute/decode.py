@@ -323,18 +323,35 @@ def kernel_pointers(a: SparseDecodeArgs, out: torch.Tensor, lse: torch.Tensor):
     # Absent optional inputs are never read; any valid address stands in.
     stand_in = a.indices
     return (
-        gmem_ptr(a.q, dt, 16), gmem_ptr(a.kv, kv_t, 16), gmem_ptr(a.indices, cutlass.Int32, 4),
-        gmem_ptr(_or(a.topk_length, stand_in), cutlass.Int32, 4),
-        gmem_ptr(_or(a.block_table, stand_in), cutlass.Int32, 4),
-        gmem_ptr(_or(a.seq_lens, stand_in), cutlass.Int32, 4),
-        gmem_ptr(_or(a.sink, lse), cutlass.Float32, 4),
-        gmem_ptr(out, dt if out.dtype == a.q.dtype else cutlass.Float32, 16),
-        gmem_ptr(lse, cutlass.Float32, 4), gmem_ptr(zero, kv_t, 16),
+        _ptr(a.q, dt, 16), _ptr(a.kv, kv_t, 16), _ptr(a.indices, cutlass.Int32, 4),
+        _ptr(_or(a.topk_length, stand_in), cutlass.Int32, 4),
+        _ptr(_or(a.block_table, stand_in), cutlass.Int32, 4),
+        _ptr(_or(a.seq_lens, stand_in), cutlass.Int32, 4),
+        _ptr(_or(a.sink, lse), cutlass.Float32, 4),
+        _ptr(out, dt if out.dtype == a.q.dtype else cutlass.Float32, 16),
+        _ptr(lse, cutlass.Float32, 4), _ptr(zero, kv_t, 16),
     )
 
 
 def _or(t: Optional[torch.Tensor], other: torch.Tensor) -> torch.Tensor:
     return t if t is not None else other
+
+
+# (type, address, alignment) -> the DSL's pointer argument, a plain value
+# (its address and type): a decode step's cache, indices, tables, sink and the
+# caching allocator's reused outputs keep their addresses from call to call,
+# and making a pointer costs more than the lookup.
+_PTRS: Dict[Tuple, Any] = {}
+
+
+def _ptr(t: torch.Tensor, ty, align: int):
+    key = (ty, t.data_ptr(), align)
+    p = _PTRS.get(key)
+    if p is None:
+        if len(_PTRS) >= _MAX_PLANS:
+            _PTRS.clear()
+        p = _PTRS[key] = gmem_ptr(t, ty, align)
+    return p
 
 
 # ----------------------------------------------------------------------------

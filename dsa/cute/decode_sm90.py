@@ -97,8 +97,8 @@ def e4m3x2_to_bf16x2(word: Int32, upper: bool, scale: Float32, *, loc=None, ip=N
            "cvt.f32.f16 fx, x;\ncvt.f32.f16 fy, y;\n"
            "mul.rn.f32 fx, fx, $2;\nmul.rn.f32 fy, fy, $2;\n"
            "cvt.rn.bf16x2.f32 $0, fy, fx;\n}")
-    return Int32(llvm.inline_asm(T.i32(), [Int32(word).ir_value(loc=loc, ip=ip), Float32(scale).ir_value(loc=loc, ip=ip)],
-                                 asm, "=r,r,f", has_side_effects=False, is_align_stack=False,
+    operands = [Int32(word).ir_value(loc=loc, ip=ip), Float32(scale).ir_value(loc=loc, ip=ip)]
+    return Int32(llvm.inline_asm(T.i32(), operands, asm, "=r,r,f", has_side_effects=False, is_align_stack=False,
                                  asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 

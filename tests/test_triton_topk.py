@@ -210,6 +210,13 @@ PUBLIC_ENDS_ROUTES = [  # (launch keywords, k, the route kind)
     pytest.param(({"plan": _plan(128, 6, 32, 64, slack=2, inline_select=True)}, 9, "list"), id="list-inline"),
     pytest.param(({"plan": _plan(128, 6, 32, 64, inline_select=False)}, 40, "list"), id="list-separate"),
     pytest.param(({"plan": _plan(128, 6, 16, 16)}, 9, "list"), id="list-fallback"),
+    # the settings bench/topk_peers.py --variants sweeps: batches of 5 rows (the
+    # ends indexed across batches), evict-first loads (the interpreter ignores
+    # the hint: this checks the code path, the GPU run checks the compile)
+    pytest.param(({"plan": _plan(128, 6, 32, 64, batch_rows=5, evict_first=True)}, 9, "list"),
+                 id="list-batches-evict"),
+    pytest.param(({"config": tk.ResidentConfig(4, search="interp", evict_first=True)}, 40, "resident"),
+                 id="resident-evict"),
 ]
 
 
@@ -247,6 +254,21 @@ def test_row_ends_public_each_route(route, dtype, monkeypatch):
     assert launched == [kind]
     assert torch.equal(lens, ref_len)
     assert torch.equal(idx, ref_idx)
+
+
+def test_env_settings_checked(monkeypatch):
+    """The environment's sample sizes and warp counts must be powers of two
+    (block shapes): anything else raises, naming the variable."""
+    monkeypatch.setenv("DSA_TOPK_X", "8")
+    assert tk._env_pow2("DSA_TOPK_X", 4) == 8
+    monkeypatch.setenv("DSA_TOPK_X", "0")
+    assert tk._env_pow2("DSA_TOPK_X", 4, zero=True) == 0
+    for bad in ("0", "6", "-4"):
+        monkeypatch.setenv("DSA_TOPK_X", bad)
+        with pytest.raises(ValueError, match="DSA_TOPK_X must be a power of two"):
+            tk._env_pow2("DSA_TOPK_X", 4)
+    monkeypatch.delenv("DSA_TOPK_X")
+    assert tk._env_pow2("DSA_TOPK_X", 4) == 4
 
 
 def test_list_plan_sizes():

@@ -75,6 +75,16 @@ import triton.language as tl
 from dsa._args import TopkArgs
 from dsa.triton import fit, ptx
 
+
+def _env_pow2(name: str, default: int, zero: bool = False) -> int:
+    """A power of two from the environment (0 too where ``zero``): sample
+    sizes are block shapes and warp counts powers of two."""
+    v = int(os.environ.get(name, str(default)))
+    if not ((zero and v == 0) or (v >= 1 and v & (v - 1) == 0)):
+        raise ValueError(f"{name} must be a power of two{' or 0' if zero else ''}, got {v}")
+    return v
+
+
 # Longest row held in registers (BLOCK_S = next_pow2(S)): 32768 spills even at
 # 16 warps (sm_90a), and the packed 16-bit scan counters need BLOCK_S <= 32768.
 RESIDENT_MAX = 16384
@@ -85,8 +95,8 @@ _FILL_BLOCK = 1024
 LIST_MIN = 16384
 LIST_CHUNK = 1024  # 512 up to LIST_SMALL_CHUNK_MAX keys (H200: up to 3% faster there, 7% slower at 65536)
 LIST_SMALL_CHUNK_MAX = 32768
-LIST_SAMPLE_MAX = 4096
-LIST_SAMPLE_FRACTION = 16
+LIST_SAMPLE_MAX = _env_pow2("DSA_TOPK_LIST_SAMPLE_MAX", 4096)  # env: a variant, see below
+LIST_SAMPLE_FRACTION = _env_pow2("DSA_TOPK_LIST_SAMPLE_FRACTION", 16)
 LIST_MAX = 16384
 LIST_SCRATCH = 1 << 26
 # Whether the build kernel selects the lists that fit the select block itself
@@ -102,6 +112,23 @@ LIST_REVERSE = os.environ.get("DSA_TOPK_LIST_REVERSE", "1") != "0"
 # Chunks the build kernel asks L2 for ahead of the next one (env
 # DSA_TOPK_LIST_PREFETCH; 0: none): on sm_90+ where rows are 16-byte aligned.
 LIST_PREFETCH = int(os.environ.get("DSA_TOPK_LIST_PREFETCH", "4"))
+# Settings bench/topk_peers.py --variants sweeps for short rows, selectable by
+# env and off (or at the measured value) by default until a GPU run says
+# otherwise: a larger sample (DSA_TOPK_LIST_SAMPLE_FRACTION 8, _SAMPLE_MAX
+# 8192) puts the bound closer to the cut, so at k 1024 the lists fit a select
+# block of 2048 keys instead of 4096; rows a batch holds
+# (DSA_TOPK_LIST_BATCH_ROWS; 0: as many as LIST_SCRATCH holds), fewer so that
+# a batch's lists are still in L2 when its select reads them; the build's and
+# the first select block's warps (DSA_TOPK_LIST_BUILD_WARPS,
+# DSA_TOPK_LIST_SELECT_WARPS; 0: 4 up to 4096 keys, else 8); score loads
+# marked evict-first (DSA_TOPK_EVICT_FIRST=1: read once, they leave L2 to the
+# lists), in the resident kernel and the list build.
+LIST_BATCH_ROWS = int(os.environ.get("DSA_TOPK_LIST_BATCH_ROWS", "0"))
+if LIST_BATCH_ROWS < 0:
+    raise ValueError(f"DSA_TOPK_LIST_BATCH_ROWS must be >= 0, got {LIST_BATCH_ROWS}")
+LIST_BUILD_WARPS = _env_pow2("DSA_TOPK_LIST_BUILD_WARPS", 4)
+LIST_SELECT_WARPS = _env_pow2("DSA_TOPK_LIST_SELECT_WARPS", 0, zero=True)
+EVICT_FIRST = os.environ.get("DSA_TOPK_EVICT_FIRST", "0") != "0"
 LIST_INLINE_CHUNK = 2048  # the build's chunk with the inline select (half up to LIST_INLINE_SMALL keys)
 LIST_INLINE_SMALL = 16384
 _SAMPLE_Z = tl.constexpr(5.0)
@@ -490,15 +517,15 @@ def _topk_resident_kernel(
     s_ptr, idx_ptr, len_ptr, end_ptr, S, K, stride_s, stride_i,
     BLOCK_S: tl.constexpr, FILL: tl.constexpr, EARLY_EXIT: tl.constexpr,
     SEARCH: tl.constexpr = 0, RADIX_BITS: tl.constexpr = 2, LOW_BITS: tl.constexpr = 0,
-    ASM_STORE: tl.constexpr = False, HAS_END: tl.constexpr = False,
+    ASM_STORE: tl.constexpr = False, HAS_END: tl.constexpr = False, EVICT_FIRST: tl.constexpr = False,
 ):
     # SEARCH: index in SEARCHES; LOW_BITS: key bits below the input's precision; ASM_STORE: see ptx.py;
-    # HAS_END: only the first end[r] scores of row r are read (see _row_len)
+    # HAS_END: only the first end[r] scores of row r are read (see _row_len); EVICT_FIRST: see _load_upto
     r = tl.program_id(0).to(tl.int64)
     o_s = tl.arange(0, BLOCK_S)
     L = _row_len(end_ptr, r, S, HAS_END)
     m_s = o_s < L
-    b_x = _load_upto(s_ptr + r * stride_s, o_s, L, S, HAS_END)
+    b_x = _load_upto(s_ptr + r * stride_s, o_s, L, S, HAS_END, EVICT_FIRST)
     b_key = _order_key(b_x)  # [BLOCK_S]
     idx_row = idx_ptr + r * stride_i
 
@@ -548,15 +575,22 @@ def _row_len(end_ptr, r, S, HAS_END: tl.constexpr):
 
 
 @triton.jit
-def _load_upto(p, o, L, S, HAS_END: tl.constexpr):
+def _load_upto(p, o, L, S, HAS_END: tl.constexpr, EVICT_FIRST: tl.constexpr = False):
     """fp32 scores p[o] for o < L, -inf past it. With HAS_END the load's mask
     is o < L rounded up to 16 (and o < S): a mask constant over aligned
-    groups, so the load stays vectorized although L is any number."""
+    groups, so the load stays vectorized although L is any number.
+    EVICT_FIRST: the lines read leave L2 first (scores are read once)."""
     if HAS_END:
-        x = tl.load(p + o, mask=(o < (L + 15) // 16 * 16) & (o < S), other=float("-inf")).to(tl.float32)
-        return tl.where(o < L, x, float("-inf"))
+        m = (o < (L + 15) // 16 * 16) & (o < S)
     else:
-        return tl.load(p + o, mask=o < L, other=float("-inf")).to(tl.float32)
+        m = o < L
+    if EVICT_FIRST:
+        x = tl.load(p + o, mask=m, other=float("-inf"), eviction_policy="evict_first").to(tl.float32)
+    else:
+        x = tl.load(p + o, mask=m, other=float("-inf")).to(tl.float32)
+    if HAS_END:
+        x = tl.where(o < L, x, float("-inf"))
+    return x
 
 
 @triton.jit
@@ -705,7 +739,7 @@ def _list_build_kernel(
     CAP: tl.constexpr, CHUNK: tl.constexpr, SAMPLE: tl.constexpr, ASM_STORE: tl.constexpr,
     HAS_END: tl.constexpr = False, SELECT_BLOCK: tl.constexpr = 0, SEARCH: tl.constexpr = 2,
     FILL: tl.constexpr = 1024, REVERSE: tl.constexpr = False, WHOLE_MAX: tl.constexpr = 0,
-    PREFETCH: tl.constexpr = 0, CHUNK_BYTES: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = 0, CHUNK_BYTES: tl.constexpr = 0, EVICT_FIRST: tl.constexpr = False,
 ):
     """Row row0 + b: list b = (value, position) of every key >= the sample
     bound, in position order (the first CAP of them); meta b = (list length,
@@ -718,7 +752,9 @@ def _list_build_kernel(
     last row first (causal rows grow with the row index: the longest start
     first and the tail is short rows). PREFETCH > 0 (sm_90+, 16-byte aligned
     rows): the chunks up to PREFETCH past the next one are prefetched to L2
-    (CHUNK_BYTES each), the first ones before the sample's search."""
+    (CHUNK_BYTES each), the first ones before the sample's search.
+    EVICT_FIRST: the chunk loads (not the sample's, read again by them)
+    leave L2 first."""
     if REVERSE:
         b = n_rows - 1 - tl.program_id(0)
     else:
@@ -740,7 +776,7 @@ def _list_build_kernel(
     run = tl.zeros([], tl.int32)
     n_valid = tl.zeros([CHUNK], tl.int32)
     # the next chunk is loaded before this one is compacted: two chunks in flight
-    x_next = _load_upto(s_row, o_c, L, S, HAS_END)
+    x_next = _load_upto(s_row, o_c, L, S, HAS_END, EVICT_FIRST)
     for c0 in range(0, L, CHUNK):
         if PREFETCH > 0:
             c_pf = c0 + (PREFETCH + 2) * CHUNK
@@ -748,7 +784,7 @@ def _list_build_kernel(
                 _prefetch_l2(s_row + c_pf, CHUNK_BYTES)
         o = c0 + o_c
         x = x_next
-        x_next = _load_upto(s_row, CHUNK + o, L, S, HAS_END)
+        x_next = _load_upto(s_row, CHUNK + o, L, S, HAS_END, EVICT_FIRST)
         key = _order_key(x)
         n_valid += (key != 0).to(tl.int32)
         sel = (key >= lo).to(tl.int32)
@@ -842,6 +878,7 @@ class ResidentConfig:
     # registers, 3 programs an SM; 128: 4 without spills (sm_90a; 96 spills).
     maxnreg: Optional[int] = None
     vec_load: bool = True  # False: _topk_resident_kernel_scalar (slower on the H200, C10)
+    evict_first: bool = False  # the row load marked evict-first (EVICT_FIRST above)
 
     def __post_init__(self):
         if self.search not in SEARCHES:
@@ -855,7 +892,8 @@ class ResidentConfig:
         # key bits below the input's precision: fp16 (10-bit mantissa) leaves
         # 13 zero bits in the fp32 pattern, bf16 16
         low = {torch.float16: 13, torch.bfloat16: 16}.get(dtype, 0)
-        return dict(EARLY_EXIT=self.early_exit, SEARCH=search, RADIX_BITS=self.radix_bits, LOW_BITS=low)
+        return dict(EARLY_EXIT=self.early_exit, SEARCH=search, RADIX_BITS=self.radix_bits, LOW_BITS=low,
+                    EVICT_FIRST=self.evict_first)
 
 
 def _resident_config(block_s: int) -> ResidentConfig:
@@ -865,9 +903,10 @@ def _resident_config(block_s: int) -> ResidentConfig:
     # warps 0.096); 16384: 8 warps at 128 (2 programs an SM) 0.335 ms, 16 at
     # 64 0.333, 16 uncapped 0.400, 32 0.461, 8 uncapped 0.480.
     if block_s == 16384:
-        return ResidentConfig(num_warps=8, search="interp", maxnreg=128)
+        return ResidentConfig(num_warps=8, search="interp", maxnreg=128, evict_first=EVICT_FIRST)
     warps = max(4, min(16, block_s // 1024))
-    return ResidentConfig(num_warps=warps, search="interp", maxnreg=128 if block_s == 4096 else None)
+    return ResidentConfig(num_warps=warps, search="interp", maxnreg=128 if block_s == 4096 else None,
+                          evict_first=EVICT_FIRST)
 
 
 @dataclass(frozen=True)
@@ -894,6 +933,8 @@ class ListPlan:
     reverse: bool = LIST_REVERSE  # the build takes the last row of a batch first
     build_maxnreg: Optional[int] = None  # ptxas cap of the build kernel (None: its choice)
     prefetch: int = 0  # chunks the build prefetches to L2 ahead of its loads (sm_90+; 0: none)
+    batch_rows: int = 0  # rows a batch holds at most (0: as many as LIST_SCRATCH holds)
+    evict_first: bool = False  # the build's chunk loads marked evict-first
 
 
 def _list_plan(S: int, k: int, sample: Optional[int] = None) -> Optional[ListPlan]:
@@ -919,7 +960,7 @@ def _list_plan(S: int, k: int, sample: Optional[int] = None) -> Optional[ListPla
     cap = min(LIST_MAX, triton.next_power_of_2(math.ceil(mean + 7 * spread)))
     if block > LIST_MAX or 2 * mean > S:
         return None
-    warps = 4 if block <= 4096 else 8
+    warps = LIST_SELECT_WARPS or (4 if block <= 4096 else 8)
     if LIST_INLINE_SELECT:
         # the select's block sets the registers (128 at 4096 keys, 4 warps,
         # sm_90a): chunks of 2048 cost none more and keep twice the bytes in flight
@@ -927,9 +968,10 @@ def _list_plan(S: int, k: int, sample: Optional[int] = None) -> Optional[ListPla
     else:
         chunk = LIST_CHUNK // 2 if S <= LIST_SMALL_CHUNK_MAX else LIST_CHUNK
     return ListPlan(sample=n, stride=S // (n // 8), rank=rank, block=block, cap=cap, select_warps=warps,
-                    select_maxnreg=128 if block == 4096 else None, slack=slack, chunk=chunk,
+                    select_maxnreg=128 if block == 4096 and warps == 4 else None, slack=slack, chunk=chunk,
                     inline_select=LIST_INLINE_SELECT, reverse=LIST_REVERSE, prefetch=LIST_PREFETCH,
-                    build_maxnreg=128 if block == 4096 and LIST_INLINE_SELECT else None)
+                    build_maxnreg=128 if block == 4096 and LIST_INLINE_SELECT else None,
+                    build_warps=LIST_BUILD_WARPS, batch_rows=LIST_BATCH_ROWS, evict_first=EVICT_FIRST)
 
 
 def _l2_prefetch_ok(scores: torch.Tensor) -> bool:
@@ -947,7 +989,7 @@ def _launch_list(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: t
     """The list path, in row batches whose lists fit LIST_SCRATCH entries."""
     R, S = scores.shape
     dev = scores.device
-    rows = max(1, min(R, LIST_SCRATCH // plan.cap))
+    rows = max(1, min(R, LIST_SCRATCH // plan.cap, plan.batch_rows or R))
     vals = torch.empty((rows, plan.cap), dtype=torch.int32, device=dev)  # fp32 bit patterns
     poss = torch.empty((rows, plan.cap), dtype=torch.int32, device=dev)
     meta = torch.empty((rows, 2), dtype=torch.int32, device=dev)
@@ -987,7 +1029,8 @@ def route_specs(route: Tuple[str, Any], dtype: torch.dtype, asm: bool, has_end: 
         const = dict(CAP=p.cap, FILL=_FILL_BLOCK, ASM_STORE=asm, SEARCH=search)
         build_const = dict(CAP=p.cap, CHUNK=p.chunk, SAMPLE=p.sample, ASM_STORE=asm, HAS_END=has_end,
                            SELECT_BLOCK=p.block if p.inline_select else 0, SEARCH=search, FILL=_FILL_BLOCK,
-                           REVERSE=p.reverse, WHOLE_MAX=p.block, PREFETCH=0, CHUNK_BYTES=0)
+                           REVERSE=p.reverse, WHOLE_MAX=p.block, PREFETCH=0, CHUNK_BYTES=0,
+                           EVICT_FIRST=p.evict_first)
         if l2_prefetch and p.prefetch > 0:
             build_const.update(PREFETCH=p.prefetch, CHUNK_BYTES=p.chunk * torch.finfo(dtype).bits // 8)
         build_warps = max(p.build_warps, p.select_warps) if p.inline_select else p.build_warps

@@ -617,6 +617,46 @@ def test_gpu_list_path_row_ends(S, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("S,k", [(4096, 2048), (16384, 2048), (16384, 1024), (65536, 2048)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_row_ends_public(S, k, dtype):
+    """topk_indices(..., row_ends=) on the GPU: causal and random ends,
+    +inf / NaN right past every end, each row's result that of the row
+    with -inf past its end; then the short-row settings of the environment
+    (evict-first loads, batches, a larger sample, more warps) on the route."""
+    import dataclasses
+
+    import dsa
+
+    R = 512
+    gen = torch.Generator(device="cuda").manual_seed(S + k)
+    x = torch.randn(R, S, device="cuda", generator=gen)
+    x[-1] = torch.randint(-3, 3, (S,), device="cuda", generator=gen).float()  # ties
+    ends = torch.randint(-4, S + 9, (R,), device="cuda", generator=gen, dtype=torch.int32)
+    ends[: R // 2] = torch.linspace(1, S, R // 2, device="cuda").int()  # causal-like
+    col = torch.arange(S, device="cuda")
+    past = col[None, :] >= ends.clamp(0, S)[:, None]
+    poison = torch.where(col % 2 == 0, INF, NAN).expand(R, S)
+    ref_idx, ref_len = topk_contract(torch.where(past, -INF, x).to(dtype), k)
+    x = torch.where(past, poison, x).to(dtype)
+    idx, lens = dsa.topk_indices(x, k, row_ends=ends, return_lengths=True, backend="triton")
+    assert torch.equal(lens, ref_len) and torch.equal(idx, ref_idx)
+    idx, lens = dsa.topk_indices(x, k, row_ends=ends.long(), return_lengths=True, backend="triton")
+    assert torch.equal(lens, ref_len) and torch.equal(idx, ref_idx)
+    plan = tk._list_plan(S, k) if S >= tk.LIST_MIN else None
+    if plan is None:
+        settings = [{"config": dataclasses.replace(tk._resident_config(S), evict_first=True)}]
+    else:
+        settings = [{"plan": dataclasses.replace(plan, batch_rows=100, evict_first=True)},
+                    {"plan": tk._list_plan(S, k, sample=2 * plan.sample)},
+                    {"plan": dataclasses.replace(plan, select_warps=8, select_maxnreg=None, build_warps=8)},
+                    {"plan": dataclasses.replace(plan, build_warps=2)}]
+    for kw in settings:
+        idx, lens = _run(x, k, ends=ends, **kw)
+        assert torch.equal(lens, ref_len) and torch.equal(idx, ref_idx), kw
+
+
+@pytest.mark.gpu
 def test_gpu_indexer_topk_long_rows(monkeypatch):
     """The fused indexer_topk on the list path (20000 keys), in 7 chunks over
     2 buffers and streams with row ends, equals the top-k of the full score

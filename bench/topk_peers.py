@@ -1,35 +1,57 @@
 """Top-k and indexer -> top-k against their peers, on the same inputs, in one process.
 
     PYTHONPATH=$PWD python bench/topk_peers.py --out OUT [--indexer] [--variants] [--no-topk]
-        [--shapes 3,4] [--ks 2048] [--indexer-shapes 0,1]
+        [--shapes 3,4] [--ks 2048,1024] [--indexer-shapes 0,1] [--sweep] [--sweep-rows 4096]
+        [--plot OUT.png] [--shape-budget 240]
+    PYTHONPATH=$PWD python bench/topk_peers.py --replot OUT/topk_peers.json [--out DIR] [--plot P.png]
+    PYTHONPATH=$PWD python bench/topk_peers.py --smoke --out DIR [--variants] [--sweep]
 
 Top-k: fp32 scores [rows, cols] from torch.randn (causal shapes: row i keeps
-min(cols, i + 1) scores, the rest -inf), k 2048 and 1024; timed: dsa
-``topk_indices`` (triton backend), ``torch.topk`` and, when ``import cudnn``
-works, cuDNN's ``indexer_top_k_wrapper`` (given each row's valid length).
-Every dsa result is first checked for exact equality with the contract
-(ascending positions, -1 padded, ties to the smaller position) on a spread
-of rows. ``--variants`` adds dsa's other kernels (the resident kernel where
-the row fits it) and list-path settings (see ``variants``), and the fused
-indexer_topk's chunking settings (``INDEXER_VARIANTS``), each checked equal
-to the default's result.
+min(cols, i + 1) scores, the rest -inf), every shape at k 2048 and 1024;
+timed: dsa (the triton backend's op, as ``topk_indices`` runs it),
+``torch.topk`` and, when ``import cudnn`` works, cuDNN's
+``indexer_top_k_wrapper`` (given each row's valid length). On causal shapes
+``dsa_row_ends`` is given the same lengths as ``row_ends`` (it reads only
+them, as cuDNN does) and ``dsa_whole_rows`` reads whole rows; dense shapes
+have one ``dsa`` row. Every dsa result is first checked for exact equality
+with the contract (ascending positions, -1 padded, ties to the smaller
+position) on a spread of rows, and the public ``topk_indices`` call for
+equality with the op. ``--variants`` adds dsa's other kernels (the resident
+kernel where the row fits it) and list-path settings (see ``variants``;
+causal shapes: with the row ends), and the fused indexer_topk's chunking
+settings (``INDEXER_VARIANTS``), each checked.
+
+Bandwidth: "read" is the bytes of scores a method has to read: the sum of
+the row lengths x 4 where it is given them (dsa_row_ends, cuDNN), rows x
+cols x 4 otherwise; GB/s = read / time, and its fraction of 4.24 TB/s (the
+H200's measured copy rate, ``bench.plot.CEILING_GBPS``).
+
+``--sweep``: dense rows, ``--sweep-rows`` of them (4096: 31 rows an SM of
+the H200's 132 at every length, 2 GiB of scores at 131072), S = 4096 .. 131072
+(powers of two), each k: dsa, cuDNN, torch.topk. Its plot (time and GB/s
+against S; ``--plot``, default OUT/topk_sweep.png) needs matplotlib (the
+device image has it); the same numbers go to OUT/topk_sweep.csv, and
+``--replot`` draws the plots from a saved JSON anywhere matplotlib is.
 
 Indexer -> top-k (``--indexer``): H 64, D 128, bf16, causal; dsa's fused
 ``indexer_topk`` against cuDNN's ``indexer_forward_wrapper`` followed by
 ``indexer_top_k_wrapper``.
 
-Times: triton.testing.do_bench(warmup=25, rep=100, median), ms. GB/s: the
-scores' bytes (rows * cols * 4) over the time, and "valid": the bytes of
-the visible scores only (what cuDNN, told the row lengths, reads). Indexer:
-TFLOP/s of the scores (2 * H * D * visible pairs) over the whole time, and
-the peak memory the call allocates beyond its inputs. Writes OUT/topk_peers.json and
-OUT/topk_peers.png (time per row against row length, one line per method,
-dense and causal apart).
+Times: triton.testing.do_bench(warmup=25, rep=100, median), ms. A shape
+that has run ``--shape-budget`` seconds skips its remaining methods (named
+in the output). Indexer: TFLOP/s of the scores (2 * H * D * visible pairs)
+over the whole time, and the peak memory the call allocates beyond its
+inputs. Writes OUT/topk_peers.json, OUT/topk_peers.csv and OUT/topk_peers.png
+(time per row against row length, one line per method, dense and causal
+apart). ``--smoke``: tiny shapes on the CPU under TRITON_INTERPRET=1 (host
+clock, no peers but torch): checks the script end to end; its times mean
+nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import json
 import os
@@ -37,7 +59,13 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional
 
+if "--smoke" in sys.argv[1:]:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.plot import CEILING_GBPS  # noqa: E402
 
 TOPK_SHAPES = [  # rows, cols, causal
     (4096, 4096, False),
@@ -47,18 +75,40 @@ TOPK_SHAPES = [  # rows, cols, causal
     (65536, 65536, True),
 ]
 TOPK_KS = (2048, 1024)
+SWEEP_COLS = (4096, 8192, 16384, 32768, 65536, 131072)
+SWEEP_ROWS = 4096
 INDEXER_SHAPES = [  # S_q, S_k, ratio, k
     (32768, 32768, 1, 2048),
     (65536, 16384, 4, 1024),
     (65536, 65536, 1, 2048),
     (131072, 32768, 4, 1024),
 ]
+# --smoke: tiny versions (CPU, the interpreter)
+SMOKE_SHAPES = [(16, 256, False), (24, 24, True)]
+SMOKE_KS = (16, 5)
+SMOKE_SWEEP_COLS = (64, 128)
+SMOKE_SWEEP_ROWS = 8
 
 
-def bench(fn: Callable[[], object]) -> float:
-    import triton
+class Env:
+    """Where the run happens: the device, the timer and the synchronisation."""
 
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    def __init__(self, smoke: bool):
+        self.smoke = smoke
+        self.dev = torch.device("cpu" if smoke else "cuda")
+
+    def sync(self) -> None:
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def bench(self, fn: Callable[[], object]) -> float:
+        if self.smoke:  # one call on the host clock: checks the path, measures nothing
+            t0 = time.perf_counter()
+            fn()
+            return 1e3 * (time.perf_counter() - t0)
+        import triton
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def causal_lengths(rows: int, cols: int, ratio: int, dev) -> torch.Tensor:
@@ -66,8 +116,8 @@ def causal_lengths(rows: int, cols: int, ratio: int, dev) -> torch.Tensor:
     return torch.clamp((i + 1) // ratio, max=cols).to(torch.int32)
 
 
-def make_scores(rows: int, cols: int, causal: bool, gen: torch.Generator) -> torch.Tensor:
-    x = torch.randn(rows, cols, device="cuda", generator=gen)
+def make_scores(rows: int, cols: int, causal: bool, gen: torch.Generator, dev) -> torch.Tensor:
+    x = torch.randn(rows, cols, device=dev, generator=gen)
     if causal:
         valid = causal_lengths(rows, cols, 1, x.device)
         col = torch.arange(cols, device=x.device)
@@ -111,18 +161,22 @@ def cudnn_wrappers() -> Optional[Dict[str, Callable]]:
     return {"topk": cd.indexer_top_k_wrapper, "forward": cd.indexer_forward_wrapper}
 
 
-def dsa_topk(x: torch.Tensor, k: int, **launch_kw):
+def dsa_topk(x: torch.Tensor, k: int, ends: Optional[torch.Tensor] = None, **launch_kw):
+    """A call of dsa's top-k on x: the triton backend's op as topk_indices
+    runs it (no keywords), else ``launch`` with the keywords; ``ends``: the
+    rows' ends (row_ends)."""
     from dsa.triton import topk as tk
 
-    if not launch_kw:  # the triton backend's op, as topk_indices calls it
+    if not launch_kw:
         from dsa._args import TopkArgs
 
-        return lambda: tk.topk(TopkArgs(x, k))
+        a = TopkArgs(x, k, ends)
+        return lambda: tk.topk(a)
     idx = torch.empty((x.shape[0], k), dtype=torch.int32, device=x.device)
     lens = torch.empty((x.shape[0],), dtype=torch.int32, device=x.device)
 
     def run():
-        tk.launch(x, k, idx, lens, **launch_kw)
+        tk.launch(x, k, idx, lens, ends=ends, **launch_kw)
         return idx, lens
 
     return run
@@ -142,12 +196,12 @@ def list_plan(cols: int, k: int, inline: bool, **kw):
     return None if plan is None else dataclasses.replace(plan, **kw)
 
 
-def variants(cols: int, k: int) -> Dict[str, dict]:
+def variants(rows: int, cols: int, k: int) -> Dict[str, dict]:
     """dsa's other kernels and list-path settings for this shape. The list
     path: ``sep`` = the build then a select kernel (the path before the
     inline select), ``inline`` = the build selects the lists of the block;
     ``rev`` / ``fwd`` = rows last first / first first; c = the build's chunk;
-    pf = chunks prefetched to L2 ahead (sm_90+)."""
+    pf = chunks prefetched to L2 ahead (sm_90+). Then ``short_row_variants``."""
     from dsa.triton import topk as tk
 
     out: Dict[str, dict] = {}
@@ -157,6 +211,7 @@ def variants(cols: int, k: int) -> Dict[str, dict]:
         for w, nreg in ((8, 64), (2, 168)):  # 4 programs an SM of 8 warps; 6 of 2 warps (no spills either)
             out[f"dsa_resident_w{w}_r{nreg}"] = {"config": tk.ResidentConfig(num_warps=w, search="interp",
                                                                                maxnreg=nreg)}
+    out.update(short_row_variants(rows, cols, k))
     if list_plan(cols, k, True) is None:
         return out
     sep = list_plan(cols, k, False, reverse=False, prefetch=0)
@@ -174,48 +229,175 @@ def variants(cols: int, k: int) -> Dict[str, dict]:
     return out
 
 
-def run_topk(args, results: List[dict], cd) -> None:
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for i, (rows, cols, causal) in enumerate(TOPK_SHAPES):
+def short_row_variants(rows: int, cols: int, k: int) -> Dict[str, dict]:
+    """The settings dsa/triton/topk.py selects by environment (defaults
+    unchanged), each against the default route of this shape; the variable
+    that selects it for every call is in the comment.
+
+    * ``dsa_resident_evict`` (rows the resident kernel takes): the row load
+      evict-first (DSA_TOPK_EVICT_FIRST=1).
+    * list path: ``sample2x``: twice the sample (DSA_TOPK_LIST_SAMPLE_FRACTION=8,
+      DSA_TOPK_LIST_SAMPLE_MAX=8192), at k 1024 a select block of 2048
+      instead of 4096; ``batch{n}``: n rows a batch, their lists still in L2
+      at the select (DSA_TOPK_LIST_BATCH_ROWS=n); ``build_w{w}``: the build
+      on w warps (DSA_TOPK_LIST_BUILD_WARPS=w); ``select_w8``: the first
+      select block on 8 warps, no register cap (DSA_TOPK_LIST_SELECT_WARPS=8);
+      ``evict``: the build's chunk loads evict-first (DSA_TOPK_EVICT_FIRST=1).
+    """
+    from dsa.triton import topk as tk
+
+    out: Dict[str, dict] = {}
+    if cols < tk.LIST_MIN:
+        block_s = max(16, 1 << (cols - 1).bit_length())
+        cfg = tk._resident_config(block_s)
+        out["dsa_resident_evict"] = {"config": dataclasses.replace(cfg, evict_first=True)}
+        return out
+    plan = tk._list_plan(cols, k)
+    if plan is None:
+        return out
+    bigger = tk._list_plan(cols, k, sample=2 * plan.sample)
+    if bigger is not None:
+        out["dsa_list_sample2x"] = {"plan": bigger}
+    for n in (1024, 2048):
+        if n < rows:
+            out[f"dsa_list_batch{n}"] = {"plan": dataclasses.replace(plan, batch_rows=n)}
+    for w in (2, 8):
+        if w != plan.build_warps:
+            out[f"dsa_list_build_w{w}"] = {"plan": dataclasses.replace(plan, build_warps=w)}
+    if plan.select_warps == 4:
+        out["dsa_list_select_w8"] = {"plan": dataclasses.replace(plan, select_warps=8, select_maxnreg=None)}
+    out["dsa_list_evict"] = {"plan": dataclasses.replace(plan, evict_first=True)}
+    if rows > 1024:
+        out["dsa_list_batch1024_evict"] = {"plan": dataclasses.replace(plan, batch_rows=1024, evict_first=True)}
+    return out
+
+
+class Budget:
+    """Seconds a shape may run (--shape-budget): past them its remaining
+    methods are skipped, so one slow shape cannot eat the device call."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.start = time.time()
+
+    def spent(self) -> bool:
+        return time.time() - self.start > self.seconds
+
+
+def time_methods(env: Env, row: dict, x: torch.Tensor, k: int, methods: Dict[str, Callable],
+                 read: Dict[str, int], budget: Budget) -> None:
+    """Check (dsa) and time each method into row: ms, read bytes, GB/s, the
+    fraction of the copy rate; a failing or skipped method gets None."""
+    for key in ("ms", "exact", "read_bytes", "gbps", "peak_frac"):
+        row.setdefault(key, {})
+    for m, fn in methods.items():
+        if budget.spent():
+            row["ms"][m] = None
+            print(f"{row['shape']} k={k} {m}: skipped (the shape ran past --shape-budget {budget.seconds:.0f} s)",
+                  flush=True)
+            continue
+        try:
+            out = fn()
+            if m.startswith("dsa"):
+                env.sync()
+                row["exact"][m] = check_rows(x, k, out[0], out[1])
+            ms = env.bench(fn)
+        except Exception as e:  # one peer failing must not lose the table
+            row["ms"][m] = None
+            print(f"{row['shape']} k={k} {m}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        row["ms"][m] = ms
+        row["read_bytes"][m] = read[m]
+        row["gbps"][m] = read[m] / ms / 1e6
+        row["peak_frac"][m] = row["gbps"][m] / CEILING_GBPS
+
+
+def report(kind: str, row: dict) -> None:
+    base = row["ms"].get("cudnn")
+    for m, ms in row["ms"].items():
+        if ms is None:
+            continue
+        ratio = f"{ms / base:5.2f}x cudnn" if base else ""
+        ex = row["exact"].get(m, "")
+        mib = row["read_bytes"][m] / 2**20
+        print(f"{kind} {row['shape']:22s} k={row['k']:5d} {m:30s} {ms:9.4f} ms read {mib:8.0f} "
+              f"MiB {row['gbps'][m]:7.1f} GB/s {100 * row['peak_frac'][m]:5.1f}% of {CEILING_GBPS / 1e3:.2f} TB/s "
+              f"{ratio:12s} {'exact=' + str(ex) if ex != '' else ''}", flush=True)
+
+
+def public_equal(x: torch.Tensor, k: int, ends: Optional[torch.Tensor], out) -> bool:
+    """Whether the public topk_indices (backend "triton") returns the op's result."""
+    import dsa
+
+    got = dsa.topk_indices(x, k, row_ends=ends, return_lengths=True, backend="triton")
+    return torch.equal(got[0], out[0]) and torch.equal(got[1], out[1])
+
+
+def run_topk(args, env: Env, results: List[dict], cd) -> None:
+    gen = torch.Generator(device=env.dev).manual_seed(0)
+    shapes = SMOKE_SHAPES if env.smoke else TOPK_SHAPES
+    for i, (rows, cols, causal) in enumerate(shapes):
         if args.shapes is not None and i not in args.shapes:
             continue
-        x = make_scores(rows, cols, causal, gen)
-        nbytes = x.numel() * x.element_size()
-        valid_bytes = (rows * (rows + 1) // 2 if causal else rows * cols) * x.element_size()  # causal: rows == cols
+        budget = Budget(args.shape_budget)
+        x = make_scores(rows, cols, causal, gen, env.dev)
+        el = x.element_size()
         seq = causal_lengths(rows, cols, 1, x.device) if causal else torch.full((rows,), cols, dtype=torch.int32,
                                                                                    device=x.device)
+        whole, valid = rows * cols * el, int(seq.sum()) * el  # bytes of whole rows / of the rows' prefixes
+        name = f"{rows}x{cols}{' causal' if causal else ''}"
         for k in args.ks:
-            name = f"{rows}x{cols}{' causal' if causal else ''}"
-            methods: Dict[str, Callable] = {"dsa": dsa_topk(x, k)}
+            # causal: dsa told the rows' lengths (row_ends, as cuDNN is) and dsa on whole rows
+            ends = seq if causal else None
+            main = "dsa_row_ends" if causal else "dsa"
+            methods: Dict[str, Callable] = {main: dsa_topk(x, k, ends)}
+            read = {main: valid if causal else whole}
+            if causal:
+                methods["dsa_whole_rows"] = dsa_topk(x, k)
+                read["dsa_whole_rows"] = whole
             if args.variants:
-                for v, kw in variants(cols, k).items():
-                    methods[v] = dsa_topk(x, k, **kw)
+                for v, kw in variants(rows, cols, k).items():
+                    v = f"{v}_row_ends" if causal else v
+                    methods[v] = dsa_topk(x, k, ends, **kw)
+                    read[v] = valid if causal else whole
             methods["torch"] = lambda: torch.topk(x, k, dim=1)
+            read["torch"] = whole
             if cd is not None:
                 methods["cudnn"] = lambda: cd["topk"](x, seq, k, next_n=1, return_val=False)
-            row = {"shape": name, "rows": rows, "cols": cols, "causal": causal, "k": k, "ms": {}, "exact": {}}
-            for m, fn in methods.items():
-                try:
-                    out = fn()
-                    if m.startswith("dsa"):
-                        torch.cuda.synchronize()
-                        row["exact"][m] = check_rows(x, k, out[0], out[1])
-                    row["ms"][m] = bench(fn)
-                except Exception as e:  # one peer failing must not lose the table
-                    row["ms"][m] = None
-                    print(f"{name} k={k} {m}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                read["cudnn"] = valid
+            row = {"shape": name, "rows": rows, "cols": cols, "causal": causal, "k": k}
+            time_methods(env, row, x, k, methods, read, budget)
+            if row["ms"].get(main) is not None:
+                row["public_equal"] = public_equal(x, k, ends, methods[main]())
+                print(f"{name} k={k}: topk_indices(row_ends={'lengths' if causal else 'None'}) equals the op: "
+                      f"{row['public_equal']}", flush=True)
             results.append(row)
-            base = row["ms"].get("cudnn")
-            for m, ms in row["ms"].items():
-                if ms is None:
-                    continue
-                ratio = f"{ms / base:5.2f}x cudnn" if base else ""
-                ex = row["exact"].get(m, "")
-                print(f"topk {name:22s} k={k:5d} {m:24s} {ms:9.4f} ms {nbytes / ms / 1e6:8.1f} GB/s "
-                      f"({valid_bytes / ms / 1e6:7.1f} valid) {ratio} {'exact=' + str(ex) if ex != '' else ''}",
-                      flush=True)
+            report("topk", row)
         del x
-        torch.cuda.empty_cache()
+        if env.dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def run_sweep(args, env: Env, results: List[dict], cd) -> None:
+    """Dense rows of every length of SWEEP_COLS: dsa, cuDNN, torch.topk."""
+    gen = torch.Generator(device=env.dev).manual_seed(2)
+    rows = args.sweep_rows or (SMOKE_SWEEP_ROWS if env.smoke else SWEEP_ROWS)
+    for cols in SMOKE_SWEEP_COLS if env.smoke else SWEEP_COLS:
+        budget = Budget(args.shape_budget)
+        x = make_scores(rows, cols, False, gen, env.dev)
+        seq = torch.full((rows,), cols, dtype=torch.int32, device=x.device)
+        nbytes = x.numel() * x.element_size()
+        for k in args.ks:
+            methods: Dict[str, Callable] = {"dsa": dsa_topk(x, k), "torch": lambda: torch.topk(x, k, dim=1)}
+            if cd is not None:
+                methods["cudnn"] = lambda: cd["topk"](x, seq, k, next_n=1, return_val=False)
+            row = {"sweep": True, "shape": f"{rows}x{cols}", "rows": rows, "cols": cols, "causal": False, "k": k}
+            time_methods(env, row, x, k, methods, {m: nbytes for m in methods}, budget)
+            results.append(row)
+            report("sweep", row)
+        del x
+        if env.dev.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 # indexer_topk's chunking settings (module attributes of dsa.triton.indexer /
@@ -259,7 +441,7 @@ def visible_pairs(sq: int, sk: int, ratio: int) -> int:
     return int(torch.clamp(i // ratio, max=sk).sum())
 
 
-def run_indexer(args, results: List[dict], cd) -> None:
+def run_indexer(args, env: Env, results: List[dict], cd) -> None:
     import dsa
 
     H, D = 64, 128
@@ -288,7 +470,13 @@ def run_indexer(args, results: List[dict], cd) -> None:
         row["extra_mib"] = {}
         row["exact"] = {}
         want = None
+        budget = Budget(args.shape_budget)
         for m, fn in methods.items():
+            if budget.spent():
+                row["ms"][m] = None
+                print(f"indexer {name} {m}: skipped (the shape ran past --shape-budget {budget.seconds:.0f} s)",
+                      flush=True)
+                continue
             try:
                 torch.cuda.synchronize()
                 before = torch.cuda.memory_allocated()
@@ -300,7 +488,7 @@ def run_indexer(args, results: List[dict], cd) -> None:
                     want = out if want is None else want
                     row["exact"][m] = torch.equal(out, want)
                 del out
-                row["ms"][m] = bench(fn)
+                row["ms"][m] = env.bench(fn)
             except Exception as e:
                 row["ms"][m] = None
                 print(f"indexer {name} {m}: {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -317,29 +505,41 @@ def run_indexer(args, results: List[dict], cd) -> None:
         torch.cuda.empty_cache()
 
 
-def plot(results: List[dict], path: str) -> None:
+def _pyplot():
+    """matplotlib's pyplot (Agg), or None where it is missing (then only the CSV is written)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib missing: no plot")
+        return None
+    return plt
+
+
+def plot_shapes(results: List[dict], path: str) -> None:
+    """Time per row against row length for the shapes' table, dense and causal apart."""
+    plt = _pyplot()
+    rows_all = [r for r in results if "cols" in r and not r.get("sweep")]
+    ks = sorted({r["k"] for r in rows_all}, reverse=True)
+    if plt is None or not ks:
+        print("topk_peers.png: " + ("matplotlib missing: no plot" if plt is None else "no top-k rows"))
         return
-    ks = sorted({r["k"] for r in results if "cols" in r}, reverse=True)
-    if not ks:
-        return
+    lines = (("dsa", False, "C0"), ("dsa_row_ends", True, "C0"), ("dsa_whole_rows", True, "C3"),
+             ("torch", None, "C1"), ("cudnn", None, "C2"))
     fig, axes = plt.subplots(1, len(ks), figsize=(6 * len(ks), 4.5), squeeze=False)
     for ax, k in zip(axes[0], ks):
-        rows = [r for r in results if r.get("k") == k and "cols" in r]
-        for m in ("dsa", "torch", "cudnn"):
+        rows = [r for r in rows_all if r["k"] == k]
+        for m, only, color in lines:
             for causal, style in ((False, "-o"), (True, "--s")):
+                if only is not None and only != causal:
+                    continue
                 # per row: the shapes differ in rows; causal rows hold half their columns on average
                 pts = [(r["cols"], 1e3 * r["ms"][m] / r["rows"]) for r in rows
                        if r["ms"].get(m) and r["causal"] == causal]
                 if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{m}{' causal' if causal else ''}",
-                            color={"dsa": "C0", "torch": "C1", "cudnn": "C2"}[m])
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color,
+                            label=f"{m}{' causal' if causal and m in ('torch', 'cudnn') else ''}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("row length (columns)")
@@ -348,6 +548,69 @@ def plot(results: List[dict], path: str) -> None:
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def plot_sweep(results: List[dict], path: str) -> None:
+    """The sweep: time (top) and GB/s of scores read (bottom) against the row
+    length, one panel per k; the copy rate as a dashed line."""
+    plt = _pyplot()
+    sweep = [r for r in results if r.get("sweep")]
+    ks = sorted({r["k"] for r in sweep}, reverse=True)
+    if plt is None or not ks:
+        why = "matplotlib missing: no plot (the CSV has the numbers)" if plt is None else "no sweep rows"
+        print(f"{path}: {why}")
+        return
+    fig, axes = plt.subplots(2, len(ks), figsize=(6 * len(ks), 8), squeeze=False)
+    R = sweep[0]["rows"]
+    for j, k in enumerate(ks):
+        rows = sorted((r for r in sweep if r["k"] == k), key=lambda r: r["cols"])
+        for m, color in (("dsa", "C0"), ("cudnn", "C2"), ("torch", "C1")):
+            pts = [(r["cols"], r["ms"][m], r["gbps"][m]) for r in rows if r["ms"].get(m)]
+            if pts:
+                axes[0][j].plot([p[0] for p in pts], [p[1] for p in pts], "-o", color=color, label=m)
+                axes[1][j].plot([p[0] for p in pts], [p[2] for p in pts], "-o", color=color, label=m)
+        axes[1][j].axhline(CEILING_GBPS, ls="--", color="grey", label=f"copy rate {CEILING_GBPS / 1e3:.2f} TB/s")
+        for i, (ylabel, log) in enumerate((("time (ms)", True), ("GB/s of scores read", False))):
+            ax = axes[i][j]
+            ax.set_xscale("log", base=2)
+            if log:
+                ax.set_yscale("log")
+            ax.set_xlabel("row length S (columns)")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"top-k of {R} dense fp32 rows, k={k}")
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+CSV_FIELDS = ("table", "shape", "rows", "cols", "causal", "k", "method", "ms", "read_bytes", "gbps", "peak_frac",
+              "exact")
+
+
+def write_csv(results: List[dict], path: str) -> None:
+    """One line per (top-k or sweep row, method)."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        for r in results:
+            if "cols" not in r:
+                continue
+            for m, ms in r["ms"].items():
+                w.writerow(dict(table="sweep" if r.get("sweep") else "topk", shape=r["shape"], rows=r["rows"],
+                                cols=r["cols"], causal=r["causal"], k=r["k"], method=m, ms=ms,
+                                read_bytes=r["read_bytes"].get(m), gbps=r["gbps"].get(m),
+                                peak_frac=r["peak_frac"].get(m), exact=r["exact"].get(m, "")))
+    print(f"wrote {path}")
+
+
+def write_outputs(results: List[dict], out: str, sweep_png: Optional[str]) -> None:
+    write_csv([r for r in results if not r.get("sweep")], os.path.join(out, "topk_peers.csv"))
+    plot_shapes(results, os.path.join(out, "topk_peers.png"))
+    if any(r.get("sweep") for r in results):
+        write_csv([r for r in results if r.get("sweep")], os.path.join(out, "topk_sweep.csv"))
+        plot_sweep(results, sweep_png or os.path.join(out, "topk_sweep.png"))
 
 
 def main(argv=None) -> int:
@@ -359,23 +622,43 @@ def main(argv=None) -> int:
     ints = lambda v: [int(x) for x in v.split(",")]  # noqa: E731
     ap.add_argument("--shapes", type=ints, default=None, help="top-k shapes by index in TOPK_SHAPES, e.g. 3,4")
     ap.add_argument("--indexer-shapes", type=ints, default=None, help="indexer shapes by index in INDEXER_SHAPES")
-    ap.add_argument("--ks", type=ints, default=list(TOPK_KS), help="top-k k values (default 2048,1024)")
+    ap.add_argument("--ks", type=ints, default=None, help="top-k k values (default 2048,1024)")
+    ap.add_argument("--sweep", action="store_true", help="time dense rows of 4096..131072 columns, and plot them")
+    ap.add_argument("--sweep-rows", type=int, default=None, help=f"rows of the sweep (default {SWEEP_ROWS})")
+    ap.add_argument("--plot", default=None, help="the sweep's plot (default OUT/topk_sweep.png)")
+    ap.add_argument("--shape-budget", type=float, default=240.0,
+                    help="seconds a shape may run before its remaining methods are skipped (default 240)")
+    ap.add_argument("--replot", default=None, metavar="JSON", help="only the plots and CSVs of a saved run")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("topk_peers: needs a CUDA device")
-        return 2
+    if args.ks is None:
+        args.ks = list(SMOKE_KS if args.smoke else TOPK_KS)
     os.makedirs(args.out, exist_ok=True)
-    cd = cudnn_wrappers()
+    if args.replot:
+        with open(args.replot) as f:
+            write_outputs(json.load(f)["results"], args.out, args.plot)
+        return 0
+    if not args.smoke and not torch.cuda.is_available():
+        print("topk_peers: needs a CUDA device (or --smoke, or --replot)")
+        return 2
+    if args.smoke and args.indexer:
+        print("topk_peers: --indexer needs a CUDA device")
+        return 2
+    env = Env(args.smoke)
+    cd = None if args.smoke else cudnn_wrappers()
     results: List[dict] = []
     t0 = time.time()
     if not args.no_topk:
-        run_topk(args, results, cd)
+        run_topk(args, env, results, cd)
+    if args.sweep:
+        run_sweep(args, env, results, cd)
     if args.indexer:
-        run_indexer(args, results, cd)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "seconds": time.time() - t0}
+        run_indexer(args, env, results, cd)
+    device = torch.cuda.get_device_name() if env.dev.type == "cuda" else "cpu (smoke)"
+    meta = {"device": device, "torch": torch.__version__, "seconds": time.time() - t0}
     with open(os.path.join(args.out, "topk_peers.json"), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
-    plot(results, os.path.join(args.out, "topk_peers.png"))
+    write_outputs(results, args.out, args.plot)
     print(f"done in {time.time() - t0:.0f} s")
     return 0
 

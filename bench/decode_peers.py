@@ -248,12 +248,13 @@ def sanitize() -> None:
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     B, H, P, W, K = 6, 128, 24, 5, 320
-    q = torch.randn(B, 1, H, 576, device=dev, generator=g).bfloat16()
-    pad = torch.zeros(P, PAGE * 656 + 48, dtype=torch.uint8, device=dev)
-    pad[:, : PAGE * 656] = dsa.quantize_kv_cache(torch.randn(P, PAGE, 576, device=dev, generator=g),
-                                                 "fp8_v32").view(P, -1)
-    caches = {"fp8_v32": pad[:, : PAGE * 656].view(P, PAGE, 656),
-              "native": torch.randn(P, PAGE, 1, 576, device=dev, generator=g).bfloat16()}
+    caches = {"native": torch.randn(P, PAGE, 1, 576, device=dev, generator=g).bfloat16()}
+    for fmt in ("fp8_v32", "fp8_model1"):  # padded pages: 48 bytes past each
+        f = FORMATS[fmt]
+        pad = torch.zeros(P, PAGE * f.bytes_per_token + 48, dtype=torch.uint8, device=dev)
+        pad[:, : PAGE * f.bytes_per_token] = dsa.quantize_kv_cache(
+            torch.randn(P, PAGE, f.D, device=dev, generator=g), fmt).view(P, -1)
+        caches[fmt] = pad[:, : PAGE * f.bytes_per_token].view(P, PAGE, f.bytes_per_token)
     bt = torch.randint(0, P, (B, W), device=dev, generator=g).int()
     bt[0, 0], bt[1, 2], bt[2, 4] = -1, P, 2**31 - 1
     pos = torch.randint(0, W * PAGE, (B, 1, K), device=dev, generator=g).int()
@@ -263,6 +264,8 @@ def sanitize() -> None:
     slots = torch.randint(-P * PAGE, 2 * P * PAGE, (B, 1, K), device=dev, generator=g).int()
     sink = torch.randn(H, device=dev, generator=g)
     for fmt, cache in caches.items():
+        D = 576 if fmt == "native" else FORMATS[fmt].D
+        q = torch.randn(B, 1, H, D, device=dev, generator=g).bfloat16()
         calls = {"block table": (pos, bt, seq_lens), "slots": (slots, None, None)}
         for what, (idx, table, lens) in calls.items():
             try:

@@ -11,8 +11,8 @@
   compiled kernel faked.
 * GPU (``-m gpu``, an SM90 device): every rule of docs/semantics.md's
   "Sparse decode" against the float64 brute force (small problems) or the
-  reference backend in float64 (model shapes), on native (bf16, fp16) and
-  fp8_v32 caches, outputs NaN-poisoned before each call, at forced split
+  reference backend in float64 (model shapes), on native (bf16, fp16),
+  fp8_v32 and fp8_model1 caches, outputs NaN-poisoned before each call, at forced split
   counts that put split boundaries inside and at the ends of rows; the FP8
   dequantisation bit for bit; CUDA-graph capture without a host sync.
 """
@@ -47,6 +47,11 @@ BUILDS = [
     # FP8 with FlashMLA's slots, one split, no length, no sink, H 64
     ("fp8_slots_h64", dict(H=64, cache="fp8_v32", page_size=64, has_len=False, has_sink=False, has_bt=False,
                            has_seqlen=False, split=False)),
+    # fp8_model1 (V4): D 512, per-page e8m0 scales, H 64, block table, split; and slots, one split, H 128
+    ("fp8_model1_bt_split_h64", dict(H=64, D=512, cache="fp8_model1", page_size=64, has_bt=True,
+                                     has_seqlen=True, split=True)),
+    ("fp8_model1_slots_h128", dict(H=128, D=512, cache="fp8_model1", page_size=64, has_bt=False,
+                                   has_seqlen=False, split=False)),
     # FlashMLA-style slots, one split (the row finished in the kernel), no length, no sink
     ("native_slots_h64", dict(H=64, cache="native", page_size=64, has_len=False, has_sink=False, has_bt=False,
                               has_seqlen=False, split=False)),
@@ -82,7 +87,7 @@ def test_decode_compiles_offline(build, tmp_path):
     assert n["setmaxnreg.inc"] >= 1 and n["setmaxnreg.dec"] >= 1 and n["mbarrier.try_wait"] >= 2, (name, r)
     # the split build writes fp32 parts two columns at a time; the other finishes rows as the forward does
     assert (n["st.global.v2.b32"] > 0) == kw["split"], (name, r)
-    if kw["cache"] == "fp8_v32":
+    if kw["cache"] != "native":
         # 16-byte loads of e4m3 bytes, converted (e4m3 -> f16, times the scale in fp32, one rounding to
         # bf16) and stored as 16-byte units, fenced for the consumers' wgmma; lines prefetched into L2
         for needle in ("ld.global.v4", "cvt.rn.f16x2.e4m3x2", "cvt.rn.bf16x2.f32", "mul.rn.f32", "st.shared.v4",
@@ -160,7 +165,9 @@ def _padded_native(P, PS, D, pad, dtype=torch.bfloat16):
     ("fp32 q", dict(dtype=torch.float32), "bf16 or fp16"),
     ("32 heads", dict(H=32), "multiple of 64"),
     ("D 128", dict(D=128), "D in"),
-    ("model1", dict(fmt="fp8_model1", kv=torch.zeros(4, 64, 584, dtype=torch.uint8)), "cache_format"),
+    ("model1 D", dict(fmt="fp8_model1", kv=torch.zeros(4, 64, 584, dtype=torch.uint8)), "D = 512"),
+    ("model1 fp16", dict(fmt="fp8_model1", D=512, dtype=torch.float16, kv=torch.zeros(4, 64, 584,
+                                                                                  dtype=torch.uint8)), "bf16"),
     ("kv dtype", dict(kv=torch.zeros(4, 64, 1, 576, dtype=torch.float16)), "differs from q dtype"),
     ("int64 indices", dict(indices=torch.zeros(2, 1, 2048, dtype=torch.int64)), "int32"),
     ("page stride", dict(kv=_padded_native(4, 64, 576, 3)), "multiple of 16"),
@@ -184,6 +191,16 @@ def test_supports_serves_the_model_layouts():
     assert cdec.call_reason(_args(T=4, rows_per_seq=2)) is None
     assert cdec.call_reason(_args(fmt="fp8_v32")) is None
     assert cdec.call_reason(_args(fmt="fp8_v32", kv=_padded_fp8(4, 64, 48), bt_w=None, H=64)) is None
+    assert cdec.call_reason(_args(fmt="fp8_model1", D=512, kv=torch.zeros(4, 64, 584, dtype=torch.uint8))) is None
+
+
+def test_zero_row_sizes():
+    """An invalid slot's row: a row of D; fp8_v32's token record; for
+    fp8_model1, whose scales follow the page's records, up to token 0's."""
+    assert cdec.zero_row_size(_args()) == 576
+    assert cdec.zero_row_size(_args(fmt="fp8_v32")) == 656
+    a = _args(fmt="fp8_model1", D=512, kv=torch.zeros(4, 16, 584, dtype=torch.uint8))
+    assert cdec.zero_row_size(a) == 16 * 576 + 8
 
 
 def test_supports_needs_an_sm90_gpu():
@@ -487,30 +504,34 @@ def test_auto_declines_with_the_reason():
 # GPU: FP8 (fp8_v32) caches
 
 NAN_BYTE = 0x7F  # e4m3 NaN
+FP8 = {"fp8_v32": dict(D=576, bytes=656, record=656), "fp8_model1": dict(D=512, bytes=584, record=576)}
+fp8_formats = pytest.mark.parametrize("fmt", list(FP8))
 
 
-def _fp8_paged(P, PS, gen, pad=0, scale=2.0):
-    """A quantised fp8_v32 cache [P, PS, 656] on the GPU; with pad, each page
+def _fp8_paged(fmt, P, PS, gen, pad=0, scale=2.0):
+    """A quantised FP8 cache [P, PS, bytes] on the GPU; with pad, each page
     is followed by pad bytes of 0x7F (page stride padded, NaN if read)."""
-    cache = dsa.quantize_kv_cache(torch.randn(P, PS, 576, generator=gen) * scale, "fp8_v32").cuda()
+    f = FP8[fmt]
+    cache = dsa.quantize_kv_cache(torch.randn(P, PS, f["D"], generator=gen) * scale, fmt).cuda()
     if not pad:
         return cache
-    buf = torch.full((P, PS * 656 + pad), NAN_BYTE, dtype=torch.uint8, device="cuda")
-    buf[:, : PS * 656] = cache.view(P, -1)
-    return buf[:, : PS * 656].view(P, PS, 656)
+    buf = torch.full((P, PS * f["bytes"] + pad), NAN_BYTE, dtype=torch.uint8, device="cuda")
+    buf[:, : PS * f["bytes"]] = cache.view(P, -1)
+    return buf[:, : PS * f["bytes"]].view(P, PS, f["bytes"])
 
 
 @pytest.mark.gpu
 @gpu
+@fp8_formats
 @pytest.mark.parametrize("H", [64, 128])
-def test_fp8_block_table_edge_cases(H):
+def test_fp8_block_table_edge_cases(fmt, H):
     """The block-table edge cases on an fp8_v32 cache with padded pages:
     every page no table entry names is NaN bytes, one referenced token
     holds a NaN byte (the row naming it is NaN, the others not)."""
     gen = torch.Generator().manual_seed(6)
     B, PS, W, P, K = 6, 16, 6, 20, 200
-    q = torch.randn(B, 1, H, 576, generator=gen).bfloat16().cuda()
-    cache = _fp8_paged(P, PS, gen, pad=48)
+    q = torch.randn(B, 1, H, FP8[fmt]["D"], generator=gen).bfloat16().cuda()
+    cache = _fp8_paged(fmt, P, PS, gen, pad=48)
     bt = torch.randint(0, P, (B, W), generator=gen, dtype=torch.int32)
     bt[0, 1], bt[1, 2], bt[2, 0] = -1, P, 2**31 - 1
     seq_lens = torch.tensor([W * PS, 40, 0, W * PS - 3, 17, 96], dtype=torch.int32)
@@ -525,60 +546,79 @@ def test_fp8_block_table_edge_cases(H):
     # a NaN byte in the token only row 5 names (position 5 of sequence 5)
     idx[5, 0, 0] = 5
     page5 = int(bt[5, 0])
-    cache[page5, 5, 7] = NAN_BYTE
+    cache[page5].reshape(-1)[5 * FP8[fmt]["record"] + 7] = NAN_BYTE  # NoPE byte 7 of the page's token 5
     others = [(b, j) for b in range(B) for j in range(K) if b != 5 and int(idx[b, 0, j]) // PS < W
               and int(bt[b, max(0, int(idx[b, 0, j])) // PS]) == page5 and int(idx[b, 0, j]) % PS == 5]
     for b, j in others:
         idx[b, 0, j] = -1
     sink = (torch.randn(H, generator=gen) * 2).cuda()
     kw = dict(block_table=bt.cuda(), seq_lens=seq_lens.cuda(), topk_length=tl.cuda(), sink=sink)
-    exp = _check_bf(q, cache, idx.cuda(), "fp8_v32", splits=(None, 1, 2, 3, 4), **kw)
+    exp = _check_bf(q, cache, idx.cuda(), fmt, splits=(None, 1, 2, 3, 4), **kw)
     assert exp["out"][5].isnan().all() and not exp["out"][:5].isnan().any()
 
 
-@pytest.mark.gpu
-@gpu
-def test_fp8_dequantisation_is_exact():
-    """One valid slot a row: out is that token's dequantised NoPE values,
-    bit for bit (bf16 of the fp32 product), over every finite e4m3 byte and
-    scales from 2^-20 to 2^20; lse checks its RoPE half (q zero elsewhere)."""
-    gen = torch.Generator().manual_seed(7)
-    T, H, PS, P = 16, 64, 4, 4
-    raw = torch.zeros(P, PS, 656, dtype=torch.uint8)
+def _exact_cache(fmt, P, PS, gen):
+    """Every finite e4m3 byte over the tokens' NoPE values, power-of-two scales
+    from 2^-20 to 2^20 (and, for fp8_model1, the smallest e8m0 scale,
+    2^-127), random bf16 RoPE: [P, PS, bytes] uint8."""
+    f = FP8[fmt]
+    L = bf.FP8_LAYOUTS[fmt]
     codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
+    pages = torch.zeros(P, PS * f["bytes"], dtype=torch.uint8)
+    n_tiles = L["nope"] // L["tile"]
     for n in range(P * PS):
         p, o = divmod(n, PS)
-        raw[p, o, :512] = codes[(torch.arange(512) * 7 + n * 13) % len(codes)]
-        exps = torch.tensor([(n * 5 + 3 * k) % 41 - 20 for k in range(4)], dtype=torch.float32)
-        raw[p, o, 512:528] = torch.pow(2.0, exps).view(torch.uint8)
-        raw[p, o, 528:] = torch.randn(64, generator=gen).bfloat16().view(torch.uint8)
-    cache = raw.cuda()
-    q = torch.zeros(T, H, 576)
-    q[:, :, 512:] = torch.randn(T, H, 64, generator=gen)
+        rec = pages[p, o * L["record"]:(o + 1) * L["record"]]
+        rec[: L["nope"]] = codes[(torch.arange(L["nope"]) * 7 + n * 13) % len(codes)]
+        exps = torch.tensor([(n * 5 + 3 * k) % 41 - 20 for k in range(n_tiles)], dtype=torch.float32)
+        if L["per_page"]:
+            if n % 5 == 0:
+                exps[n % n_tiles] = -127
+            at = PS * L["record"] + 8 * o
+            pages[p, at:at + n_tiles] = (exps + 127).to(torch.uint8)
+        else:
+            rec[L["scale_at"]:L["scale_at"] + 4 * n_tiles] = torch.pow(2.0, exps).view(torch.uint8)
+        rec[L["rope_at"]:L["rope_at"] + 128] = torch.randn(64, generator=gen).bfloat16().view(torch.uint8)
+    return pages.view(P, PS, f["bytes"]).cuda()
+
+
+@pytest.mark.gpu
+@gpu
+@fp8_formats
+def test_fp8_dequantisation_is_exact(fmt):
+    """One valid slot a row: out is that token's dequantised values, bit for
+    bit (bf16 of the fp32 product), over every finite e4m3 byte and a range
+    of scales; lse checks its RoPE part (q is zero elsewhere)."""
+    gen = torch.Generator().manual_seed(7)
+    T, H, PS, P = 16, 64, 4, 4
+    D = FP8[fmt]["D"]
+    cache = _exact_cache(fmt, P, PS, gen)
+    q = torch.zeros(T, H, D)
+    q[:, :, D - 64:] = torch.randn(T, H, 64, generator=gen)
     q = q.bfloat16().cuda()
     slots = torch.full((T, 64), -1, dtype=torch.int32)
     slots[:, 37] = torch.arange(T) % (P * PS)  # one valid slot, inside a block
-    rows = dsa.dequantize_kv_cache(cache, "fp8_v32").view(P * PS, 576)
+    rows = dsa.dequantize_kv_cache(cache, fmt).view(P * PS, D)[slots[:, 37].long().cuda()]
     for s in (None, 1):
         out, lse = _run(q, cache, slots.cuda(), s)
-        want = rows[slots[:, 37].long().cuda()][:, None, :512].bfloat16().expand(T, H, 512)
-        assert torch.equal(out, want), s
-        s_exp = (q.double()[:, :, 512:] * rows[slots[:, 37].long().cuda()][:, None, 512:].double()).sum(-1)
-        torch.testing.assert_close(lse.double(), s_exp * 576 ** -0.5, rtol=1e-5, atol=1e-5)
+        assert torch.equal(out, rows[:, None, :512].bfloat16().expand(T, H, 512)), s
+        s_exp = (q.double()[:, :, D - 64:] * rows[:, None, D - 64:].double()).sum(-1)
+        torch.testing.assert_close(lse.double(), s_exp * D ** -0.5, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
 @gpu
+@fp8_formats
 @pytest.mark.parametrize("B,H", [(1, 64), (1, 128), (32, 64), (32, 128), (128, 64), (128, 128)])
-def test_fp8_model_shapes_against_reference(B, H):
-    """V3.2 on an fp8_v32 cache (K 2048, pages of 64 through a block table,
-    a sink, ragged lengths) against the reference backend in float64, at
-    the plan's split count and forced ones; FlashMLA-style slots too."""
+def test_fp8_model_shapes_against_reference(fmt, B, H):
+    """The model shapes on an FP8 cache (K 2048, pages of 64 through a block
+    table, a sink, ragged lengths) against the reference backend in float64,
+    at the plan's split count and forced ones; FlashMLA-style slots too."""
     gen = torch.Generator(device="cuda").manual_seed(B * H)
-    K, PS, W = 2048, 64, 64
+    K, PS, W, D = 2048, 64, 64, FP8[fmt]["D"]
     P = B * W
-    q = torch.randn(B, 1, H, 576, device="cuda", generator=gen).bfloat16()
-    cache = dsa.quantize_kv_cache(torch.randn(P, PS, 576, device="cuda", generator=gen), "fp8_v32")
+    q = torch.randn(B, 1, H, D, device="cuda", generator=gen).bfloat16()
+    cache = dsa.quantize_kv_cache(torch.randn(P, PS, D, device="cuda", generator=gen), fmt)
     bt = torch.randperm(P, device="cuda", generator=gen).view(B, W).int()
     pos = torch.rand(B, W * PS, device="cuda", generator=gen).topk(K, dim=-1).indices.sort(-1).values
     idx = pos.int().view(B, 1, K)
@@ -598,11 +638,13 @@ def test_fp8_model_shapes_against_reference(B, H):
 
 @pytest.mark.gpu
 @gpu
-def test_fp8_cuda_graph_and_no_sync():
+@fp8_formats
+def test_fp8_cuda_graph_and_no_sync(fmt):
     gen = torch.Generator(device="cuda").manual_seed(8)
+    D = FP8[fmt]["D"]
     for B in (1, 128):
-        q = torch.randn(B, 1, 128, 576, device="cuda", generator=gen).bfloat16()
-        cache = dsa.quantize_kv_cache(torch.randn(64, 64, 576, device="cuda", generator=gen), "fp8_v32")
+        q = torch.randn(B, 1, 128, D, device="cuda", generator=gen).bfloat16()
+        cache = dsa.quantize_kv_cache(torch.randn(64, 64, D, device="cuda", generator=gen), fmt)
         bt = torch.randint(-1, 64, (B, 8), device="cuda", generator=gen).int()
         idx = torch.randint(-1, 8 * 64, (B, 1, 512), device="cuda", generator=gen).int()
         kw = dict(block_table=bt, sink=torch.randn(128, device="cuda"), return_lse=True, backend="cute")

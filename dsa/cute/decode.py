@@ -42,8 +42,7 @@ from dsa.kv_cache import FORMATS, NATIVE
 
 HEADS_PER_CTA = 64
 BLOCK = 64  # slots a block: a split is a whole number of them
-FP8_V32 = "fp8_v32"
-SERVED_FORMATS = (NATIVE, FP8_V32)
+SERVED_FORMATS = (NATIVE, "fp8_v32", "fp8_model1")
 
 # Measured placement: (GPU name, cache format, H, (first B, last B)) -> the
 # faster backend, filled from bench/decode_peers.py (its cute rows against
@@ -318,8 +317,7 @@ def kernel_pointers(a: SparseDecodeArgs, out: torch.Tensor, lse: torch.Tensor):
     dt = cutlass_dtype(a.q.dtype)
     native = a.cache_format == NATIVE
     kv_t = dt if native else cutlass.Uint8
-    row = a.D if native else FORMATS[a.cache_format].bytes_per_token
-    zero = zero_row(a.q.device, a.q.dtype if native else torch.uint8, row)
+    zero = zero_row(a.q.device, a.q.dtype if native else torch.uint8, zero_row_size(a))
     # Absent optional inputs are never read; any valid address stands in.
     stand_in = a.indices
     return (
@@ -331,6 +329,16 @@ def kernel_pointers(a: SparseDecodeArgs, out: torch.Tensor, lse: torch.Tensor):
         _ptr(out, dt if out.dtype == a.q.dtype else cutlass.Float32, 16),
         _ptr(lse, cutlass.Float32, 4), _ptr(zero, kv_t, 16),
     )
+
+
+def zero_row_size(a: SparseDecodeArgs) -> int:
+    """Elements (native) or bytes (FP8) of the row an invalid slot reads: a
+    row, and for per-page scales (fp8_model1) up to the end of token 0's
+    scale record, where the kernel reads an invalid slot's scales."""
+    if a.cache_format == NATIVE:
+        return a.D
+    f = FORMATS[a.cache_format]
+    return f.scale_base(a.page_size) + f.scale_record if f.per_page else f.token_bytes
 
 
 def _or(t: Optional[torch.Tensor], other: torch.Tensor) -> torch.Tensor:

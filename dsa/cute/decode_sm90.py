@@ -21,12 +21,13 @@ each one of its hooks:
   (``dsa.triton.decode_kernels.decode_combine_kernel``) combines and folds
   the sink into.
 
-FP8 caches (``fp8_v32``, ``dsa.kv_cache``): the producer dequantises while it
-gathers (``convert_half``): 16-byte global loads of e4m3 NoPE bytes into
-registers, all of a half stage's (and the rows' scales) issued before the
-first is converted, then e4m3 -> f16 -> f32, times the token's fp32 scale
-(exact: the contract's fp32 value), rounded once to bf16 and stored into
-the same swizzled K-major positions the bf16 gather fills; a
+FP8 caches (``fp8_v32`` and ``fp8_model1``, laid out in ``dsa.kv_cache``):
+the producer dequantises while it gathers (``convert_half``): 16-byte
+global loads of e4m3 NoPE bytes into registers, all of a half stage's (and
+the rows' scales) issued before the first is converted, then e4m3 -> f16
+-> f32, times the token's scale (fp32, or e8m0 made fp32: exact, the
+contract's fp32 value), rounded once to bf16 and stored into the same
+swizzled K-major positions the bf16 gather fills; a
 ``fence.proxy.async`` and a release arrival then hand the stores to the
 consumers' wgmma (``signal_fill``).  The RoPE bf16 columns go by cp.async
 as in the forward.  Loads into registers cannot be many in flight, so the
@@ -60,27 +61,24 @@ from dsa.cute.sparse_attention_sm90 import (
     THREADS,
     SparseAttnFwdSm90,
 )
+from dsa.kv_cache import FORMATS
 
 NATIVE = "native"
 FP8_V32 = "fp8_v32"
-CACHES = (NATIVE, FP8_V32)
-
-# fp8_v32's token record (dsa.kv_cache.FORMATS["fp8_v32"]): NoPE e4m3 bytes,
-# then 4 fp32 scales (one per 128 values), then 64 bf16 RoPE values.
-FP8_TOKEN = 656
-FP8_NOPE = 512
-FP8_SCALES = 512
-FP8_ROPE = 528
-FP8_TILE = 128
+FP8_MODEL1 = "fp8_model1"
+CACHES = (NATIVE, FP8_V32, FP8_MODEL1)
+GROUP = 128    # NoPE columns a row's 8 gathering threads load at once: 16 e4m3 bytes each
 L2_LINE = 128
 
-# Registers a thread (setmaxnreg) for an FP8 cache: the producer holds a half
-# stage's e4m3 bytes (4 rows x 32 bytes) and scales while it converts them,
-# so it takes more than the bf16 gather's 56 (consumers 224); 80 + 2 * 216
-# fill the register file.  ptxas (sm_90a, H 128, block table, split): no
-# spills at 80 / 216 and at 112 / 200, 16 bytes at 96 / 208.
-FP8_PRODUCER_REGS = 80
-FP8_CONSUMER_REGS = 216
+# Registers a thread (setmaxnreg) for an FP8 cache, producer / consumers
+# (p + 2 c = 512 fills the register file): the producer holds a half stage's
+# e4m3 bytes (4 rows x 32 bytes) and scales while it converts them, so it
+# takes more than the bf16 gather's 56 / 224.  ptxas (sm_90a), spill bytes:
+# fp8_v32 none at 80 / 216 (H 128 block table split; H 64 slots one split),
+# 16 at 96 / 208 (split) and at 112 / 200 (one split); fp8_model1, whose
+# producer also holds each row's page offset and scale record, 104 at
+# 80 / 216, none at 96 / 208 (split and one split, H 64 and 128).
+FP8_REGS = {FP8_V32: (80, 216), FP8_MODEL1: (96, 208)}
 
 
 @dsl_user_op
@@ -103,6 +101,20 @@ def e4m3x2_to_bf16x2(word: Int32, upper: bool, scale: Float32, *, loc=None, ip=N
 
 
 @dsl_user_op
+def e8m0_to_f32(byte: Int32, *, loc=None, ip=None) -> Float32:
+    """An e8m0 scale byte b (0..255) as fp32: 2^(b - 127), NaN for 255 (b = 0
+    is 2^-127, an fp32 subnormal)."""
+    asm = ("{\n.reg .pred z, n;\n.reg .b32 r;\n"
+           "shl.b32 r, $1, 23;\n"
+           "setp.eq.u32 z, $1, 0;\nsetp.eq.u32 n, $1, 255;\n"
+           "selp.b32 r, 0x00400000, r, z;\nselp.b32 r, 0x7FFFFFFF, r, n;\n"
+           "mov.b32 $0, r;\n}")
+    return Float32(llvm.inline_asm(T.f32(), [Int32(byte).ir_value(loc=loc, ip=ip)], asm, "=f,r",
+                                   has_side_effects=False, is_align_stack=False,
+                                   asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
 def prefetch_l2(addr: Int64, *, loc=None, ip=None) -> None:
     """Bring the 128-byte line holding global byte address ``addr`` into L2."""
     llvm.inline_asm(res=None, operands_=[Int64(addr).ir_value(loc=loc, ip=ip)],
@@ -113,7 +125,7 @@ def prefetch_l2(addr: Int64, *, loc=None, ip=None) -> None:
 @dataclass(frozen=True)
 class DecodeSm90Config(scheduler.ProblemConfig):
     """The static configuration of one compiled decode kernel (its compile
-    key): the problem, then has_sink, cache ("native" or "fp8_v32"),
+    key): the problem, then has_sink, cache ("native", "fp8_v32" or "fp8_model1"),
     page_size (tokens a page; 1 for a flat cache), has_bt (indices are
     positions through a block table), has_seqlen (seq_lens cut them) and
     split (several splits a row: the kernel writes parts for the merge)."""
@@ -134,12 +146,13 @@ def decode_reason(dtype, D: int, d_v: int, H: int, G: int, cache: str, page_size
         return why
     if cache not in CACHES:
         return f"cache format {cache!r}: the cute decode reads {CACHES}"
-    if cache == FP8_V32:
+    if cache != NATIVE:
         if dtype is not cutlass.BFloat16:
-            return (f"q dtype {dtype} with fp8_v32: the cute decode dequantises FP8 to bf16 "
+            return (f"q dtype {dtype} with {cache}: the cute decode dequantises FP8 to bf16 "
                     f"(fp16 cannot hold every scaled value); use bf16 q")
-        if D != 576 or G != 1:
-            return f"fp8_v32 holds one kv head of D = 576, got D={D}, H_kv={G}"
+        fmt = FORMATS[cache]
+        if D != fmt.D or G != 1:
+            return f"{cache} holds one kv head of D = {fmt.D}, got D={D}, H_kv={G}"
     if page_size < 1:
         return f"page_size {page_size} < 1"
     if has_seqlen and not has_bt:
@@ -160,9 +173,10 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                                        has_seqlen, split)
         self.cache, self.page_size = cache, page_size
         self.has_bt, self.has_seqlen, self.split = has_bt, has_seqlen, split
-        self.fp8 = cache == FP8_V32
+        self.fp8 = cache != NATIVE
+        self.fmt = FORMATS[cache] if self.fp8 else None  # the FP8 layout (dsa.kv_cache)
         if self.fp8:
-            self.producer_regs, self.consumer_regs = FP8_PRODUCER_REGS, FP8_CONSUMER_REGS
+            self.producer_regs, self.consumer_regs = FP8_REGS[cache]
 
     @classmethod
     def from_config(cls, config: DecodeSm90Config) -> "SparseDecodeSm90":
@@ -170,7 +184,15 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
 
     def row_bytes(self) -> int:
         """Bytes of one (token, kv head) row of the cache."""
-        return FP8_TOKEN if self.fp8 else self.D * (self.dtype.width // 8)
+        return self.fmt.token_bytes if self.fp8 else self.D * (self.dtype.width // 8)
+
+    def zero_row_bytes(self) -> int:
+        """Bytes of the row invalid slots read: a row, and for per-page scales
+        (fp8_model1) the page's records up to token 0's scales, which an
+        invalid slot reads at that place."""
+        if self.fp8 and self.fmt.per_page:
+            return self.fmt.scale_base(self.page_size) + self.fmt.scale_record
+        return self.row_bytes()
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -231,16 +253,49 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         registers, not copied asynchronously: its lines are prefetched into
         L2 now, a pair ahead of their loads, so that those hit L2."""
         t0 = self.timer.tick()
-        col_bytes = 0 if const_expr(self.fp8) else col0 * (self.dtype.width // 8)
-        rules.paged_block_sources(base, mk, ns, b, L, cache, g, bt_row, lim, col_bytes, BN, row_in_pass, 16)
-        if const_expr(self.fp8):
-            line = col0 // 8  # this thread's 128-byte line of each of its rows (a token spans 6)
-            if line * L2_LINE < FP8_TOKEN:
-                for m in cutlass.range_constexpr(BN // 16):
-                    prefetch_l2(base[m] + line * L2_LINE)
+        if const_expr(not self.fp8):
+            rules.paged_block_sources(base, mk, ns, b, L, cache, g, bt_row, lim, col0 * (self.dtype.width // 8),
+                                      BN, row_in_pass, 16)
+        elif const_expr(not self.fmt.per_page):
+            rules.paged_block_sources(base, mk, ns, b, L, cache, g, bt_row, lim, 0, BN, row_in_pass, 16)
+            self.prefetch_rows(base, None, col0 // 8)
+        else:
+            addr, offs = base
+            rules.paged_block_sources(addr, mk, ns, b, L, cache, g, bt_row, lim, 0, BN, row_in_pass, 16, offs)
+            self.prefetch_rows(addr, offs, col0 // 8)
         self.timer.tock(PROF_LOOKUP, t0)
 
+    @cute.jit
+    def prefetch_rows(self, addr, offs, lane):
+        """This thread's 128-byte line ``lane`` of each of its 4 rows into L2
+        (a token record spans 5 or 6 lines); with per-page scales, the next
+        lane takes the rows' scale records."""
+        f = self.fmt
+        lines = -(-f.token_bytes // L2_LINE)
+        if lane < lines:
+            for m in cutlass.range_constexpr(BN // 16):
+                prefetch_l2(addr[m] + lane * L2_LINE)
+        if const_expr(f.per_page):
+            if lane == lines:
+                for m in cutlass.range_constexpr(BN // 16):
+                    prefetch_l2(addr[m] + self.scale_offset(offs[m]))
+
+    def scale_offset(self, off):
+        """Bytes from a token's record to its scale record, for per-page
+        scales: token o's record is at o * token_bytes of its page, its
+        scales at scale_base + o * scale_record."""
+        f = self.fmt
+        return Int64(f.scale_base(self.page_size)) + Int64(off) * (f.scale_record - f.token_bytes)
+
     # ----------------------------------------------------------- FP8 gather
+    def row_addresses(self):
+        """Per-page scales (fp8_model1) need each row's offset in its page too."""
+        base0, base1 = SparseAttnFwdSm90.row_addresses(self)
+        if not (self.fp8 and self.fmt.per_page):
+            return base0, base1
+        R = BN // 16
+        return (base0, cute.make_rmem_tensor((R,), Int32)), (base1, cute.make_rmem_tensor((R,), Int32))
+
     def fill_arrivals(self, h: int) -> int:
         # FP8: each producer thread also arrives (release) after its converted stores
         return 256 if self.fp8 else 128
@@ -270,11 +325,17 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
         # a stage's NoPE columns are its first 8 column atoms: the same bytes
         # and swizzle as the stage's own layout (rows first, then columns)
-        nope = cute.tile_to_shape(k_atom, (BN, FP8_NOPE), order=(0, 1))
+        nope = cute.tile_to_shape(k_atom, (BN, self.nope_view_cols()), order=(0, 1))
         raw = cute.recast_ptr(sK.iterator, None)
         views = [cute.make_tensor(cute.recast_ptr(raw + s * BN * self.D, nope.inner), nope.outer) for s in (0, 1)]
         lane = tidx % 8
         return ((tK0, fthr.partition_D(views[0]), lane), (tK1, fthr.partition_D(views[1]), lane))
+
+    def nope_view_cols(self) -> int:
+        """Columns of the stores' view of a stage: the NoPE columns in whole
+        128-column groups (fp8_model1's 448 take 4; the last group's RoPE half
+        is never stored through it)."""
+        return -(-self.fmt.d_nope // GROUP) * GROUP
 
     @cute.jit
     def copy_half(self, atom, base, tKs, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr):
@@ -285,42 +346,83 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
 
     @cute.jit
     def convert_half(self, atom, base, tKs, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr):
-        """An FP8 half stage: the NoPE columns [64 c_lo, 64 min(c_hi, 8)) of
-        this thread's 4 rows loaded (all 8 loads of 16 e4m3 bytes, and the
-        rows' two scales, issued before the first conversion), dequantised
-        to bf16 and stored; the RoPE chunk (c_hi = 9) by cp.async from the
-        token's bf16 values."""
+        """An FP8 half stage: the NoPE columns of the chunks [c_lo, c_hi) of
+        this thread's 4 rows, 16 a row and 128-column group (its loads of 16
+        e4m3 bytes and the rows' scales all issued before the first
+        conversion), dequantised to bf16 and stored; the RoPE chunk by
+        cp.async from the token's bf16 values.  In a group the NoPE columns
+        end inside (fp8_model1's 384..447), the lanes past them load bytes
+        of the same record and store nothing."""
+        f = self.fmt
         tK, tN, lane = tKs
+        addr, offs = base if const_expr(f.per_page) else (base, None)
         R = BN // 16
-        n_lo = c_lo * 64                        # first NoPE column (byte) of the half
-        groups = (min(c_hi, 8) - c_lo) * 64 // FP8_TILE  # 128-value groups: one scale each
+        n_lo = c_lo * 64                            # the half's first column
+        n_hi = min(c_hi * 64, f.d_nope)             # its NoPE columns end here
+        groups = -(-(n_hi - n_lo) // GROUP)
         t0 = self.timer.tick()
         raw = cute.make_rmem_tensor((4, groups, R), Int32)
-        sc = cute.make_rmem_tensor((groups, R), Float32)
         for m in cutlass.range_constexpr(R):
             for k in cutlass.range_constexpr(groups):
-                src = cute.make_tensor(aligned(Int32, base[m] + (n_lo + FP8_TILE * k) + 16 * lane),
+                src = cute.make_tensor(aligned(Int32, addr[m] + (n_lo + GROUP * k) + 16 * lane),
                                        cute.make_layout((4,)))
                 cute.autovec_copy(src, raw[None, k, m])
-        for m in cutlass.range_constexpr(R):
-            src = cute.make_tensor(aligned(Float32, base[m] + (FP8_SCALES + 4 * (n_lo // FP8_TILE)), 4 * groups),
-                                   cute.make_layout((groups,)))
-            cute.autovec_copy(src, sc[None, m])
-        if const_expr(c_hi > FP8_NOPE // 64):
+        sc = self.load_scales(addr, offs, n_lo, groups, R)
+        if const_expr(c_hi > f.d_nope // 64):
             ES = self.dtype.width // 8
             for m in cutlass.range_constexpr(R):
-                src = cute.make_tensor(aligned(self.dtype, base[m] + FP8_ROPE + 8 * lane * ES), cute.make_layout((8,)))
-                cute.copy(atom, src, tK[None, m, FP8_NOPE // 64])
+                src = cute.make_tensor(aligned(self.dtype, addr[m] + f.rope_offset + 8 * lane * ES),
+                                       cute.make_layout((8,)))
+                cute.copy(atom, src, tK[None, m, f.d_nope // 64])
         vals = cute.make_rmem_tensor((16,), self.dtype)
         words = cute.recast_tensor(vals, Int32)
         for m in cutlass.range_constexpr(R):
             for k in cutlass.range_constexpr(groups):
-                s_ = sc[k, m]
+                s_ = self.scale_of(sc, k, m, n_lo, lane)
                 for w in cutlass.range_constexpr(4):
                     words[2 * w] = e4m3x2_to_bf16x2(raw[w, k, m], False, s_)
                     words[2 * w + 1] = e4m3x2_to_bf16x2(raw[w, k, m], True, s_)
-                cute.autovec_copy(vals, tN[None, m, n_lo // FP8_TILE + k])
+                if const_expr(n_lo + GROUP * (k + 1) <= n_hi):
+                    cute.autovec_copy(vals, tN[None, m, n_lo // GROUP + k])
+                else:
+                    if n_lo + GROUP * k + 16 * lane < n_hi:
+                        cute.autovec_copy(vals, tN[None, m, n_lo // GROUP + k])
         self.timer.tock(PROF_ISSUE, t0)
+
+    @cute.jit
+    def load_scales(self, addr, offs, n_lo: cutlass.Constexpr, groups: cutlass.Constexpr, R: cutlass.Constexpr):
+        """The rows' scales the half needs: fp8_v32, the fp32 scale of each
+        128-column group ([groups, R]); fp8_model1, each row's 8-byte record
+        of e8m0 scales ([2, R] words)."""
+        f = self.fmt
+        if const_expr(not f.per_page):
+            sc = cute.make_rmem_tensor((groups, R), Float32)
+            first = f.scale_base(self.page_size) + 4 * (n_lo // f.tile)
+            for m in cutlass.range_constexpr(R):
+                src = cute.make_tensor(aligned(Float32, addr[m] + first, 4 * groups), cute.make_layout((groups,)))
+                cute.autovec_copy(src, sc[None, m])
+        else:
+            sc = cute.make_rmem_tensor((2, R), Int32)
+            for m in cutlass.range_constexpr(R):
+                src = cute.make_tensor(aligned(Int32, addr[m] + self.scale_offset(offs[m]), 8),
+                                       cute.make_layout((2,)))
+                cute.autovec_copy(src, sc[None, m])
+        return sc
+
+    @cute.jit
+    def scale_of(self, sc, k: cutlass.Constexpr, m: cutlass.Constexpr, n_lo: cutlass.Constexpr, lane):
+        """The fp32 scale of this thread's 16 columns of group k, row m: one
+        per group (fp8_v32's tile is the group), or the e8m0 byte of tile
+        j + lane // 4, j = the group's first tile (fp8_model1's tiles of 64:
+        j is even, so both candidates sit in word j // 4 of the record and
+        the byte is a shift away, not an indexed load)."""
+        f = self.fmt
+        if const_expr(not f.per_page):
+            return sc[k, m]
+        j = (n_lo + GROUP * k) // f.tile
+        word = sc[(j // 4), m]
+        shift = 8 * (j % 4) + 8 * (lane // 4)
+        return e8m0_to_f32((word >> shift) & 0xFF)
 
     @cute.jit
     def epilogue(self, acc_o, m_run, l_run, half, lane, row_lo, col_lane, sink_ptr, out_ptr, lse_ptr,

@@ -152,13 +152,15 @@ class PagedCache:
 
 @cute.jit
 def paged_block_sources(base, mk, ns, block, L, cache: PagedCache, g, bt_row, lim, col_bytes,
-                        block_slots: cutlass.Constexpr, row_in_pass, rows_per_pass: cutlass.Constexpr):
+                        block_slots: cutlass.Constexpr, row_in_pass, rows_per_pass: cutlass.Constexpr,
+                        offs=None):
     """``block_sources`` for a paged cache: slot s (index n, below L) is
     valid iff 0 <= n < lim (``PagedCache.sequence``) and, with a block
     table, its page bt_row[n // page_size] is in [0, n_pages); its row is
     offset n % page_size of that page.  Every block-table entry looked up
     is inside the sequence's row (a bad position is clamped there, then
-    masked), and all lookups issue before any is used."""
+    masked), and all lookups issue before any is used.  offs, when given,
+    receives each row's offset in its page (0 for the zero row)."""
     R = block_slots // rows_per_pass
     PS = cache.page_size
     pages = cute.make_rmem_tensor((R,), Int32)
@@ -178,6 +180,7 @@ def paged_block_sources(base, mk, ns, block, L, cache: PagedCache, g, bt_row, li
         n = ids[m]
         addr = cache.zero_ptr.toint()
         mask = -Float32.inf
+        off = Int32(0)
         if slot < L:
             if n >= 0:
                 if n < lim:
@@ -186,12 +189,14 @@ def paged_block_sources(base, mk, ns, block, L, cache: PagedCache, g, bt_row, li
                         page = pages[m]
                     if page >= 0:
                         if page < cache.n_pages:
-                            row = (n % PS) * cache.G + g
+                            off = n % PS
                             addr = (cache.kv_ptr.toint() + Int64(page) * cache.page_stride
-                                    + Int64(row) * Int64(cache.row_bytes))
+                                    + Int64(off * cache.G + g) * Int64(cache.row_bytes))
                             mask = Float32(0.0)
         base[m] = addr + col_bytes
         mk[m] = mask
+        if const_expr(offs is not None):
+            offs[m] = off
 
 
 @cute.jit

@@ -328,6 +328,11 @@ class SparseAttnFwdSm90:
         them (``thr``: its slice of the gather's tiled copy)."""
         return thr.partition_D(sK[None, None, 0]), thr.partition_D(sK[None, None, 1])
 
+    def row_addresses(self):
+        """Two blocks' worth of this thread's row sources (``resolve_rows``
+        writes them, ``copy_half`` reads them): a byte address a row."""
+        return cute.make_rmem_tensor((BN // 16,), Int64), cute.make_rmem_tensor((BN // 16,), Int64)
+
     def signal_fill(self, bar):
         """This thread's arrival on a half's full barrier once its copies of
         the half have landed (``fill_arrivals`` counts it)."""
@@ -356,8 +361,7 @@ class SparseAttnFwdSm90:
         tK0, tK1 = self.stage_partitions(thr, sK, tidx)
         # kv-row byte offsets of the pair's two blocks (the zero row's for an
         # invalid slot); their indices are loaded a pair ahead (ns0, ns1)
-        base0 = cute.make_rmem_tensor((BN // 16,), Int64)
-        base1 = cute.make_rmem_tensor((BN // 16,), Int64)
+        base0, base1 = self.row_addresses()
         # their masks (0 or -inf), written to sOk with the stage's first half
         mk0 = cute.make_rmem_tensor((BN // 16,), Float32)
         mk1 = cute.make_rmem_tensor((BN // 16,), Float32)

@@ -243,50 +243,75 @@ def test_backend_hook(monkeypatch):
 
 @needs_dsl
 @pytest.mark.parametrize("B,H,split", [(1, 128, True), (128, 128, False)])
-def test_launch_arguments(monkeypatch, B, H, split):
-    """forward() without a GPU: the kernel gets its pointers in order (the
-    workspace views when split), the plan's scalars, and the merge gets the
-    parts; the plan is built once per key."""
+@pytest.mark.parametrize("reuse", [False, True])
+def test_launch_arguments(monkeypatch, B, H, split, reuse):
+    """A prepared launch without a GPU: the kernel gets its pointers in
+    order (the workspace when split, the zero row last, stand-ins for absent
+    inputs), the plan's scalars and the stream; the merge gets the parts;
+    the plan is built once per key, a reused workspace once per prepare."""
     import cutlass
 
     launches, merges, zero = [], [], torch.zeros(576, dtype=torch.bfloat16)
+
+    class Merge:
+        def launch(self, *x):
+            merges.append(x)
+
     monkeypatch.setattr(cdec, "_sm_count", lambda d: 132)
-    monkeypatch.setattr(cdec, "gmem_ptr", lambda t, ty, align: (t, ty, align))
-    monkeypatch.setattr(cdec, "current_stream", lambda d: "stream")
-    monkeypatch.setattr(cdec, "zero_row", lambda d, dt, D: zero)
+    monkeypatch.setattr(cdec, "_make_ptr", lambda ty, addr, align: (addr, ty, align))
+    monkeypatch.setattr(cdec, "_raw_stream", lambda index: 7)
+    monkeypatch.setattr(cdec, "_stream", lambda handle: ("stream", handle))
+    monkeypatch.setattr(cdec, "zero_row", lambda d, dt, n: zero)
     monkeypatch.setattr(cdec, "_compiled", lambda p, ptrs, stream: lambda *x: launches.append((p, x)))
-    monkeypatch.setattr(cdec, "_combine", lambda: lambda *x: merges.append(x))
-    monkeypatch.setattr(torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(cdec, "_combine", lambda: Merge())
     monkeypatch.setattr(cdec, "_PLANS", {})
     monkeypatch.setattr(cdec, "_PTRS", {})
-    a = _args(T=B, H=H, P=6, bt_w=3)
-    out, lse = cdec.forward(a)
-    assert out.shape == (B, H, 512) and out.dtype == torch.bfloat16 and lse.shape == (B, H)
-    (p, x), = launches
+    a = _args(T=B, H=H, P=6, bt_w=3, sink=False)
+    run = cdec.decode.prepare(a, reuse)
+    out = torch.empty(B, H, 512, dtype=torch.bfloat16)
+    lse = torch.empty(B, H)
+    for _ in range(2):
+        run(a.q, a.kv, a.indices, a.topk_length, a.block_table, a.seq_lens, a.sink, out, lse)
     S, chunk = cdec.split_plan(a, 132)
-    assert p.splits == S and p.config.split == split == (S > 1)
+    (p, x), (p2, x2) = launches
+    assert p is p2 and p.splits == S and p.config.split == split == (S > 1)
     ptrs, scalars, stream = x[:10], x[10:-1], x[-1]
-    assert stream == "stream"
-    assert [t for t, _, _ in ptrs[:7]] == [a.q, a.kv, a.indices, a.topk_length, a.block_table, a.seq_lens, a.sink]
-    assert ptrs[1][1] is cutlass.BFloat16 and ptrs[9][0] is zero
-    part_out, part_lse = ptrs[7][0], ptrs[8][0]
+    assert stream == ("stream", 7)
+    addr = [t.data_ptr() for t in (a.q, a.kv, a.indices, a.topk_length, a.block_table, a.seq_lens)]
+    assert [q[0] for q in ptrs[:6]] == addr and ptrs[9][0] == zero.data_ptr()
+    assert ptrs[1][1] is cutlass.BFloat16 and ptrs[6][0] == ptrs[8][0]  # no sink: the parts' lse stands in
     if split:
-        assert ptrs[7][1] is cutlass.Float32 and part_out.numel() == B * H * S * 512 and part_lse.numel() == B * H * S
-        (grid, margs, _, _), = merges
-        assert margs[0] is part_out and margs[1] is part_lse and margs[2] is a.sink and margs[3] is out
-        assert margs[4] is lse and margs[5] == S and grid[0] == B
-        assert grid[0] * grid[1] * grid[2] >= 2 * 132  # B1's merge spread over the GPU
+        assert ptrs[7][1] is cutlass.Float32 and ptrs[7][0] != out.data_ptr() and ptrs[8][0] != lse.data_ptr()
+        assert (ptrs[7][0] == x2[7][0]) == reuse  # one workspace for every call of a prepare with reuse
+        (grid, margs, _, _, raw, handle), _ = merges
+        assert margs[2] is None and margs[3] is out and margs[4] is lse and margs[5] == S and handle == 7
+        assert raw == (ptrs[7][0], ptrs[8][0], None, out.data_ptr(), lse.data_ptr(), S)
+        assert grid[0] == B and grid[0] * grid[1] * grid[2] >= 2 * 132  # B1's merge spread over the GPU
     else:
-        assert part_out is out and part_lse is lse and not merges
-    T, K, P, stride, bt_w, ch, n_split, len_div, rps, scale, sms = [s.value if hasattr(s, "value") else s
-                                                                     for s in scalars]
+        assert ptrs[7][0] == out.data_ptr() and ptrs[8][0] == lse.data_ptr() and not merges
+    T, K, P, stride, bt_w, ch, n_split, len_div, rps, scale, sms = scalars
     assert (int(T), int(K), int(P), int(stride), int(bt_w), int(ch), int(n_split)) == (B, 2048, 6, 64 * 576 * 2,
                                                                                         3, chunk, S)
     assert (int(len_div), int(rps), int(sms)) == (1, 1, 132)
-    cdec.forward(a)
-    assert len(cdec._PLANS) == 1 and launches[1][0] is p  # the plan is reused
-    cdec.forward(_args(T=B, H=H, P=7, bt_w=3))  # a larger pool: another plan (P is a kernel argument)
+    cdec.decode.prepare(_args(T=B, H=H, P=7, bt_w=3))  # a larger pool: another plan (P is a kernel argument)
     assert len(cdec._PLANS) == 2
+
+
+def test_prepared_call_refuses_misaligned_tensors(monkeypatch):
+    monkeypatch.setattr(cdec, "_sm_count", lambda d: 132)
+    monkeypatch.setattr(cdec, "zero_row", lambda d, dt, n: torch.zeros(n, dtype=dt))
+    monkeypatch.setattr(cdec, "_make_ptr", lambda ty, addr, align: addr)
+    monkeypatch.setattr(cdec, "_raw_stream", lambda index: 7)
+    monkeypatch.setattr(cdec, "_stream", lambda handle: handle)
+    monkeypatch.setattr(cdec, "_compiled", lambda p, ptrs, stream: lambda *x: None)
+    if not HAVE_DSL:
+        pytest.skip("nvidia-cutlass-dsl is not installed")
+    a = _args(T=128)
+    run = cdec.decode.prepare(a)
+    q = torch.zeros(a.q.numel() + 1, dtype=torch.bfloat16)[1:].view_as(a.q)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        run(q, a.kv, a.indices, a.topk_length, a.block_table, a.seq_lens, a.sink,
+            torch.empty(128, 128, 512, dtype=torch.bfloat16), torch.empty(128, 128))
 
 
 # --------------------------------------------------------------------------
@@ -559,8 +584,8 @@ def test_fp8_block_table_edge_cases(fmt, H):
 
 def _exact_cache(fmt, P, PS, gen):
     """Every finite e4m3 byte over the tokens' NoPE values, power-of-two scales
-    from 2^-20 to 2^20 (and, for fp8_model1, the smallest e8m0 scale,
-    2^-127), random bf16 RoPE: [P, PS, bytes] uint8."""
+    from 2^-20 to 2^20 (fp32, or e8m0 bytes 107..147), random bf16 RoPE:
+    [P, PS, bytes] uint8."""
     f = FP8[fmt]
     L = bf.FP8_LAYOUTS[fmt]
     codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
@@ -572,8 +597,6 @@ def _exact_cache(fmt, P, PS, gen):
         rec[: L["nope"]] = codes[(torch.arange(L["nope"]) * 7 + n * 13) % len(codes)]
         exps = torch.tensor([(n * 5 + 3 * k) % 41 - 20 for k in range(n_tiles)], dtype=torch.float32)
         if L["per_page"]:
-            if n % 5 == 0:
-                exps[n % n_tiles] = -127
             at = PS * L["record"] + 8 * o
             pages[p, at:at + n_tiles] = (exps + 127).to(torch.uint8)
         else:
@@ -596,10 +619,10 @@ def test_fp8_dequantisation_is_exact(fmt):
     q = torch.zeros(T, H, D)
     q[:, :, D - 64:] = torch.randn(T, H, 64, generator=gen)
     q = q.bfloat16().cuda()
-    slots = torch.full((T, 64), -1, dtype=torch.int32)
-    slots[:, 37] = torch.arange(T) % (P * PS)  # one valid slot, inside a block
+    slots = torch.full((T, 128), -1, dtype=torch.int32)
+    slots[:, 37] = torch.arange(T) % (P * PS)  # one valid slot, inside the first block
     rows = dsa.dequantize_kv_cache(cache, fmt).view(P * PS, D)[slots[:, 37].long().cuda()]
-    for s in (None, 1):
+    for s in (None, 1, 2):  # 2: the second split sees no valid slot
         out, lse = _run(q, cache, slots.cuda(), s)
         assert torch.equal(out, rows[:, None, :512].bfloat16().expand(T, H, 512)), s
         s_exp = (q.double()[:, :, D - 64:] * rows[:, None, D - 64:].double()).sum(-1)

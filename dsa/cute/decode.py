@@ -19,7 +19,10 @@ graph.
 
 Host time: everything but the tensors' addresses is built once per shape
 key (``plan``): the compile key, the split count, the scalars, the merge's
-launch; a call allocates its outputs (and workspace) and launches.
+launch; ``prepare`` (the protocol of :mod:`dsa.ops.decode`, which
+``dsa.sparse_decode_plan`` uses) binds the rest once more, and a call
+reads its tensors' addresses, looks their pointer arguments up and
+launches.
 
 Placement under ``backend="auto"``: ``PLACEMENT`` lists, per GPU name, the
 (cache format, H, batch range) where bench/decode_peers.py measured the
@@ -37,7 +40,7 @@ import torch
 
 from dsa._args import SparseDecodeArgs
 from dsa._rules import LOG2E
-from dsa.cute.host import cutlass_dtype, current_stream, dsl_reason, gmem_ptr, sm90_reason, zero_row
+from dsa.cute.host import cutlass_dtype, dsl_reason, sm90_reason, zero_row
 from dsa.kv_cache import FORMATS, NATIVE
 
 HEADS_PER_CTA = 64
@@ -273,6 +276,7 @@ _COMBINE = None
 
 
 def _combine():
+    """The Launcher of the Triton merge kernel (dsa.triton.launch), made on first use."""
     global _COMBINE
     if _COMBINE is None:
         from dsa.triton.decode_kernels import decode_combine_kernel
@@ -282,24 +286,92 @@ def _combine():
     return _COMBINE
 
 
-def forward(a: SparseDecodeArgs, splits: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """out [T, H, d_v] in q.dtype and lse [T, H] fp32 (sink excluded, +inf on empty rows)."""
-    p = plan(a, splits)
-    T, H, S, dev = a.T, a.H, p.splits, a.q.device
-    # under a's device: its zero row, stream and compiled kernel are that device's
-    with torch.cuda.device(dev):
-        out = torch.empty((T, H, a.d_v), dtype=a.q.dtype, device=dev)
-        lse = torch.empty((T, H), dtype=torch.float32, device=dev)
+class Prepared:
+    """The launches of every call with ``a``'s metadata, all but the tensors
+    bound once: the plan (compile key, split count, scalars, the merge's
+    launch), the pointer types, the zero row and (``reuse_workspace``) the
+    split workspace, which its calls then share (ordered on one stream).
+    ``run(q, kv, indices, topk_length, block_table, seq_lens, sink, out,
+    lse)`` takes the canonical tensors (any shape of their elements) and
+    writes out and lse: the protocol of ``prepare`` in :mod:`dsa.ops.decode`.
+    A call runs with a's device current (the op layer's guarantee)."""
+
+    def __init__(self, a: SparseDecodeArgs, reuse_workspace: bool = False, splits: Optional[int] = None):
+        import cutlass
+
+        p = self.plan = plan(a, splits)
+        dt = cutlass_dtype(a.q.dtype)
+        native = a.cache_format == NATIVE
+        self._types = (dt, dt if native else cutlass.Uint8, dt if p.splits == 1 else cutlass.Float32,
+                       cutlass.Int32, cutlass.Float32)
+        self._cuda = a.q.device.index
+        self._device = a.q.device
+        zero = zero_row(a.q.device, a.q.dtype if native else torch.uint8, zero_row_size(a))
+        self._zero = _ptr(zero.data_ptr(), self._types[1], 16)
+        self._n_lse = a.T * a.H * p.splits  # the parts' lse [T, H, S], then their outputs [T, H, S, d_v]
+        self._n_work = self._n_lse * (a.d_v + 1)
+        self._work = self._workspace() if reuse_workspace and p.splits > 1 else None
+        # compiled now (once per configuration and device), not at a first call that a CUDA graph may capture;
+        # the pointers only carry their types and alignments here
+        dt, kv_t, part_t, i32, f32 = self._types
+        a_q, a_idx = a.q.data_ptr(), a.indices.data_ptr()
+        ptrs = (_ptr(a_q, dt, 16), _ptr(a.kv.data_ptr(), kv_t, 16), *(_ptr(a_idx, i32, 4),) * 4, _ptr(a_idx, f32, 4),
+                _ptr(a_q, part_t, 16), _ptr(a_idx, f32, 4), self._zero)
+        self._fn = _compiled(p, ptrs, _stream(_raw_stream(self._cuda)))
+
+    def _workspace(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(the parts' lse, their outputs) in one allocation."""
+        work = torch.empty(self._n_work, dtype=torch.float32, device=self._device)
+        return work[: self._n_lse], work[self._n_lse:]
+
+    def __call__(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, topk_length: Optional[torch.Tensor],
+                 block_table: Optional[torch.Tensor], seq_lens: Optional[torch.Tensor], sink: Optional[torch.Tensor],
+                 out: torch.Tensor, lse: torch.Tensor) -> None:
+        p = self.plan
+        S = p.splits
+        dt, kv_t, part_t, i32, f32 = self._types
         if S == 1:
             part_out, part_lse = out, lse
-        else:  # one workspace: the parts' lse [T, H, S], then their outputs [T, H, S, d_v]
-            work = torch.empty(T * H * S * (a.d_v + 1), dtype=torch.float32, device=dev)
-            part_lse, part_out = work[: T * H * S], work[T * H * S:]
-        ptrs = kernel_pointers(a, part_out, part_lse)
-        stream = current_stream(dev)
-        _compiled(p, ptrs, stream)(*ptrs, *p.scalars, stream)
+        else:
+            part_lse, part_out = self._work if self._work is not None else self._workspace()
+        # each address read once; absent optional inputs are never read, any valid address stands in
+        a_q, a_kv, a_idx, a_pout, a_plse = (q.data_ptr(), kv.data_ptr(), indices.data_ptr(), part_out.data_ptr(),
+                                            part_lse.data_ptr())
+        if (a_q | a_kv | a_pout) & 15:
+            raise ValueError("the cute decode gathers by 16-byte copies: q, kv_cache and out must be 16-byte aligned")
+        a_sink = a_plse if sink is None else sink.data_ptr()
+        ptrs = (_ptr(a_q, dt, 16), _ptr(a_kv, kv_t, 16), _ptr(a_idx, i32, 4),
+                _ptr(a_idx if topk_length is None else topk_length.data_ptr(), i32, 4),
+                _ptr(a_idx if block_table is None else block_table.data_ptr(), i32, 4),
+                _ptr(a_idx if seq_lens is None else seq_lens.data_ptr(), i32, 4),
+                _ptr(a_sink, f32, 4), _ptr(a_pout, part_t, 16), _ptr(a_plse, f32, 4), self._zero)
+        raw_stream = _raw_stream(self._cuda)
+        stream = _stream(raw_stream)
+        self._fn(*ptrs, *p.scalars, stream)
         if S > 1:
-            _combine()(p.combine_grid, (part_out, part_lse, a.sink, out, lse, S), p.combine, p.combine_key)
+            a_out, a_lse = out.data_ptr(), lse.data_ptr()
+            a_s = None if sink is None else a_sink
+            spec = (p.combine_key, a_pout & 15 == 0, a_plse & 15 == 0, None if a_s is None else a_s & 15 == 0,
+                    a_out & 15 == 0, a_lse & 15 == 0)
+            _combine().launch(p.combine_grid, (part_out, part_lse, sink, out, lse, S), p.combine, spec,
+                              (a_pout, a_plse, a_s, a_out, a_lse, S), raw_stream)
+
+
+def prepare(a: SparseDecodeArgs, reuse_workspace: bool = False) -> Prepared:
+    """The launches of every call with ``a``'s metadata (see :class:`Prepared`)."""
+    return Prepared(a, reuse_workspace)
+
+
+def forward(a: SparseDecodeArgs, splits: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """out [T, H, d_v] in q.dtype and lse [T, H] fp32 (sink excluded, +inf on empty rows)."""
+    dev = a.q.device
+    if dev.index != torch.cuda.current_device():  # kernels launch on the current device
+        with torch.cuda.device(dev):
+            return forward(a, splits)
+    run = Prepared(a, splits=splits)
+    out = torch.empty((a.T, a.H, a.d_v), dtype=a.q.dtype, device=dev)
+    lse = torch.empty((a.T, a.H), dtype=torch.float32, device=dev)
+    run(a.q, a.kv, a.indices, a.topk_length, a.block_table, a.seq_lens, a.sink, out, lse)
     return out, lse
 
 
@@ -308,27 +380,7 @@ def decode(a: SparseDecodeArgs) -> Tuple[torch.Tensor, torch.Tensor]:
     return forward(a)
 
 
-def kernel_pointers(a: SparseDecodeArgs, out: torch.Tensor, lse: torch.Tensor):
-    """The kernel's pointer arguments, in its order: q, kv, indices,
-    topk_length, block_table, seq_lens, sink, out (q.dtype, or the fp32
-    parts), lse (or the parts' lse) and the zero row."""
-    import cutlass
-
-    dt = cutlass_dtype(a.q.dtype)
-    native = a.cache_format == NATIVE
-    kv_t = dt if native else cutlass.Uint8
-    zero = zero_row(a.q.device, a.q.dtype if native else torch.uint8, zero_row_size(a))
-    # Absent optional inputs are never read; any valid address stands in.
-    stand_in = a.indices
-    return (
-        _ptr(a.q, dt, 16), _ptr(a.kv, kv_t, 16), _ptr(a.indices, cutlass.Int32, 4),
-        _ptr(_or(a.topk_length, stand_in), cutlass.Int32, 4),
-        _ptr(_or(a.block_table, stand_in), cutlass.Int32, 4),
-        _ptr(_or(a.seq_lens, stand_in), cutlass.Int32, 4),
-        _ptr(_or(a.sink, lse), cutlass.Float32, 4),
-        _ptr(out, dt if out.dtype == a.q.dtype else cutlass.Float32, 16),
-        _ptr(lse, cutlass.Float32, 4), _ptr(zero, kv_t, 16),
-    )
+decode.prepare = prepare  # the optional protocol of dsa.ops.decode
 
 
 def zero_row_size(a: SparseDecodeArgs) -> int:
@@ -341,10 +393,6 @@ def zero_row_size(a: SparseDecodeArgs) -> int:
     return f.scale_base(a.page_size) + f.scale_record if f.per_page else f.token_bytes
 
 
-def _or(t: Optional[torch.Tensor], other: torch.Tensor) -> torch.Tensor:
-    return t if t is not None else other
-
-
 # (type, address, alignment) -> the DSL's pointer argument, a plain value
 # (its address and type): a decode step's cache, indices, tables, sink and the
 # caching allocator's reused outputs keep their addresses from call to call,
@@ -352,14 +400,41 @@ def _or(t: Optional[torch.Tensor], other: torch.Tensor) -> torch.Tensor:
 _PTRS: Dict[Tuple, Any] = {}
 
 
-def _ptr(t: torch.Tensor, ty, align: int):
-    key = (ty, t.data_ptr(), align)
+def _ptr(addr: int, ty, align: int):
+    key = (ty, addr, align)
     p = _PTRS.get(key)
     if p is None:
         if len(_PTRS) >= _MAX_PLANS:
             _PTRS.clear()
-        p = _PTRS[key] = gmem_ptr(t, ty, align)
+        p = _PTRS[key] = _make_ptr(ty, addr, align)
     return p
+
+
+def _make_ptr(ty, addr: int, align: int):
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    return make_ptr(ty, addr, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def _raw_stream(index: int) -> int:
+    """The current stream's handle on CUDA device ``index``."""
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+_STREAMS: Dict[int, Any] = {}
+
+
+def _stream(handle: int):
+    """The CUstream a launch takes for a raw CUDA stream handle (kept: a few streams a process)."""
+    st = _STREAMS.get(handle)
+    if st is None:
+        import cuda.bindings.driver as cuda
+
+        if len(_STREAMS) >= 64:
+            _STREAMS.clear()
+        st = _STREAMS[handle] = cuda.CUstream(handle)
+    return st
 
 
 # ----------------------------------------------------------------------------

@@ -122,8 +122,8 @@ def _args(T=2, H=128, D=576, K=2048, P=8, PS=64, G=1, dtype=torch.bfloat16, fmt=
 
 
 @pytest.mark.parametrize("B,H,splits,S,chunk", [
-    (1, 128, None, 32, 64),     # 2 tiles: as many splits as 64-slot blocks
-    (1, 64, None, 32, 64),
+    (1, 128, None, 16, 128),    # 2 tiles: as many splits as pairs of 64-slot blocks
+    (1, 64, None, 16, 128),
     (32, 128, None, 2, 1024),   # 64 tiles: 2 splits, 128 of 132 SMs
     (32, 64, None, 4, 512),     # 32 tiles: 4 splits
     (128, 128, None, 1, 2048),  # 256 tiles: more than a wave, one split
@@ -147,8 +147,9 @@ def test_merge_blocks(B, H, blocks):
 
 
 def test_split_plan_short_rows():
-    a = _args(T=1, H=64, K=100)
-    assert cdec.split_plan(a, 132) == (2, 64)  # a split of 64 slots, the second one 36
+    assert cdec.split_plan(_args(T=1, H=64, K=100), 132) == (1, 128)  # not a pair of blocks: one split
+    assert cdec.split_plan(_args(T=1, H=64, K=300), 132) == (3, 128)  # 5 blocks: splits of 128, 128, 44 slots
+    assert cdec.split_plan(_args(T=1, H=64, K=100), 132, 2) == (2, 64)  # forced: blocks of one
 
 
 def _padded_fp8(P, PS, pad):

@@ -11,8 +11,8 @@ folded in, by the Triton merge kernel that the Triton decode uses
 but with smaller blocks when the rows are few (``merge_blocks``).
 
 Splits: ``split_plan`` is the Triton decode's rule (``dsa.triton.decode.
-split_plan``) at 64-slot blocks: S = min(SMs // tiles, K / 64), about one
-wave.  It depends on the shapes and the device only, so the workspace
+split_plan``) at 64-slot blocks, a split at least a pair of them: S =
+min(SMs // tiles, K / 128), about one wave.  It depends on the shapes and the device only, so the workspace
 (``[T, H, S]`` lse then ``[T, H, S, d_v]`` parts, fp32, one allocation) is
 sized by shapes alone and nothing is read back: a call captures in a CUDA
 graph.
@@ -151,15 +151,23 @@ def placed_note(a: SparseDecodeArgs) -> str:
 # Splits
 
 
+# The fewest slots a split gets by the rule: a pair of blocks, one for each
+# consumer warpgroup. H200 (bench/RESULTS.md C61, bf16 cache, K 2048, CUDA
+# graphs): B1 at 32 splits of one block 25.2 us (H128) / 24.1 us (H64), at 16
+# splits of a pair 21.4 / 20.9 us.
+MIN_SPLIT_SLOTS = 2 * BLOCK
+
+
 def split_plan(a: SparseDecodeArgs, sms: int, splits: Optional[int] = None) -> Tuple[int, int]:
     """(S, chunk): the split count and slots a split (whole 64-slot blocks).
     The Triton decode's rule over this kernel's tiles (rows x kv heads x
-    64-head blocks): S = min(SMs // tiles, K / 64), one wave without a
-    partial second; ``splits`` forces S (clamped to [1, K / 64])."""
+    64-head blocks): S = min(SMs // tiles, K / 128), one wave without a
+    partial second and at least a pair of blocks a split; ``splits`` forces
+    S (clamped to [1, K / 64])."""
     from dsa.triton.decode import split_plan as plan_splits
 
     tiles = a.T * a.G * (a.H // a.G // HEADS_PER_CTA)
-    return plan_splits(tiles, a.K, BLOCK, sms, splits, BLOCK)
+    return plan_splits(tiles, a.K, BLOCK, sms, splits, MIN_SPLIT_SLOTS)
 
 
 # ----------------------------------------------------------------------------

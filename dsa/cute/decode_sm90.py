@@ -55,7 +55,6 @@ from dsa.cute.rules import finite_shift
 from dsa.cute.sparse_attention_sm90 import (
     BLOCK_H,
     BN,
-    L_CHUNKS,
     PROF_ISSUE,
     PROF_LOOKUP,
     THREADS,

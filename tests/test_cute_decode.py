@@ -516,12 +516,19 @@ def test_public_call_cuda_graph_and_no_sync():
 
 @pytest.mark.gpu
 @gpu
-def test_auto_declines_with_the_reason():
+def test_auto_declines_with_the_reason(monkeypatch):
+    """Without a measurement for this GPU auto keeps Triton and explain()
+    says why; with one naming cute for the shape, auto takes cute."""
     q = torch.randn(1, 1, 128, 576, device="cuda").bfloat16()
     kv = torch.randn(4, 64, 1, 576, device="cuda").bfloat16()
     idx = torch.zeros(1, 1, 64, dtype=torch.int32, device="cuda")
+    monkeypatch.setattr(cdec, "PLACEMENT", {})
     text = dsa.explain("sparse_decode", q, kv, idx)
-    assert "cute: no measurement of the cute decode on this GPU yet" in text, text
+    assert "backend 'triton'" in text and "cute: no measurement of the cute decode on this GPU yet" in text, text
+    name = torch.cuda.get_device_name()
+    monkeypatch.setattr(cdec, "PLACEMENT", {(name, "native", 128, (1, 1)): "cute"})
+    text = dsa.explain("sparse_decode", q, kv, idx)
+    assert "backend 'cute'" in text and "measured faster" in text, text
     with pytest.raises(ValueError, match="cute"):
         dsa.sparse_decode(q.float(), kv.float(), idx, backend="cute")
 

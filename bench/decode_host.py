@@ -170,12 +170,16 @@ def problem(fmt: str, B: int, H: int, L: int, device: torch.device) -> Dict[str,
         cache = torch.empty(P, PAGE, 1, D, dtype=dtype, device=device)
     else:
         cache = torch.empty(P, PAGE, FORMATS[fmt].bytes_per_token, dtype=torch.uint8, device=device)
-    if device.type == "cuda":  # finite values (the kernels run): bytes below 0x7F are no NaN, scales 1/16
+    if device.type == "cuda":  # finite values (the kernels run): e4m3 bytes below 0x7F are no NaN, scales 1/16
         if fmt == "native":
             cache.normal_(generator=g)
         else:
+            fmt_ = FORMATS[fmt]
             cache.random_(0, 0x7F, generator=g)
             cache[..., 512:528].view(torch.float32).fill_(2.0**-4)
+            # RoPE as bf16 values: random bytes there can be ~1e38, whose products overflow to NaN
+            rope = cache[..., fmt_.rope_offset:fmt_.rope_offset + 2 * fmt_.d_rope].view(torch.bfloat16)
+            rope.copy_(torch.randn(rope.shape, device=device, generator=g))
     bt = torch.randperm(P, device=device, generator=g).view(B, per_seq).int()
     pos = torch.rand(B, L, device=device, generator=g).topk(K, dim=-1).indices.sort(dim=-1).values.int().view(B, 1, K)
     q = torch.randn(B, 1, H, D, device=device, generator=g).to(dtype)

@@ -99,6 +99,25 @@ def test_decode_compiles_offline(build, tmp_path):
         assert n["cvt.rn.f16x2.e4m3x2"] == 0 and n["st.shared.v4"] == 0, (name, r)
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and n["st.local"] == 0 and n["ld.local"] == 0, (name, r)
     assert r["smem"] == smem_bytes(D, 512, 2) <= SMEM_LIMIT == r["smem_limit"], (name, r)
+    # the warpgroups' setmaxnreg split fits what the CTA is launched with (else setmaxnreg.inc never returns)
+    from dsa.cute.decode_sm90 import FP8_REGS, LAUNCH_REGS
+    from dsa.cute.sparse_attention_sm90 import CONSUMER_REGS, PRODUCER_REGS
+
+    p, c = FP8_REGS.get(kw["cache"], (PRODUCER_REGS, CONSUMER_REGS))
+    assert r["registers"] == LAUNCH_REGS and p + 2 * c <= 3 * r["registers"], (name, p, c, r)
+
+
+@needs_dsl
+def test_register_splits_fit_the_launch():
+    """Producer + two consumers' setmaxnreg targets within 3 x the launch's
+    registers a thread: a split above it deadlocks the CTA (the consumers'
+    setmaxnreg.inc waits for registers no warp will free)."""
+    from dsa.cute.decode_sm90 import FP8_REGS, LAUNCH_REGS
+    from dsa.cute.sparse_attention_sm90 import CONSUMER_REGS, PRODUCER_REGS, THREADS
+
+    assert LAUNCH_REGS == 168 and THREADS == 384
+    for p, c in [(PRODUCER_REGS, CONSUMER_REGS), *FP8_REGS.values()]:
+        assert p % 8 == 0 and c % 8 == 0 and p + 2 * c <= 3 * LAUNCH_REGS, (p, c)
 
 
 # --------------------------------------------------------------------------

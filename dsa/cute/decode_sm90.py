@@ -69,15 +69,18 @@ CACHES = (NATIVE, FP8_V32, FP8_MODEL1)
 GROUP = 128    # NoPE columns a row's 8 gathering threads load at once: 16 e4m3 bytes each
 L2_LINE = 128
 
-# Registers a thread (setmaxnreg) for an FP8 cache, producer / consumers
-# (p + 2 c = 512 fills the register file): the producer holds a half stage's
-# e4m3 bytes (4 rows x 32 bytes) and scales while it converts them, so it
-# takes more than the bf16 gather's 56 / 224.  ptxas (sm_90a), spill bytes:
-# fp8_v32 none at 80 / 216 (H 128 block table split; H 64 slots one split),
-# 16 at 96 / 208 (split) and at 112 / 200 (one split); fp8_model1, whose
-# producer also holds each row's page offset and scale record, 104 at
-# 80 / 216, none at 96 / 208 (split and one split, H 64 and 128).
-FP8_REGS = {FP8_V32: (80, 216), FP8_MODEL1: (96, 208)}
+# Registers a thread (setmaxnreg) for an FP8 cache, producer / consumers:
+# the producer holds a half stage's e4m3 bytes (4 rows x 32 bytes) and
+# scales while it converts them, so it takes more than the bf16 gather's 56.
+# p + 2 c must not exceed 3 x the registers the CTA was launched with (168 a
+# thread at 384 threads: 504), or a consumer's setmaxnreg.inc waits forever
+# for registers the CTA does not hold.  ptxas (sm_90a), spill bytes of the
+# builds in tests/test_cute_decode.py: fp8_v32 none at 72 / 216; fp8_model1,
+# whose producer also holds each row's page offset and scale record, none at
+# 96 / 200 (12 at 96 / 200 in an H 128 split build, 40 at 88 / 208 split).
+FP8_REGS = {FP8_V32: (72, 216), FP8_MODEL1: (96, 200)}
+# what a CTA of THREADS threads is launched with at most, a thread (the file's 64K, in steps of 8)
+LAUNCH_REGS = 65536 // THREADS // 8 * 8
 
 
 @dsl_user_op

@@ -230,8 +230,13 @@ def test_supports_needs_an_sm90_gpu():
 
 def test_placement_declines_until_measured(monkeypatch):
     a = _args(T=32)
-    monkeypatch.setattr(cdec, "_device_name", lambda d: "NVIDIA H200")
+    monkeypatch.setattr(cdec, "_device_name", lambda d: "NVIDIA H100")  # no row of the shipped table
     assert cdec.placement_reason(a) == cdec.NOT_MEASURED == "no measurement of the cute decode on this GPU yet"
+    monkeypatch.setattr(cdec, "_device_name", lambda d: "NVIDIA H200")
+    # the shipped table: bf16 H128 measured cute-faster at B1..128; fp8_v32 at H64 not measured
+    assert cdec.placement_reason(a) is None
+    assert "covers" in cdec.placement_reason(_args(T=32, H=64, fmt="fp8_v32", kv=torch.zeros(8, 64, 656,
+                                                                                              dtype=torch.uint8)))
     monkeypatch.setattr(cdec, "PLACEMENT", {("NVIDIA H100", "native", 128, (1, 256)): "cute"})
     assert cdec.placement_reason(a) == cdec.NOT_MEASURED  # another GPU's measurement
     monkeypatch.setattr(cdec, "PLACEMENT", {("NVIDIA H200", "native", 128, (1, 16)): "cute",
@@ -249,10 +254,11 @@ def test_backend_hook(monkeypatch):
     a = _args(T=8)
     monkeypatch.setattr(host, "arch_of", lambda d: "sm90")
     monkeypatch.setattr(cdec, "supports", lambda a: None)
-    monkeypatch.setattr(cdec, "_device_name", lambda d: "NVIDIA H200")
+    monkeypatch.setattr(cdec, "_device_name", lambda d: "NVIDIA H100")
     assert cute_backend.backend_op("sparse_decode", a) is cdec.decode  # backend="cute" runs it
     with pytest.raises(Unsupported, match="no measurement of the cute decode on this GPU yet"):
         cute_backend.backend_op("sparse_decode", a, auto=True)
+    monkeypatch.setattr(cdec, "_device_name", lambda d: "NVIDIA H200")
     monkeypatch.setattr(cdec, "PLACEMENT", {("NVIDIA H200", "native", 128, (1, 16)): "cute"})
     chosen = cute_backend.backend_op("sparse_decode", a, auto=True)
     assert chosen.fn is cdec.decode and "measured faster" in chosen.note

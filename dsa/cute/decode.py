@@ -26,8 +26,8 @@ launches.
 
 Placement under ``backend="auto"``: ``PLACEMENT`` lists, per GPU name, the
 (cache format, H, batch range) where bench/decode_peers.py measured the
-cute decode ahead; nothing is listed yet, so auto declines with the reason
-"no measurement of the cute decode on this GPU yet" and ``backend="cute"``
+cute decode ahead of Triton; elsewhere auto declines with the reason (no
+measurement on this GPU, none covering the shape) and ``backend="cute"``
 runs the kernel.
 """
 
@@ -49,8 +49,17 @@ SERVED_FORMATS = (NATIVE, "fp8_v32", "fp8_model1")
 
 # Measured placement: (GPU name, cache format, H, (first B, last B)) -> the
 # faster backend, filled from bench/decode_peers.py (its cute rows against
-# its Triton rows, under CUDA graphs) on that GPU.  Nothing measured yet.
-PLACEMENT: Dict[Tuple[str, str, int, Tuple[int, int]], str] = {}
+# its Triton rows, under CUDA graphs, one query row a sequence, K 2048) on
+# that GPU.  H200 (bench/RESULTS.md C61, C63), us cute / Triton: native bf16
+# paged H128 B1 18.9 / 29.0, B32 54.9 / 115.8, B128 139.8 / 395.0; H64 B1
+# 20.9 / 28.4, B32 47.0 / 72.1, B128 97.3 / 204.4; fp8_v32 H128 B1 23.5 /
+# 34.0, B32 84.4 / 199.8, B128 250.6 / 676.4.  fp8_v32 at H64 and fp8_model1
+# are not measured: auto keeps Triton there.
+PLACEMENT: Dict[Tuple[str, str, int, Tuple[int, int]], str] = {
+    ("NVIDIA H200", NATIVE, 128, (1, 128)): "cute",
+    ("NVIDIA H200", NATIVE, 64, (1, 128)): "cute",
+    ("NVIDIA H200", "fp8_v32", 128, (1, 128)): "cute",
+}
 NOT_MEASURED = "no measurement of the cute decode on this GPU yet"
 
 

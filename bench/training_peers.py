@@ -237,10 +237,7 @@ def run_sweep(table: Table, s) -> None:
     for cfg in (dataclasses.replace(fwd, num_stages=4), dataclasses.replace(fwd, num_stages=2),
                 dataclasses.replace(fwd, num_warps=8), dataclasses.replace(fwd, BK=128, num_warps=8),
                 dataclasses.replace(fwd, BK=128, num_warps=8, num_stages=4), dataclasses.replace(fwd, BK=32),
-                dataclasses.replace(fwd, slot_chunk=1024), dataclasses.replace(fwd, slot_chunk=512),
-                dataclasses.replace(fwd, slot_chunk=256), dataclasses.replace(fwd, num_stages=2, slot_chunk=512),
-                dataclasses.replace(fwd, num_stages=2, slot_chunk=1024), dataclasses.replace(fwd, BK=128),
-                dataclasses.replace(fwd, BK=128, num_stages=2)):
+                dataclasses.replace(fwd, BK=128), dataclasses.replace(fwd, BK=128, num_stages=2)):
         tt.INDEXER_FWD_CONFIG = cfg
         try:
             with torch.no_grad():

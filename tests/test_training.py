@@ -350,9 +350,8 @@ def indexer_rows(request, monkeypatch):
 
     kar = request.param
     c = tt.INDEXER_FWD_CONFIG
-    # heads as rows also splits a row's logits over programs of 16 slots (K 20: two, the second partial)
-    fwd = tt.TrainingTileConfig(64, c.BD, 4, 3, keys_as_rows=True) if kar else \
-        tt.TrainingTileConfig(16, c.BD, 4, 4, slot_chunk=16)
+    # heads as rows at 16 slots a block: K 20 takes two blocks, the second partial
+    fwd = tt.TrainingTileConfig(64, c.BD, 4, 3, keys_as_rows=True) if kar else tt.TrainingTileConfig(16, c.BD, 4, 4)
     monkeypatch.setattr(tt, "INDEXER_FWD_CONFIG", fwd)
     monkeypatch.setattr(tb, "BWD_CONFIG", tb.IndexerBwdConfig(64 if kar else 32, 4, 2, keys_as_rows=kar))
     return request.param

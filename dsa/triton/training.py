@@ -211,14 +211,11 @@ def _sparse_indexer_fwd_kernel(
     OUT,  # [T, K] fp32 logits, every slot written (not KL)
     STATS,  # [T, 4] fp32 (KL): loss_t, lse, sum target, has a valid slot
     sm_scale, N, K,
-    CHUNK,  # slots a program (a multiple of BK): the logits' slots [c * CHUNK, (c + 1) * CHUNK) of the row; KL: K
     H: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
     HAS_LEN: tl.constexpr, KL: tl.constexpr, PREC: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr = False,  # S^T = K Q^T: the head sum runs along the MMA's columns
 ):
     t = tl.program_id(0).to(tl.int64)
-    lo = tl.program_id(1) * CHUNK
-    hi = tl.minimum(lo + CHUNK, K)
     o_h = tl.arange(0, BH)
     m_h = o_h < H
     o_d = tl.arange(0, BD)
@@ -236,7 +233,7 @@ def _sparse_indexer_fwd_kernel(
         v_b = tl.zeros([BK], tl.float32)  # sum target * log target
         v_ts = tl.zeros([BK], tl.float32)  # sum target
         v_n = tl.zeros([BK], tl.int32)  # valid slots
-    for k0 in range(lo, tl.minimum(length, hi), BK):
+    for k0 in range(0, length, BK):
         o_k, _, idx, valid = load_slots(IDX, t, K, k0, length, N, BK)
         if KEYS_AS_ROWS:
             # keys on the MMA's rows: each thread sums its own columns (heads),
@@ -262,7 +259,7 @@ def _sparse_indexer_fwd_kernel(
         _kl_lanes_store(STATS, t, v_m, v_l, v_a, v_b, v_ts, v_n)
     else:
         # the blocks past the length: -inf here rather than a fill of the whole output first
-        for k0 in range(tl.maximum(lo, tl.cdiv(length, BK) * BK), hi, BK):
+        for k0 in range(tl.cdiv(length, BK) * BK, K, BK):
             o_k = k0 + tl.arange(0, BK)
             tl.store(OUT + t * K + o_k, tl.full([BK], float("-inf"), tl.float32), mask=o_k < K)
 
@@ -281,7 +278,6 @@ class TrainingTileConfig:
     num_stages: int
     q_resident: bool = False  # attention target: Q held across slot blocks
     keys_as_rows: bool = False  # attention target, sparse indexer forward: slots as the MMA's rows
-    slot_chunk: int = 0  # sparse indexer logits: slots a program, a multiple of BK (0: the whole row)
 
 
 
@@ -311,6 +307,8 @@ TARGET_CONFIGS = {
 # in the KL forward against 0.976 for heads as rows at (32,4,4) (RESULTS.md C16).
 # With the KL sums kept per slot lane (no block-wide reduction inside the loop): 0.458 ms at
 # (64,4,3) keys as rows, from 0.678 with the per-block reductions (RESULTS.md C27).
+# Logits only, the row's slots split over programs of 1024 / 512 / 256: 0.4153 / 0.4476 / 0.5060 ms
+# against 0.4103 for a program a row (RESULTS.md C63): not kept.
 INDEXER_FWD_CONFIG = TrainingTileConfig(BK=64, BD=0, num_warps=4, num_stages=3, keys_as_rows=True)
 
 
@@ -467,11 +465,8 @@ def _launch_indexer_fwd(a: SparseIndexerArgs, target, out, stats, *, kl: bool) -
     cfg = _fitted(pick_indexer_fwd(a))
     spec = indexer_fwd_spec(a.q.dtype, a.weights.dtype, a.H, a.D, cfg, has_len=a.topk_length is not None, kl=kl)
     length = a.indices if a.topk_length is None else a.topk_length
-    # the logits of a row may be split over programs (more of them, a shorter tail); the KL sums may not
-    chunk = a.K if kl or cfg.slot_chunk <= 0 else triton.cdiv(cfg.slot_chunk, cfg.BK) * cfg.BK
-    _sparse_indexer_fwd_kernel[(a.T, triton.cdiv(a.K, chunk))](
-        a.q, a.k, a.weights, a.indices, length, target, out, stats, a.sm_scale, a.N, a.K, chunk,
-        **spec.launch_kwargs(),
+    _sparse_indexer_fwd_kernel[(a.T,)](
+        a.q, a.k, a.weights, a.indices, length, target, out, stats, a.sm_scale, a.N, a.K, **spec.launch_kwargs(),
     )
 
 

@@ -28,6 +28,7 @@ import torch
 import bruteforce as bf
 import dsa
 from cute_offline import HAVE_DSL, SM90, compile_reports
+from gpu_checks import assert_replays_without_sync
 from dsa._args import SparseDecodeArgs, Unsupported
 from dsa.cute import decode as cdec
 
@@ -522,21 +523,7 @@ def test_public_call_cuda_graph_and_no_sync():
         bt = torch.randint(-1, 64, (B, 8), device="cuda", generator=gen).int()
         idx = torch.randint(-1, 8 * 64, (B, 1, 512), device="cuda", generator=gen).int()
         kw = dict(block_table=bt, sink=torch.randn(128, device="cuda"), return_lse=True, backend="cute")
-        dsa.sparse_decode(q, kv, idx, **kw)  # compiled outside the capture
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            dsa.sparse_decode(q, kv, idx, **kw)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            g_out, g_lse = dsa.sparse_decode(q, kv, idx, **kw)
-        q.copy_(torch.randn_like(q))
-        graph.replay()
-        out, lse = dsa.sparse_decode(q, kv, idx, **kw)
-        torch.cuda.synchronize()
-        assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
+        assert_replays_without_sync(lambda: dsa.sparse_decode(q, kv, idx, **kw), q)
 
 
 @pytest.mark.gpu
@@ -704,18 +691,4 @@ def test_fp8_cuda_graph_and_no_sync(fmt):
         bt = torch.randint(-1, 64, (B, 8), device="cuda", generator=gen).int()
         idx = torch.randint(-1, 8 * 64, (B, 1, 512), device="cuda", generator=gen).int()
         kw = dict(block_table=bt, sink=torch.randn(128, device="cuda"), return_lse=True, backend="cute")
-        dsa.sparse_decode(q, cache, idx, **kw)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            dsa.sparse_decode(q, cache, idx, **kw)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            g_out, g_lse = dsa.sparse_decode(q, cache, idx, **kw)
-        q.copy_(torch.randn_like(q))
-        graph.replay()
-        out, lse = dsa.sparse_decode(q, cache, idx, **kw)
-        torch.cuda.synchronize()
-        assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
+        assert_replays_without_sync(lambda: dsa.sparse_decode(q, cache, idx, **kw), q)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import bruteforce as bf
+from gpu_checks import assert_replays_without_sync
 import dsa
 from dsa import _checks
 from dsa.triton import decode as tdecode
@@ -430,21 +431,7 @@ def _gpu_problem(fmt, B=4, S=1, H=64, K=256, P=64, PS=64):
 @pytest.mark.parametrize("fmt", ["native", "fp8_v32", "fp8_model1"])
 def test_cuda_graph_replay_and_no_sync(fmt):
     q, cache, idx, kw = _gpu_problem(fmt)
-    out, lse = dsa.sparse_decode(q, cache, idx, **kw)  # compiles outside the capture
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        dsa.sparse_decode(q, cache, idx, **kw)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out, g_lse = dsa.sparse_decode(q, cache, idx, **kw)
-    q.copy_(torch.randn_like(q))
-    graph.replay()
-    out, lse = dsa.sparse_decode(q, cache, idx, **kw)
-    torch.cuda.synchronize()
-    assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
+    assert_replays_without_sync(lambda: dsa.sparse_decode(q, cache, idx, **kw), q)
 
 
 @pytest.mark.gpu

@@ -484,6 +484,19 @@ def test_nan_in_q_and_in_a_valid_row_propagates():
         assert out[1].isnan().all()
 
 
+def _model_slots(gen, B, H, K, PS, W):
+    """A model-shape decode's slots: a random block table of W pages a
+    sequence, K distinct ascending positions, ragged lengths (the first row
+    full) and a sink -> (block table, positions [B, K] int64, indices
+    [B, 1, K] int32, the call's keywords)."""
+    bt = torch.randperm(B * W, device="cuda", generator=gen).view(B, W).int()
+    pos = torch.rand(B, W * PS, device="cuda", generator=gen).topk(K, dim=-1).indices.sort(-1).values
+    tl = torch.randint(0, K + 1, (B,), device="cuda", generator=gen).int()
+    tl[0] = K
+    sink = torch.randn(H, device="cuda", generator=gen)
+    return bt, pos, pos.int().view(B, 1, K), dict(block_table=bt, topk_length=tl, sink=sink)
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("B,H", [(1, 64), (1, 128), (32, 64), (32, 128), (128, 64), (128, 128)])
@@ -496,13 +509,7 @@ def test_model_shapes_against_reference(B, H):
     P = B * W
     q = torch.randn(B, 1, H, 576, device="cuda", generator=gen).bfloat16()
     kv = torch.randn(P, PS, 1, 576, device="cuda", generator=gen).bfloat16()
-    bt = torch.randperm(P, device="cuda", generator=gen).view(B, W).int()
-    pos = torch.rand(B, W * PS, device="cuda", generator=gen).topk(K, dim=-1).indices.sort(-1).values
-    idx = pos.int().view(B, 1, K)
-    tl = torch.randint(0, K + 1, (B,), device="cuda", generator=gen).int()
-    tl[0] = K
-    sink = torch.randn(H, device="cuda", generator=gen)
-    kw = dict(block_table=bt, topk_length=tl, sink=sink)
+    _, _, idx, kw = _model_slots(gen, B, H, K, PS, W)
     ref, ref_lse = dsa.sparse_decode(q.double(), kv.double(), idx, return_lse=True, backend="reference", **kw)
     for s in (None, 1, 3, 32):
         out, lse = _run(q, kv, idx, s, **kw)
@@ -662,18 +669,12 @@ def test_fp8_model_shapes_against_reference(fmt, B, H):
     P = B * W
     q = torch.randn(B, 1, H, D, device="cuda", generator=gen).bfloat16()
     cache = dsa.quantize_kv_cache(torch.randn(P, PS, D, device="cuda", generator=gen), fmt)
-    bt = torch.randperm(P, device="cuda", generator=gen).view(B, W).int()
-    pos = torch.rand(B, W * PS, device="cuda", generator=gen).topk(K, dim=-1).indices.sort(-1).values
-    idx = pos.int().view(B, 1, K)
-    tl = torch.randint(0, K + 1, (B,), device="cuda", generator=gen).int()
-    tl[0] = K
-    sink = torch.randn(H, device="cuda", generator=gen)
-    kw = dict(block_table=bt, topk_length=tl, sink=sink)
+    bt, pos, idx, kw = _model_slots(gen, B, H, K, PS, W)
     ref, ref_lse = dsa.sparse_decode(q.double(), cache, idx, return_lse=True, backend="reference", **kw)
     slots = (bt.long().gather(1, pos.long() // PS) * PS + pos.long() % PS).int().view(B, 1, K)
     for s in (None, 1, 3, 32):
         for indices, extra in ((idx, dict(block_table=bt)), (slots, {})):
-            out, lse = _run(q, cache, indices, s, topk_length=tl, sink=sink, **extra)
+            out, lse = _run(q, cache, indices, s, topk_length=kw["topk_length"], sink=kw["sink"], **extra)
             assert bf.rel_l2(out, ref) < 1e-2, s
             assert not out.isnan().any() and not lse.isnan().any()
             assert torch.allclose(lse.double(), ref_lse, rtol=1e-3, atol=1e-3), s

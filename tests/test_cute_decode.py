@@ -328,7 +328,9 @@ def test_launch_arguments(monkeypatch, B, H, split, reuse):
     monkeypatch.setattr(cdec, "_stream", lambda handle: ("stream", handle))
     monkeypatch.setattr(cdec, "zero_row", lambda d, dt, n: zero)
     monkeypatch.setattr(cdec, "_compiled", lambda p, ptrs, stream: lambda *x: launches.append((p, x)))
-    monkeypatch.setattr(cdec, "_combine", lambda: Merge())
+    from dsa.triton import decode as tdecode
+
+    monkeypatch.setattr(tdecode, "_COMBINE", Merge())  # the merge both decodes launch (tdecode.launch_merge)
     monkeypatch.setattr(cdec, "_PLANS", {})
     monkeypatch.setattr(cdec, "_PTRS", {})
     a = _args(T=B, H=H, P=6, bt_w=3, sink=False)

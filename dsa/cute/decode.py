@@ -50,6 +50,7 @@ from dsa._args import SparseDecodeArgs
 from dsa._rules import LOG2E
 from dsa.cute.host import cutlass_dtype, dsl_reason, sm90_reason, zero_row
 from dsa.kv_cache import FORMATS, NATIVE
+from dsa.ops.decode import run_fresh
 
 HEADS_PER_CTA = 64
 BLOCK = 64  # slots a block: a split is a whole number of them
@@ -260,20 +261,6 @@ def merge_blocks(a: SparseDecodeArgs, sms: int) -> Tuple[int, int]:
     return bh, bv
 
 
-def combine_spec(a: SparseDecodeArgs, S: int, sms: int):
-    """The Triton merge at this call's blocks (``merge_blocks``)."""
-    import triton
-
-    from dsa.triton import fit
-    from dsa.triton.decode_kernels import decode_combine_kernel
-
-    bh, bv = merge_blocks(a, sms)
-    types = dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", sink_ptr="*fp32", out_ptr=fit.ptr(a.q.dtype),
-                 lse_ptr="*fp32")
-    const = dict(H=a.H, D_V=a.d_v, BHC=bh, BV=bv, S_P2=triton.next_power_of_2(S), HAS_SINK=a.sink is not None)
-    return fit.KernelSpec(decode_combine_kernel, types, const, 4, 1)
-
-
 def _build(a: SparseDecodeArgs, splits: Optional[int], fp8_pipeline: bool) -> _Plan:
     import cutlass
 
@@ -284,7 +271,9 @@ def _build(a: SparseDecodeArgs, splits: Optional[int], fp8_pipeline: bool) -> _P
                cutlass.Int64(a.kv.stride(0) * a.kv.element_size()), cutlass.Int32(bt_w), cutlass.Int32(chunk),
                cutlass.Int32(S), cutlass.Int32(a.len_div), cutlass.Int32(a.rows_per_seq),
                cutlass.Float32(a.sm_scale * LOG2E), cutlass.Int32(sms))
-    comb = combine_spec(a, S, sms)
+    from dsa.triton.decode import combine_spec
+
+    comb = combine_spec(a, S, merge_blocks(a, sms))
     c = comb.constexprs
     grid = (a.T, -(-a.H // c["BHC"]), -(-a.d_v // c["BV"]))
     return _Plan(kernel_config(a, S > 1, fp8_pipeline), a.q.device.index, S, scalars, grid, comb.launch_kwargs(),
@@ -302,20 +291,6 @@ def _compiled(p: _Plan, ptrs, stream):
 
         fn = _COMPILED[key] = cute.compile(SparseDecodeSm90.from_config(p.config), *ptrs, *p.scalars, stream)
     return fn
-
-
-_COMBINE = None
-
-
-def _combine():
-    """The Launcher of the Triton merge kernel (dsa.triton.launch), made on first use."""
-    global _COMBINE
-    if _COMBINE is None:
-        from dsa.triton.decode_kernels import decode_combine_kernel
-        from dsa.triton.launch import Launcher
-
-        _COMBINE = Launcher(decode_combine_kernel)
-    return _COMBINE
 
 
 class Prepared:
@@ -382,12 +357,11 @@ class Prepared:
         stream = _stream(raw_stream)
         self._fn(*ptrs, *p.scalars, stream)
         if S > 1:
-            a_out, a_lse = out.data_ptr(), lse.data_ptr()
-            a_s = None if sink is None else a_sink
-            spec = (p.combine_key, a_pout & 15 == 0, a_plse & 15 == 0, None if a_s is None else a_s & 15 == 0,
-                    a_out & 15 == 0, a_lse & 15 == 0)
-            _combine().launch(p.combine_grid, (part_out, part_lse, sink, out, lse, S), p.combine, spec,
-                              (a_pout, a_plse, a_s, a_out, a_lse, S), raw_stream)
+            from dsa.triton.decode import launch_merge
+
+            launch_merge(p.combine_grid, p.combine, p.combine_key, part_out, part_lse, sink, out, lse, S,
+                         (a_pout, a_plse, None if sink is None else a_sink, out.data_ptr(), lse.data_ptr()),
+                         raw_stream)
 
 
 def prepare(a: SparseDecodeArgs, reuse_workspace: bool = False) -> Prepared:
@@ -402,11 +376,7 @@ def forward(a: SparseDecodeArgs, splits: Optional[int] = None,
     if dev.index != torch.cuda.current_device():  # kernels launch on the current device
         with torch.cuda.device(dev):
             return forward(a, splits, fp8_pipeline)
-    run = Prepared(a, splits=splits, fp8_pipeline=fp8_pipeline)
-    out = torch.empty((a.T, a.H, a.d_v), dtype=a.q.dtype, device=dev)
-    lse = torch.empty((a.T, a.H), dtype=torch.float32, device=dev)
-    run(a.q, a.kv, a.indices, a.topk_length, a.block_table, a.seq_lens, a.sink, out, lse)
-    return out, lse
+    return run_fresh(Prepared(a, splits=splits, fp8_pipeline=fp8_pipeline), a)
 
 
 def decode(a: SparseDecodeArgs) -> Tuple[torch.Tensor, torch.Tensor]:

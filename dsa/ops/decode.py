@@ -23,7 +23,7 @@ one stream); without, every call allocates its own. A backend without
 from __future__ import annotations
 
 import os
-from typing import Dict, Tuple
+from typing import Callable, Dict, Tuple
 
 import torch
 
@@ -51,6 +51,14 @@ def empty(a: SparseDecodeArgs) -> Tuple[torch.Tensor, torch.Tensor]:
     """The result of a call without rows, slots, keys or heads: out 0, lse +inf (no kernel)."""
     lse = torch.full((a.T, a.H), float("inf"), device=a.q.device, dtype=acc_dtype(a.q))
     return a.q.new_zeros(a.T, a.H, a.d_v), lse
+
+
+def run_fresh(run: Callable[..., None], a: SparseDecodeArgs) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A prepared ``run`` on a's tensors into new outputs: out [T, H, d_v] (q.dtype), lse [T, H] fp32."""
+    out = a.q.new_empty(a.T, a.H, a.d_v)
+    lse = a.q.new_empty(a.T, a.H, dtype=torch.float32)
+    run(a.q, a.kv, a.indices, a.topk_length, a.block_table, a.seq_lens, a.sink, out, lse)
+    return out, lse
 
 
 @op("sparse_decode", SparseDecodeArgs, returns="(Tensor, Tensor)")

@@ -41,6 +41,7 @@ import triton
 from dsa._args import SparseAttnArgs, SparseDecodeArgs
 from dsa._rules import LOG2E
 from dsa.kv_cache import FORMATS, NATIVE
+from dsa.ops.decode import run_fresh
 from dsa.triton import fit
 from dsa.triton.decode_kernels import KIND_BF16, KIND_E4M3, KIND_NATIVE, decode_combine_kernel, sparse_decode_kernel
 from dsa.triton.launch import Launcher, arg_spec
@@ -174,14 +175,27 @@ def kernel_spec(a: SparseDecodeArgs, c: TileConfig, split: bool, target: Optiona
     return fit.KernelSpec(sparse_decode_kernel, types, const, c.num_warps, c.num_stages)
 
 
-def combine_spec(a: SparseDecodeArgs, splits: int) -> fit.KernelSpec:
-    """The merge: 16 heads x up to 128 columns of the parts a program (a few KB of shared memory at most)."""
+def combine_spec(a: SparseDecodeArgs, splits: int, blocks: Optional[Tuple[int, int]] = None) -> fit.KernelSpec:
+    """The merge: 16 heads x up to 128 columns of the parts a program (a few KB of shared memory at most),
+    or the (heads, columns) of ``blocks``."""
     types = dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", sink_ptr="*fp32", out_ptr=fit.ptr(a.q.dtype),
                  lse_ptr="*fp32")
-    const = dict(H=a.H, D_V=a.d_v, BHC=min(_COMBINE_HEADS, triton.next_power_of_2(a.H)),
-                 BV=min(128, triton.next_power_of_2(a.d_v)), S_P2=triton.next_power_of_2(splits),
-                 HAS_SINK=a.sink is not None)
+    bh, bv = blocks or (min(_COMBINE_HEADS, triton.next_power_of_2(a.H)), min(128, triton.next_power_of_2(a.d_v)))
+    const = dict(H=a.H, D_V=a.d_v, BHC=bh, BV=bv, S_P2=triton.next_power_of_2(splits), HAS_SINK=a.sink is not None)
     return fit.KernelSpec(decode_combine_kernel, types, const, 4, 1)
+
+
+def launch_merge(grid: Tuple[int, int, int], launch: Dict[str, Any], key: Tuple, part_out: torch.Tensor,
+                 part_lse: torch.Tensor, sink: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor,
+                 splits: int, addresses: Tuple, stream: Optional[int]) -> None:
+    """The merge of the split parts into out and lse (its ``combine_spec`` launch, ``key`` naming it);
+    ``addresses``: those of part_out, part_lse, sink (None without one), out and lse; ``stream``: the
+    raw CUDA stream (None off CUDA)."""
+    a_pout, a_plse, a_sink, a_out, a_lse = addresses
+    spec = (key, a_pout & 15 == 0, a_plse & 15 == 0, None if a_sink is None else a_sink & 15 == 0,
+            a_out & 15 == 0, a_lse & 15 == 0)
+    raw = None if stream is None else (*addresses, splits)
+    _COMBINE.launch(grid, (part_out, part_lse, sink, out, lse, splits), launch, spec, raw, stream)
 
 
 def _key(a: SparseDecodeArgs) -> Tuple:
@@ -343,10 +357,8 @@ class Prepared:
         _DECODE.launch(p.grid, (q, kv, indices, topk_length, block_table, seq_lens, sink, part_out, part_lse,
                                 *self._ints), p.launch, spec, raw, stream)
         if p.splits > 1:
-            raw = None if stream is None else (a_pout, a_plse, a_sink, a_out, a_lse, p.splits)
-            _COMBINE.launch(p.combine_grid, (part_out, part_lse, sink, out, lse, p.splits), p.combine,
-                            (p.key, a_pout & 15 == 0, a_plse & 15 == 0, al_sink, a_out & 15 == 0, a_lse & 15 == 0),
-                            raw, stream)
+            launch_merge(p.combine_grid, p.combine, p.key, part_out, part_lse, sink, out, lse, p.splits,
+                         (a_pout, a_plse, a_sink, a_out, a_lse), stream)
 
 
 def prepare(a: SparseDecodeArgs, reuse_workspace: bool = False) -> Prepared:
@@ -356,11 +368,7 @@ def prepare(a: SparseDecodeArgs, reuse_workspace: bool = False) -> Prepared:
 
 def forward(a: SparseDecodeArgs, splits: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """out [T, H, d_v] in q.dtype and lse [T, H] fp32 (sink excluded, +inf on empty rows)."""
-    run = Prepared(a, splits=splits)
-    out = torch.empty((a.T, a.H, a.d_v), dtype=a.q.dtype, device=a.q.device)
-    lse = torch.empty((a.T, a.H), dtype=torch.float32, device=a.q.device)
-    run(a.q, a.kv, a.indices, a.topk_length, a.block_table, a.seq_lens, a.sink, out, lse)
-    return out, lse
+    return run_fresh(Prepared(a, splits=splits), a)
 
 
 def decode(a: SparseDecodeArgs) -> Tuple[torch.Tensor, torch.Tensor]:

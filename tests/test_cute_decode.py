@@ -272,10 +272,12 @@ def test_placement_declines_until_measured(monkeypatch):
     monkeypatch.setattr(cdec, "_device_name", lambda d: "NVIDIA H100")  # no row of the shipped table
     assert cdec.placement_reason(a) == cdec.NOT_MEASURED == "no measurement of the cute decode on this GPU yet"
     monkeypatch.setattr(cdec, "_device_name", lambda d: "NVIDIA H200")
-    # the shipped table: bf16 H128 measured cute-faster at B1..128; fp8_v32 at H64 not measured
+    # the shipped table: bf16 H128 measured cute-faster at B1..128; fp8_v32 at H64 too; fp8_model1 not measured
     assert cdec.placement_reason(a) is None
-    assert "covers" in cdec.placement_reason(_args(T=32, H=64, fmt="fp8_v32", kv=torch.zeros(8, 64, 656,
-                                                                                              dtype=torch.uint8)))
+    assert cdec.placement_reason(_args(T=32, H=64, fmt="fp8_v32", kv=torch.zeros(8, 64, 656,
+                                                                                dtype=torch.uint8))) is None
+    assert "covers" in cdec.placement_reason(_args(T=32, H=64, D=512, fmt="fp8_model1",
+                                                   kv=torch.zeros(8, 64, 584, dtype=torch.uint8)))
     monkeypatch.setattr(cdec, "PLACEMENT", {("NVIDIA H100", "native", 128, (1, 256)): "cute"})
     assert cdec.placement_reason(a) == cdec.NOT_MEASURED  # another GPU's measurement
     monkeypatch.setattr(cdec, "PLACEMENT", {("NVIDIA H200", "native", 128, (1, 16)): "cute",

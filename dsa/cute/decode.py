@@ -65,12 +65,14 @@ PIPELINED_FORMATS = ("fp8_v32",)
 # that GPU.  H200 (bench/RESULTS.md C61, C63), us cute / Triton: native bf16
 # paged H128 B1 18.9 / 29.0, B32 54.9 / 115.8, B128 139.8 / 395.0; H64 B1
 # 20.9 / 28.4, B32 47.0 / 72.1, B128 97.3 / 204.4; fp8_v32 H128 B1 23.5 /
-# 34.0, B32 84.4 / 199.8, B128 250.6 / 676.4.  fp8_v32 at H64 and fp8_model1
-# are not measured: auto keeps Triton there.
+# 34.0, B32 84.4 / 199.8, B128 250.6 / 676.4; fp8_v32 H64 (C64, C65) B1 22.0 /
+# 34.0, B32 63.5 / 113.6, B128 136.1 / 344.2.  fp8_model1 is not measured:
+# auto keeps Triton there.
 PLACEMENT: Dict[Tuple[str, str, int, Tuple[int, int]], str] = {
     ("NVIDIA H200", NATIVE, 128, (1, 128)): "cute",
     ("NVIDIA H200", NATIVE, 64, (1, 128)): "cute",
     ("NVIDIA H200", "fp8_v32", 128, (1, 128)): "cute",
+    ("NVIDIA H200", "fp8_v32", 64, (1, 128)): "cute",
 }
 NOT_MEASURED = "no measurement of the cute decode on this GPU yet"
 

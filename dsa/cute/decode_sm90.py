@@ -32,10 +32,7 @@ swizzled K-major positions the bf16 gather fills; a
 consumers' wgmma (``signal_fill``).  The RoPE bf16 columns go by cp.async
 as in the forward.  Loads into registers cannot be many in flight, so the
 rows' lines are prefetched into L2 when their addresses are resolved, a
-pair of blocks ahead (``resolve_rows``).  Built with ``fp8_pipeline``
-(fp8_v32), the producer issues each half's loads while it converts the half
-before (``produce_pair_pipelined``), so that a pair of blocks waits for one
-round trip of loads rather than four.
+pair of blocks ahead (``resolve_rows``).
 
 Compiled per ``DecodeSm90Config`` and cached by ``dsa.cute.decode``.
 """
@@ -54,14 +51,11 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dsa.cute import rules, scheduler
 from dsa.cute.gmem import aligned
-from dsa.cute.pipeline import freed_phase
 from dsa.cute.rules import finite_shift
 from dsa.cute.sparse_attention_sm90 import (
     BLOCK_H,
     BN,
     CONSUMER_REGS,
-    L_CHUNKS,
-    PROF_EMPTY,
     PROF_ISSUE,
     PROF_LOOKUP,
     PRODUCER_REGS,
@@ -87,22 +81,15 @@ L2_LINE = 128
 # whose producer also holds each row's page offset and scale record, none at
 # 96 / 200 (12 at 96 / 200 in an H 128 split build, 40 at 88 / 208 split).
 FP8_REGS = {FP8_V32: (72, 216), FP8_MODEL1: (96, 200)}
-# The pipelined FP8 producer (fp8_pipeline, fp8_v32 only) keeps the next
-# half stage's loads in flight across its empty wait and beside the
-# conversions.  ptxas (sm_90a), spill bytes of its two offline builds: none
-# at 104 / 200; 660 at 72 / 216, 338 at 88 / 208 (an earlier form, refilled
-# a row rather than a group at a time: 56 at 104 / 200); the consumers
-# spill at 192.
-FP8_PIPE_REGS = (104, 200)
 # what a CTA of THREADS threads is launched with at most, a thread (the file's 64K, in steps of 8)
 LAUNCH_REGS = 65536 // THREADS // 8 * 8
 
 
-def warpgroup_regs(cache: str, fp8_pipeline: bool = False):
+def warpgroup_regs(cache: str):
     """(producer, consumer) setmaxnreg targets of a build."""
     if cache == NATIVE:
         return PRODUCER_REGS, CONSUMER_REGS
-    return FP8_PIPE_REGS if fp8_pipeline else FP8_REGS[cache]
+    return FP8_REGS[cache]
 
 
 @dsl_user_op
@@ -151,10 +138,8 @@ class DecodeSm90Config(scheduler.ProblemConfig):
     """The static configuration of one compiled decode kernel (its compile
     key): the problem, then has_sink, cache ("native", "fp8_v32" or "fp8_model1"),
     page_size (tokens a page; 1 for a flat cache), has_bt (indices are
-    positions through a block table), has_seqlen (seq_lens cut them),
-    split (several splits a row: the kernel writes parts for the merge) and
-    fp8_pipeline (fp8_v32: the producer issues a half stage's loads before
-    it converts the one before, ``produce_pair_pipelined``)."""
+    positions through a block table), has_seqlen (seq_lens cut them) and
+    split (several splits a row: the kernel writes parts for the merge)."""
 
     has_sink: bool
     cache: str
@@ -162,19 +147,16 @@ class DecodeSm90Config(scheduler.ProblemConfig):
     has_bt: bool
     has_seqlen: bool
     split: bool
-    fp8_pipeline: bool = False
 
 
 def decode_reason(dtype, D: int, d_v: int, H: int, G: int, cache: str, page_size: int, has_bt: bool,
-                  has_seqlen: bool, fp8_pipeline: bool = False) -> Optional[str]:
+                  has_seqlen: bool) -> Optional[str]:
     """Why the decode kernel cannot serve this configuration (None if it can)."""
     why = SparseAttnFwdSm90.can_implement(dtype, D, d_v, H, G)
     if why is not None:
         return why
     if cache not in CACHES:
         return f"cache format {cache!r}: the cute decode reads {CACHES}"
-    if fp8_pipeline and cache != FP8_V32:
-        return f"fp8_pipeline with {cache!r}: the pipelined producer is built for {FP8_V32} only"
     if cache != NATIVE:
         if dtype is not cutlass.BFloat16:
             return (f"q dtype {dtype} with {cache}: the cute decode dequantises FP8 to bf16 "
@@ -193,20 +175,19 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
     """Host-side builder of the decode kernel for one static configuration."""
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, has_sink: bool, cache: str,
-                 page_size: int, has_bt: bool, has_seqlen: bool, split: bool, fp8_pipeline: bool = False):
-        why = decode_reason(dtype, D, d_v, H, G, cache, page_size, has_bt, has_seqlen, fp8_pipeline)
+                 page_size: int, has_bt: bool, has_seqlen: bool, split: bool):
+        why = decode_reason(dtype, D, d_v, H, G, cache, page_size, has_bt, has_seqlen)
         if why is not None:
             raise ValueError(f"SparseDecodeSm90: {why}")
         super().__init__(dtype, D, d_v, H, G, has_len, has_sink)
         self.config = DecodeSm90Config(dtype, D, d_v, H, G, has_len, has_sink, cache, page_size, has_bt,
-                                       has_seqlen, split, fp8_pipeline)
+                                       has_seqlen, split)
         self.cache, self.page_size = cache, page_size
         self.has_bt, self.has_seqlen, self.split = has_bt, has_seqlen, split
         self.fp8 = cache != NATIVE
-        self.fp8_pipeline = fp8_pipeline
         self.fmt = FORMATS[cache] if self.fp8 else None  # the FP8 layout (dsa.kv_cache)
         if self.fp8:
-            self.producer_regs, self.consumer_regs = warpgroup_regs(cache, fp8_pipeline)
+            self.producer_regs, self.consumer_regs = warpgroup_regs(cache)
 
     @classmethod
     def from_config(cls, config: DecodeSm90Config) -> "SparseDecodeSm90":
@@ -361,65 +342,6 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         lane = tidx % 8
         return ((tK0, fthr.partition_D(views[0]), lane), (tK1, fthr.partition_D(views[1]), lane))
 
-    @cute.jit
-    def produce_pair(self, atom, base0, base1, masks, tK0, tK1, full, empty, i, n_blocks, u0, u1):
-        """The forward's fill of pair i, or with fp8_pipeline its pipelined form."""
-        if const_expr(self.fp8_pipeline):
-            self.produce_pair_pipelined(atom, base0, base1, masks, tK0, tK1, full, empty, i, n_blocks, u0, u1)
-        else:
-            SparseAttnFwdSm90.produce_pair(self, atom, base0, base1, masks, tK0, tK1, full, empty, i, n_blocks,
-                                           u0, u1)
-
-    @cute.jit
-    def produce_pair_pipelined(self, atom, base0, base1, masks, tK0, tK1, full, empty, i, n_blocks, u0, u1):
-        """Pair i in ``produce_pair``'s order (L of stage 0, R of 1, R of 0,
-        L of 1) with each half's global loads issued while the half before
-        it is converted: as soon as a 128-column group of a row is converted
-        and stored, its registers take the loads of the same group and row
-        of the next half (``store_half``'s ``nxt``).  One register buffer,
-        as the plain build; a pair exposes the load latency of its first
-        half (loaded before the empty wait) instead of all four.  The loads
-        are the pair's own, the plain build's (rows resolved before the
-        pair, an invalid slot's the zero row; stage 1's only when the pair
-        has block 2i + 1), and only read global memory, so they go out
-        before a half's empty wait; its stores and RoPE cp.async come after
-        it.  A lone last block is filled as the plain build fills it."""
-        CHUNKS = self.D // 64
-        n0 = u0 + i
-        n1 = u1 + i
-        if 2 * i + 1 < n_blocks:
-            buf = self.half_buffers(0, L_CHUNKS)  # both halves take two 128-column groups a row
-            self.load_half(base0, tK0, buf, 0, L_CHUNKS)
-            self.wait_empty(empty, 0, n0)
-            self.store_half(atom, base0, tK0, buf, 0, L_CHUNKS, (base1, L_CHUNKS, CHUNKS))
-            self.signal_fill(full + 0)
-            self.publish_mask(masks, 0, full + 0)
-            self.wait_empty(empty, 3, n1)
-            self.store_half(atom, base1, tK1, buf, L_CHUNKS, CHUNKS, (base0, L_CHUNKS, CHUNKS))
-            self.signal_fill(full + 3)
-            self.publish_mask(masks, 1, full + 3)
-            self.wait_empty(empty, 1, n0)
-            self.store_half(atom, base0, tK0, buf, L_CHUNKS, CHUNKS, (base1, 0, L_CHUNKS))
-            self.signal_fill(full + 1)
-            self.wait_empty(empty, 2, n1)
-            self.store_half(atom, base1, tK1, buf, 0, L_CHUNKS)
-            self.signal_fill(full + 2)
-        else:
-            # the last block of the tile, alone: stage 0's halves, as the plain build fills them
-            self.wait_empty(empty, 0, n0)
-            self.convert_half(atom, base0, tK0, 0, L_CHUNKS)
-            self.signal_fill(full + 0)
-            self.publish_mask(masks, 0, full + 0)
-            self.wait_empty(empty, 1, n0)
-            self.convert_half(atom, base0, tK0, L_CHUNKS, CHUNKS)
-            self.signal_fill(full + 1)
-
-    @cute.jit
-    def wait_empty(self, empty, h: cutlass.Constexpr, n):
-        """Wait until half h (2 stage + half) is free for its use n (none before the first)."""
-        if n > 0:
-            self.timer.wait_mbarrier(empty + h, freed_phase(n), PROF_EMPTY)
-
     def nope_view_cols(self) -> int:
         """Columns of the stores' view of a stage: the NoPE columns in whole
         128-column groups (fp8_model1's 448 take 4; the last group's RoPE half
@@ -484,25 +406,11 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         return cute.make_tensor(aligned(Int32, row_addr + (n_lo + GROUP * k) + 16 * lane), cute.make_layout((4,)))
 
     @cute.jit
-    def load_group(self, nxt, buf, m: cutlass.Constexpr, k: cutlass.Constexpr, lane):
-        """Group k of row m of the half ``nxt`` = (rows, c_lo, c_hi) into
-        ``buf``: its 16 e4m3 bytes and its fp32 scale (fp8_v32's per-token
-        scales, one a group)."""
-        rows, c_lo, c_hi = nxt
-        raw, sc = buf
-        n_lo = c_lo * 64
-        cute.autovec_copy(self.nope_src(rows[m], n_lo, k, lane), raw[None, k, m])
-        at = self.fmt.scale_base(self.page_size) + 4 * ((n_lo + GROUP * k) // self.fmt.tile)
-        sc[k, m] = cute.make_tensor(aligned(Float32, rows[m] + at, 4), cute.make_layout((1,)))[0]
-
-    @cute.jit
-    def store_half(self, atom, base, tKs, buf, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr, nxt=None):
+    def store_half(self, atom, base, tKs, buf, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr):
         """A loaded half stage into shared memory: the RoPE chunk (when the
         half has it) by cp.async, the NoPE columns dequantised.  In a group
         the NoPE columns end inside (fp8_model1's 384..447), the lanes past
-        them loaded bytes of the same record and store nothing.  With nxt
-        (``load_group``; per-token scales only) each group's registers, once
-        converted, take the loads of that group of the next half."""
+        them loaded bytes of the same record and store nothing."""
         f = self.fmt
         tK, tN, lane = tKs
         addr = base[0] if const_expr(f.per_page) else base
@@ -528,8 +436,6 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                 else:
                     if n_lo + GROUP * k + 16 * lane < n_hi:
                         cute.autovec_copy(vals, tN[None, m, n_lo // GROUP + k])
-                if const_expr(nxt is not None):
-                    self.load_group(nxt, buf, m, k, lane)
 
     @cute.jit
     def load_scales(self, sc, addr, offs, n_lo: cutlass.Constexpr, groups: cutlass.Constexpr,

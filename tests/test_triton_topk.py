@@ -284,6 +284,22 @@ def test_list_plan_sizes():
     assert tk._list_plan(16384, 0) is None
 
 
+def test_list_plan_order_by_row_length(monkeypatch):
+    """Unset, the build takes rows first first without L2 prefetch up to
+    LIST_ORDER_MAX_S keys and last first with 4 chunks ahead above; the
+    environment's values, when set, hold for every length."""
+    monkeypatch.setattr(tk, "LIST_REVERSE", None)
+    monkeypatch.setattr(tk, "LIST_PREFETCH", None)
+    for S, rev, pf in [(16384, False, 0), (tk.LIST_ORDER_MAX_S, False, 0), (65536, True, 4), (131072, True, 4)]:
+        p = tk._list_plan(S, 1024)
+        assert (p.reverse, p.prefetch) == (rev, pf), S
+    monkeypatch.setattr(tk, "LIST_REVERSE", True)
+    monkeypatch.setattr(tk, "LIST_PREFETCH", 2)
+    assert (tk._list_plan(16384, 1024).reverse, tk._list_plan(16384, 1024).prefetch) == (True, 2)
+    monkeypatch.setattr(tk, "LIST_REVERSE", False)
+    assert not tk._list_plan(65536, 1024).reverse
+
+
 def test_extremes_order():
     """Keys at the ends of the range: +-FLT_MAX, denormals, +inf, -inf, NaN."""
     tiny = torch.finfo(torch.float32).tiny

@@ -108,10 +108,19 @@ LIST_SCRATCH = 1 << 26
 # 4096 x 16384 0.304 against 0.270), the row order and the prefetch move the
 # separate path by 1-3%; indexer_topk 0.9-2% faster with the separate select.
 LIST_INLINE_SELECT = os.environ.get("DSA_TOPK_LIST_INLINE", "0") != "0"
-LIST_REVERSE = os.environ.get("DSA_TOPK_LIST_REVERSE", "1") != "0"
-# Chunks the build kernel asks L2 for ahead of the next one (env
-# DSA_TOPK_LIST_PREFETCH; 0: none): on sm_90+ where rows are 16-byte aligned.
-LIST_PREFETCH = int(os.environ.get("DSA_TOPK_LIST_PREFETCH", "4"))
+# Unset, the row order and the L2 prefetch (DSA_TOPK_LIST_PREFETCH: chunks the
+# build asks L2 for ahead of the next one, sm_90+ where rows are 16-byte
+# aligned; 0: none) follow the row length: first row first and no prefetch
+# up to LIST_ORDER_MAX_S keys, last row first and 4 chunks ahead above.  H200,
+# fp32, the separate select (run C68, same process): 32768^2 causal with row
+# ends 2.017 / 1.790 ms (k 2048 / 1024) first-first without prefetch against
+# 2.110 / 1.905 last-first with 4; 4096 x 16384 0.2653 against 0.2700; 65536^2
+# causal 7.044 / 6.580 against 6.825 / 6.365.
+LIST_ORDER_MAX_S = 32768
+LIST_REVERSE: Optional[bool] = (None if os.environ.get("DSA_TOPK_LIST_REVERSE") is None
+                                else os.environ["DSA_TOPK_LIST_REVERSE"] != "0")
+LIST_PREFETCH: Optional[int] = (None if os.environ.get("DSA_TOPK_LIST_PREFETCH") is None
+                                else int(os.environ["DSA_TOPK_LIST_PREFETCH"]))
 # Settings bench/topk_peers.py --variants sweeps for short rows, selectable by
 # env and off (or at the measured value) by default until a GPU run says
 # otherwise: a larger sample (DSA_TOPK_LIST_SAMPLE_FRACTION 8, _SAMPLE_MAX
@@ -930,11 +939,23 @@ class ListPlan:
     # select kernel then takes only the longer ones); one read of the row,
     # the select's compute overlapping other programs' reads
     inline_select: bool = LIST_INLINE_SELECT
-    reverse: bool = LIST_REVERSE  # the build takes the last row of a batch first
+    reverse: bool = True  # the build takes the last row of a batch first
     build_maxnreg: Optional[int] = None  # ptxas cap of the build kernel (None: its choice)
     prefetch: int = 0  # chunks the build prefetches to L2 ahead of its loads (sm_90+; 0: none)
     batch_rows: int = 0  # rows a batch holds at most (0: as many as LIST_SCRATCH holds)
     evict_first: bool = False  # the build's chunk loads marked evict-first
+
+
+def _list_reverse(S: int) -> bool:
+    """Whether the build takes a batch's rows last first for rows of S keys
+    (DSA_TOPK_LIST_REVERSE when set, else above LIST_ORDER_MAX_S keys)."""
+    return S > LIST_ORDER_MAX_S if LIST_REVERSE is None else LIST_REVERSE
+
+
+def _list_prefetch(S: int) -> int:
+    """Chunks the build prefetches to L2 ahead for rows of S keys
+    (DSA_TOPK_LIST_PREFETCH when set, else 4 above LIST_ORDER_MAX_S keys)."""
+    return (4 if S > LIST_ORDER_MAX_S else 0) if LIST_PREFETCH is None else LIST_PREFETCH
 
 
 def _list_plan(S: int, k: int, sample: Optional[int] = None) -> Optional[ListPlan]:
@@ -969,7 +990,7 @@ def _list_plan(S: int, k: int, sample: Optional[int] = None) -> Optional[ListPla
         chunk = LIST_CHUNK // 2 if S <= LIST_SMALL_CHUNK_MAX else LIST_CHUNK
     return ListPlan(sample=n, stride=S // (n // 8), rank=rank, block=block, cap=cap, select_warps=warps,
                     select_maxnreg=128 if block == 4096 and warps == 4 else None, slack=slack, chunk=chunk,
-                    inline_select=LIST_INLINE_SELECT, reverse=LIST_REVERSE, prefetch=LIST_PREFETCH,
+                    inline_select=LIST_INLINE_SELECT, reverse=_list_reverse(S), prefetch=_list_prefetch(S),
                     build_maxnreg=128 if block == 4096 and LIST_INLINE_SELECT else None,
                     build_warps=LIST_BUILD_WARPS, batch_rows=LIST_BATCH_ROWS, evict_first=EVICT_FIRST)
 

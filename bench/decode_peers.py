@@ -24,11 +24,7 @@ medians, warmup 25 ms, rep 100 ms):
   [N, D] kv with physical slots (the path the issue measured);
 - ``cute_fp8_bt`` / ``cute_fp8`` / ``cute_bf16_bt``: the rows ``dsa_fp8_bt``,
   ``dsa_fp8`` and ``dsa_bf16_bt`` with ``backend="cute"`` (the CuTe SM90
-  decode, ``dsa.cute.decode``);
-- ``cute_fp8_bt_staged`` (fp8_v32): ``cute_fp8_bt``'s call with the staged
-  FP8 producer (``dsa.cute.decode.forward(a, fp8_staged=True)``, what
-  ``DSA_CUTE_DECODE_FP8_STAGED=1`` selects); leave that variable unset so
-  that ``cute_fp8_bt`` times the default build.
+  decode, ``dsa.cute.decode``).
 
 Per row: milliseconds, GB/s (bytes of the K gathered rows in the cache's
 format, q and out) and the fraction of 4.24 TB/s, the host microseconds a
@@ -209,10 +205,6 @@ def run_row(fmt: str, B: int, H: int, L: int, sweep: bool, cute_splits=SWEEP) ->
                                                                     sm_scale=scale)), bf16_bytes, ref)
     measure(row, "cute_fp8_bt", lambda: (lambda: dsa.sparse_decode(q, cache, pos, block_table=bt, sink=sink,
                                                                     sm_scale=scale, backend="cute")), fp8_bytes, ref)
-    a, _ = _checks.sparse_decode_args(q, cache, pos, bt, None, None, sink, scale, None, None)
-    if fmt in cdecode.STAGED_FORMATS:
-        measure(row, "cute_fp8_bt_staged", lambda: (lambda: cdecode.forward(a, fp8_staged=True)[0]), fp8_bytes,
-                ref.view(B, H, -1))
     measure(row, "cute_fp8", lambda: (lambda: dsa.sparse_decode(q, cache, slots, sink=sink, sm_scale=scale,
                                                                  backend="cute")), fp8_bytes, ref)
     measure(row, "cute_bf16_bt", lambda: (lambda: dsa.sparse_decode(q, kv16, pos, block_table=bt, sink=sink,
@@ -221,6 +213,7 @@ def run_row(fmt: str, B: int, H: int, L: int, sweep: bool, cute_splits=SWEEP) ->
     flat, q2, s2 = kv16.view(-1, f.D), q.view(B, H, f.D), slots.view(B, K)
     measure(row, "sparse_attention", lambda: (lambda: dsa.sparse_attention(q2, flat, s2, sink=sink, sm_scale=scale)),
             bf16_bytes, ref.view(B, H, -1))
+    a, _ = _checks.sparse_decode_args(q, cache, pos, bt, None, None, sink, scale, None, None)
     row["dsa_splits"] = tdecode.plan(a).splits
     if sweep and B <= 32:
         for s in SWEEP:
@@ -235,7 +228,7 @@ def run_row(fmt: str, B: int, H: int, L: int, sweep: bool, cute_splits=SWEEP) ->
                         nbytes, ref.view(B, H, -1))
     fm = row.get("flashmla")
     for ours_name, key in (("dsa_fp8_bt", "speedup"), ("cute_fp8_bt", "cute_speedup"),
-                           ("cute_fp8_bt_staged", "cute_staged_speedup"), ("cute_bf16_bt", "cute_bf16_speedup")):
+                           ("cute_bf16_bt", "cute_bf16_speedup")):
         ours = row.get(ours_name)
         if isinstance(fm, dict) and isinstance(ours, dict):
             row[f"{key}_graph"] = fm["graph_ms"] / ours["graph_ms"]
@@ -311,17 +304,16 @@ def main() -> None:
     rows = [run_row(fmt, B, H, L, not args.no_sweep, [s for s in cute_splits if B <= 32])
             for fmt in args.formats.split(",") for H in ints(args.heads) for L in ints(args.cache_lens)
             for B in ints(args.batches)]
-    print("\nformat       H  cache_len    B   flashmla us  dsa_fp8_bt us  cute_fp8_bt us  cute_fp8_staged us  "
-          "cute_bf16_bt us  triton/fm  cute/fm  dsa host us  plan host us  cute host us")
+    print("\nformat       H  cache_len    B   flashmla us  dsa_fp8_bt us  cute_fp8_bt us  cute_bf16_bt us  "
+          "triton/fm  cute/fm  dsa host us  plan host us  cute host us")
     for r in rows:
-        fm, ours, plan, cute8, staged, cute16 = (r.get(k) for k in ("flashmla", "dsa_fp8_bt", "dsa_fp8_bt_plan",
-                                                                   "cute_fp8_bt", "cute_fp8_bt_staged", "cute_bf16_bt"))
+        fm, ours, plan, cute8, cute16 = (r.get(k) for k in ("flashmla", "dsa_fp8_bt", "dsa_fp8_bt_plan", "cute_fp8_bt",
+                                                             "cute_bf16_bt"))
         fmt_us = lambda x: f"{x['graph_ms'] * 1e3:11.1f}" if isinstance(x, dict) else f"{'n/a':>11s}"  # noqa: E731
         sp = lambda k: f"{r[k]:9.2f}" if k in r else f"{'n/a':>9s}"  # noqa: E731
         host = lambda x: f"{x['host_us']:11.1f}" if isinstance(x, dict) else f"{'n/a':>11s}"  # noqa: E731
         print(f"{r['format']:10s} {r['H']:3d} {r['cache_len']:10d} {r['B']:4d} {fmt_us(fm)}   {fmt_us(ours)}   "
-              f"{fmt_us(cute8)}      {fmt_us(staged)}    {fmt_us(cute16)}  {sp('speedup_graph')} "
-              f"{sp('cute_speedup_graph')}  "
+              f"{fmt_us(cute8)}    {fmt_us(cute16)}  {sp('speedup_graph')} {sp('cute_speedup_graph')}  "
               f"{host(ours)}   {host(plan)}   {host(cute8)}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -4,8 +4,7 @@
   (``CUTE_DSL_ARCH=sm_90a``, fake pointers) in a subprocess: the PTX holds
   the Hopper instructions the design rests on and ptxas reports no spills.
   Two builds run in CI (each compile takes about 20 s on two cores); set
-  ``DSA_TEST_CUTE_DECODE_BUILDS=1`` to compile every other build as well
-  (the staged FP8 producer's among them).
+  ``DSA_TEST_CUTE_DECODE_BUILDS=1`` to compile every other build as well.
   Then the host logic without a GPU: the split plan, every reason
   ``supports`` gives, the measured placement and the selector hook, and the
   launch's arguments (pointers, scalars, workspace, merge) with the
@@ -13,8 +12,7 @@
 * GPU (``-m gpu``, an SM90 device): every rule of docs/semantics.md's
   "Sparse decode" against the float64 brute force (small problems) or the
   reference backend in float64 (model shapes), on native (bf16, fp16),
-  fp8_v32 (also with the staged producer) and fp8_model1 caches,
-  outputs NaN-poisoned before each call, at forced split
+  fp8_v32 and fp8_model1 caches, outputs NaN-poisoned before each call, at forced split
   counts that put split boundaries inside and at the ends of rows; the FP8
   dequantisation bit for bit; CUDA-graph capture without a host sync.
 """
@@ -61,11 +59,6 @@ BUILDS = [
     # a flat cache (pages of one row), GQA, D 512
     ("native_flat_gqa_d512", dict(H=128, G=2, D=512, cache="native", page_size=1, has_bt=False, has_seqlen=False,
                                   split=True)),
-    # the staged FP8 producer (DSA_CUTE_DECODE_FP8_STAGED): block table, split, H 128; slots, one split, H 64
-    ("fp8_staged_bt_split_h128", dict(H=128, cache="fp8_v32", page_size=64, has_bt=True, has_seqlen=True, split=True,
-                                    fp8_staged=True)),
-    ("fp8_staged_slots_h64", dict(H=64, cache="fp8_v32", page_size=64, has_len=False, has_sink=False, has_bt=False,
-                                has_seqlen=False, split=False, fp8_staged=True)),
 ]
 CI_BUILDS = 2
 NEEDLES = ("wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc", "setmaxnreg.inc",
@@ -110,7 +103,7 @@ def test_decode_compiles_offline(build, tmp_path):
     # the warpgroups' setmaxnreg split fits what the CTA is launched with (else setmaxnreg.inc never returns)
     from dsa.cute.decode_sm90 import LAUNCH_REGS, warpgroup_regs
 
-    p, c = warpgroup_regs(kw["cache"], kw.get("fp8_staged", False))
+    p, c = warpgroup_regs(kw["cache"])
     assert r["registers"] == LAUNCH_REGS and p + 2 * c <= 3 * r["registers"], (name, p, c, r)
 
 
@@ -119,13 +112,12 @@ def test_register_splits_fit_the_launch():
     """Producer + two consumers' setmaxnreg targets within 3 x the launch's
     registers a thread: a split above it deadlocks the CTA (the consumers'
     setmaxnreg.inc waits for registers no warp will free)."""
-    from dsa.cute.decode_sm90 import FP8_STAGED_REGS, FP8_REGS, LAUNCH_REGS
+    from dsa.cute.decode_sm90 import FP8_REGS, LAUNCH_REGS
     from dsa.cute.sparse_attention_sm90 import CONSUMER_REGS, PRODUCER_REGS, THREADS
 
     assert LAUNCH_REGS == 168 and THREADS == 384
-    for p, c in [(PRODUCER_REGS, CONSUMER_REGS), *FP8_REGS.values(), FP8_STAGED_REGS]:
+    for p, c in [(PRODUCER_REGS, CONSUMER_REGS), *FP8_REGS.values()]:
         assert p % 8 == 0 and c % 8 == 0 and p + 2 * c <= 3 * LAUNCH_REGS, (p, c)
-
 
 
 # --------------------------------------------------------------------------
@@ -229,38 +221,6 @@ def test_zero_row_sizes():
     assert cdec.zero_row_size(_args(fmt="fp8_v32")) == 656
     a = _args(fmt="fp8_model1", D=512, kv=torch.zeros(4, 16, 584, dtype=torch.uint8))
     assert cdec.zero_row_size(a) == 16 * 576 + 8
-
-
-def test_fp8_staged_reaches_the_config(monkeypatch):
-    """DSA_CUTE_DECODE_FP8_STAGED (read once at import, off by default)
-    or a call's fp8_staged reaches the compile key, for fp8_v32 only."""
-    import subprocess
-    import sys
-
-    from cute_offline import ROOT
-
-    code = "from dsa.cute import decode; print(decode.FP8_STAGED)"
-    for value, want in ((None, "False"), ("0", "False"), ("1", "True")):
-        env = {k: v for k, v in os.environ.items() if k != "DSA_CUTE_DECODE_FP8_STAGED"}
-        if value is not None:
-            env["DSA_CUTE_DECODE_FP8_STAGED"] = value
-        out = subprocess.run([sys.executable, "-c", code], env=dict(env, PYTHONPATH=ROOT), capture_output=True,
-                             text=True, timeout=300)
-        assert out.stdout.strip() == want, (value, out.stderr[-2000:])
-    monkeypatch.setattr(cdec, "_sm_count", lambda d: 132)
-    monkeypatch.setattr(cdec, "_PLANS", {})
-    fp8 = _args(fmt="fp8_v32")
-    model1 = _args(fmt="fp8_model1", D=512, kv=torch.zeros(4, 64, 584, dtype=torch.uint8))
-    monkeypatch.setattr(cdec, "FP8_STAGED", False)
-    assert not cdec.plan(fp8).config.fp8_staged
-    assert cdec.plan(fp8, fp8_staged=True).config.fp8_staged  # a plan of its own
-    monkeypatch.setattr(cdec, "FP8_STAGED", True)
-    assert cdec.plan(fp8).config.fp8_staged and not cdec.plan(fp8, fp8_staged=False).config.fp8_staged
-    assert not cdec.plan(_args()).config.fp8_staged and not cdec.plan(model1).config.fp8_staged
-    if HAVE_DSL:
-        from dsa.cute.decode_sm90 import FP8_STAGED_REGS, FP8_REGS, warpgroup_regs
-
-        assert warpgroup_regs("fp8_v32", True) == FP8_STAGED_REGS and warpgroup_regs("fp8_v32") == FP8_REGS["fp8_v32"]
 
 
 def test_supports_needs_an_sm90_gpu():
@@ -406,22 +366,20 @@ def _canonical(q, cache, idx, **kw):
     return a
 
 
-def _run(q, cache, idx, splits=None, staged=None, **kw):
-    """The cute decode at a forced split count (None: the plan's), outputs
-    poisoned first; staged: the staged FP8 producer or not (None: the
-    environment's choice)."""
+def _run(q, cache, idx, splits=None, **kw):
+    """The cute decode at a forced split count (None: the plan's), outputs poisoned first."""
     a = _canonical(q, cache, idx, **kw)
     assert cdec.supports(a) is None, cdec.supports(a)
     _poison()
-    out, lse = cdec.forward(a, splits, fp8_staged=staged)
+    out, lse = cdec.forward(a, splits)
     return out.view(*q.shape[:-1], a.d_v), lse.view(*q.shape[:-1])
 
 
-def _check_bf(q, cache, idx, fmt="native", splits=(None,), staged=None, **kw):
+def _check_bf(q, cache, idx, fmt="native", splits=(None,), **kw):
     """Against the float64 brute force at each split count; NaN only where it has NaN."""
     exp = bf.sparse_decode(q, cache, idx, cache_format=fmt, **kw)
     for s in splits:
-        out, lse = _run(q, cache, idx, s, staged, **kw)
+        out, lse = _run(q, cache, idx, s, **kw)
         bf.assert_close(out, exp["out"], q.dtype, f"out splits={s}")
         bf.assert_close(lse, exp["lse"], q.dtype, f"lse splits={s}")
     return exp
@@ -603,9 +561,6 @@ def test_auto_declines_with_the_reason(monkeypatch):
 NAN_BYTE = 0x7F  # e4m3 NaN
 FP8 = {"fp8_v32": dict(D=576, bytes=656, record=656), "fp8_model1": dict(D=512, bytes=584, record=576)}
 fp8_formats = pytest.mark.parametrize("fmt", list(FP8))
-# each format's build, and fp8_v32's with the staged producer (DSA_CUTE_DECODE_FP8_STAGED)
-fp8_builds = pytest.mark.parametrize("fmt,staged", [("fp8_v32", False), ("fp8_model1", False), ("fp8_v32", True)],
-                                     ids=["fp8_v32", "fp8_model1", "fp8_v32_staged"])
 
 
 def _fp8_paged(fmt, P, PS, gen, pad=0, scale=2.0):
@@ -622,9 +577,9 @@ def _fp8_paged(fmt, P, PS, gen, pad=0, scale=2.0):
 
 @pytest.mark.gpu
 @gpu
-@fp8_builds
+@fp8_formats
 @pytest.mark.parametrize("H", [64, 128])
-def test_fp8_block_table_edge_cases(fmt, staged, H):
+def test_fp8_block_table_edge_cases(fmt, H):
     """The block-table edge cases on an fp8_v32 cache with padded pages:
     every page no table entry names is NaN bytes, one referenced token
     holds a NaN byte (the row naming it is NaN, the others not)."""
@@ -653,7 +608,7 @@ def test_fp8_block_table_edge_cases(fmt, staged, H):
         idx[b, 0, j] = -1
     sink = (torch.randn(H, generator=gen) * 2).cuda()
     kw = dict(block_table=bt.cuda(), seq_lens=seq_lens.cuda(), topk_length=tl.cuda(), sink=sink)
-    exp = _check_bf(q, cache, idx.cuda(), fmt, splits=(None, 1, 2, 3, 4), staged=staged, **kw)
+    exp = _check_bf(q, cache, idx.cuda(), fmt, splits=(None, 1, 2, 3, 4), **kw)
     assert exp["out"][5].isnan().all() and not exp["out"][:5].isnan().any()
 
 
@@ -682,8 +637,8 @@ def _exact_cache(fmt, P, PS, gen):
 
 @pytest.mark.gpu
 @gpu
-@fp8_builds
-def test_fp8_dequantisation_is_exact(fmt, staged):
+@fp8_formats
+def test_fp8_dequantisation_is_exact(fmt):
     """One valid slot a row: out is that token's dequantised values, bit for
     bit (bf16 of the fp32 product), over every finite e4m3 byte and a range
     of scales; lse checks its RoPE part (q is zero elsewhere)."""
@@ -698,7 +653,7 @@ def test_fp8_dequantisation_is_exact(fmt, staged):
     slots[:, 37] = torch.arange(T) % (P * PS)  # one valid slot, inside the first block
     rows = dsa.dequantize_kv_cache(cache, fmt).view(P * PS, D)[slots[:, 37].long().cuda()]
     for s in (None, 1, 2):  # 2: the second split sees no valid slot
-        out, lse = _run(q, cache, slots.cuda(), s, staged)
+        out, lse = _run(q, cache, slots.cuda(), s)
         assert torch.equal(out, rows[:, None, :512].bfloat16().expand(T, H, 512)), s
         s_exp = (q.double()[:, :, D - 64:] * rows[:, None, D - 64:].double()).sum(-1)
         torch.testing.assert_close(lse.double(), s_exp * D ** -0.5, rtol=1e-5, atol=1e-5)
@@ -706,9 +661,9 @@ def test_fp8_dequantisation_is_exact(fmt, staged):
 
 @pytest.mark.gpu
 @gpu
-@fp8_builds
+@fp8_formats
 @pytest.mark.parametrize("B,H", [(1, 64), (1, 128), (32, 64), (32, 128), (128, 64), (128, 128)])
-def test_fp8_model_shapes_against_reference(fmt, staged, B, H):
+def test_fp8_model_shapes_against_reference(fmt, B, H):
     """The model shapes on an FP8 cache (K 2048, pages of 64 through a block
     table, a sink, ragged lengths) against the reference backend in float64,
     at the plan's split count and forced ones; FlashMLA-style slots too."""
@@ -722,7 +677,7 @@ def test_fp8_model_shapes_against_reference(fmt, staged, B, H):
     slots = (bt.long().gather(1, pos.long() // PS) * PS + pos.long() % PS).int().view(B, 1, K)
     for s in (None, 1, 3, 32):
         for indices, extra in ((idx, dict(block_table=bt)), (slots, {})):
-            out, lse = _run(q, cache, indices, s, staged, topk_length=kw["topk_length"], sink=kw["sink"], **extra)
+            out, lse = _run(q, cache, indices, s, topk_length=kw["topk_length"], sink=kw["sink"], **extra)
             assert bf.rel_l2(out, ref) < 1e-2, s
             assert not out.isnan().any() and not lse.isnan().any()
             assert torch.allclose(lse.double(), ref_lse, rtol=1e-3, atol=1e-3), s

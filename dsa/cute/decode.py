@@ -24,14 +24,6 @@ launch; ``prepare`` (the protocol of :mod:`dsa.ops.decode`, which
 reads its tensors' addresses, looks their pointer arguments up and
 launches.
 
-Options, read once from the environment when this module is imported:
-``DSA_CUTE_DECODE_FP8_STAGED=1`` builds the fp8_v32 decode with the
-staged producer (``DecodeSm90Config.fp8_staged``: a half stage's e4m3
-bytes are copied by cp.async into its own shared memory a half ahead of
-their conversion); off by default until measured.  ``forward`` and
-``Prepared`` take ``fp8_staged`` to choose per call (None: the
-environment's choice).
-
 Placement under ``backend="auto"``: ``PLACEMENT`` lists, per GPU name, the
 (cache format, H, batch range) where bench/decode_peers.py measured the
 cute decode ahead of Triton; elsewhere auto declines with the reason (no
@@ -41,7 +33,6 @@ runs the kernel.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
@@ -56,9 +47,6 @@ from dsa.ops.decode import run_fresh
 HEADS_PER_CTA = 64
 BLOCK = 64  # slots a block: a split is a whole number of them
 SERVED_FORMATS = (NATIVE, "fp8_v32", "fp8_model1")
-# the staged FP8 producer (fp8_v32 only), off unless the environment asks for it
-FP8_STAGED = os.environ.get("DSA_CUTE_DECODE_FP8_STAGED", "") not in ("", "0")
-STAGED_FORMATS = ("fp8_v32",)
 
 # Measured placement: (GPU name, cache format, H, (first B, last B)) -> the
 # faster backend, filled from bench/decode_peers.py (its cute rows against
@@ -198,15 +186,13 @@ def split_plan(a: SparseDecodeArgs, sms: int, splits: Optional[int] = None) -> T
 # Compilation and launch
 
 
-def kernel_config(a: SparseDecodeArgs, split: bool, fp8_staged: Optional[bool] = None):
-    """The ``DecodeSm90Config`` that serves ``a``; fp8_staged (None: the
-    environment's ``FP8_STAGED``) applies to the staged formats only."""
+def kernel_config(a: SparseDecodeArgs, split: bool):
+    """The ``DecodeSm90Config`` that serves ``a``."""
     from dsa.cute.decode_sm90 import DecodeSm90Config
 
-    staged = FP8_STAGED if fp8_staged is None else fp8_staged
     return DecodeSm90Config(cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G, a.topk_length is not None,
                             a.sink is not None, a.cache_format, a.page_size, a.block_table is not None,
-                            a.seq_lens is not None, split, bool(staged) and a.cache_format in STAGED_FORMATS)
+                            a.seq_lens is not None, split)
 
 
 @dataclass(frozen=True, eq=False)
@@ -233,20 +219,18 @@ def _sm_count(device: torch.device) -> int:
     return sm_count(device)
 
 
-def plan(a: SparseDecodeArgs, splits: Optional[int] = None, fp8_staged: Optional[bool] = None) -> _Plan:
-    """The launch of ``a``, built once per shape key (and forced split
-    count, and staged FP8 producer or not: None is ``FP8_STAGED``)."""
+def plan(a: SparseDecodeArgs, splits: Optional[int] = None) -> _Plan:
+    """The launch of ``a``, built once per shape key (and forced split count)."""
     # shape_key leaves out the sizes and scalars the kernel takes besides: the
     # cache's pages and page stride, the block table's width, the rows a
     # sequence, the topk_length grouping and sm_scale
     bt_w = a.block_table.shape[1] if a.block_table is not None else 0
-    staged = FP8_STAGED if fp8_staged is None else bool(fp8_staged)
-    key = (a.shape_key, a.num_pages, a.kv.stride(0), bt_w, a.rows_per_seq, a.len_div, a.sm_scale, splits, staged)
+    key = (a.shape_key, a.num_pages, a.kv.stride(0), bt_w, a.rows_per_seq, a.len_div, a.sm_scale, splits)
     p = _PLANS.get(key)
     if p is None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
-        p = _PLANS[key] = _build(a, splits, staged)
+        p = _PLANS[key] = _build(a, splits)
     return p
 
 
@@ -264,7 +248,7 @@ def merge_blocks(a: SparseDecodeArgs, sms: int) -> Tuple[int, int]:
     return bh, bv
 
 
-def _build(a: SparseDecodeArgs, splits: Optional[int], fp8_staged: bool) -> _Plan:
+def _build(a: SparseDecodeArgs, splits: Optional[int]) -> _Plan:
     import cutlass
 
     sms = _sm_count(a.q.device)
@@ -279,7 +263,7 @@ def _build(a: SparseDecodeArgs, splits: Optional[int], fp8_staged: bool) -> _Pla
     comb = combine_spec(a, S, merge_blocks(a, sms))
     c = comb.constexprs
     grid = (a.T, -(-a.H // c["BHC"]), -(-a.d_v // c["BV"]))
-    return _Plan(kernel_config(a, S > 1, fp8_staged), a.q.device.index, S, scalars, grid, comb.launch_kwargs(),
+    return _Plan(kernel_config(a, S > 1), a.q.device.index, S, scalars, grid, comb.launch_kwargs(),
                  ("cute_decode_combine",) + comb.key())
 
 
@@ -306,11 +290,10 @@ class Prepared:
     writes out and lse: the protocol of ``prepare`` in :mod:`dsa.ops.decode`.
     A call runs with a's device current (the op layer's guarantee)."""
 
-    def __init__(self, a: SparseDecodeArgs, reuse_workspace: bool = False, splits: Optional[int] = None,
-                 fp8_staged: Optional[bool] = None):
+    def __init__(self, a: SparseDecodeArgs, reuse_workspace: bool = False, splits: Optional[int] = None):
         import cutlass
 
-        p = self.plan = plan(a, splits, fp8_staged)
+        p = self.plan = plan(a, splits)
         dt = cutlass_dtype(a.q.dtype)
         native = a.cache_format == NATIVE
         self._types = (dt, dt if native else cutlass.Uint8, dt if p.splits == 1 else cutlass.Float32,
@@ -372,14 +355,13 @@ def prepare(a: SparseDecodeArgs, reuse_workspace: bool = False) -> Prepared:
     return Prepared(a, reuse_workspace)
 
 
-def forward(a: SparseDecodeArgs, splits: Optional[int] = None,
-            fp8_staged: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def forward(a: SparseDecodeArgs, splits: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """out [T, H, d_v] in q.dtype and lse [T, H] fp32 (sink excluded, +inf on empty rows)."""
     dev = a.q.device
     if dev.index != torch.cuda.current_device():  # kernels launch on the current device
         with torch.cuda.device(dev):
-            return forward(a, splits, fp8_staged)
-    return run_fresh(Prepared(a, splits=splits, fp8_staged=fp8_staged), a)
+            return forward(a, splits)
+    return run_fresh(Prepared(a, splits=splits), a)
 
 
 def decode(a: SparseDecodeArgs) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -450,7 +432,7 @@ def _stream(handle: int):
 
 def compile_offline(dtype: torch.dtype, H: int, cache: str = NATIVE, page_size: int = 64, has_len: bool = True,
                     has_sink: bool = True, has_bt: bool = True, has_seqlen: bool = True, split: bool = True,
-                    D: int = 576, G: int = 1, fp8_staged: bool = False, options: str = "--keep-ptx"):
+                    D: int = 576, G: int = 1, options: str = "--keep-ptx"):
     """Compile the decode kernel without a GPU (``CUTE_DSL_ARCH=sm_90a``)
     for CI and inspection; returns the compiled object."""
     import cuda.bindings.driver as cuda
@@ -472,6 +454,5 @@ def compile_offline(dtype: torch.dtype, H: int, cache: str = NATIVE, page_size: 
     scalars = (cutlass.Int32(1), cutlass.Int32(2048), cutlass.Int32(1), cutlass.Int64(16 * 656),
                cutlass.Int32(1), cutlass.Int32(64), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
                cutlass.Float32(LOG2E), cutlass.Int32(132))
-    kernel = SparseDecodeSm90(dt, D, 512, H, G, has_len, has_sink, cache, page_size, has_bt, has_seqlen, split,
-                              fp8_staged)
+    kernel = SparseDecodeSm90(dt, D, 512, H, G, has_len, has_sink, cache, page_size, has_bt, has_seqlen, split)
     return cute.compile(kernel, *ptrs, *scalars, cuda.CUstream(0), options=options)

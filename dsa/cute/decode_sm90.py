@@ -32,11 +32,7 @@ swizzled K-major positions the bf16 gather fills; a
 consumers' wgmma (``signal_fill``).  The RoPE bf16 columns go by cp.async
 as in the forward.  Loads into registers cannot be many in flight, so the
 rows' lines are prefetched into L2 when their addresses are resolved, a
-pair of blocks ahead (``resolve_rows``).  Built with ``fp8_staged``
-(fp8_v32), the producer copies each half's e4m3 bytes by cp.async into the
-half's own shared memory one half ahead of converting them there
-(``produce_pair_staged``): no register holds bytes in flight, and a half's
-copies are under way while the half before it is converted.
+pair of blocks ahead (``resolve_rows``).
 
 Compiled per ``DecodeSm90Config`` and cached by ``dsa.cute.decode``.
 """
@@ -55,14 +51,11 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dsa.cute import rules, scheduler
 from dsa.cute.gmem import aligned
-from dsa.cute.pipeline import freed_phase
 from dsa.cute.rules import finite_shift
 from dsa.cute.sparse_attention_sm90 import (
     BLOCK_H,
     BN,
     CONSUMER_REGS,
-    L_CHUNKS,
-    PROF_EMPTY,
     PROF_ISSUE,
     PROF_LOOKUP,
     PRODUCER_REGS,
@@ -88,19 +81,15 @@ L2_LINE = 128
 # whose producer also holds each row's page offset and scale record, none at
 # 96 / 200 (12 at 96 / 200 in an H 128 split build, 40 at 88 / 208 split).
 FP8_REGS = {FP8_V32: (72, 216), FP8_MODEL1: (96, 200)}
-# The staged FP8 producer (fp8_staged, fp8_v32 only) holds the scales of
-# two half stages while it converts.  ptxas (sm_90a): no spill at 96 / 200
-# in the H 128 split and H 64 slots builds (the consumers spill below 200).
-FP8_STAGED_REGS = (96, 200)
 # what a CTA of THREADS threads is launched with at most, a thread (the file's 64K, in steps of 8)
 LAUNCH_REGS = 65536 // THREADS // 8 * 8
 
 
-def warpgroup_regs(cache: str, fp8_staged: bool = False):
+def warpgroup_regs(cache: str):
     """(producer, consumer) setmaxnreg targets of a build."""
     if cache == NATIVE:
         return PRODUCER_REGS, CONSUMER_REGS
-    return FP8_STAGED_REGS if fp8_staged else FP8_REGS[cache]
+    return FP8_REGS[cache]
 
 
 @dsl_user_op
@@ -149,10 +138,8 @@ class DecodeSm90Config(scheduler.ProblemConfig):
     """The static configuration of one compiled decode kernel (its compile
     key): the problem, then has_sink, cache ("native", "fp8_v32" or "fp8_model1"),
     page_size (tokens a page; 1 for a flat cache), has_bt (indices are
-    positions through a block table), has_seqlen (seq_lens cut them),
-    split (several splits a row: the kernel writes parts for the merge) and
-    fp8_staged (fp8_v32: a half stage's e4m3 bytes are staged in shared
-    memory by cp.async a half ahead, ``produce_pair_staged``)."""
+    positions through a block table), has_seqlen (seq_lens cut them) and
+    split (several splits a row: the kernel writes parts for the merge)."""
 
     has_sink: bool
     cache: str
@@ -160,19 +147,16 @@ class DecodeSm90Config(scheduler.ProblemConfig):
     has_bt: bool
     has_seqlen: bool
     split: bool
-    fp8_staged: bool = False
 
 
 def decode_reason(dtype, D: int, d_v: int, H: int, G: int, cache: str, page_size: int, has_bt: bool,
-                  has_seqlen: bool, fp8_staged: bool = False) -> Optional[str]:
+                  has_seqlen: bool) -> Optional[str]:
     """Why the decode kernel cannot serve this configuration (None if it can)."""
     why = SparseAttnFwdSm90.can_implement(dtype, D, d_v, H, G)
     if why is not None:
         return why
     if cache not in CACHES:
         return f"cache format {cache!r}: the cute decode reads {CACHES}"
-    if fp8_staged and cache != FP8_V32:
-        return f"fp8_staged with {cache!r}: the staged producer is built for {FP8_V32} only"
     if cache != NATIVE:
         if dtype is not cutlass.BFloat16:
             return (f"q dtype {dtype} with {cache}: the cute decode dequantises FP8 to bf16 "
@@ -191,20 +175,19 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
     """Host-side builder of the decode kernel for one static configuration."""
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, has_sink: bool, cache: str,
-                 page_size: int, has_bt: bool, has_seqlen: bool, split: bool, fp8_staged: bool = False):
-        why = decode_reason(dtype, D, d_v, H, G, cache, page_size, has_bt, has_seqlen, fp8_staged)
+                 page_size: int, has_bt: bool, has_seqlen: bool, split: bool):
+        why = decode_reason(dtype, D, d_v, H, G, cache, page_size, has_bt, has_seqlen)
         if why is not None:
             raise ValueError(f"SparseDecodeSm90: {why}")
         super().__init__(dtype, D, d_v, H, G, has_len, has_sink)
         self.config = DecodeSm90Config(dtype, D, d_v, H, G, has_len, has_sink, cache, page_size, has_bt,
-                                       has_seqlen, split, fp8_staged)
+                                       has_seqlen, split)
         self.cache, self.page_size = cache, page_size
         self.has_bt, self.has_seqlen, self.split = has_bt, has_seqlen, split
         self.fp8 = cache != NATIVE
-        self.fp8_staged = fp8_staged
         self.fmt = FORMATS[cache] if self.fp8 else None  # the FP8 layout (dsa.kv_cache)
         if self.fp8:
-            self.producer_regs, self.consumer_regs = warpgroup_regs(cache, fp8_staged)
+            self.producer_regs, self.consumer_regs = warpgroup_regs(cache)
 
     @classmethod
     def from_config(cls, config: DecodeSm90Config) -> "SparseDecodeSm90":
@@ -357,148 +340,7 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         raw = cute.recast_ptr(sK.iterator, None)
         views = [cute.make_tensor(cute.recast_ptr(raw + s * BN * self.D, nope.inner), nope.outer) for s in (0, 1)]
         lane = tidx % 8
-        if not self.fp8_staged:
-            return ((tK0, fthr.partition_D(views[0]), lane), (tK1, fthr.partition_D(views[1]), lane))
-        # the staged producer also addresses each stage's bytes directly (``raw_unit``)
-        row = tidx // 8
-        return tuple((tK, fthr.partition_D(v), lane, (raw + s * BN * self.D).toint(), row)
-                     for s, (tK, v) in enumerate(((tK0, views[0]), (tK1, views[1]))))
-
-    # ------------------------------------------------ staged FP8 producer
-    @cute.jit
-    def produce_pair(self, atom, base0, base1, masks, tK0, tK1, full, empty, i, n_blocks, u0, u1):
-        """The forward's fill of pair i, or with fp8_staged its staged form."""
-        if const_expr(self.fp8_staged):
-            self.produce_pair_staged(atom, base0, base1, masks, tK0, tK1, full, empty, i, n_blocks, u0, u1)
-        else:
-            SparseAttnFwdSm90.produce_pair(self, atom, base0, base1, masks, tK0, tK1, full, empty, i, n_blocks,
-                                           u0, u1)
-
-    @cute.jit
-    def produce_pair_staged(self, atom, base0, base1, masks, tK0, tK1, full, empty, i, n_blocks, u0, u1):
-        """Pair i in ``produce_pair``'s order (L of stage 0, R of 1, R of 0,
-        L of 1), each half's e4m3 bytes copied by cp.async into the half's
-        own shared memory (``raw_unit``) one half ahead of its conversion:
-        the copies of the next half go out before this half is converted,
-        so the gather's latency hides behind a conversion instead of
-        holding the producer once a half, and no register holds bytes in
-        flight.  Waiting for the next half's release first cannot deadlock:
-        no consumer frees a half only once the half filled just before it
-        is full (consumer 0 frees stage 1's L after stage 0's L, before
-        stage 0's R).  A lone last block fills stage 0's two halves."""
-        CHUNKS = self.D // 64
-        R = BN // 16
-        n0 = u0 + i
-        n1 = u1 + i
-        sa = cute.make_rmem_tensor((2, R), Float32)
-        sc = cute.make_rmem_tensor((2, R), Float32)
-        if 2 * i + 1 < n_blocks:
-            sb = cute.make_rmem_tensor((2, R), Float32)
-            sd = cute.make_rmem_tensor((2, R), Float32)
-            self.wait_empty(empty, 0, n0)
-            self.issue_half(atom, base0, tK0, sa, full + 0, 0, L_CHUNKS)
-            self.wait_empty(empty, 3, n1)
-            self.issue_half(atom, base1, tK1, sb, full + 3, L_CHUNKS, CHUNKS)
-            self.convert_staged(tK0, sa, 0, L_CHUNKS, 1)
-            self.signal_converted(full + 0)
-            self.publish_mask(masks, 0, full + 0)
-            self.wait_empty(empty, 1, n0)
-            self.issue_half(atom, base0, tK0, sc, full + 1, L_CHUNKS, CHUNKS)
-            self.convert_staged(tK1, sb, L_CHUNKS, CHUNKS, 1)
-            self.signal_converted(full + 3)
-            self.publish_mask(masks, 1, full + 3)
-            self.wait_empty(empty, 2, n1)
-            self.issue_half(atom, base1, tK1, sd, full + 2, 0, L_CHUNKS)
-            self.convert_staged(tK0, sc, L_CHUNKS, CHUNKS, 1)
-            self.signal_converted(full + 1)
-            self.convert_staged(tK1, sd, 0, L_CHUNKS, 0)
-            self.signal_converted(full + 2)
-        else:
-            self.wait_empty(empty, 0, n0)
-            self.issue_half(atom, base0, tK0, sa, full + 0, 0, L_CHUNKS)
-            self.wait_empty(empty, 1, n0)
-            self.issue_half(atom, base0, tK0, sc, full + 1, L_CHUNKS, CHUNKS)
-            self.convert_staged(tK0, sa, 0, L_CHUNKS, 1)
-            self.signal_converted(full + 0)
-            self.publish_mask(masks, 0, full + 0)
-            self.convert_staged(tK0, sc, L_CHUNKS, CHUNKS, 0)
-            self.signal_converted(full + 1)
-
-    @cute.jit
-    def wait_empty(self, empty, h: cutlass.Constexpr, n):
-        """Wait until half h (2 stage + half) is free for its use n (none before the first)."""
-        if n > 0:
-            self.timer.wait_mbarrier(empty + h, freed_phase(n), PROF_EMPTY)
-
-    def raw_unit(self, tKs, c_lo: int, k: int, m: int, dtype, n: int):
-        """This thread's 16 staged e4m3 bytes of 128-column group k of row
-        ``row + 16 m`` of the half from chunk c_lo, as n elements of dtype.
-        Group k's bytes (64 rows x 128 bytes, row-major: a warp's 32 units
-        are 512 contiguous bytes) sit in chunk c_lo + 2 + k of the stage,
-        where group 1's bf16 values go (``convert_staged``): a row's bytes
-        and values share the row's 128-byte line of the chunk."""
-        _, _, lane, plain, row = tKs
-        off = (c_lo + 2 + k) * BN * GROUP + GROUP * (row + 16 * m) + 16 * lane
-        return cute.make_tensor(cute.make_ptr(dtype, plain + off, cute.AddressSpace.smem, assumed_align=16),
-                                cute.make_layout((n,)))
-
-    @cute.jit
-    def issue_half(self, atom, base, tKs, sc, bar, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr):
-        """The copies of an FP8 half stage: this thread's 16 e4m3 bytes of
-        each of its rows and 128-column groups into the staging
-        (``raw_unit``), the RoPE chunk into its place, an arrival on the
-        half's full barrier once they have landed (no count) and one commit
-        group; then the rows' scales into ``sc`` (plain loads, waited for
-        at the conversion)."""
-        tK, _, lane, _, _ = tKs
-        n_lo, _, groups = self.half_groups(c_lo, c_hi)
-        R = BN // 16
-        self.copy_rope(atom, base, tK, lane, c_hi)
-        for m in cutlass.range_constexpr(R):
-            for k in cutlass.range_constexpr(groups):
-                src = cute.make_tensor(aligned(self.dtype, base[m] + (n_lo + GROUP * k) + 16 * lane),
-                                       cute.make_layout((8,)))
-                cute.copy(atom, src, self.raw_unit(tKs, c_lo, k, m, self.dtype, 8))
-        cute.arch.cp_async_mbarrier_arrive_noinc(bar)
-        cute.arch.cp_async_commit_group()
-        self.load_scales(sc, base, None, n_lo, groups, R)
-
-    @cute.jit
-    def convert_staged(self, tKs, sc, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr,
-                       pending: cutlass.Constexpr):
-        """An FP8 half stage from its staging (``issue_half``; all but
-        ``pending`` later commit groups landed) into its bf16 columns.  Group
-        0's values go to chunks c_lo and c_lo + 1, which hold no staged
-        bytes; group 1's to chunks c_lo + 2 and c_lo + 3, over both groups'
-        bytes, within each row's line.  A row's 8 lanes are one warp's, so a
-        warp barrier after the lanes have read a row's bytes is all that
-        orders the reads before the stores over them."""
-        _, tN, _, _, _ = tKs
-        n_lo, _, _ = self.half_groups(c_lo, c_hi)
-        R = BN // 16
-        cute.arch.cp_async_wait_group(pending)
-        vals = cute.make_rmem_tensor((16,), self.dtype)
-        words = cute.recast_tensor(vals, Int32)
-        raw = cute.make_rmem_tensor((4,), Int32)
-        for k in cutlass.range_constexpr(2):
-            for m in cutlass.range_constexpr(R):
-                cute.autovec_copy(self.raw_unit(tKs, c_lo, k, m, Int32, 4), raw)
-                if const_expr(k == 1):
-                    cute.arch.sync_warp()
-                s_ = sc[k, m]
-                for w in cutlass.range_constexpr(4):
-                    words[2 * w] = e4m3x2_to_bf16x2(raw[w], False, s_)
-                    words[2 * w + 1] = e4m3x2_to_bf16x2(raw[w], True, s_)
-                cute.autovec_copy(vals, tN[None, m, n_lo // GROUP + k])
-            if const_expr(k == 0):
-                cute.arch.sync_warp()
-
-    def signal_converted(self, bar):
-        """The converted stores are visible to the consumers' wgmma (async
-        proxy) before this thread's arrival (the copies' arrival went out
-        with them)."""
-        cute.arch.fence_view_async_shared()
-        cute.arch.mbarrier_arrive(bar)
+        return ((tK0, fthr.partition_D(views[0]), lane), (tK1, fthr.partition_D(views[1]), lane))
 
     def nope_view_cols(self) -> int:
         """Columns of the stores' view of a stage: the NoPE columns in whole
@@ -570,12 +412,17 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         the NoPE columns end inside (fp8_model1's 384..447), the lanes past
         them loaded bytes of the same record and store nothing."""
         f = self.fmt
-        tK, tN, lane = tKs[0], tKs[1], tKs[2]
+        tK, tN, lane = tKs
         addr = base[0] if const_expr(f.per_page) else base
         raw, sc = buf
         R = BN // 16
         n_lo, n_hi, groups = self.half_groups(c_lo, c_hi)
-        self.copy_rope(atom, addr, tK, lane, c_hi)
+        if const_expr(c_hi > f.d_nope // 64):
+            ES = self.dtype.width // 8
+            for m in cutlass.range_constexpr(R):
+                src = cute.make_tensor(aligned(self.dtype, addr[m] + f.rope_offset + 8 * lane * ES),
+                                       cute.make_layout((8,)))
+                cute.copy(atom, src, tK[None, m, f.d_nope // 64])
         vals = cute.make_rmem_tensor((16,), self.dtype)
         words = cute.recast_tensor(vals, Int32)
         for m in cutlass.range_constexpr(R):
@@ -589,18 +436,6 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                 else:
                     if n_lo + GROUP * k + 16 * lane < n_hi:
                         cute.autovec_copy(vals, tN[None, m, n_lo // GROUP + k])
-
-    @cute.jit
-    def copy_rope(self, atom, addr, tK, lane, c_hi: cutlass.Constexpr):
-        """The RoPE chunk of a half stage that has it (the token's stored
-        bf16 values), by cp.async into its place."""
-        f = self.fmt
-        if const_expr(c_hi > f.d_nope // 64):
-            ES = self.dtype.width // 8
-            for m in cutlass.range_constexpr(BN // 16):
-                src = cute.make_tensor(aligned(self.dtype, addr[m] + f.rope_offset + 8 * lane * ES),
-                                       cute.make_layout((8,)))
-                cute.copy(atom, src, tK[None, m, f.d_nope // 64])
 
     @cute.jit
     def load_scales(self, sc, addr, offs, n_lo: cutlass.Constexpr, groups: cutlass.Constexpr,

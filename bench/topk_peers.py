@@ -283,6 +283,14 @@ class Budget:
     def spent(self) -> bool:
         return time.time() - self.start > self.seconds
 
+    def skip(self, row: dict, method: str, label: str) -> bool:
+        """True (the method's time recorded as None, the skip printed) once the budget is spent."""
+        if not self.spent():
+            return False
+        row["ms"][method] = None
+        print(f"{label} {method}: skipped (the shape ran past --shape-budget {self.seconds:.0f} s)", flush=True)
+        return True
+
 
 def time_methods(env: Env, row: dict, x: torch.Tensor, k: int, methods: Dict[str, Callable],
                  read: Dict[str, int], budget: Budget) -> None:
@@ -291,10 +299,7 @@ def time_methods(env: Env, row: dict, x: torch.Tensor, k: int, methods: Dict[str
     for key in ("ms", "exact", "read_bytes", "gbps", "peak_frac"):
         row.setdefault(key, {})
     for m, fn in methods.items():
-        if budget.spent():
-            row["ms"][m] = None
-            print(f"{row['shape']} k={k} {m}: skipped (the shape ran past --shape-budget {budget.seconds:.0f} s)",
-                  flush=True)
+        if budget.skip(row, m, f"{row['shape']} k={k}"):
             continue
         try:
             out = fn()
@@ -472,10 +477,7 @@ def run_indexer(args, env: Env, results: List[dict], cd) -> None:
         want = None
         budget = Budget(args.shape_budget)
         for m, fn in methods.items():
-            if budget.spent():
-                row["ms"][m] = None
-                print(f"indexer {name} {m}: skipped (the shape ran past --shape-budget {budget.seconds:.0f} s)",
-                      flush=True)
+            if budget.skip(row, m, f"indexer {name}"):
                 continue
             try:
                 torch.cuda.synchronize()

@@ -121,7 +121,7 @@ def _launch_smem(name: str, ir: str) -> int:
 
 def fake_launch(monkeypatch, module, D: int):
     """Run ``module``'s launcher (a cute host module) without a GPU: its
-    pointers are the tensors themselves, its compiled kernel records its
+    pointer arguments are the tensors themselves (not their addresses), its compiled kernel records its
     arguments, and the device scope, the zero row (a [D] tensor of zeros)
     and the stream it takes are recorded.  Returns (events, launches, the
     zero row)."""
@@ -136,7 +136,7 @@ def fake_launch(monkeypatch, module, D: int):
 
     monkeypatch.setattr(torch.cuda, "device", device)
     monkeypatch.setattr(module, "zero_row", lambda d, dt, D: events.append(("zero_row", d, dt, D)) or zero)
-    monkeypatch.setattr(module, "gmem_ptr", lambda t, ty, align: t)
-    monkeypatch.setattr(module, "current_stream", lambda d: events.append(("stream", d)) or "stream")
+    monkeypatch.setattr(module, "address", lambda t: t)
+    monkeypatch.setattr(module, "stream_handle", lambda d: events.append(("stream", d)) or "stream")
     monkeypatch.setattr(module, "_compiled", lambda *a: lambda *x: launches.append(x))
     return events, launches, zero

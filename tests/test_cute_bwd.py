@@ -229,12 +229,12 @@ def test_compiled_kernels_are_cached_per_config_and_device(monkeypatch):
     monkeypatch.setattr(cbwd, "_COMPILED", {})
     on_1 = types.SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda", 1), data_ptr=lambda: 1024)
     calls = [_fake_sm90_args(), _fake_sm90_args(q=on_1), _fake_sm90_args(), _fake_sm90_args(deterministic=True)]
-    fns = [cbwd._compiled(a, (), (), None) for a in calls]
+    fns = [cbwd._compiled(a) for a in calls]
     # the same config on another device is compiled again; a repeated call is not
     assert fns[2] is fns[0] and len({id(f) for f in fns}) == 3 and len(configs) == 3
     assert configs[0] == configs[1] == cbwd.kernel_config(calls[0]) and configs[2].deterministic
     monkeypatch.setattr(cbwd, "BUILD", dict(cbwd.BUILD, c0_chunks=0))  # a build option is part of the key
-    assert cbwd._compiled(calls[0], (), (), None) is not fns[0] and configs[3].c0_chunks == 0
+    assert cbwd._compiled(calls[0]) is not fns[0] and configs[3].c0_chunks == 0
 
 
 def test_launch_runs_under_the_device_with_the_shared_zero_row(monkeypatch):

@@ -286,16 +286,13 @@ def test_launch_arguments(monkeypatch, B, H, split, reuse):
             merges.append(x)
 
     monkeypatch.setattr(cdec, "_sm_count", lambda d: 132)
-    monkeypatch.setattr(cdec, "_make_ptr", lambda ty, addr, align: (addr, ty, align))
     monkeypatch.setattr(cdec, "_raw_stream", lambda index: 7)
-    monkeypatch.setattr(cdec, "_stream", lambda handle: ("stream", handle))
     monkeypatch.setattr(cdec, "zero_row", lambda d, dt, n: zero)
-    monkeypatch.setattr(cdec, "_compiled", lambda p, ptrs, stream: lambda *x: launches.append((p, x)))
+    monkeypatch.setattr(cdec, "_compiled", lambda p: lambda *x: launches.append((p, x)))
     from dsa.triton import decode as tdecode
 
     monkeypatch.setattr(tdecode, "_COMBINE", Merge())  # the merge both decodes launch (tdecode.launch_merge)
     monkeypatch.setattr(cdec, "_PLANS", {})
-    monkeypatch.setattr(cdec, "_PTRS", {})
     a = _args(T=B, H=H, P=6, bt_w=3, sink=False)
     run = cdec.decode.prepare(a, reuse)
     out = torch.empty(B, H, 512, dtype=torch.bfloat16)
@@ -306,19 +303,21 @@ def test_launch_arguments(monkeypatch, B, H, split, reuse):
     (p, x), (p2, x2) = launches
     assert p is p2 and p.splits == S and p.config.split == split == (S > 1)
     ptrs, scalars, stream = x[:10], x[10:-1], x[-1]
-    assert stream == ("stream", 7)
+    assert stream == 7 and all(type(v) is int for v in ptrs)  # TVM-FFI arguments: integer addresses
+    types = cdec.pointer_types(p.config)
     addr = [t.data_ptr() for t in (a.q, a.kv, a.indices, a.topk_length, a.block_table, a.seq_lens)]
-    assert [q[0] for q in ptrs[:6]] == addr and ptrs[9][0] == zero.data_ptr()
-    assert ptrs[1][1] is cutlass.BFloat16 and ptrs[6][0] == ptrs[8][0]  # no sink: the parts' lse stands in
+    assert list(ptrs[:6]) == addr and ptrs[9] == zero.data_ptr()
+    assert types[1][0] is cutlass.BFloat16 and ptrs[6] == ptrs[8]  # no sink: the parts' lse stands in
     if split:
-        assert ptrs[7][1] is cutlass.Float32 and ptrs[7][0] != out.data_ptr() and ptrs[8][0] != lse.data_ptr()
-        assert (ptrs[7][0] == x2[7][0]) == reuse  # one workspace for every call of a prepare with reuse
+        assert types[7][0] is cutlass.Float32 and ptrs[7] != out.data_ptr() and ptrs[8] != lse.data_ptr()
+        assert (ptrs[7] == x2[7]) == reuse  # one workspace for every call of a prepare with reuse
         (grid, margs, _, _, raw, handle), _ = merges
         assert margs[2] is None and margs[3] is out and margs[4] is lse and margs[5] == S and handle == 7
-        assert raw == (ptrs[7][0], ptrs[8][0], None, out.data_ptr(), lse.data_ptr(), S)
+        assert raw == (ptrs[7], ptrs[8], None, out.data_ptr(), lse.data_ptr(), S)
         assert grid[0] == B and grid[0] * grid[1] * grid[2] >= 2 * 132  # B1's merge spread over the GPU
     else:
-        assert ptrs[7][0] == out.data_ptr() and ptrs[8][0] == lse.data_ptr() and not merges
+        assert types[7][0] is cutlass.BFloat16 and ptrs[7] == out.data_ptr() and ptrs[8] == lse.data_ptr()
+        assert not merges
     T, K, P, stride, bt_w, ch, n_split, len_div, rps, scale, sms = scalars
     assert (int(T), int(K), int(P), int(stride), int(bt_w), int(ch), int(n_split)) == (B, 2048, 6, 64 * 576 * 2,
                                                                                         3, chunk, S)
@@ -330,10 +329,8 @@ def test_launch_arguments(monkeypatch, B, H, split, reuse):
 def test_prepared_call_refuses_misaligned_tensors(monkeypatch):
     monkeypatch.setattr(cdec, "_sm_count", lambda d: 132)
     monkeypatch.setattr(cdec, "zero_row", lambda d, dt, n: torch.zeros(n, dtype=dt))
-    monkeypatch.setattr(cdec, "_make_ptr", lambda ty, addr, align: addr)
     monkeypatch.setattr(cdec, "_raw_stream", lambda index: 7)
-    monkeypatch.setattr(cdec, "_stream", lambda handle: handle)
-    monkeypatch.setattr(cdec, "_compiled", lambda p, ptrs, stream: lambda *x: None)
+    monkeypatch.setattr(cdec, "_compiled", lambda p: lambda *x: None)
     if not HAVE_DSL:
         pytest.skip("nvidia-cutlass-dsl is not installed")
     a = _args(T=128)

@@ -151,6 +151,51 @@ def test_failed_cutlass_import_is_not_retried(monkeypatch):
     assert len(attempts) == 1, attempts
 
 
+def test_a_missing_tvm_ffi_is_the_reason(monkeypatch):
+    """The kernels are called through TVM-FFI: without apache-tvm-ffi the cute
+    tier declines with that reason (the DSL itself importing)."""
+    real_import = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):
+        if name == "tvm_ffi" or name.startswith("tvm_ffi."):
+            raise ImportError("no tvm_ffi here")
+        return real_import(name, *args, **kwargs)
+
+    host.dsl_reason.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    try:
+        why = host.dsl_reason()
+    finally:
+        monkeypatch.undo()
+        host.dsl_reason.cache_clear()
+    if HAVE_DSL:
+        assert "apache-tvm-ffi" in why and "no tvm_ffi here" in why, why
+    else:
+        assert "CuTe DSL" in why, why
+
+
+@needs_dsl
+def test_compile_kernel_builds_for_tvm_ffi_with_typed_arguments(monkeypatch):
+    """compile_kernel asks for the TVM-FFI build (the calls pass integer
+    addresses and Python numbers), pointers of the given types and
+    alignments, scalars of the given types and a stream last."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+
+    seen = []
+    monkeypatch.setattr(cute, "compile", lambda kernel, *args, **kw: seen.append((kernel, args, kw)) or "fn")
+    fn = host.compile_kernel("kernel", [(cutlass.BFloat16, 16), (cutlass.Int32, 4)],
+                             [cutlass.Int32, cutlass.Float32], "--keep-ptx")
+    (kernel, args, kw), = seen
+    assert fn == "fn" and kernel == "kernel"
+    assert kw["options"].split() == ["--enable-tvm-ffi", "--keep-ptx"]
+    p0, p1, s0, s1, stream = args
+    assert p0.dtype is cutlass.BFloat16 and p0._assumed_align == 16 and p1.dtype is cutlass.Int32
+    assert p1._assumed_align == 4 and p0.memspace == cute.AddressSpace.gmem
+    assert isinstance(s0, cutlass.Int32) and isinstance(s1, cutlass.Float32) and isinstance(stream, cuda.CUstream)
+
+
 # --------------------------------------------------------------------------
 # what the kernel can implement
 
@@ -236,12 +281,12 @@ def test_compiled_kernels_are_cached_per_config_and_device(monkeypatch):
     monkeypatch.setattr(cute, "compile", fake_compile)
     monkeypatch.setattr(cute_sa, "_COMPILED", {})
     a0, a1 = _fake_cuda_args(0), _fake_cuda_args(1)
-    f0 = cute_sa._compiled(a0, (), (), None)
-    f1 = cute_sa._compiled(a1, (), (), None)
+    f0 = cute_sa._compiled(a0)
+    f1 = cute_sa._compiled(a1)
     assert f0 is not f1 and len(compiled) == 2  # same config, another device: compiled again
-    assert cute_sa._compiled(_fake_cuda_args(0), (), (), None) is f0
-    assert cute_sa._compiled(_fake_cuda_args(1), (), (), None) is f1
-    f2 = cute_sa._compiled(_fake_cuda_args(0, sink=object()), (), (), None)
+    assert cute_sa._compiled(_fake_cuda_args(0)) is f0
+    assert cute_sa._compiled(_fake_cuda_args(1)) is f1
+    f2 = cute_sa._compiled(_fake_cuda_args(0, sink=object()))
     assert f2 is not f0 and len(compiled) == 3 and compiled[2].has_sink
     assert compiled[0] == cute_sa.kernel_config(a0) and compiled[0] == compiled[1]
 

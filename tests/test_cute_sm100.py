@@ -1175,7 +1175,7 @@ def test_pair_host_flow_with_an_emulated_launch(monkeypatch, deterministic, spli
     want = _kernel_numerics(a, out, lse, dout)
     shapes = []
 
-    def emulate(builder, config, device, ptrs, scalars, stream):
+    def emulate(builder, config, device, pointers, scalars):
         def run(qq, kv_, ii, ll, do, lg2den, delta, dq, buf, zero_, dqacc, T_, N_, K_, s2, s, n_cl, parts, per, st):
             tc, parts, per = int(T_), int(parts), int(per)
             shapes.append((tc, parts, per))

@@ -38,6 +38,9 @@ class _Chosen:
 
     def __init__(self, fn: Callable[..., Any], note: str):
         self.fn, self.note = fn, note
+        prepare = getattr(fn, "prepare", None)
+        if prepare is not None:  # the optional protocol of dsa.ops.decode: prepared launches
+            self.prepare = prepare
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)

@@ -40,7 +40,7 @@ import torch
 
 from dsa._args import SparseDecodeArgs
 from dsa._rules import LOG2E
-from dsa.cute.host import cutlass_dtype, dsl_reason, sm90_reason, zero_row
+from dsa.cute.host import compile_kernel, cutlass_dtype, dsl_reason, sm90_reason, zero_row
 from dsa.kv_cache import FORMATS, NATIVE
 from dsa.ops.decode import run_fresh
 
@@ -249,15 +249,11 @@ def merge_blocks(a: SparseDecodeArgs, sms: int) -> Tuple[int, int]:
 
 
 def _build(a: SparseDecodeArgs, splits: Optional[int]) -> _Plan:
-    import cutlass
-
     sms = _sm_count(a.q.device)
     S, chunk = split_plan(a, sms, splits)
     bt_w = a.block_table.shape[1] if a.block_table is not None else 0
-    scalars = (cutlass.Int32(a.T), cutlass.Int32(a.K), cutlass.Int32(a.num_pages),
-               cutlass.Int64(a.kv.stride(0) * a.kv.element_size()), cutlass.Int32(bt_w), cutlass.Int32(chunk),
-               cutlass.Int32(S), cutlass.Int32(a.len_div), cutlass.Int32(a.rows_per_seq),
-               cutlass.Float32(a.sm_scale * LOG2E), cutlass.Int32(sms))
+    scalars = (a.T, a.K, a.num_pages, a.kv.stride(0) * a.kv.element_size(), bt_w, chunk, S, a.len_div,
+               a.rows_per_seq, float(a.sm_scale * LOG2E), sms)
     from dsa.triton.decode import combine_spec
 
     comb = combine_spec(a, S, merge_blocks(a, sms))
@@ -267,23 +263,45 @@ def _build(a: SparseDecodeArgs, splits: Optional[int]) -> _Plan:
                  ("cute_decode_combine",) + comb.key())
 
 
-def _compiled(p: _Plan, ptrs, stream):
+def scalar_types() -> Tuple:
+    """The types of the kernel's scalars (``_Plan.scalars``): T, K, pages, page
+    stride (bytes), block-table width, chunk, splits, len_div, rows_per_seq,
+    sm_scale * log2(e), CTAs."""
+    import cutlass
+
+    I32 = cutlass.Int32
+    return I32, I32, I32, cutlass.Int64, I32, I32, I32, I32, I32, cutlass.Float32, I32
+
+
+def pointer_types(config) -> Tuple:
+    """(element type, alignment) of the kernel's pointers, in order: q, kv,
+    indices, topk_length, block table, seq_lens, sink, the (parts') out, the
+    (parts') lse, the zero row."""
+    import cutlass
+
+    dt = config.dtype
+    kv_t = dt if config.cache == NATIVE else cutlass.Uint8
+    part_t = cutlass.Float32 if config.split else dt
+    I32, F32 = (cutlass.Int32, 4), (cutlass.Float32, 4)
+    return (dt, 16), (kv_t, 16), I32, I32, I32, I32, F32, (part_t, 16), F32, (kv_t, 16)
+
+
+def _compiled(p: _Plan):
     """The compiled kernel of p's configuration on its device (compiled on first use)."""
     key = (p.config, p.device)
     fn = _COMPILED.get(key)
     if fn is None:
-        import cutlass.cute as cute
-
         from dsa.cute.decode_sm90 import SparseDecodeSm90
 
-        fn = _COMPILED[key] = cute.compile(SparseDecodeSm90.from_config(p.config), *ptrs, *p.scalars, stream)
+        fn = _COMPILED[key] = compile_kernel(SparseDecodeSm90.from_config(p.config), pointer_types(p.config),
+                                             scalar_types())
     return fn
 
 
 class Prepared:
     """The launches of every call with ``a``'s metadata, all but the tensors
     bound once: the plan (compile key, split count, scalars, the merge's
-    launch), the pointer types, the zero row and (``reuse_workspace``) the
+    launch), the compiled kernel, the zero row and (``reuse_workspace``) the
     split workspace, which its calls then share (ordered on one stream).
     ``run(q, kv, indices, topk_length, block_table, seq_lens, sink, out,
     lse)`` takes the canonical tensors (any shape of their elements) and
@@ -291,27 +309,16 @@ class Prepared:
     A call runs with a's device current (the op layer's guarantee)."""
 
     def __init__(self, a: SparseDecodeArgs, reuse_workspace: bool = False, splits: Optional[int] = None):
-        import cutlass
-
         p = self.plan = plan(a, splits)
-        dt = cutlass_dtype(a.q.dtype)
         native = a.cache_format == NATIVE
-        self._types = (dt, dt if native else cutlass.Uint8, dt if p.splits == 1 else cutlass.Float32,
-                       cutlass.Int32, cutlass.Float32)
         self._cuda = a.q.device.index
         self._device = a.q.device
-        zero = zero_row(a.q.device, a.q.dtype if native else torch.uint8, zero_row_size(a))
-        self._zero = _ptr(zero.data_ptr(), self._types[1], 16)
+        self._zero = zero_row(a.q.device, a.q.dtype if native else torch.uint8, zero_row_size(a)).data_ptr()
         self._n_lse = a.T * a.H * p.splits  # the parts' lse [T, H, S], then their outputs [T, H, S, d_v]
         self._n_work = self._n_lse * (a.d_v + 1)
         self._work = self._workspace() if reuse_workspace and p.splits > 1 else None
-        # compiled now (once per configuration and device), not at a first call that a CUDA graph may capture;
-        # the pointers only carry their types and alignments here
-        dt, kv_t, part_t, i32, f32 = self._types
-        a_q, a_idx = a.q.data_ptr(), a.indices.data_ptr()
-        ptrs = (_ptr(a_q, dt, 16), _ptr(a.kv.data_ptr(), kv_t, 16), *(_ptr(a_idx, i32, 4),) * 4, _ptr(a_idx, f32, 4),
-                _ptr(a_q, part_t, 16), _ptr(a_idx, f32, 4), self._zero)
-        self._fn = _compiled(p, ptrs, _stream(_raw_stream(self._cuda)))
+        # compiled now (once per configuration and device), not at a first call that a CUDA graph may capture
+        self._fn = _compiled(p)
 
     def _workspace(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """(the parts' lse, their outputs) in one allocation."""
@@ -323,7 +330,6 @@ class Prepared:
                  out: torch.Tensor, lse: torch.Tensor) -> None:
         p = self.plan
         S = p.splits
-        dt, kv_t, part_t, i32, f32 = self._types
         if S == 1:
             part_out, part_lse = out, lse
         else:
@@ -334,14 +340,11 @@ class Prepared:
         if (a_q | a_kv | a_pout) & 15:
             raise ValueError("the cute decode gathers by 16-byte copies: q, kv_cache and out must be 16-byte aligned")
         a_sink = a_plse if sink is None else sink.data_ptr()
-        ptrs = (_ptr(a_q, dt, 16), _ptr(a_kv, kv_t, 16), _ptr(a_idx, i32, 4),
-                _ptr(a_idx if topk_length is None else topk_length.data_ptr(), i32, 4),
-                _ptr(a_idx if block_table is None else block_table.data_ptr(), i32, 4),
-                _ptr(a_idx if seq_lens is None else seq_lens.data_ptr(), i32, 4),
-                _ptr(a_sink, f32, 4), _ptr(a_pout, part_t, 16), _ptr(a_plse, f32, 4), self._zero)
         raw_stream = _raw_stream(self._cuda)
-        stream = _stream(raw_stream)
-        self._fn(*ptrs, *p.scalars, stream)
+        self._fn(a_q, a_kv, a_idx, a_idx if topk_length is None else topk_length.data_ptr(),
+                 a_idx if block_table is None else block_table.data_ptr(),
+                 a_idx if seq_lens is None else seq_lens.data_ptr(), a_sink, a_pout, a_plse, self._zero, *p.scalars,
+                 raw_stream)
         if S > 1:
             from dsa.triton.decode import launch_merge
 
@@ -382,48 +385,9 @@ def zero_row_size(a: SparseDecodeArgs) -> int:
     return f.scale_base(a.page_size) + f.scale_record if f.per_page else f.token_bytes
 
 
-# (type, address, alignment) -> the DSL's pointer argument, a plain value
-# (its address and type): a decode step's cache, indices, tables, sink and the
-# caching allocator's reused outputs keep their addresses from call to call,
-# and making a pointer costs more than the lookup.
-_PTRS: Dict[Tuple, Any] = {}
-
-
-def _ptr(addr: int, ty, align: int):
-    key = (ty, addr, align)
-    p = _PTRS.get(key)
-    if p is None:
-        if len(_PTRS) >= _MAX_PLANS:
-            _PTRS.clear()
-        p = _PTRS[key] = _make_ptr(ty, addr, align)
-    return p
-
-
-def _make_ptr(ty, addr: int, align: int):
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_ptr
-
-    return make_ptr(ty, addr, cute.AddressSpace.gmem, assumed_align=align)
-
-
 def _raw_stream(index: int) -> int:
     """The current stream's handle on CUDA device ``index``."""
     return torch._C._cuda_getCurrentRawStream(index)
-
-
-_STREAMS: Dict[int, Any] = {}
-
-
-def _stream(handle: int):
-    """The CUstream a launch takes for a raw CUDA stream handle (kept: a few streams a process)."""
-    st = _STREAMS.get(handle)
-    if st is None:
-        import cuda.bindings.driver as cuda
-
-        if len(_STREAMS) >= 64:
-            _STREAMS.clear()
-        st = _STREAMS[handle] = cuda.CUstream(handle)
-    return st
 
 
 # ----------------------------------------------------------------------------
@@ -435,24 +399,8 @@ def compile_offline(dtype: torch.dtype, H: int, cache: str = NATIVE, page_size: 
                     D: int = 576, G: int = 1, options: str = "--keep-ptx"):
     """Compile the decode kernel without a GPU (``CUTE_DSL_ARCH=sm_90a``)
     for CI and inspection; returns the compiled object."""
-    import cuda.bindings.driver as cuda
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_ptr
+    from dsa.cute.decode_sm90 import DecodeSm90Config, SparseDecodeSm90
 
-    from dsa.cute.decode_sm90 import SparseDecodeSm90
-
-    dt = cutlass_dtype(dtype) or dtype
-    kv_t = dt if cache == NATIVE else cutlass.Uint8
-
-    def p(ty, align):
-        return make_ptr(ty, align * 64, cute.AddressSpace.gmem, assumed_align=align)
-
-    i32, f32 = p(cutlass.Int32, 4), p(cutlass.Float32, 4)
-    ptrs = (p(dt, 16), p(kv_t, 16), i32, i32, i32, i32, f32, p(cutlass.Float32 if split else dt, 16), f32,
-            p(kv_t, 16))
-    scalars = (cutlass.Int32(1), cutlass.Int32(2048), cutlass.Int32(1), cutlass.Int64(16 * 656),
-               cutlass.Int32(1), cutlass.Int32(64), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
-               cutlass.Float32(LOG2E), cutlass.Int32(132))
-    kernel = SparseDecodeSm90(dt, D, 512, H, G, has_len, has_sink, cache, page_size, has_bt, has_seqlen, split)
-    return cute.compile(kernel, *ptrs, *scalars, cuda.CUstream(0), options=options)
+    cfg = DecodeSm90Config(cutlass_dtype(dtype) or dtype, D, 512, H, G, has_len, has_sink, cache, page_size, has_bt,
+                           has_seqlen, split)
+    return compile_kernel(SparseDecodeSm90.from_config(cfg), pointer_types(cfg), scalar_types(), options)

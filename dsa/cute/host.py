@@ -4,7 +4,11 @@
 * ``arch_of(device)`` / ``arch_reason(device, what, arch)``: the tensors'
   GPU architecture, and whether it is the one a kernel is written for
   (``sm90_reason`` for SM90).
-* ``cutlass_dtype`` / ``gmem_ptr`` / ``current_stream``: launch arguments.
+* ``compile_kernel(kernel, pointers, scalars)``: a kernel compiled for calls through
+  TVM-FFI; a call passes ``address(tensor)`` for each pointer, Python
+  numbers for the scalars and ``stream_handle(device)`` last, so no argument
+  object is made per call (the DSL's own call path took ~100 µs a launch).
+* ``cutlass_dtype``: the CuTe type of a q dtype.
 * ``zero_row(device, dtype, D)``: the cached row of zeros that invalid slots
   gather (``dsa.cute.rules.slot_source``), per device, never made by a
   CUDA-graph capture.
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable, Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,6 +35,11 @@ def dsl_reason() -> Optional[str]:
         import cutlass.cute  # noqa: F401
     except Exception as e:  # ImportError, or a broken install
         return f"CuTe DSL (nvidia-cutlass-dsl) is not importable: {type(e).__name__}: {e}"
+    try:
+        import tvm_ffi  # noqa: F401
+    except Exception as e:
+        return (f"apache-tvm-ffi, through which the cute kernels are called, is not importable: "
+                f"{type(e).__name__}: {e}")
     return None
 
 
@@ -72,19 +81,37 @@ def cutlass_dtype(dt: torch.dtype):
     return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}.get(dt)
 
 
-def gmem_ptr(t: torch.Tensor, dtype, align: int):
-    """A CuTe global pointer of ``dtype`` to t's data, promised ``align``-byte aligned."""
+def compile_kernel(kernel, pointers: Sequence[Tuple[object, int]], scalars: Sequence[object], options: str = ""):
+    """``kernel`` (a CuTe DSL kernel object whose call takes pointers, then
+    scalars, then the stream) compiled for calls through TVM-FFI.
+
+    pointers: the (CuTe element type, assumed byte alignment) of each pointer
+    argument; scalars: the CuTe type (``cutlass.Int32``, ``Int64``,
+    ``Float32``) of each scalar.  The compiled function is called as
+    ``fn(*addresses, *numbers, stream_handle(device))``: integer addresses
+    (``address``), Python numbers, the integer stream handle.  Alignment is
+    promised, not checked: each op's ``supports`` checks what it assumes.
+    options: more ``cute.compile`` options (``--keep-ptx``)."""
+    import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
 
-    return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+    # the addresses only carry types and alignments here
+    ptrs = tuple(make_ptr(ty, align * 64, cute.AddressSpace.gmem, assumed_align=align) for ty, align in pointers)
+    opts = " ".join(o for o in ("--enable-tvm-ffi", options) if o)
+    return cute.compile(kernel, *ptrs, *(ty(0) for ty in scalars), cuda.CUstream(0), options=opts)
 
 
-def current_stream(device: torch.device):
-    """torch's current stream on ``device`` as the CUstream a launch takes."""
-    import cuda.bindings.driver as cuda
+def address(t: torch.Tensor) -> int:
+    """The pointer argument of a built kernel's call: t's address."""
+    return t.data_ptr()
 
-    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+
+def stream_handle(device: torch.device) -> int:
+    """The handle of torch's current stream on CUDA ``device`` (the last
+    argument of a built kernel's call)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch._C._cuda_getCurrentRawStream(index)
 
 
 def zero_row(device: torch.device, dtype: torch.dtype, D: int) -> torch.Tensor:

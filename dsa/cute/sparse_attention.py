@@ -17,7 +17,7 @@ import torch
 
 from dsa._args import SparseAttnArgs
 from dsa._rules import LOG2E
-from dsa.cute.host import cutlass_dtype, current_stream, dsl_reason, gmem_ptr, sm90_reason, zero_row
+from dsa.cute.host import address, compile_kernel, cutlass_dtype, dsl_reason, sm90_reason, stream_handle, zero_row
 
 HEADS_PER_CTA = 64
 SERVED_DV = 512
@@ -98,18 +98,17 @@ def kernel_config(a: SparseAttnArgs, profile: bool = False, refill: bool = True)
                          a.sink is not None, profile, refill)
 
 
-def _compiled(a: SparseAttnArgs, ptrs, scalars, stream, profile: bool = False, refill: bool = True):
+def _compiled(a: SparseAttnArgs, profile: bool = False, refill: bool = True):
     """The compiled kernel for ``a`` on a's device (compiled on first use,
     under that device)."""
-    import cutlass.cute as cute
-
-    from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
-
     cfg = kernel_config(a, profile, refill)
     key = (cfg, a.q.device.index)
     fn = _COMPILED.get(key)
     if fn is None:
-        fn = _COMPILED[key] = cute.compile(SparseAttnFwdSm90.from_config(cfg), *ptrs, *scalars, stream)
+        from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
+
+        fn = _COMPILED[key] = compile_kernel(SparseAttnFwdSm90.from_config(cfg), _sm90_pointer_types(cfg.dtype),
+                                    scalar_types())
     return fn
 
 
@@ -128,63 +127,57 @@ def forward(a: SparseAttnArgs, config: Optional[GridConfig] = None,
     with torch.cuda.device(a.q.device):
         out = torch.empty((a.T, a.H, a.d_v), dtype=a.q.dtype, device=a.q.device)
         lse = torch.empty((a.T, a.H), dtype=torch.float32, device=a.q.device)
-        ptrs = _pointers(a, out, lse, profile)
+        # the cycle counters' pointer: written only by the profiling build
+        ptrs = kernel_pointers(a, out, lse) + (address(profile if profile is not None else lse),)
         scalars = kernel_scalars(a, cfg.grid(a.q.device))
-        stream = current_stream(a.q.device)
-        _compiled(a, ptrs, scalars, stream, profile is not None, refill)(*ptrs, *scalars, stream)
+        _compiled(a, profile is not None, refill)(*ptrs, *scalars, stream_handle(a.q.device))
     return out, lse
 
 
-def _pointers(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, profile: Optional[torch.Tensor]):
-    """The kernel's pointer arguments, in its order: a forward's, then the
-    cycle counters (written only by the profiling build)."""
+def pointer_types(dt) -> Tuple:
+    """(element type, alignment) of ``kernel_pointers``' arguments, in order."""
     import cutlass
 
-    return kernel_pointers(a, out, lse) + (gmem_ptr(profile if profile is not None else lse, cutlass.Int64, 4),)
+    I32, F32 = cutlass.Int32, cutlass.Float32
+    return (dt, 16), (dt, 16), (I32, 4), (I32, 4), (F32, 4), (dt, 16), (F32, 4), (dt, 16)
 
 
-def kernel_pointers(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor):
+def _sm90_pointer_types(dt) -> Tuple:
+    """``pointer_types``, then the SM90 kernel's cycle counters (int64)."""
+    import cutlass
+
+    return pointer_types(dt) + ((cutlass.Int64, 4),)
+
+
+def kernel_pointers(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor) -> Tuple[int, ...]:
     """The pointer arguments every arch's forward kernel takes first: q, kv,
     indices, topk_length, sink, out, lse and the zero row."""
-    import cutlass
-
-    dt = cutlass_dtype(a.q.dtype)
     # Absent optional inputs are never read; any valid address stands in.
     length = a.topk_length if a.topk_length is not None else a.indices
     sink = a.sink if a.sink is not None else lse
-    return (
-        gmem_ptr(a.q, dt, 16), gmem_ptr(a.kv, dt, 16), gmem_ptr(a.indices, cutlass.Int32, 4),
-        gmem_ptr(length, cutlass.Int32, 4), gmem_ptr(sink, cutlass.Float32, 4), gmem_ptr(out, dt, 16),
-        gmem_ptr(lse, cutlass.Float32, 4), gmem_ptr(zero_row(a.q.device, a.q.dtype, a.D), dt, 16),
-    )
+    return (address(a.q), address(a.kv), address(a.indices), address(length), address(sink), address(out),
+            address(lse), address(zero_row(a.q.device, a.q.dtype, a.D)))
 
 
-def kernel_scalars(a: SparseAttnArgs, n_cta: int):
-    """The kernel's scalar arguments: T, N, K, sm_scale * log2(e), the CTAs."""
+def scalar_types() -> Tuple:
+    """The types of ``kernel_scalars``' values, in order."""
     import cutlass
 
-    return (cutlass.Int32(a.T), cutlass.Int32(a.N), cutlass.Int32(a.K), cutlass.Float32(a.sm_scale * LOG2E),
-            cutlass.Int32(n_cta))
+    I32 = cutlass.Int32
+    return I32, I32, I32, cutlass.Float32, I32
+
+
+def kernel_scalars(a: SparseAttnArgs, n_cta: int) -> Tuple:
+    """The kernel's scalar arguments: T, N, K, sm_scale * log2(e), the CTAs."""
+    return a.T, a.N, a.K, float(a.sm_scale * LOG2E), n_cta
 
 
 def compile_offline(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, has_sink: bool,
                     keep_ptx: bool = True, profile: bool = False, refill: bool = True):
     """Compile the kernel without a GPU (``CUTE_DSL_ARCH=sm_90a``), for CI and
     inspection; returns the compiled object (its PTX is kept when asked)."""
-    import cuda.bindings.driver as cuda
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_ptr
-
     from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
 
     dt = cutlass_dtype(dtype) or dtype
-
-    def p(ty, align):
-        return make_ptr(ty, align * 64, cute.AddressSpace.gmem, assumed_align=align)
-
-    ptrs = (p(dt, 16), p(dt, 16), p(cutlass.Int32, 4), p(cutlass.Int32, 4), p(cutlass.Float32, 4),
-            p(dt, 16), p(cutlass.Float32, 4), p(dt, 16), p(cutlass.Int64, 4))
-    scalars = (cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Float32(LOG2E), cutlass.Int32(132))
     kernel = SparseAttnFwdSm90(dt, D, SERVED_DV, H, G, has_len, has_sink, profile, refill)
-    return cute.compile(kernel, *ptrs, *scalars, cuda.CUstream(0), options="--keep-ptx" if keep_ptx else "")
+    return compile_kernel(kernel, _sm90_pointer_types(dt), scalar_types(), "--keep-ptx" if keep_ptx else "")

@@ -20,14 +20,13 @@ its current stream.  ``run_backward`` (all of this but the launch) and
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 from dsa._args import SparseAttnArgs
 from dsa._rules import LOG2E
-from dsa.cute.host import cutlass_dtype, current_stream, dsl_reason, gmem_ptr, sm90_reason, zero_row
+from dsa.cute.host import address, compile_kernel, cutlass_dtype, dsl_reason, sm90_reason, stream_handle, zero_row
 
 HEADS_PER_CTA = 64
 SERVED_DV = 512
@@ -89,35 +88,35 @@ def _ptr_types(dt):
             (dt, 16))
 
 
-def _compiled(a: SparseAttnArgs, ptrs, scalars, stream):
+def scalar_types() -> Tuple:
+    """The types of the kernel's scalars: tc, t0, N, K, sm_scale * log2(e), sm_scale."""
+    import cutlass
+
+    I32, F32 = cutlass.Int32, cutlass.Float32
+    return I32, I32, I32, I32, F32, F32
+
+
+def _compiled(a: SparseAttnArgs):
     """The compiled kernel for ``a`` on a's device (compiled on first use,
     under that device)."""
-    import cutlass.cute as cute
-
-    from dsa.cute.sparse_attention_bwd_sm90 import SparseAttnBwdSm90
-
     cfg = kernel_config(a)
     key = (cfg, a.q.device.index)
     fn = _COMPILED.get(key)
     if fn is None:
-        fn = _COMPILED[key] = cute.compile(SparseAttnBwdSm90.from_config(cfg), *ptrs, *scalars, stream)
+        from dsa.cute.sparse_attention_bwd_sm90 import SparseAttnBwdSm90
+
+        fn = _COMPILED[key] = compile_kernel(SparseAttnBwdSm90.from_config(cfg), _ptr_types(cfg.dtype), scalar_types())
     return fn
 
 
 def _launch(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv_buf, t0: int, tc: int) -> None:
     """The kernel over the tokens [t0, t0 + tc), under a's device."""
-    import cutlass
-
-    dt = cutlass_dtype(a.q.dtype)
     length = a.topk_length if a.topk_length is not None else a.indices  # never read when absent
     with torch.cuda.device(a.q.device):
         tensors = (a.q, a.kv, a.indices, length, dout, lg2den, delta, dq, dkv_buf,
                    zero_row(a.q.device, a.q.dtype, a.D))
-        ptrs = tuple(gmem_ptr(x, ty, al) for x, (ty, al) in zip(tensors, _ptr_types(dt)))
-        scalars = (cutlass.Int32(tc), cutlass.Int32(t0), cutlass.Int32(a.N), cutlass.Int32(a.K),
-                   cutlass.Float32(a.sm_scale * LOG2E), cutlass.Float32(a.sm_scale))
-        stream = current_stream(a.q.device)
-        _compiled(a, ptrs, scalars, stream)(*ptrs, *scalars, stream)
+        _compiled(a)(*(address(x) for x in tensors), tc, t0, a.N, a.K, float(a.sm_scale * LOG2E),
+                     float(a.sm_scale), stream_handle(a.q.device))
 
 
 def natural_columns(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -198,17 +197,9 @@ def compile_offline_backward(dtype: torch.dtype, D: int, H: int, G: int, has_len
                              deterministic: bool = False, keep_ptx: bool = True, build: Optional[dict] = None):
     """Compile the backward without a GPU (``CUTE_DSL_ARCH=sm_90a``), for CI
     and inspection; returns the compiled object (its PTX kept when asked)."""
-    import cuda.bindings.driver as cuda
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_ptr
-
     from dsa.cute.sparse_attention_bwd_sm90 import BwdSm90Config, SparseAttnBwdSm90
 
     dt = cutlass_dtype(dtype)
-    ptrs = tuple(make_ptr(ty, al * 64, cute.AddressSpace.gmem, assumed_align=al) for ty, al in _ptr_types(dt))
-    scalars = (cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(1),
-               cutlass.Float32(math.log2(math.e)), cutlass.Float32(1.0))
     cfg = BwdSm90Config(dt, D, SERVED_DV, H, G, has_len, deterministic, **dict(BUILD, **(build or {})))
-    return cute.compile(SparseAttnBwdSm90.from_config(cfg), *ptrs, *scalars, cuda.CUstream(0),
-                        options="--keep-ptx" if keep_ptx else "")
+    return compile_kernel(SparseAttnBwdSm90.from_config(cfg), _ptr_types(dt), scalar_types(),
+                          "--keep-ptx" if keep_ptx else "")

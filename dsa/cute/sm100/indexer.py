@@ -14,13 +14,12 @@ trusted is ``dsa.cute.sm100``'s decision, after ``self_check``.
 
 from __future__ import annotations
 
-import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from dsa._args import IndexerArgs
-from dsa.cute.host import arch_reason, cutlass_dtype, current_stream, dsl_reason, gmem_ptr
+from dsa.cute.host import address, arch_reason, compile_kernel, cutlass_dtype, dsl_reason, stream_handle
 
 HEADS, DIM, BQ = 64, 128, 4  # as indexer_fwd (not imported: the DSL is only needed once the kernel is)
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -74,25 +73,18 @@ def launch_scores(a: IndexerArgs, out: torch.Tensor, blk_cum: Optional[torch.Ten
                   row_end: int) -> None:
     """Score rows [row_begin, row_end) of the packed queries into out[0 : row_end - row_begin]
     (blk_cum: the block table of those rows, None for one sequence)."""
-    import cutlass
-    import cutlass.cute as cute
-
     from dsa.cute.sm100.indexer_fwd import IndexerFwdSm100
 
     with torch.cuda.device(a.q.device):
         cfg = kernel_config(a)
-        ptrs = _pointers(a, out, blk_cum)
         B = a.batch
-        scalars = (cutlass.Int32(a.q.shape[0]), cutlass.Int32(a.k.shape[0]), cutlass.Int32(row_begin),
-                   cutlass.Int32(row_end), cutlass.Int32(B), cutlass.Int32(max(0, (B - 1).bit_length())),
-                   cutlass.Int32(a.max_seqlen_k), cutlass.Int64(a.ratio), cutlass.Float32(a.sm_scale),
-                   cutlass.Int64(out.stride(0)), cutlass.Int32(_grid(a, row_begin, row_end)))
-        stream = current_stream(a.q.device)
         key = (cfg, a.q.device.index)
         fn = _COMPILED.get(key)
         if fn is None:
-            fn = _COMPILED[key] = cute.compile(IndexerFwdSm100(**vars(cfg)), *ptrs, *scalars, stream)
-        fn(*ptrs, *scalars, stream)
+            fn = _COMPILED[key] = compile_kernel(IndexerFwdSm100(**vars(cfg)), _pointer_types(cfg), _scalar_types())
+        fn(*_pointers(a, out, blk_cum), a.q.shape[0], a.k.shape[0], row_begin, row_end, B,
+           max(0, (B - 1).bit_length()), a.max_seqlen_k, a.ratio, float(a.sm_scale), out.stride(0),
+           _grid(a, row_begin, row_end), stream_handle(a.q.device))
 
 
 def _grid(a: IndexerArgs, row_begin: int, row_end: int) -> int:
@@ -102,16 +94,30 @@ def _grid(a: IndexerArgs, row_begin: int, row_end: int) -> int:
     return max(1, min(units, torch.cuda.get_device_properties(a.q.device).multi_processor_count))
 
 
-def _pointers(a: IndexerArgs, out: torch.Tensor, blk_cum: Optional[torch.Tensor]):
+def _pointers(a: IndexerArgs, out: torch.Tensor, blk_cum: Optional[torch.Tensor]) -> Tuple[int, ...]:
+    """The kernel's pointer arguments: q, k, weights, out, cu_seqlens_q,
+    cu_seqlens_k, q_offsets, the block table."""
+    table = blk_cum if blk_cum is not None else a.cu_seqlens_q  # never read for one sequence
+    return (address(a.q), address(a.k), address(a.weights), address(out), address(a.cu_seqlens_q),
+            address(a.cu_seqlens_k), address(a.q_offsets), address(table))
+
+
+def _pointer_types(cfg) -> Tuple:
+    """(element type, alignment) of ``_pointers``' arguments, in order."""
     import cutlass
 
-    dt = cutlass_dtype(a.q.dtype)
-    wt = cutlass_dtype(a.weights.dtype) or cutlass.Float32
-    table = blk_cum if blk_cum is not None else a.cu_seqlens_q  # never read for one sequence
-    return (gmem_ptr(a.q, dt, 16), gmem_ptr(a.k, dt, 16), gmem_ptr(a.weights, wt, 4),
-            gmem_ptr(out, cutlass.Float32, 4), gmem_ptr(a.cu_seqlens_q, cutlass.Int32, 4),
-            gmem_ptr(a.cu_seqlens_k, cutlass.Int32, 4), gmem_ptr(a.q_offsets, cutlass.Int64, 8),
-            gmem_ptr(table, cutlass.Int32, 4))
+    I32 = (cutlass.Int32, 4)
+    return ((cfg.dtype, 16), (cfg.dtype, 16), (cfg.w_dtype, 4), (cutlass.Float32, 4), I32, I32, (cutlass.Int64, 8),
+            I32)
+
+
+def _scalar_types() -> Tuple:
+    """The scalars' types: Tq, Tk, first and end row, batch, its bit length,
+    max_seqlen_k, ratio, sm_scale, out's row stride, CTAs."""
+    import cutlass
+
+    I32, I64 = cutlass.Int32, cutlass.Int64
+    return I32, I32, I32, I32, I32, I32, I32, I64, cutlass.Float32, I64, I32
 
 
 def scores(a: IndexerArgs) -> torch.Tensor:
@@ -179,23 +185,9 @@ def compile_offline(dtype: torch.dtype, w_dtype: torch.dtype, causal: bool, sing
                     options: str = "--keep-ptx"):
     """Compile the kernel without a GPU (``CUTE_DSL_ARCH=sm_100a``), for CI and
     inspection; returns the compiled object (options as the forward's)."""
-    import cuda.bindings.driver as cuda
     import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_ptr
 
-    from dsa.cute.sm100.indexer_fwd import IndexerFwdSm100
+    from dsa.cute.sm100.indexer_fwd import IndexerFwdSm100, IndexerSm100Config
 
-    dt = cutlass_dtype(dtype)
-    wt = cutlass_dtype(w_dtype) or cutlass.Float32
-
-    def p(ty, align):
-        return make_ptr(ty, align * 64, cute.AddressSpace.gmem, assumed_align=align)
-
-    ptrs = (p(dt, 16), p(dt, 16), p(wt, 4), p(cutlass.Float32, 4), p(cutlass.Int32, 4), p(cutlass.Int32, 4),
-            p(cutlass.Int64, 8), p(cutlass.Int32, 4))
-    scalars = (cutlass.Int32(8), cutlass.Int32(8), cutlass.Int32(0), cutlass.Int32(8), cutlass.Int32(1),
-               cutlass.Int32(0), cutlass.Int32(8), cutlass.Int64(1), cutlass.Float32(math.sqrt(1 / DIM)),
-               cutlass.Int64(8), cutlass.Int32(148))
-    kernel = IndexerFwdSm100(dt, wt, causal, single)
-    return cute.compile(kernel, *ptrs, *scalars, cuda.CUstream(0), options=options)
+    cfg = IndexerSm100Config(cutlass_dtype(dtype), cutlass_dtype(w_dtype) or cutlass.Float32, causal, single)
+    return compile_kernel(IndexerFwdSm100(**vars(cfg)), _pointer_types(cfg), _scalar_types(), options)

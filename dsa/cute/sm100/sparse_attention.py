@@ -31,8 +31,9 @@ import torch
 
 from dsa._args import SparseAttnArgs
 from dsa._rules import LOG2E
-from dsa.cute.host import arch_reason, current_stream, cutlass_dtype, gmem_ptr, zero_row
-from dsa.cute.sparse_attention import DEFAULT, SERVED_DV, GridConfig, call_reason, kernel_pointers, kernel_scalars
+from dsa.cute.host import address, arch_reason, compile_kernel, cutlass_dtype, stream_handle, zero_row
+from dsa.cute.sparse_attention import (DEFAULT, SERVED_DV, GridConfig, call_reason, kernel_pointers, kernel_scalars,
+                                      pointer_types, scalar_types)
 
 # (FwdSm100Config or BwdSm100Config, device index) -> compiled kernel
 _COMPILED: Dict[tuple, object] = {}
@@ -66,16 +67,15 @@ def kernel_config(a: SparseAttnArgs):
                           a.sink is not None)
 
 
-def _compiled(builder, config, device: torch.device, ptrs, scalars, stream):
+def _compiled(builder, config, device: torch.device, pointers, scalars):
     """The kernel ``builder.from_config(config)`` compiled for ``device``
     (compiled on its first use there; a compiled kernel's module is loaded
-    in the context of the device it was compiled on)."""
-    import cutlass.cute as cute
-
+    in the context of the device it was compiled on); pointers and scalars:
+    its arguments' types (``dsa.cute.host.compile_kernel``)."""
     key = (config, device.index)
     fn = _COMPILED.get(key)
     if fn is None:
-        fn = _COMPILED[key] = cute.compile(builder.from_config(config), *ptrs, *scalars, stream)
+        fn = _COMPILED[key] = compile_kernel(builder.from_config(config), pointers, scalars)
     return fn
 
 
@@ -88,10 +88,9 @@ def forward(a: SparseAttnArgs, config: Optional[GridConfig] = None) -> Tuple[tor
     with torch.cuda.device(a.q.device):
         out = torch.empty((a.T, a.H, a.d_v), dtype=a.q.dtype, device=a.q.device)
         lse = torch.empty((a.T, a.H), dtype=torch.float32, device=a.q.device)
-        ptrs = kernel_pointers(a, out, lse)
-        scalars = kernel_scalars(a, cfg.grid(a.q.device))
-        stream = current_stream(a.q.device)
-        _compiled(SparseAttnFwdSm100, kernel_config(a), a.q.device, ptrs, scalars, stream)(*ptrs, *scalars, stream)
+        config = kernel_config(a)
+        fn = _compiled(SparseAttnFwdSm100, config, a.q.device, pointer_types(config.dtype), scalar_types())
+        fn(*kernel_pointers(a, out, lse), *kernel_scalars(a, cfg.grid(a.q.device)), stream_handle(a.q.device))
     return out, lse
 
 
@@ -167,23 +166,11 @@ def compile_offline(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, h
     inspection; returns the compiled object.  options: the DSL's compile
     options ("--keep-ptx" keeps the PTX; "remarks{ptx}" prints ptxas's
     register and spill report)."""
-    import cuda.bindings.driver as cuda
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_ptr
-
     from dsa.cute.sm100.sparse_attention_fwd import SparseAttnFwdSm100
 
     dt = cutlass_dtype(dtype) or dtype
-
-    def p(ty, align):
-        return make_ptr(ty, align * 64, cute.AddressSpace.gmem, assumed_align=align)
-
-    ptrs = (p(dt, 16), p(dt, 16), p(cutlass.Int32, 4), p(cutlass.Int32, 4), p(cutlass.Float32, 4),
-            p(dt, 16), p(cutlass.Float32, 4), p(dt, 16))
-    scalars = (cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Float32(LOG2E), cutlass.Int32(148))
     kernel = SparseAttnFwdSm100(dt, D, SERVED_DV, H, G, has_len, has_sink)
-    return cute.compile(kernel, *ptrs, *scalars, cuda.CUstream(0), options=options)
+    return compile_kernel(kernel, pointer_types(dt), scalar_types(), options)
 
 
 # --------------------------------------------------------------------------
@@ -280,35 +267,26 @@ def _launch_backward(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv_buf, t0: in
                      grid: GridConfig) -> None:
     """The kernel over the tokens [t0, t0 + tc), under a's device: every
     per-token pointer starts at token t0, so the kernel sees tc tokens."""
-    import cutlass
-
     from dsa.cute.sm100.sparse_attention_bwd import SparseAttnBwdSm100
     from dsa.cute.sparse_attention_bwd import _ptr_types
 
-    dt = cutlass_dtype(a.q.dtype)
     rows = slice(t0, t0 + tc)
     length = a.topk_length[rows] if a.topk_length is not None else a.indices  # never read when absent
     with torch.cuda.device(a.q.device):
         tensors = (a.q[rows], a.kv, a.indices[rows], length, dout[rows], lg2den[rows], delta[rows], dq[rows],
                    dkv_buf, zero_row(a.q.device, a.q.dtype, a.D))
-        ptrs = tuple(gmem_ptr(x, ty, al) for x, (ty, al) in zip(tensors, _ptr_types(dt)))
-        scalars = (cutlass.Int32(tc), cutlass.Int32(a.N), cutlass.Int32(a.K), cutlass.Float32(a.sm_scale * LOG2E),
-                   cutlass.Float32(a.sm_scale), cutlass.Int32(grid.grid(a.q.device)))
-        stream = current_stream(a.q.device)
-        _compiled(SparseAttnBwdSm100, backward_config(a), a.q.device, ptrs, scalars, stream)(*ptrs, *scalars,
-                                                                                            stream)
+        config = backward_config(a)
+        fn = _compiled(SparseAttnBwdSm100, config, a.q.device, _ptr_types(config.dtype), _bwd_scalar_types())
+        fn(*(address(x) for x in tensors), tc, a.N, a.K, float(a.sm_scale * LOG2E), float(a.sm_scale),
+           grid.grid(a.q.device), stream_handle(a.q.device))
 
 
 def _launch_pair(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv_buf, t0: int, tc: int, shape: PairGrid) -> None:
     """The two-CTA kernel over the tokens [t0, t0 + tc), under a's device;
     a split launch adds dq into an fp32 workspace (zeroed on the launch
     stream, from the caching allocator) and casts it into dq."""
-    import cutlass
-
     from dsa.cute.sm100.sparse_attention_bwd_pair import SparseAttnBwdSm100Pair
-    from dsa.cute.sparse_attention_bwd import _ptr_types
 
-    dt = cutlass_dtype(a.q.dtype)
     rows = slice(t0, t0 + tc)
     length = a.topk_length[rows] if a.topk_length is not None else a.indices  # never read when absent
     with torch.cuda.device(a.q.device):
@@ -319,13 +297,11 @@ def _launch_pair(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv_buf, t0: int, t
         dqacc = torch.zeros((tc, a.H, a.D), dtype=torch.float32, device=a.q.device) if parts > 1 else dkv_buf
         tensors = (a.q[rows], a.kv, a.indices[rows], length, dout[rows], lg2den[rows], delta[rows], dq[rows],
                    dkv_buf, zero_row(a.q.device, a.q.dtype, a.D))
-        ptrs = tuple(gmem_ptr(x, ty, al) for x, (ty, al) in zip(tensors, _ptr_types(dt)))
-        ptrs += (gmem_ptr(dqacc, cutlass.Float32, 16),)
-        scalars = (cutlass.Int32(tc), cutlass.Int32(a.N), cutlass.Int32(a.K), cutlass.Float32(a.sm_scale * LOG2E),
-                   cutlass.Float32(a.sm_scale), cutlass.Int32(n_cl), cutlass.Int32(parts), cutlass.Int32(part_blocks))
-        stream = current_stream(a.q.device)
-        _compiled(SparseAttnBwdSm100Pair, backward_config(a), a.q.device, ptrs, scalars, stream)(*ptrs, *scalars,
-                                                                                                stream)
+        config = backward_config(a)
+        fn = _compiled(SparseAttnBwdSm100Pair, config, a.q.device, _pair_pointer_types(config.dtype),
+                       _pair_scalar_types())
+        fn(*(address(x) for x in tensors), address(dqacc), tc, a.N, a.K, float(a.sm_scale * LOG2E),
+           float(a.sm_scale), n_cl, parts, part_blocks, stream_handle(a.q.device))
         if parts > 1:
             dq[rows].copy_(dqacc)
 
@@ -377,42 +353,49 @@ def _both_pair_shapes(a, out, lse, dout):
     return tuple(None if x is None else torch.cat([x, y]) for x, y in zip(one, split))
 
 
+def _bwd_scalar_types() -> Tuple:
+    """The generic backward's scalar types: tc, N, K, sm_scale * log2(e), sm_scale, CTAs."""
+    import cutlass
+
+    I32, F32 = cutlass.Int32, cutlass.Float32
+    return I32, I32, I32, F32, F32, I32
+
+
+def _pair_pointer_types(dt) -> Tuple:
+    """The two-CTA backward's pointer types: the SM90 backward's, then the fp32 dq workspace."""
+    import cutlass
+
+    from dsa.cute.sparse_attention_bwd import _ptr_types
+
+    return _ptr_types(dt) + ((cutlass.Float32, 16),)
+
+
+def _pair_scalar_types() -> Tuple:
+    """The two-CTA backward's scalar types: tc, N, K, sm_scale * log2(e), sm_scale, clusters, parts, part blocks."""
+    import cutlass
+
+    I32, F32 = cutlass.Int32, cutlass.Float32
+    return I32, I32, I32, F32, F32, I32, I32, I32
+
+
 def compile_offline_pair(dtype: torch.dtype, has_len: bool, deterministic: bool, options: str = "--keep-ptx"):
     """Compile the two-CTA backward (bf16, H128, D576, one kv head) without a
     GPU (``CUTE_DSL_ARCH=sm_100a``); K, T and the launch shape are runtime
     values, so one build serves every K.  options as ``compile_offline``'s."""
-    import cuda.bindings.driver as cuda
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_ptr
-
     from dsa.cute.sm100.sparse_attention_bwd_pair import SparseAttnBwdSm100Pair
-    from dsa.cute.sparse_attention_bwd import _ptr_types
 
     dt = cutlass_dtype(dtype) or dtype
-    ptrs = tuple(make_ptr(ty, al * 64, cute.AddressSpace.gmem, assumed_align=al) for ty, al in _ptr_types(dt))
-    ptrs += (make_ptr(cutlass.Float32, 1024, cute.AddressSpace.gmem, assumed_align=16),)
-    scalars = (cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Float32(LOG2E), cutlass.Float32(1.0),
-               cutlass.Int32(74), cutlass.Int32(1), cutlass.Int32(1))
     kernel = SparseAttnBwdSm100Pair(dt, 576, SERVED_DV, 128, 1, has_len, deterministic)
-    return cute.compile(kernel, *ptrs, *scalars, cuda.CUstream(0), options=options)
+    return compile_kernel(kernel, _pair_pointer_types(dt), _pair_scalar_types(), options)
 
 
 def compile_offline_backward(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, deterministic: bool,
                              options: str = "--keep-ptx"):
     """Compile the backward without a GPU (``CUTE_DSL_ARCH=sm_100a``), for CI
     and inspection; returns the compiled object.  options as ``compile_offline``'s."""
-    import cuda.bindings.driver as cuda
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_ptr
-
     from dsa.cute.sm100.sparse_attention_bwd import SparseAttnBwdSm100
     from dsa.cute.sparse_attention_bwd import _ptr_types
 
     dt = cutlass_dtype(dtype) or dtype
-    ptrs = tuple(make_ptr(ty, al * 64, cute.AddressSpace.gmem, assumed_align=al) for ty, al in _ptr_types(dt))
-    scalars = (cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Float32(LOG2E), cutlass.Float32(1.0),
-               cutlass.Int32(148))
     kernel = SparseAttnBwdSm100(dt, D, SERVED_DV, H, G, has_len, deterministic)
-    return cute.compile(kernel, *ptrs, *scalars, cuda.CUstream(0), options=options)
+    return compile_kernel(kernel, _ptr_types(dt), _bwd_scalar_types(), options)

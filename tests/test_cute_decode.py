@@ -264,6 +264,8 @@ def test_backend_hook(monkeypatch):
     monkeypatch.setattr(cdec, "PLACEMENT", {("NVIDIA H200", "native", 128, (1, 16)): "cute"})
     chosen = cute_backend.backend_op("sparse_decode", a, auto=True)
     assert chosen.fn is cdec.decode and "measured faster" in chosen.note
+    # auto's choice keeps the prepared launches (plans and sparse_decode call them, not a fresh build a call)
+    assert chosen.prepare is cdec.prepare
     monkeypatch.setattr(cdec, "supports", lambda a: "the kernel's own reason")
     with pytest.raises(Unsupported, match="the kernel's own reason"):
         cute_backend.backend_op("sparse_decode", a)

@@ -1,0 +1,104 @@
+"""Host time of a sparse-attention call, forward and backward, by backend (GPU only).
+
+    python3 bench/attention_host.py [--out DIR] [--tokens 1,16] [--backends cute,triton]
+
+Each row is one call at V3.2's head shape (H 128, D 576, d_v 512, one kv
+head, N 8192, K 2048, bf16, a sink) with T query tokens, small enough that
+the host's work is what a call costs. Paths:
+
+- ``public``: ``dsa.sparse_attention(q, kv, indices, sink=sink, backend=...)``
+  under ``torch.no_grad()`` (checks, the op, the backend's launch);
+- ``forward``: the backend's forward alone on the canonical arguments
+  (``dsa.cute.sparse_attention.forward`` / ``dsa.triton.sparse_attention.forward``);
+- ``backward``: the backend's backward alone (the Triton preprocess, the
+  dkv accumulator, the kernel, the column order and cast of dkv).
+
+Method: ``bench/decode_host.py``'s (``host_us_cuda``): wall time of back-to-back
+calls while the stream is held behind a sleeping kernel, so that no call waits
+for the device; the minimum over ``--reps`` samples (the median kept too).
+Prints a table; ``--out DIR`` writes DIR/attention_host.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+import dsa
+from bench.decode_host import _view_us, host_us_cuda
+from dsa._args import SparseAttnArgs
+
+H, D, DV, N, K = 128, 576, 512, 8192, 2048
+
+
+def _problem(T: int) -> Dict[str, Any]:
+    g = torch.Generator(device="cuda").manual_seed(T)
+    q = torch.randn(T, H, D, device="cuda", generator=g).to(torch.bfloat16)
+    kv = torch.randn(N, D, device="cuda", generator=g).to(torch.bfloat16)
+    idx = torch.rand(T, N, device="cuda", generator=g).topk(K, dim=-1).indices.int()
+    sink = torch.randn(H, device="cuda", generator=g)
+    return dict(q=q, kv=kv, idx=idx, sink=sink)
+
+
+def run_row(T: int, backend: str, calls: int, reps: int) -> Dict[str, Any]:
+    p = _problem(T)
+    q, kv, idx, sink = p["q"], p["kv"], p["idx"], p["sink"]
+    a = SparseAttnArgs(q, kv.view(N, 1, D), idx.view(T, 1, K), None, sink, D ** -0.5, DV)
+    if backend == "cute":
+        from dsa.cute import sparse_attention as fwd_mod
+        from dsa.cute import sparse_attention_bwd as bwd_mod
+    else:
+        from dsa.triton import sparse_attention as fwd_mod
+        bwd_mod = fwd_mod
+    out, lse = fwd_mod.forward(a)
+    dout = torch.randn_like(out)
+
+    def public():
+        with torch.no_grad():
+            return dsa.sparse_attention(q, kv, idx, sink=sink, d_v=DV, backend=backend)
+
+    paths: Dict[str, Callable[[], Any]] = {
+        "public": public,
+        "forward": lambda: fwd_mod.forward(a),
+        "backward": lambda: bwd_mod.backward(a, out, lse, dout),
+    }
+    row: Dict[str, Any] = dict(T=T, H=H, D=D, K=K, backend=backend)
+    for name, fn in paths.items():
+        row[f"{name}_us"], row[f"{name}_median_us"] = host_us_cuda(fn, calls, reps)
+    print(f"{backend:7s} {T:4d}  " + "  ".join(f"{row[f'{n}_us']:9.1f}" for n in paths), flush=True)
+    return row
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=None)
+    p.add_argument("--tokens", default="1,16")
+    p.add_argument("--backends", default="cute,triton")
+    p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--reps", type=int, default=10)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("attention_host.py: needs a CUDA GPU", file=sys.stderr)
+        return {}
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    print("host us a call (GPU held asleep; min of reps x calls)")
+    print("backend    T     public    forward   backward")
+    rows = [run_row(T, b, args.calls, args.reps) for b in args.backends.split(",")
+            for T in map(int, args.tokens.split(","))]
+    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows,
+               view_us=_view_us(args.calls, args.reps))
+    print(f"tensor.view: {res['view_us']:.2f} us")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "attention_host.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -129,24 +129,30 @@ def test_shipped_placement_table_names_its_gpu():
 # the CuTe DSL probe runs once
 
 
-def test_failed_cutlass_import_is_not_retried(monkeypatch):
+def _dsl_reason_without(monkeypatch, package: str, calls: int = 1):
+    """dsl_reason() asked ``calls`` times while importing ``package`` fails
+    (fresh, then the cache cleared again): (the answers, the failed imports)."""
     real_import = builtins.__import__
     attempts = []
 
     def fake_import(name, *args, **kwargs):
-        if name == "cutlass" or name.startswith("cutlass."):
+        if name == package or name.startswith(package + "."):
             attempts.append(name)
-            raise ImportError("no cutlass here")
+            raise ImportError(f"no {package} here")
         return real_import(name, *args, **kwargs)
 
     host.dsl_reason.cache_clear()
     monkeypatch.setattr(builtins, "__import__", fake_import)
     try:
-        first = host.dsl_reason()
-        second = host.dsl_reason()
+        answers = [host.dsl_reason() for _ in range(calls)]
     finally:
         monkeypatch.undo()
         host.dsl_reason.cache_clear()
+    return answers, attempts
+
+
+def test_failed_cutlass_import_is_not_retried(monkeypatch):
+    (first, second), attempts = _dsl_reason_without(monkeypatch, "cutlass", calls=2)
     assert first == second and "not importable" in first and "no cutlass here" in first
     assert len(attempts) == 1, attempts
 
@@ -154,20 +160,7 @@ def test_failed_cutlass_import_is_not_retried(monkeypatch):
 def test_a_missing_tvm_ffi_is_the_reason(monkeypatch):
     """The kernels are called through TVM-FFI: without apache-tvm-ffi the cute
     tier declines with that reason (the DSL itself importing)."""
-    real_import = builtins.__import__
-
-    def fake_import(name, *args, **kwargs):
-        if name == "tvm_ffi" or name.startswith("tvm_ffi."):
-            raise ImportError("no tvm_ffi here")
-        return real_import(name, *args, **kwargs)
-
-    host.dsl_reason.cache_clear()
-    monkeypatch.setattr(builtins, "__import__", fake_import)
-    try:
-        why = host.dsl_reason()
-    finally:
-        monkeypatch.undo()
-        host.dsl_reason.cache_clear()
+    (why,), _ = _dsl_reason_without(monkeypatch, "tvm_ffi")
     if HAVE_DSL:
         assert "apache-tvm-ffi" in why and "no tvm_ffi here" in why, why
     else:

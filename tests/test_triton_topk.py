@@ -171,6 +171,52 @@ def test_list_build_holds_the_keys_above_the_bound():
         assert (pos[r, m:] == -7).all()  # nothing past the list
 
 
+def test_list_build_scaled_sample_follows_the_row_length():
+    """With row ends and SCALED_SAMPLE, a row of at most S / 4 (S / 2) keys
+    samples SAMPLE / 4 (SAMPLE / 2) scores spread over its length: its
+    bound has rank to rank + slack of exactly those sampled keys at or
+    above it (the rank set for that sample and length), and its list is
+    every key >= the bound, in position order."""
+    import math
+
+    gen = torch.Generator().manual_seed(4)
+    S, sample, k, cap = 1024, 128, 9, 512
+    ends = torch.tensor([1024, 1000, 600, 512, 300, 200, 20], dtype=torch.int32)
+    R = ends.numel()
+    x = torch.randn(R, S, generator=gen)
+    x[1, ::7] = NAN
+    vals = torch.full((R, cap), 7, dtype=torch.int32)
+    pos = torch.full((R, cap), -7, dtype=torch.int32)
+    meta = torch.full((R, 2), -1, dtype=torch.int32)
+    unused = torch.zeros(R, dtype=torch.int32)
+    tk._list_build_kernel[(R,)](x, vals, pos, meta, ends, unused, unused, 0, R, S, k, x.stride(0), 1, 0, 0, 0,
+                                CAP=cap, CHUNK=64, SAMPLE=sample, ASM_STORE=False, HAS_END=True, WHOLE_MAX=32,
+                                SCALED_SAMPLE=True)
+    for r in range(R):
+        L = int(ends[r])
+        row = x[r, :L]
+        ok = ~torch.isnan(row)
+        n_list = int(meta[r, 0])
+        assert int(meta[r, 1]) == int(ok.sum()) and 0 < n_list <= cap
+        listed = vals[r, :n_list].view(torch.float32)
+        lo = listed.min()
+        above = torch.nonzero(ok & (row >= lo)).flatten()
+        assert torch.equal(pos[r, :n_list], above.int()) and torch.equal(listed, row[above])
+        if L <= 32:  # taken whole
+            assert n_list == int(ok.sum())
+            continue
+        n = sample // 4 if 4 * L <= S else sample // 2 if 2 * L <= S else sample
+        stride = max(L // (n // 8) // 8, 1) * 8
+        o = torch.arange(n)
+        cols = (o // 8) * stride + o % 8
+        got = row[cols[cols < L]]
+        m = k * n / L
+        rank = math.ceil(((5 + math.sqrt(25 + 4 * m)) / 2) ** 2)
+        slack = max(int(math.sqrt(rank * 0.25)), 1)
+        assert rank <= int((got[~torch.isnan(got)] >= lo).sum()) <= rank + slack, (r, n)
+        assert n_list < int(ok.sum())  # the bound cut the row
+
+
 def _masked_past(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     col = torch.arange(x.shape[1])
     return torch.where(col[None, :] < ends.clamp(0, x.shape[1])[:, None].long(), x, torch.full_like(x, -INF))
@@ -183,6 +229,9 @@ ENDS_PATHS = [  # (launch keywords, k)
     pytest.param(({"plan": _plan(128, 6, 32, 64, slack=2)}, 9), id="list"),
     pytest.param(({"plan": _plan(128, 6, 32, 64, inline_select=False, reverse=False)}, 40), id="list-separate"),
     pytest.param(({"plan": _plan(128, 6, 16, 16)}, 40), id="list-fallback"),
+    # a sample of 32: rows of at most 32 / 64 columns sample 8 / 16 of their scores
+    pytest.param(({"plan": tk.ListPlan(sample=32, stride=16, rank=6, block=32, cap=64, chunk=32,
+                                       scaled_sample=True)}, 9), id="list-scaled-sample"),
 ]
 
 
@@ -474,17 +523,18 @@ def test_ptx_store_keeps_the_load_layout():
 
 
 _AOT_LIST = r"""
-import json, sys, torch, triton
+import dataclasses, json, sys, torch, triton
 from dsa.triton import fit, topk as tk
 p = tk._list_plan(65536, 2048)
 out = {}
 for cap in (80, 90, 100, 120):
-    for has_end in (False, True):
-        spec = tk.route_specs(("list", p), torch.float32, True, has_end, l2_prefetch=cap >= 90)[0]
+    for has_end, scaled in ((False, False), (True, False), (True, True)):
+        q = dataclasses.replace(p, scaled_sample=scaled)
+        spec = tk.route_specs(("list", q), torch.float32, True, has_end, l2_prefetch=cap >= 90)[0]
         src = fit._source(spec)  # S and the row stride 16-divisible, as a launch on 65536 columns specializes them
         src.attrs.update({(spec.fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("S", "stride_s")})
         c = triton.compile(src, target=fit.Target.of(cap).gpu_target(), options=fit._options(spec))
-        out[f"{cap}/{has_end}"] = dict(converts=c.asm["ttgir"].count("ttg.convert_layout"),
+        out[f"{cap}/{has_end}/{scaled}"] = dict(converts=c.asm["ttgir"].count("ttg.convert_layout"),
                                        v4=c.asm["ptx"].count("ld.global.v4"),
                                        prefetch=c.asm["ptx"].count("cp.async.bulk.prefetch.L2"))
 print(json.dumps(out))
@@ -494,7 +544,8 @@ print(json.dumps(out))
 def test_list_build_compiles_for_every_arch():
     """The list build kernel compiles for sm_80 / 90 / 100 / 120 with 16-byte
     row loads and its stores in the load's layout (no layout conversion),
-    with and without row ends, and from sm_90 on with the L2 prefetch."""
+    with and without row ends (and the scaled sample), and from sm_90 on
+    with the L2 prefetch."""
     import json
     import subprocess
     import sys
@@ -627,7 +678,7 @@ def test_gpu_list_path_row_ends(S, k):
     x[R - 1] = torch.randint(-3, 3, (S,), device="cuda", generator=gen).float()  # ties
     ref_idx, ref_len = topk_contract(_masked_past(x.cpu(), ends.cpu()).cuda(), k)
     for p in (plan, dataclasses.replace(plan, inline_select=False, reverse=False, build_maxnreg=None),
-              dataclasses.replace(plan, prefetch=0)):
+              dataclasses.replace(plan, prefetch=0), dataclasses.replace(plan, scaled_sample=True)):
         idx, lens = _run(x, k, plan=p, ends=ends)
         assert torch.equal(lens, ref_len) and torch.equal(idx, ref_idx), p
 
@@ -666,7 +717,8 @@ def test_gpu_row_ends_public(S, k, dtype):
         settings = [{"plan": dataclasses.replace(plan, batch_rows=100, evict_first=True)},
                     {"plan": tk._list_plan(S, k, sample=2 * plan.sample)},
                     {"plan": dataclasses.replace(plan, select_warps=8, select_maxnreg=None, build_warps=8)},
-                    {"plan": dataclasses.replace(plan, build_warps=2)}]
+                    {"plan": dataclasses.replace(plan, build_warps=2)},
+                    {"plan": dataclasses.replace(plan, scaled_sample=True)}]
     for kw in settings:
         idx, lens = _run(x, k, ends=ends, **kw)
         assert torch.equal(lens, ref_len) and torch.equal(idx, ref_idx), kw

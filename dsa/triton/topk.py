@@ -138,6 +138,11 @@ if LIST_BATCH_ROWS < 0:
 LIST_BUILD_WARPS = _env_pow2("DSA_TOPK_LIST_BUILD_WARPS", 4)
 LIST_SELECT_WARPS = _env_pow2("DSA_TOPK_LIST_SELECT_WARPS", 0, zero=True)
 EVICT_FIRST = os.environ.get("DSA_TOPK_EVICT_FIRST", "0") != "0"
+# With row ends, a row of at most a quarter (half) of S keys samples a quarter
+# (half) of the planned sample, the same fraction of its length
+# (DSA_TOPK_LIST_SCALED_SAMPLE=1): the sample's search, the build's compute
+# before its row read, then costs about what the row's length does.
+LIST_SCALED_SAMPLE = os.environ.get("DSA_TOPK_LIST_SCALED_SAMPLE", "0") != "0"
 LIST_INLINE_CHUNK = 2048  # the build's chunk with the inline select (half up to LIST_INLINE_SMALL keys)
 LIST_INLINE_SMALL = 16384
 _SAMPLE_Z = tl.constexpr(5.0)
@@ -742,6 +747,18 @@ def _row_sample_plan(L, K, RANK, SLACK, STRIDE, WHOLE_MAX: tl.constexpr, SAMPLE:
 
 
 @triton.jit
+def _row_bound(s_row, L, S, K, RANK, SLACK, STRIDE, WHOLE_MAX: tl.constexpr, SAMPLE: tl.constexpr,
+               HAS_END: tl.constexpr):
+    """The row's sample bound from SAMPLE scores (``_row_sample_plan``, then
+    ``_sample_bound``), or 1 (every selectable key) for a row taken whole."""
+    rank, slack, stride, whole = _row_sample_plan(L, K, RANK, SLACK, STRIDE, WHOLE_MAX, SAMPLE, HAS_END)
+    lo = tl.full([], 1, tl.uint32)
+    if whole == 0:
+        lo = _sample_bound(s_row, L, S, rank, slack, stride, SAMPLE, HAS_END)
+    return lo
+
+
+@triton.jit
 def _list_build_kernel(
     s_ptr, val_ptr, pos_ptr, meta_ptr, end_ptr, idx_ptr, len_ptr, row0, n_rows, S, K, stride_s, stride_i, RANK,
     SLACK, STRIDE,
@@ -749,6 +766,7 @@ def _list_build_kernel(
     HAS_END: tl.constexpr = False, SELECT_BLOCK: tl.constexpr = 0, SEARCH: tl.constexpr = 2,
     FILL: tl.constexpr = 1024, REVERSE: tl.constexpr = False, WHOLE_MAX: tl.constexpr = 0,
     PREFETCH: tl.constexpr = 0, CHUNK_BYTES: tl.constexpr = 0, EVICT_FIRST: tl.constexpr = False,
+    SCALED_SAMPLE: tl.constexpr = False,
 ):
     """Row row0 + b: list b = (value, position) of every key >= the sample
     bound, in position order (the first CAP of them); meta b = (list length,
@@ -763,7 +781,8 @@ def _list_build_kernel(
     rows): the chunks up to PREFETCH past the next one are prefetched to L2
     (CHUNK_BYTES each), the first ones before the sample's search.
     EVICT_FIRST: the chunk loads (not the sample's, read again by them)
-    leave L2 first."""
+    leave L2 first. SCALED_SAMPLE (with HAS_END): rows of at most S / 4
+    (S / 2) keys sample SAMPLE / 4 (SAMPLE / 2) scores."""
     if REVERSE:
         b = n_rows - 1 - tl.program_id(0)
     else:
@@ -775,10 +794,16 @@ def _list_build_kernel(
         for j in tl.static_range(2, PREFETCH + 2):
             if (j + 1) * CHUNK <= L:
                 _prefetch_l2(s_row + j * CHUNK, CHUNK_BYTES)
-    rank, slack, stride, whole = _row_sample_plan(L, K, RANK, SLACK, STRIDE, WHOLE_MAX, SAMPLE, HAS_END)
-    lo = tl.full([], 1, tl.uint32)
-    if whole == 0:
-        lo = _sample_bound(s_row, L, S, rank, slack, stride, SAMPLE, HAS_END)
+    if SCALED_SAMPLE and HAS_END:
+        # the planned fraction of the row: a quarter or half of the sample for rows of at most S / 4, S / 2
+        if 4 * L <= S:
+            lo = _row_bound(s_row, L, S, K, RANK, SLACK, STRIDE, WHOLE_MAX, SAMPLE // 4, HAS_END)
+        elif 2 * L <= S:
+            lo = _row_bound(s_row, L, S, K, RANK, SLACK, STRIDE, WHOLE_MAX, SAMPLE // 2, HAS_END)
+        else:
+            lo = _row_bound(s_row, L, S, K, RANK, SLACK, STRIDE, WHOLE_MAX, SAMPLE, HAS_END)
+    else:
+        lo = _row_bound(s_row, L, S, K, RANK, SLACK, STRIDE, WHOLE_MAX, SAMPLE, HAS_END)
     p_val = val_ptr + b.to(tl.int64) * CAP
     p_pos = pos_ptr + b.to(tl.int64) * CAP
     o_c = tl.arange(0, CHUNK)
@@ -944,6 +969,7 @@ class ListPlan:
     prefetch: int = 0  # chunks the build prefetches to L2 ahead of its loads (sm_90+; 0: none)
     batch_rows: int = 0  # rows a batch holds at most (0: as many as LIST_SCRATCH holds)
     evict_first: bool = False  # the build's chunk loads marked evict-first
+    scaled_sample: bool = False  # with row ends, shorter rows sample less (LIST_SCALED_SAMPLE)
 
 
 def _list_reverse(S: int) -> bool:
@@ -992,7 +1018,8 @@ def _list_plan(S: int, k: int, sample: Optional[int] = None) -> Optional[ListPla
                     select_maxnreg=128 if block == 4096 and warps == 4 else None, slack=slack, chunk=chunk,
                     inline_select=LIST_INLINE_SELECT, reverse=_list_reverse(S), prefetch=_list_prefetch(S),
                     build_maxnreg=128 if block == 4096 and LIST_INLINE_SELECT else None,
-                    build_warps=LIST_BUILD_WARPS, batch_rows=LIST_BATCH_ROWS, evict_first=EVICT_FIRST)
+                    build_warps=LIST_BUILD_WARPS, batch_rows=LIST_BATCH_ROWS, evict_first=EVICT_FIRST,
+                    scaled_sample=LIST_SCALED_SAMPLE)
 
 
 def _l2_prefetch_ok(scores: torch.Tensor) -> bool:
@@ -1051,7 +1078,9 @@ def route_specs(route: Tuple[str, Any], dtype: torch.dtype, asm: bool, has_end: 
         build_const = dict(CAP=p.cap, CHUNK=p.chunk, SAMPLE=p.sample, ASM_STORE=asm, HAS_END=has_end,
                            SELECT_BLOCK=p.block if p.inline_select else 0, SEARCH=search, FILL=_FILL_BLOCK,
                            REVERSE=p.reverse, WHOLE_MAX=p.block, PREFETCH=0, CHUNK_BYTES=0,
-                           EVICT_FIRST=p.evict_first)
+                           EVICT_FIRST=p.evict_first,
+                           # a quarter of the sample keeps whole runs of 8
+                           SCALED_SAMPLE=p.scaled_sample and has_end and p.sample >= 32)
         if l2_prefetch and p.prefetch > 0:
             build_const.update(PREFETCH=p.prefetch, CHUNK_BYTES=p.chunk * torch.finfo(dtype).bits // 8)
         build_warps = max(p.build_warps, p.select_warps) if p.inline_select else p.build_warps

@@ -17,6 +17,12 @@ Method: ``bench/decode_host.py``'s (``host_us_cuda``): wall time of back-to-back
 calls while the stream is held behind a sleeping kernel, so that no call waits
 for the device; the minimum over ``--reps`` samples (the median kept too).
 Prints a table; ``--out DIR`` writes DIR/attention_host.json.
+
+On a machine without CUDA (``--cpu``): the ``public`` path alone, on CPU
+tensors with the Triton backend asked for and its forward replaced by a
+stand-in that returns preallocated outputs: the host time of everything
+but the launch (checks, the backend's choice, the op). A CPU-side
+estimate; ``tensor.view``'s time, printed with it, scales it to another CPU.
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-import dsa
-from bench.decode_host import _view_us, host_us_cuda
-from dsa._args import SparseAttnArgs
+from bench.decode_host import _view_us, host_us_cuda  # first: on CPU it sets TRITON_INTERPRET before triton loads
+
+import dsa  # noqa: E402
+from dsa._args import SparseAttnArgs  # noqa: E402
 
 H, D, DV, N, K = 128, 576, 512, 8192, 2048
 
@@ -74,6 +81,25 @@ def run_row(T: int, backend: str, calls: int, reps: int) -> Dict[str, Any]:
     return row
 
 
+def cpu_public_us(T: int, calls: int, reps: int) -> float:
+    """``public``'s host time on CPU tensors, the Triton forward stubbed (module header)."""
+    from bench.decode_host import host_us_cpu
+    from dsa.triton import sparse_attention as tsa
+
+    g = torch.Generator().manual_seed(T)
+    q, kv = torch.randn(T, H, D, generator=g), torch.randn(N, D, generator=g)
+    idx = torch.randint(0, N, (T, K), generator=g, dtype=torch.int32)
+    sink = torch.randn(H, generator=g)
+    outs = (torch.zeros(T, H, DV), torch.zeros(T, H))
+    saved, tsa.forward = tsa.forward, lambda a, *x, **kw: outs
+    try:
+        with torch.no_grad():
+            return host_us_cpu(lambda: dsa.sparse_attention(q, kv, idx, sink=sink, d_v=DV, backend="triton"),
+                               calls, reps)[0]
+    finally:
+        tsa.forward = saved
+
+
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None)
@@ -81,9 +107,18 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--backends", default="cute,triton")
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--cpu", action="store_true", help="without CUDA: the public path, the launch stubbed")
     args = p.parse_args(argv)
+    if args.cpu:
+        tokens = map(int, args.tokens.split(","))
+        rows = [dict(T=T, public_us=cpu_public_us(T, args.calls * 10, args.reps)) for T in tokens]
+        res = dict(device="cpu", stubbed=True, rows=rows, view_us=_view_us(args.calls * 10, args.reps))
+        for r in rows:
+            print(f"T {r['T']}: public {r['public_us']:.1f} us (CPU, triton forward stubbed)")
+        print(f"tensor.view: {res['view_us']:.2f} us")
+        return res
     if not torch.cuda.is_available():
-        print("attention_host.py: needs a CUDA GPU", file=sys.stderr)
+        print("attention_host.py: needs a CUDA GPU (or --cpu)", file=sys.stderr)
         return {}
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     print("host us a call (GPU held asleep; min of reps x calls)")

@@ -24,7 +24,7 @@ import functools
 import importlib
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
 from dsa._args import Unsupported
 from dsa._rules import env_flag
@@ -127,3 +127,30 @@ def select(op: str, args: Any, backend: str = "auto") -> Choice:
         reasons.insert(0, ("reference", "chosen because no GPU backend serves this call (their reasons follow); "
                                         "exact, and bitwise reproducible with deterministic=True"))
     return Choice("reference", fn, reasons)
+
+
+# (op, call key, backend asked for, steering variables) -> the choice
+_KEPT: Dict[Tuple, Choice] = {}
+_MAX_KEPT = 4096  # distinct calls kept; a model has a few per layer shape
+
+
+def select_kept(op: str, args: Any, backend: str, key: Hashable) -> Choice:
+    """``select(op, args, backend)``, kept per ``key``: everything of the call
+    that the backends' hooks read (its dtypes, shapes, device, flags and the
+    alignments a kernel assumes), with the backend asked for and the
+    variables that steer the choice (DSA_BACKEND, DSA_DISABLE_CUTE,
+    TRITON_INTERPRET). The hooks then run once per such key, not once per
+    call; a choice that raises is not kept."""
+    env = os.environ
+    full = (op, key, backend, env.get("DSA_BACKEND"), env.get("DSA_DISABLE_CUTE"), env.get("TRITON_INTERPRET"))
+    c = _KEPT.get(full)
+    if c is None:
+        if len(_KEPT) >= _MAX_KEPT:
+            _KEPT.clear()
+        c = _KEPT[full] = select(op, args, backend)
+    return c
+
+
+def forget() -> None:
+    """Drop every kept choice (after a placement table or a backend hook changes, as tests do)."""
+    _KEPT.clear()

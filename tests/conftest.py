@@ -139,3 +139,14 @@ def _call(fn, *args, **kwargs):
 def call():
     """``call(fn, *args, **kw)``: run fn; a missing-kernel ValueError skips."""
     return _call
+
+
+@pytest.fixture(autouse=True)
+def _fresh_choices():
+    """Each test starts without kept backend choices: tests fake what the
+    key of a kept choice cannot see (an architecture, a placement table,
+    a backend's hook), which never changes within a real process."""
+    from dsa import selector
+
+    selector.forget()
+    yield

@@ -239,3 +239,31 @@ def test_explain_says_why_the_reference_serves_a_cuda_call(clean_env, monkeypatc
     assert "backend 'reference'" in text
     assert "no GPU backend serves this call" in text and "bitwise" in text
     assert "triton declines fp32 here" in text and "cute declines fp32 here" in text
+
+
+def test_sparse_attention_choice_is_kept_per_call_key(clean_env, monkeypatch):
+    """The backends' hooks run once per choice key, not once per call: again
+    for another shape, a misaligned kv (the cute kernels assume 16-byte
+    aligned q and kv), another backend asked for, or a steering variable set;
+    and the kept choice gives the same result as a fresh one."""
+    from dsa import selector
+
+    selector.forget()
+    runs = []
+    real = selector.select
+    monkeypatch.setattr(selector, "select", lambda op, a, backend="auto": runs.append(op) or real(op, a, backend))
+    q, kv, idx, sink, *_ = _inputs()
+    first = dsa.sparse_attention(q, kv, idx, sink=sink, d_v=16)
+    assert torch.equal(dsa.sparse_attention(q, kv, idx, sink=sink, d_v=16), first) and len(runs) == 1
+    dsa.sparse_attention(q[:3], kv, idx[:3], sink=sink, d_v=16)  # another shape
+    assert len(runs) == 2
+    shifted = torch.empty(kv.numel() + 1)[1:].view_as(kv).copy_(kv)  # 4-byte aligned, not 16
+    assert torch.equal(dsa.sparse_attention(q, shifted, idx, sink=sink, d_v=16), first) and len(runs) == 3
+    dsa.sparse_attention(q, kv, idx, sink=sink, d_v=16, backend="reference")
+    assert len(runs) == 4
+    monkeypatch.setenv("DSA_DISABLE_CUTE", "1")
+    dsa.sparse_attention(q, kv, idx, sink=sink, d_v=16)
+    assert len(runs) == 5
+    dsa.sparse_attention(q, kv, idx, sink=sink, d_v=16)
+    assert len(runs) == 5 and runs == ["sparse_attention_fwd"] * 5
+    selector.forget()

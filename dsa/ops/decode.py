@@ -22,29 +22,19 @@ one stream); without, every call allocates its own. A backend without
 
 from __future__ import annotations
 
-import os
-from typing import Callable, Dict, Tuple
+from typing import Callable, Tuple
 
 import torch
 
 from dsa._args import SparseDecodeArgs
 from dsa._rules import acc_dtype
 from dsa.ops._core import op
-from dsa.selector import Choice, select
-
-
-_CHOICES: Dict[Tuple, Choice] = {}
+from dsa.selector import Choice, select_kept
 
 
 def choice(a: SparseDecodeArgs, backend: str) -> Choice:
     """The selector's choice for ``a``, kept per shape, backend and steering environment variables."""
-    key = (a.shape_key, backend, os.environ.get("DSA_BACKEND"), os.environ.get("DSA_DISABLE_CUTE"))
-    c = _CHOICES.get(key)
-    if c is None:
-        if len(_CHOICES) >= 4096:
-            _CHOICES.clear()
-        c = _CHOICES[key] = select("sparse_decode", a, backend)
-    return c
+    return select_kept("sparse_decode", a, backend, a.shape_key)
 
 
 def empty(a: SparseDecodeArgs) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -85,17 +85,6 @@ class SparseAttnArgs(_SlotSizes):
     N = property(lambda self: self.kv.shape[0], doc="rows of kv")
     G = property(lambda self: self.kv.shape[1], doc="kv heads (H_kv)")
 
-    @property
-    def choice_key(self) -> tuple:
-        """What a backend's choice for this call depends on (hashable): the
-        dtypes, shapes and device, d_v, deterministic, the optional inputs'
-        presence and dtypes, and whether q and kv are 16-byte aligned (the
-        cute kernels' copies assume it)."""
-        q, kv, idx = self.q, self.kv, self.indices
-        return (q.dtype, q.device, q.shape, kv.dtype, kv.shape, idx.dtype, idx.shape, self.d_v, self.deterministic,
-                q.data_ptr() % 16 == 0, kv.data_ptr() % 16 == 0,
-                *(None if t is None else (t.dtype, t.shape) for t in (self.topk_length, self.sink)))
-
     def kernel_dtype_reason(self) -> Optional[str]:
         """Why the dtypes the kernels read directly (int32 indices and
         topk_length, fp32 sink) do not hold (None if they do)."""

@@ -23,8 +23,10 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
+
+import torch
 
 from dsa._args import Unsupported
 from dsa._rules import env_flag
@@ -134,13 +136,34 @@ _KEPT: Dict[Tuple, Choice] = {}
 _MAX_KEPT = 4096  # distinct calls kept; a model has a few per layer shape
 
 
-def select_kept(op: str, args: Any, backend: str, key: Hashable) -> Choice:
-    """``select(op, args, backend)``, kept per ``key``: everything of the call
-    that the backends' hooks read (its dtypes, shapes, device, flags and the
-    alignments a kernel assumes), with the backend asked for and the
-    variables that steer the choice (DSA_BACKEND, DSA_DISABLE_CUTE,
-    TRITON_INTERPRET). The hooks then run once per such key, not once per
-    call; a choice that raises is not kept."""
+def call_key(args: Any) -> Tuple:
+    """What a backend hook may read of the canonical ``args`` (a dataclass of
+    :mod:`dsa._args`), hashable: each tensor field's dtype, device, shape,
+    strides and address modulo 16 (the alignment a kernel may assume), each
+    other field's value. Never a tensor's values: no hook reads them."""
+    key = []
+    for name in _field_names(type(args)):
+        x = getattr(args, name)
+        if isinstance(x, torch.Tensor):
+            key.append((x.dtype, x.device, x.shape, x.stride(), x.data_ptr() % 16))
+        else:
+            key.append(x)
+    return tuple(key)
+
+
+@functools.lru_cache(maxsize=None)
+def _field_names(cls) -> Tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
+def select_kept(op: str, args: Any, backend: str, key: Optional[Hashable] = None) -> Choice:
+    """``select(op, args, backend)``, kept per ``key`` (default ``call_key(args)``:
+    everything of the call that the backends' hooks read), the backend asked
+    for and the variables that steer the choice (DSA_BACKEND,
+    DSA_DISABLE_CUTE, TRITON_INTERPRET). The hooks then run once per such
+    key, not once per call; a choice that raises is not kept."""
+    if key is None:
+        key = call_key(args)
     env = os.environ
     full = (op, key, backend, env.get("DSA_BACKEND"), env.get("DSA_DISABLE_CUTE"), env.get("TRITON_INTERPRET"))
     c = _KEPT.get(full)

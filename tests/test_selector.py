@@ -267,3 +267,34 @@ def test_sparse_attention_choice_is_kept_per_call_key(clean_env, monkeypatch):
     dsa.sparse_attention(q, kv, idx, sink=sink, d_v=16)
     assert len(runs) == 5 and runs == ["sparse_attention_fwd"] * 5
     selector.forget()
+
+
+def test_call_key_holds_metadata_not_values():
+    """call_key: equal for another call with the same metadata but other
+    values; different for another dtype, shape, stride, 16-byte alignment or
+    scalar."""
+    from dsa._args import TopkArgs
+    from dsa.selector import call_key
+
+    x = torch.randn(6, 40)
+    base = call_key(TopkArgs(x, 3, None))
+    assert call_key(TopkArgs(torch.randn(6, 40), 3, None)) == base  # other values
+    assert call_key(TopkArgs(x.double(), 3, None)) != base
+    assert call_key(TopkArgs(x[:5], 3, None)) != base
+    assert call_key(TopkArgs(torch.randn(6, 80)[:, ::2], 3, None)) != base  # strides
+    assert call_key(TopkArgs(torch.randn(6 * 40 + 1)[1:].view(6, 40), 3, None)) != base  # 4, not 16, aligned
+    assert call_key(TopkArgs(x, 4, None)) != base
+    assert call_key(TopkArgs(x, 3, torch.full((6,), 9, dtype=torch.int32))) != base
+
+
+def test_topk_choice_is_kept(clean_env, monkeypatch):
+    from dsa import selector
+
+    runs = []
+    real = selector.select
+    monkeypatch.setattr(selector, "select", lambda op, a, backend="auto": runs.append(op) or real(op, a, backend))
+    x = torch.randn(6, 40)
+    first = dsa.topk_indices(x, 5)
+    assert torch.equal(dsa.topk_indices(x.clone(), 5), first) and runs == ["topk"]
+    dsa.topk_indices(x, 6)
+    assert runs == ["topk", "topk"]

@@ -9,7 +9,7 @@ import torch
 from dsa._args import IndexerArgs
 from dsa._rules import acc_dtype
 from dsa.ops._core import no_selection, op
-from dsa.selector import select
+from dsa.selector import select_kept
 
 
 @op("indexer_scores", IndexerArgs)
@@ -17,7 +17,7 @@ def indexer_scores(a: IndexerArgs, backend: str):
     """-> scores [T_q, max_seqlen_k] fp32, -inf where not visible."""
     if a.empty:
         return torch.full((a.q.shape[0], a.max_seqlen_k), float("-inf"), device=a.q.device, dtype=acc_dtype(a.q))
-    return select("indexer_scores", a, backend).fn(a)
+    return select_kept("indexer_scores", a, backend).fn(a)
 
 
 @indexer_scores.fake
@@ -30,7 +30,7 @@ def indexer_scores_bwd(a: IndexerArgs, dscores, backend: str):
     """-> dq, dk, dweights of indexer_scores; dscores at non-visible keys are ignored."""
     if a.empty:
         return torch.zeros_like(a.q), torch.zeros_like(a.k), torch.zeros_like(a.weights)
-    return select("indexer_scores_bwd", a, backend).fn(a, dscores.contiguous())
+    return select_kept("indexer_scores_bwd", a, backend).fn(a, dscores.contiguous())
 
 
 @indexer_scores_bwd.fake
@@ -52,7 +52,7 @@ def indexer_topk(a: IndexerArgs, topk: int, backend: str):
     """-> indices [T_q, topk] int32 (local key positions, -1 padded), lengths [T_q] int32."""
     if a.empty or topk == 0:
         return no_selection(a.q.shape[0], topk, a.q.device)
-    return select("indexer_topk", a, backend).fn(a, topk)
+    return select_kept("indexer_topk", a, backend).fn(a, topk)
 
 
 @indexer_topk.fake

@@ -16,7 +16,7 @@ def sparse_attention_fwd(a: SparseAttnArgs, backend: str):
     if a.empty:
         lse = torch.full((a.T, a.H), float("inf"), device=a.q.device, dtype=acc_dtype(a.q))
         return a.q.new_zeros(a.T, a.H, a.d_v), lse
-    return select_kept("sparse_attention_fwd", a, backend, a.choice_key).fn(a)
+    return select_kept("sparse_attention_fwd", a, backend).fn(a)
 
 
 @sparse_attention_fwd.fake
@@ -32,7 +32,7 @@ def sparse_attention_bwd(a: SparseAttnArgs, out, lse, dout, backend: str):
     if a.empty:
         dsink = torch.zeros(n_sink, device=a.q.device, dtype=acc_dtype(a.q))
         return torch.zeros_like(a.q), torch.zeros_like(a.kv), dsink
-    dq, dkv, dsink = select_kept("sparse_attention_bwd", a, backend, a.choice_key).fn(a, out, lse, dout.contiguous())
+    dq, dkv, dsink = select_kept("sparse_attention_bwd", a, backend).fn(a, out, lse, dout.contiguous())
     if dsink is None:
         dsink = a.q.new_zeros(0, dtype=acc_dtype(a.q))
     return dq, dkv, dsink

@@ -6,7 +6,7 @@ import torch
 
 from dsa._args import TopkArgs
 from dsa.ops._core import no_selection, op
-from dsa.selector import select
+from dsa.selector import select_kept
 
 
 @op("topk", TopkArgs, returns="(Tensor, Tensor)")
@@ -14,7 +14,7 @@ def topk(a: TopkArgs, backend: str):
     """-> indices [R, topk] int32 (ascending, -1 padded), lengths [R] int32."""
     if a.empty:
         return no_selection(a.scores.shape[0], a.topk, a.scores.device)
-    return select("topk", a, backend).fn(a)
+    return select_kept("topk", a, backend).fn(a)
 
 
 @topk.fake

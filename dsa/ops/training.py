@@ -10,7 +10,7 @@ import torch
 from dsa._args import DenseTargetArgs, SparseAttnArgs, SparseIndexerArgs
 from dsa._rules import acc_dtype
 from dsa.ops._core import op
-from dsa.selector import select
+from dsa.selector import select_kept
 
 # columns of the per-row stats of the KL forward (dsa.reference_training.STAT_*)
 STAT_LOSS, STAT_VALID = 0, 3
@@ -33,7 +33,7 @@ def attention_target(a: SparseAttnArgs, lse, backend: str):
     """-> target [T, G, K] fp32; lse [T, H] from sparse attention. Sink and d_v do not enter."""
     if a.empty:
         return a.q.new_zeros(a.T, a.G, a.K, dtype=acc_dtype(a.q))
-    return select("attention_target", a, backend).fn(a, lse)
+    return select_kept("attention_target", a, backend).fn(a, lse)
 
 
 @attention_target.fake
@@ -46,7 +46,7 @@ def dense_attention_target(a: DenseTargetArgs, backend: str):
     """-> target [T_q, max_seqlen_k] fp32, 0 where not visible."""
     if a.empty:
         return a.q.new_zeros(a.q.shape[0], a.max_seqlen_k, dtype=acc_dtype(a.q))
-    return select("dense_attention_target", a, backend).fn(a)
+    return select_kept("dense_attention_target", a, backend).fn(a)
 
 
 @dense_attention_target.fake
@@ -63,7 +63,7 @@ def sparse_indexer_fwd(a: SparseIndexerArgs, backend: str):
     """-> logits [T, K] fp32, -inf on invalid slots."""
     if a.empty:
         return torch.full((a.T, a.K), float("-inf"), device=a.q.device, dtype=acc_dtype(a.q))
-    return select("sparse_indexer_fwd", a, backend).fn(a)
+    return select_kept("sparse_indexer_fwd", a, backend).fn(a)
 
 
 @sparse_indexer_fwd.fake
@@ -76,7 +76,7 @@ def sparse_indexer_bwd(a: SparseIndexerArgs, dlogits, backend: str):
     """-> dq, dk, dweights of the sparse indexer logits."""
     if a.empty:
         return _zero_grads(a)
-    return select("sparse_indexer_bwd", a, backend).fn(a, dlogits.contiguous())
+    return select_kept("sparse_indexer_bwd", a, backend).fn(a, dlogits.contiguous())
 
 
 @sparse_indexer_bwd.fake
@@ -104,7 +104,7 @@ def indexer_kl_fwd(a: SparseIndexerArgs, target, backend: str):
         stats = torch.zeros(a.T, 4, device=a.q.device, dtype=acc)
         stats[:, 1] = float("-inf")
         return a.q.new_zeros((), dtype=acc), stats
-    stats = select("indexer_kl_fwd", a, backend).fn(a, target)
+    stats = select_kept("indexer_kl_fwd", a, backend).fn(a, target)
     # rows with no valid slot are out of the mean; with no valid row at all the loss is 0
     loss = stats[:, STAT_LOSS].sum() / stats[:, STAT_VALID].sum().clamp(min=1.0)
     return loss, stats
@@ -122,7 +122,7 @@ def indexer_kl_bwd(a: SparseIndexerArgs, target, stats, scale, backend: str):
     """scale: 0-dim, dloss / max(R, 1) (kept on the device: no host sync)."""
     if a.empty:
         return _zero_grads(a)
-    return select("indexer_kl_bwd", a, backend).fn(a, target, stats, scale)
+    return select_kept("indexer_kl_bwd", a, backend).fn(a, target, stats, scale)
 
 
 @indexer_kl_bwd.fake

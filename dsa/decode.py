@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from dsa import _checks, ops
+from dsa._kept import kept
 from dsa._rules import acc_dtype
 from dsa.ops import decode as decode_op
 from dsa.ops._core import direct_plain
@@ -87,8 +88,7 @@ class _Known:
         return run
 
 
-_KNOWN: Dict[tuple, _Known] = {}
-_MAX_KNOWN = 4096  # distinct call metadata kept; a serving loop has a few per batch size and layer shape
+_KNOWN: Dict[tuple, _Known] = {}  # per call metadata; a serving loop has a few per batch size and layer shape
 
 
 def sparse_decode(
@@ -155,9 +155,7 @@ def _known_call(key, q, kv_cache, indices, block_table, seq_lens, topk_length, s
         form = _checks.sparse_decode_form(q, kv_cache, indices, block_table, seq_lens, topk_length, sink, sm_scale,
                                           d_v, cache_format)
         a = form.args(q, kv_cache, indices, block_table, seq_lens, topk_length, sink)
-        if len(_KNOWN) >= _MAX_KNOWN:
-            _KNOWN.clear()
-        known = _KNOWN[key] = _Known(form, a, q)
+        known = kept(_KNOWN, key, lambda: _Known(form, a, q))
     form = known.form
     fn, prepared = known.run(a, backend)
     if fn is None:  # a new backend (or steering variable) for this metadata: the choice needs the arguments

@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 import torch
 
 from dsa._args import Unsupported
+from dsa._kept import kept
 from dsa._rules import env_flag
 
 BACKENDS = ("reference", "triton", "cute")
@@ -133,7 +134,6 @@ def select(op: str, args: Any, backend: str = "auto") -> Choice:
 
 # (op, call key, backend asked for, steering variables) -> the choice
 _KEPT: Dict[Tuple, Choice] = {}
-_MAX_KEPT = 4096  # distinct calls kept; a model has a few per layer shape
 
 
 def call_key(args: Any) -> Tuple:
@@ -166,12 +166,7 @@ def select_kept(op: str, args: Any, backend: str, key: Optional[Hashable] = None
         key = call_key(args)
     env = os.environ
     full = (op, key, backend, env.get("DSA_BACKEND"), env.get("DSA_DISABLE_CUTE"), env.get("TRITON_INTERPRET"))
-    c = _KEPT.get(full)
-    if c is None:
-        if len(_KEPT) >= _MAX_KEPT:
-            _KEPT.clear()
-        c = _KEPT[full] = select(op, args, backend)
-    return c
+    return kept(_KEPT, full, lambda: select(op, args, backend))
 
 
 def forget() -> None:

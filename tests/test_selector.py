@@ -298,3 +298,20 @@ def test_topk_choice_is_kept(clean_env, monkeypatch):
     assert torch.equal(dsa.topk_indices(x.clone(), 5), first) and runs == ["topk"]
     dsa.topk_indices(x, 6)
     assert runs == ["topk", "topk"]
+
+
+def test_kept_values_are_made_once_and_bounded():
+    from dsa._kept import kept
+
+    cache, made = {}, []
+    assert kept(cache, "a", lambda: made.append("a") or 1, limit=2) == 1
+    assert kept(cache, "a", lambda: made.append("again") or 2, limit=2) == 1 and made == ["a"]
+    kept(cache, "b", lambda: 2, limit=2)
+    assert kept(cache, "c", lambda: 3, limit=2) == 3 and cache == {"c": 3}  # full: emptied first
+
+    def fails():
+        raise RuntimeError("no")
+
+    with pytest.raises(RuntimeError):
+        kept(cache, "d", fails, limit=2)
+    assert "d" not in cache

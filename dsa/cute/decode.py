@@ -39,6 +39,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from dsa._args import SparseDecodeArgs
+from dsa._kept import kept
 from dsa._rules import LOG2E
 from dsa.cute.host import compile_kernel, cutlass_dtype, dsl_reason, sm90_reason, zero_row
 from dsa.kv_cache import FORMATS, NATIVE
@@ -209,7 +210,6 @@ class _Plan:
 
 
 _PLANS: Dict[Tuple, _Plan] = {}
-_MAX_PLANS = 4096
 _COMPILED: Dict[Tuple, Any] = {}  # (DecodeSm90Config, device index) -> compiled kernel
 
 
@@ -226,12 +226,7 @@ def plan(a: SparseDecodeArgs, splits: Optional[int] = None) -> _Plan:
     # sequence, the topk_length grouping and sm_scale
     bt_w = a.block_table.shape[1] if a.block_table is not None else 0
     key = (a.shape_key, a.num_pages, a.kv.stride(0), bt_w, a.rows_per_seq, a.len_div, a.sm_scale, splits)
-    p = _PLANS.get(key)
-    if p is None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        p = _PLANS[key] = _build(a, splits)
-    return p
+    return kept(_PLANS, key, lambda: _build(a, splits))
 
 
 def merge_blocks(a: SparseDecodeArgs, sms: int) -> Tuple[int, int]:

@@ -39,6 +39,7 @@ import torch
 import triton
 
 from dsa._args import SparseAttnArgs, SparseDecodeArgs
+from dsa._kept import kept
 from dsa._rules import LOG2E
 from dsa.kv_cache import FORMATS, NATIVE
 from dsa.ops.decode import run_fresh
@@ -272,7 +273,6 @@ class _Plan:
 
 
 _PLANS: Dict[Tuple, _Plan] = {}
-_MAX_PLANS = 4096  # distinct (shape, flags, device) keys kept; a serving loop has a few hundred at most
 
 
 def _build(key: Tuple, a: SparseDecodeArgs, splits: Optional[int]) -> _Plan:
@@ -293,12 +293,7 @@ def _build(key: Tuple, a: SparseDecodeArgs, splits: Optional[int]) -> _Plan:
 def plan(a: SparseDecodeArgs, splits: Optional[int] = None) -> _Plan:
     """The launch of ``a``: built once per shape, dtype, flag and device (no tensor is kept)."""
     key = (a.shape_key, splits)
-    p = _PLANS.get(key)
-    if p is None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        p = _PLANS[key] = _build(key, a, splits)
-    return p
+    return kept(_PLANS, key, lambda: _build(key, a, splits))
 
 
 _DECODE = Launcher(sparse_decode_kernel)

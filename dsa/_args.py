@@ -25,6 +25,12 @@ from typing import Optional
 import torch
 
 
+@functools.lru_cache(maxsize=None)
+def field_names(cls) -> tuple:
+    """The field names of an argument dataclass, in declaration order."""
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 class Unsupported(Exception):
     """Raised by a backend's hook when it cannot serve a call; the message says why."""
 

@@ -23,12 +23,12 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
 import torch
 
-from dsa._args import Unsupported
+from dsa._args import Unsupported, field_names
 from dsa._kept import kept
 from dsa._rules import env_flag
 
@@ -142,18 +142,13 @@ def call_key(args: Any) -> Tuple:
     strides and address modulo 16 (the alignment a kernel may assume), each
     other field's value. Never a tensor's values: no hook reads them."""
     key = []
-    for name in _field_names(type(args)):
+    for name in field_names(type(args)):
         x = getattr(args, name)
         if isinstance(x, torch.Tensor):
             key.append((x.dtype, x.device, x.shape, x.stride(), x.data_ptr() % 16))
         else:
             key.append(x)
     return tuple(key)
-
-
-@functools.lru_cache(maxsize=None)
-def _field_names(cls) -> Tuple[str, ...]:
-    return tuple(f.name for f in fields(cls))
 
 
 def select_kept(op: str, args: Any, backend: str, key: Optional[Hashable] = None) -> Choice:

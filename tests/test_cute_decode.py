@@ -288,7 +288,7 @@ def test_launch_arguments(monkeypatch, B, H, split, reuse):
             merges.append(x)
 
     monkeypatch.setattr(cdec, "_sm_count", lambda d: 132)
-    monkeypatch.setattr(cdec, "_raw_stream", lambda index: 7)
+    monkeypatch.setattr(cdec, "stream_handle", lambda device: 7)
     monkeypatch.setattr(cdec, "zero_row", lambda d, dt, n: zero)
     monkeypatch.setattr(cdec, "_compiled", lambda p: lambda *x: launches.append((p, x)))
     from dsa.triton import decode as tdecode
@@ -331,7 +331,7 @@ def test_launch_arguments(monkeypatch, B, H, split, reuse):
 def test_prepared_call_refuses_misaligned_tensors(monkeypatch):
     monkeypatch.setattr(cdec, "_sm_count", lambda d: 132)
     monkeypatch.setattr(cdec, "zero_row", lambda d, dt, n: torch.zeros(n, dtype=dt))
-    monkeypatch.setattr(cdec, "_raw_stream", lambda index: 7)
+    monkeypatch.setattr(cdec, "stream_handle", lambda device: 7)
     monkeypatch.setattr(cdec, "_compiled", lambda p: lambda *x: None)
     if not HAVE_DSL:
         pytest.skip("nvidia-cutlass-dsl is not installed")

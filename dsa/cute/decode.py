@@ -41,7 +41,7 @@ import torch
 from dsa._args import SparseDecodeArgs
 from dsa._kept import kept
 from dsa._rules import LOG2E
-from dsa.cute.host import compile_kernel, cutlass_dtype, dsl_reason, sm90_reason, zero_row
+from dsa.cute.host import compile_kernel, cutlass_dtype, dsl_reason, sm90_reason, stream_handle, zero_row
 from dsa.kv_cache import FORMATS, NATIVE
 from dsa.ops.decode import run_fresh
 
@@ -306,7 +306,6 @@ class Prepared:
     def __init__(self, a: SparseDecodeArgs, reuse_workspace: bool = False, splits: Optional[int] = None):
         p = self.plan = plan(a, splits)
         native = a.cache_format == NATIVE
-        self._cuda = a.q.device.index
         self._device = a.q.device
         self._zero = zero_row(a.q.device, a.q.dtype if native else torch.uint8, zero_row_size(a)).data_ptr()
         self._n_lse = a.T * a.H * p.splits  # the parts' lse [T, H, S], then their outputs [T, H, S, d_v]
@@ -335,7 +334,7 @@ class Prepared:
         if (a_q | a_kv | a_pout) & 15:
             raise ValueError("the cute decode gathers by 16-byte copies: q, kv_cache and out must be 16-byte aligned")
         a_sink = a_plse if sink is None else sink.data_ptr()
-        raw_stream = _raw_stream(self._cuda)
+        raw_stream = stream_handle(self._device)
         self._fn(a_q, a_kv, a_idx, a_idx if topk_length is None else topk_length.data_ptr(),
                  a_idx if block_table is None else block_table.data_ptr(),
                  a_idx if seq_lens is None else seq_lens.data_ptr(), a_sink, a_pout, a_plse, self._zero, *p.scalars,
@@ -378,11 +377,6 @@ def zero_row_size(a: SparseDecodeArgs) -> int:
         return a.D
     f = FORMATS[a.cache_format]
     return f.scale_base(a.page_size) + f.scale_record if f.per_page else f.token_bytes
-
-
-def _raw_stream(index: int) -> int:
-    """The current stream's handle on CUDA device ``index``."""
-    return torch._C._cuda_getCurrentRawStream(index)
 
 
 # ----------------------------------------------------------------------------

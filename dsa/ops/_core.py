@@ -21,6 +21,8 @@ import torch
 import torch.utils._python_dispatch
 from torch import Tensor
 
+from dsa._args import field_names
+
 _SCHEMA_TYPES = {
     Tensor: "Tensor",
     Optional[Tensor]: "Tensor?",
@@ -29,11 +31,6 @@ _SCHEMA_TYPES = {
     bool: "bool",
     str: "str",
 }
-
-
-@functools.lru_cache(maxsize=None)
-def _names(cls) -> Tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 def flat(a) -> Tuple[Any, ...]:
@@ -49,7 +46,7 @@ def _fields(cls) -> Tuple[Tuple[str, str], ...]:
 
 def _device(a) -> Optional[torch.device]:
     """The device of a call: that of its first tensor field (q, or scores)."""
-    for name in _names(type(a)):
+    for name in field_names(type(a)):
         x = getattr(a, name)
         if isinstance(x, Tensor):
             return x.device
@@ -197,6 +194,6 @@ def call(op: Op, a, *rest):
     to add (:func:`direct`). Same body, same result; it saves the dispatcher's
     host time (tens of microseconds a call), which short kernels would
     otherwise wait on."""
-    if traced() or not _plain([getattr(a, n) for n in _names(type(a))] + list(rest)):  # eager: names cached
+    if traced() or not _plain([getattr(a, n) for n in field_names(type(a))] + list(rest)):  # eager: names cached
         return op(a, *rest)
     return op.body(a, *rest)

@@ -3,6 +3,7 @@
     compute-sanitizer --tool memcheck python bench/bench_cute_bwd.py --sanitize
     python bench/bench_cute_bwd.py [--shapes v32,v4pro,...,v32-half,...]   (SHAPES, VARIANTS)
     python bench/bench_cute_bwd.py --shapes 'v32@evict_last=0+c0_chunks=1'     (any build at a shape)
+    python bench/bench_cute_bwd.py --parts --shapes v32,v4flash          (the backward's pieces timed apart)
 
 One process, the same inputs for both (fresh ``torch.randn``, bf16, sink on,
 random indices), ``triton.testing.do_bench`` medians (warmup 25 ms, rep
@@ -105,6 +106,35 @@ def run(name: str) -> None:
         print(f"{name:9s} deterministic: bitwise equal on a second run: {same}", flush=True)
 
 
+def parts(name: str) -> None:
+    """The cute backward's pieces timed apart at a shape: the whole call, the
+    per-row preprocess (one pass over out and dO), the fp32 dkv zero fill,
+    the kernel alone and the column-order cast of dkv, ms."""
+    from dsa.triton.sparse_attention import preprocess
+
+    shape, build = _variant(name)
+    cbwd.BUILD = dict(DEFAULT_BUILD, **build)
+    T, N, H, D, K, half, det = SHAPES[shape]
+    a = _args(T, N, H, D, K, half, det)
+    out, lse = tsa.forward(a)
+    dout = torch.randn(T, H, 512, device="cuda", dtype=torch.bfloat16)
+    delta, lg2den, _ = preprocess(a, out, lse, dout)
+    dq = torch.empty_like(a.q)
+    dkv = torch.zeros((N, 1, D), dtype=torch.float32, device="cuda")
+    cbwd.backward(a, out, lse, dout)
+    steps = {
+        "whole": lambda: cbwd.backward(a, out, lse, dout),
+        "preprocess": lambda: preprocess(a, out, lse, dout),
+        "zero": lambda: dkv.zero_(),
+        "kernel": lambda: cbwd._launch(a, dout, lg2den, delta, dq, dkv, 0, T),
+        "columns": lambda: cbwd.natural_columns(dkv, torch.bfloat16),
+    }
+    ms = {k: triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median") for k, f in steps.items()}
+    flop = 2 * T * H * K * (3 * D + 2 * 512)
+    print(f"{name:11s} parts, ms: " + "  ".join(f"{k} {v:.4f}" for k, v in ms.items())
+          + f"  | kernel {flop / ms['kernel'] / 1e9:.1f} TFLOP/s, whole {flop / ms['whole'] / 1e9:.1f}", flush=True)
+
+
 def sanitize() -> None:
     """A small call with hostile indices (out of range both ways, past
     topk_length, duplicates), both modes: run under compute-sanitizer."""
@@ -129,12 +159,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(list(SHAPES) + list(VARIANTS)))
     ap.add_argument("--sanitize", action="store_true", help="only the small hostile call (compute-sanitizer)")
+    ap.add_argument("--parts", action="store_true", help="time the backward's pieces apart")
     args = ap.parse_args()
     if args.sanitize:
         sanitize()
         return
     for name in args.shapes.split(","):
-        run(name)
+        (parts if args.parts else run)(name)
         torch.cuda.empty_cache()
 
 

@@ -244,8 +244,9 @@ def short_row_variants(rows: int, cols: int, k: int) -> Dict[str, dict]:
       select block on 8 warps, no register cap (DSA_TOPK_LIST_SELECT_WARPS=8);
       ``evict``: the build's chunk loads evict-first (DSA_TOPK_EVICT_FIRST=1);
       ``scaled_sample``: with row ends, rows of at most a quarter (half) of
-      the columns sample a quarter (half) as many scores
-      (DSA_TOPK_LIST_SCALED_SAMPLE=1; the default on whole rows).
+      the columns sample a quarter (half) as many scores, the opposite of
+      the default's choice (DSA_TOPK_LIST_SCALED_SAMPLE; the default scales
+      above 32768 columns; whole rows are unchanged).
     """
     from dsa.triton import topk as tk
 
@@ -270,7 +271,8 @@ def short_row_variants(rows: int, cols: int, k: int) -> Dict[str, dict]:
     if plan.select_warps == 4:
         out["dsa_list_select_w8"] = {"plan": dataclasses.replace(plan, select_warps=8, select_maxnreg=None)}
     out["dsa_list_evict"] = {"plan": dataclasses.replace(plan, evict_first=True)}
-    out["dsa_list_scaled_sample"] = {"plan": dataclasses.replace(plan, scaled_sample=True)}  # rows with ends
+    flip = not plan.scaled_sample  # rows with ends
+    out[f"dsa_list_{'scaled' if flip else 'whole'}_sample"] = {"plan": dataclasses.replace(plan, scaled_sample=flip)}
     if rows > 1024:
         out["dsa_list_batch1024_evict"] = {"plan": dataclasses.replace(plan, batch_rows=1024, evict_first=True)}
     return out

@@ -334,19 +334,25 @@ def test_list_plan_sizes():
 
 
 def test_list_plan_order_by_row_length(monkeypatch):
-    """Unset, the build takes rows first first without L2 prefetch up to
-    LIST_ORDER_MAX_S keys and last first with 4 chunks ahead above; the
+    """Unset, the build takes rows first first without L2 prefetch and with
+    the whole sample up to LIST_ORDER_MAX_S keys, and last first with 4
+    chunks ahead and a sample scaled to rows with ends above; the
     environment's values, when set, hold for every length."""
     monkeypatch.setattr(tk, "LIST_REVERSE", None)
     monkeypatch.setattr(tk, "LIST_PREFETCH", None)
-    for S, rev, pf in [(16384, False, 0), (tk.LIST_ORDER_MAX_S, False, 0), (65536, True, 4), (131072, True, 4)]:
+    monkeypatch.setattr(tk, "LIST_SCALED_SAMPLE", None)
+    for S, big in [(16384, False), (tk.LIST_ORDER_MAX_S, False), (65536, True), (131072, True)]:
         p = tk._list_plan(S, 1024)
-        assert (p.reverse, p.prefetch) == (rev, pf), S
+        assert (p.reverse, p.prefetch, p.scaled_sample) == (big, 4 if big else 0, big), S
     monkeypatch.setattr(tk, "LIST_REVERSE", True)
     monkeypatch.setattr(tk, "LIST_PREFETCH", 2)
-    assert (tk._list_plan(16384, 1024).reverse, tk._list_plan(16384, 1024).prefetch) == (True, 2)
+    monkeypatch.setattr(tk, "LIST_SCALED_SAMPLE", True)
+    p = tk._list_plan(16384, 1024)
+    assert (p.reverse, p.prefetch, p.scaled_sample) == (True, 2, True)
     monkeypatch.setattr(tk, "LIST_REVERSE", False)
-    assert not tk._list_plan(65536, 1024).reverse
+    monkeypatch.setattr(tk, "LIST_SCALED_SAMPLE", False)
+    p = tk._list_plan(65536, 1024)
+    assert not p.reverse and not p.scaled_sample
 
 
 def test_extremes_order():

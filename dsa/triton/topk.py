@@ -139,10 +139,14 @@ LIST_BUILD_WARPS = _env_pow2("DSA_TOPK_LIST_BUILD_WARPS", 4)
 LIST_SELECT_WARPS = _env_pow2("DSA_TOPK_LIST_SELECT_WARPS", 0, zero=True)
 EVICT_FIRST = os.environ.get("DSA_TOPK_EVICT_FIRST", "0") != "0"
 # With row ends, a row of at most a quarter (half) of S keys samples a quarter
-# (half) of the planned sample, the same fraction of its length
-# (DSA_TOPK_LIST_SCALED_SAMPLE=1): the sample's search, the build's compute
-# before its row read, then costs about what the row's length does.
-LIST_SCALED_SAMPLE = os.environ.get("DSA_TOPK_LIST_SCALED_SAMPLE", "0") != "0"
+# (half) of the planned sample, the same fraction of its length: the sample's
+# search, the build's compute before its row read, then costs about what the
+# row's length does.  DSA_TOPK_LIST_SCALED_SAMPLE (0 / 1) when set, else
+# above LIST_ORDER_MAX_S keys.  H200, fp32 causal rows with row ends, same
+# process (run C74): 65536^2 6.726 / 6.272 ms (k 2048 / 1024) against 6.818 /
+# 6.359 with the whole sample; 32768^2 2.026 / 1.803 against 2.015 / 1.787.
+LIST_SCALED_SAMPLE: Optional[bool] = (None if os.environ.get("DSA_TOPK_LIST_SCALED_SAMPLE") is None
+                                      else os.environ["DSA_TOPK_LIST_SCALED_SAMPLE"] != "0")
 LIST_INLINE_CHUNK = 2048  # the build's chunk with the inline select (half up to LIST_INLINE_SMALL keys)
 LIST_INLINE_SMALL = 16384
 _SAMPLE_Z = tl.constexpr(5.0)
@@ -984,6 +988,12 @@ def _list_prefetch(S: int) -> int:
     return (4 if S > LIST_ORDER_MAX_S else 0) if LIST_PREFETCH is None else LIST_PREFETCH
 
 
+def _list_scaled_sample(S: int) -> bool:
+    """Whether rows with ends shorter than S keys sample less
+    (DSA_TOPK_LIST_SCALED_SAMPLE when set, else above LIST_ORDER_MAX_S keys)."""
+    return S > LIST_ORDER_MAX_S if LIST_SCALED_SAMPLE is None else LIST_SCALED_SAMPLE
+
+
 def _list_plan(S: int, k: int, sample: Optional[int] = None) -> Optional[ListPlan]:
     """The list path's sizes, or None where it does not pay (k near S).
 
@@ -1019,7 +1029,7 @@ def _list_plan(S: int, k: int, sample: Optional[int] = None) -> Optional[ListPla
                     inline_select=LIST_INLINE_SELECT, reverse=_list_reverse(S), prefetch=_list_prefetch(S),
                     build_maxnreg=128 if block == 4096 and LIST_INLINE_SELECT else None,
                     build_warps=LIST_BUILD_WARPS, batch_rows=LIST_BATCH_ROWS, evict_first=EVICT_FIRST,
-                    scaled_sample=LIST_SCALED_SAMPLE)
+                    scaled_sample=_list_scaled_sample(S))
 
 
 def _l2_prefetch_ok(scores: torch.Tensor) -> bool:

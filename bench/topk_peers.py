@@ -423,6 +423,7 @@ INDEXER_VARIANTS = {
     "dsa_fused_b2_chunk25": dict(TOPK_CHUNK_FLOATS=1 << 25),
     "dsa_fused_b2_chunk27": dict(TOPK_CHUNK_FLOATS=1 << 27),
     "dsa_fused_inline": dict(LIST_INLINE_SELECT=True),
+    "dsa_fused_whole_sample": dict(LIST_SCALED_SAMPLE=False),  # the default scales it above 32768 keys
 }
 
 

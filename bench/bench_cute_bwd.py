@@ -32,6 +32,9 @@ SHAPES = {
     "h64d576": (4096, 8192, 64, 576, 2048, False, False),
     "v32half": (4096, 8192, 128, 576, 2048, True, False),
     "v32det": (4096, 8192, 128, 576, 2048, False, True),
+    # tensor-parallel shards: 16 / 32 heads, one tile padded to 64 rows
+    "tp16": (4096, 8192, 16, 576, 2048, False, False),
+    "tp32": (4096, 8192, 32, 576, 2048, False, False),
 }
 # other builds of the kernel (sparse_attention_bwd.BUILD) at a shape; their
 # Triton time is not measured again
@@ -138,21 +141,23 @@ def parts(name: str) -> None:
 def sanitize() -> None:
     """A small call with hostile indices (out of range both ways, past
     topk_length, duplicates), both modes: run under compute-sanitizer."""
-    T, N, H, D, K = 8, 256, 128, 576, 256
-    a = _args(T, N, H, D, K, True, False)
-    idx = a.indices.clone()
-    idx[..., 0::7] = -5
-    idx[..., 3::11] = N
-    idx[..., 5::13] = 2**30
-    idx[..., 8:24] = idx[..., 1:2]
-    tl = torch.tensor([0, -3, K + 9, 1, 65, 200, K, 17], dtype=torch.int32, device="cuda")
-    for det in (False, True):
-        b = SparseAttnArgs(a.q, a.kv, idx, tl, a.sink, a.sm_scale, 512, det)
-        out, lse = tsa.forward(b)
-        dout = torch.randn(T, H, 512, device="cuda", dtype=torch.bfloat16)
-        dq, dkv, dsink = cbwd.backward(b, out, lse, dout)
-        torch.cuda.synchronize()
-        print(f"sanitize det={det}: finite {bool(dq.isfinite().all() and dkv.isfinite().all())}", flush=True)
+    T, N, D, K = 8, 256, 576, 256
+    for H in (128, 16):  # 16: a tile padded past the heads, the last one past q's end
+        a = _args(T, N, H, D, K, True, False)
+        idx = a.indices.clone()
+        idx[..., 0::7] = -5
+        idx[..., 3::11] = N
+        idx[..., 5::13] = 2**30
+        idx[..., 8:24] = idx[..., 1:2]
+        tl = torch.tensor([0, -3, K + 9, 1, 65, 200, K, 17], dtype=torch.int32, device="cuda")
+        for det in (False, True):
+            b = SparseAttnArgs(a.q, a.kv, idx, tl, a.sink, a.sm_scale, 512, det)
+            out, lse = tsa.forward(b)
+            dout = torch.randn(T, H, 512, device="cuda", dtype=torch.bfloat16)
+            dq, dkv, dsink = cbwd.backward(b, out, lse, dout)
+            torch.cuda.synchronize()
+            print(f"sanitize H={H} det={det}: finite {bool(dq.isfinite().all() and dkv.isfinite().all())}",
+                  flush=True)
 
 
 def main() -> None:

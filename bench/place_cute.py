@@ -7,8 +7,9 @@
 each call fed the Triton forward's out and lse and a random dO) and writes
 ``placement_{arch}_bwd.json``.  Copy the file to ``dsa/cute/``.
 
-1. Training grid (``TRAIN``, 120 shapes): every shape is timed on both backends; each
-   becomes one table entry naming the faster one.
+1. Training grid (``TRAIN``, 120 shapes; the backward also ``TRAIN_PADDED``,
+   120 more): every shape is timed on both backends; each becomes one table
+   entry naming the faster one.
 2. Holdout grid (``HOLDOUT``): a fixed list written down before any timing
    (shapes off the training grid: other K, T, N, sink and topk_length), timed
    the same way.  The table picks a backend for each holdout shape by its
@@ -64,6 +65,14 @@ TRAIN = [
     for dt, D, HG, K, T in itertools.product(
         ("bfloat16", "float16"), (512, 576), (64, 128), (128, 512, 2048), (16, 128, 256, 1024, 8192))
 ]  # T = 256: the first T whose grid needs more than one wave of CTAs on 132 SMs
+# The backward also serves 16 and 32 query heads per kv head (tensor-parallel
+# shards) as one tile padded to 64 rows: a tile class of its own in the table
+# (dsa.cute.placement.FULL_TILE_HEADS), on the same grid.
+TRAIN_PADDED = [
+    (dt, D, HG, K, T, 8192, False, False)
+    for dt, D, HG, K, T in itertools.product(
+        ("bfloat16", "float16"), (512, 576), (16, 32), (128, 512, 2048), (16, 128, 256, 1024, 8192))
+]
 
 # Frozen before timing: off-grid K, T and N, with sinks and half-valid rows.
 HOLDOUT = [
@@ -158,7 +167,7 @@ def features(shape):
 def measure(args, backends):
     """Time the training and holdout shapes of args.dtype (all when None):
     (train rows, holdout rows), each a shape with its cute and triton ms."""
-    train = [s for s in TRAIN if args.dtype in (None, s[0])]
+    train = [s for s in TRAIN + (TRAIN_PADDED if args.op == "bwd" else []) if args.dtype in (None, s[0])]
     holdout = [s for s in HOLDOUT if args.dtype in (None, s[0])]
     compile_all(train + holdout, backends, args.op)
     lock = open(args.lock, "w") if args.lock else None
@@ -199,7 +208,7 @@ def build(train_rows, holdout_rows, device, commit, op):
         device=device, date=str(datetime.date.today()), commit=commit,
         timing="compile first, GPU kept busy 1 s, then per shape the lower of two do_bench medians "
                f"(warmup 25 ms, rep 60 ms) per backend; op {op}",
-        features="exact dtype and D; nearest in log2 of HG, K, T",
+        features="exact dtype, D and tile class (HG < 64: one padded tile); nearest in log2 of HG, K, T",
         entries=entries, holdout=dict(regret_geomean=round(geo, 4), shapes=rows),
     ), geo
 

@@ -90,6 +90,30 @@ def test_placement_needs_matching_dtype_and_D():
     assert placement.nearest(_features(D=512), table) is None
 
 
+def test_placement_padded_tiles_rank_apart():
+    """Fewer than 64 query heads per kv head (one padded tile) and full tiles
+    are decided only by entries of their own class, however near."""
+    full, padded = _entry(HG=64, backend="cute"), _entry(HG=32, backend="triton", cute_ms=3.0)
+    assert placement.nearest(_features(HG=64), [full, padded]).backend == "cute"
+    assert placement.nearest(_features(HG=48), [full, padded]).backend == "triton"
+    assert placement.nearest(_features(HG=16), [full]) is None
+    assert placement.nearest(_features(HG=128), [padded]) is None
+
+
+def test_shipped_backward_table_covers_the_padded_tiles():
+    """The shipped SM90 backward table decides bf16 calls of 16 and 32 heads
+    per kv head from their own measured entries (fp16 ones have none)."""
+    table = placement.entries(placement.TABLE_BWD)
+    tp = [e for e in table if e.HG < placement.FULL_TILE_HEADS]
+    assert {e.HG for e in tp} == {16, 32} and {e.dtype for e in tp} == {"bfloat16"}
+    for e in tp:
+        assert e.backend == ("cute" if e.cute_ms < e.triton_ms else "triton")
+    got = placement.nearest(_features(HG=16, K=2048, T=4096), table)
+    assert got.HG == 16 and got.backend == "cute"
+    assert placement.nearest(_features(HG=16, K=128, T=8192), table).backend == "triton"
+    assert placement.nearest(_features(dtype="float16", HG=32), table) is None
+
+
 def test_placement_far_shapes_have_no_entry():
     table = [_entry(T=4096)]
     assert placement.nearest(_features(T=16384), table) is not None  # two octaves

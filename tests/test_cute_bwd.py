@@ -51,6 +51,8 @@ _CONFIGS = [
     # the other build options: no L2 hint, every dkv chunk on warpgroup 1
     ("fp16_d512_h64_nohint", "float16", 512, 64, 1, False, False, {"evict_last": False, "c0_chunks": 0}),
     ("v32_bf16_det", "bfloat16", 576, 128, 1, True, True, {}),
+    # a tensor-parallel shard: 16 heads a kv head, one tile padded to 64 rows
+    ("tp16_bf16_len", "bfloat16", 576, 16, 1, True, False, {}),
 ]
 
 
@@ -64,9 +66,10 @@ def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
         r = res[name]
         hint = build.get("evict_last", cbwd.BUILD["evict_last"]) and not det
         # per block: S (D / 16) and dP (d_v / 16) on consumer 0, dQ (4 a
-        # tile, one tile on each consumer and the RoPE one), dkv (8 per value
-        # chunk, 4 per RoPE chunk)
-        n_wgmma = D // 16 + 512 // 16 + 2 * 4 + 4 * (D > 512) + 8 * 8 + 4 * (D > 512)
+        # tile, one tile on each consumer and the RoPE one), dkv (2 per value
+        # chunk, 1 per RoPE chunk, and step of 16 real heads of the tile)
+        steps = min(H // G, 64) // 16
+        n_wgmma = D // 16 + 512 // 16 + 2 * 4 + 4 * (D > 512) + steps * (2 * 8 + (D > 512))
         assert r["wgmma.mma_async"] == n_wgmma, (name, r)
         assert r["cp.async.cg.shared.global"] >= D // 64 * 4, (name, r)  # the gather
         assert r["cp.async.mbarrier.arrive.noinc"] >= 2, (name, r)       # Q and dO; each block
@@ -115,8 +118,12 @@ def test_shape_reasons():
     assert cbwd.shape_reason(_args(D=512, H=128, G=2)) is None
     assert "bf16 or fp16" in cbwd.shape_reason(_args(dtype=torch.float32))
     assert "D=256" in cbwd.shape_reason(_args(D=256))
-    assert "multiple of 64" in cbwd.shape_reason(_args(H=32))
-    assert "multiple of 64" in cbwd.shape_reason(_args(H=128, G=4))
+    # 16 and 32 heads per kv head run as one padded tile; other counts below 64 do not
+    assert cbwd.shape_reason(_args(H=32)) is None and cbwd.shape_reason(_args(H=16)) is None
+    assert cbwd.shape_reason(_args(H=64, G=4)) is None
+    assert "multiple of 64" in cbwd.shape_reason(_args(H=48))
+    assert "multiple of 64" in cbwd.shape_reason(_args(H=128, G=16))
+    assert "multiple of 64" in cbwd.shape_reason(_args(H=96))
     a = _args()
     mixed = SparseAttnArgs(a.q, a.kv.half(), a.indices, None, None, a.sm_scale, 512)
     assert "differs" in cbwd.shape_reason(mixed)
@@ -414,6 +421,33 @@ def test_gqa_two_kv_heads_lengths_hostile():
     a = _case(T, 2048, 128, 2, 512, K, torch.bfloat16, sink=[INF], lengths=_lengths(T, K, 5), hostile=True,
               nan_rows=True)
     _run_and_check(a)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("H,G,D", [(16, 1, 576), (32, 1, 576), (32, 2, 512)])
+def test_tp_shard_heads_in_a_padded_tile(H, G, D):
+    """16 or 32 query heads per kv head (a tensor-parallel shard) run as one
+    64-row tile whose other rows are zero: every dq row written (the memory
+    is NaN-poisoned), no padding row reaching dkv or dsink, and the last
+    token's tile reading nothing past the tensors (its padding rows would
+    lie past q's end)."""
+    T, K = 24, 1152
+    a = _case(T, 2048, H, G, D, K, torch.bfloat16, sink=[INF, -INF, 1.0], lengths=_lengths(T, K, 11),
+              hostile=True, nan_rows=True)
+    _run_and_check(a)
+
+
+@pytest.mark.gpu
+@gpu
+def test_tp_shard_deterministic_bitwise():
+    T, K = 16, 1024
+    a = _case(T, 1024, 16, 1, 576, K, torch.bfloat16, sink=[1.0], lengths=_lengths(T, K, 13), hostile=True,
+              deterministic=True)
+    dq, dkv, dsink, out, lse, dout = _run_and_check(a)
+    for _ in range(4):
+        dq2, dkv2, dsink2 = cbwd.backward(a, out, lse, dout)
+        assert torch.equal(dq2, dq) and torch.equal(dkv2, dkv) and torch.equal(dsink2, dsink)
 
 
 @pytest.mark.gpu

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int64
+from cutlass import Int64, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 
@@ -24,16 +24,22 @@ def aligned(dtype: cutlass.Constexpr, addr: Int64, align: cutlass.Constexpr = 16
 @cute.jit
 def copy_head_rows(atom, tS, ptr: cute.Pointer, dtype: cutlass.Constexpr, t, H: cutlass.Constexpr, head0,
                    rows: cutlass.Constexpr, width: cutlass.Constexpr, row_in_pass, col0,
-                   rows_per_pass: cutlass.Constexpr = 16, chunk: cutlass.Constexpr = 64):
+                   rows_per_pass: cutlass.Constexpr = 16, chunk: cutlass.Constexpr = 64,
+                   real_rows: cutlass.Constexpr = None, zero_ptr: cute.Pointer = None):
     """Issue the async copies of rows head0 .. head0 + rows - 1 of token t of
     a [T, H, width] tensor at ``ptr`` into ``tS`` (this thread's slice of the
     shared tile, [copy, pass, column chunk]): the thread copies columns
     col0 .. col0 + 7 of each ``chunk``-column chunk of the rows head0 +
-    row_in_pass + rows_per_pass * m.  The caller signals their completion."""
+    row_in_pass + rows_per_pass * m.  With ``real_rows`` (a multiple of
+    rows_per_pass) the rows from head0 + real_rows on are copies of the
+    zero row at ``zero_ptr`` (at least ``width`` elements): a tile padded
+    past its heads.  The caller signals their completion."""
     ES = dtype.width // 8
     for m in cutlass.range_constexpr(rows // rows_per_pass):
         row = head0 + row_in_pass + m * rows_per_pass
         addr = ptr.toint() + (Int64(t) * Int64(H) + Int64(row)) * Int64(width * ES) + col0 * ES
+        if const_expr(real_rows is not None and m * rows_per_pass >= real_rows):
+            addr = zero_ptr.toint() + col0 * ES
         for c in cutlass.range_constexpr(width // chunk):
             src = cute.make_tensor(aligned(dtype, addr + c * chunk * ES), cute.make_layout((8,)))
             cute.copy(atom, src, tS[None, m, c])

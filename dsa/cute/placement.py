@@ -3,10 +3,12 @@
 ``placement_sm90.json`` is written by ``bench/place_cute.py`` from timings on
 one GPU, named in its ``device`` field (``torch.cuda.get_device_name()``):
 one entry per shape of a training grid, each naming the faster backend
-there.  A call is decided by the entry with the same dtype and D that is
-nearest in log2 of (query heads per kv head, K, T); a call more than two
-octaves away from every entry in any of these has no entry, and auto keeps
-Triton.  The script also measures a holdout grid frozen before the timing
+there.  A call is decided by the entry with the same dtype, D and tile
+class (fewer than ``FULL_TILE_HEADS`` query heads per kv head: the backward
+pads them to one tile, which costs what a full one does, so those shapes
+rank apart) that is nearest in log2 of (query heads per kv head, K, T); a
+call more than two octaves away from every entry in any of these has no
+entry, and auto keeps Triton.  The script also measures a holdout grid frozen before the timing
 (with sinks, topk_length and other N) and records the table's regret on it;
 the table is only written when that regret is at most 1.02 (geometric mean).
 
@@ -41,6 +43,7 @@ TABLE_BWD = os.path.join(os.path.dirname(__file__), "placement_sm90_bwd.json")  
 TABLE_SM100 = os.path.join(os.path.dirname(__file__), "placement_sm100.json")  # none measured yet
 TABLE_SM100_BWD = os.path.join(os.path.dirname(__file__), "placement_sm100_bwd.json")  # none measured yet
 MAX_OCTAVES = 2.0
+FULL_TILE_HEADS = 64  # query heads per kv head below which a cute tile is padded
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,8 @@ def table_reason(device: torch.device, path: Optional[str] = None) -> Optional[s
                 "holdout regret is <= 1.02)")
     name = torch.cuda.get_device_name(device)
     if name != table.device:
-        return f"placement table measured on {table.device}; this GPU is {name} (bench/place_cute.py measures one for it)"
+        return (f"placement table measured on {table.device}; this GPU is {name} "
+                "(bench/place_cute.py measures one for it)")
     return None
 
 
@@ -148,8 +152,9 @@ def features(a: SparseAttnArgs) -> dict:
 
 def nearest(f: dict, table: List[Entry]) -> Optional[Entry]:
     best, best_d = None, math.inf
+    padded = f["HG"] < FULL_TILE_HEADS
     for e in table:
-        if (e.dtype, e.D) != (f["dtype"], f["D"]):
+        if (e.dtype, e.D) != (f["dtype"], f["D"]) or (e.HG < FULL_TILE_HEADS) != padded:
             continue
         gaps = [abs(math.log2(max(f[k], 1)) - math.log2(max(getattr(e, k), 1))) for k in ("HG", "K", "T")]
         if max(gaps) > MAX_OCTAVES:

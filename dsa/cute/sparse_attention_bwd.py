@@ -183,7 +183,7 @@ def _deterministic_dkv(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv, launch: 
     from dsa.triton.sparse_attention import slot_keys
 
     T, N, G, D = a.T, a.N, a.G, a.D
-    HB = a.H // G // heads_per_part
+    HB = max(1, a.H // G // heads_per_part)  # a padded tile (16 or 32 heads) is one part
     per_token = HB * G * a.K * D * 4
     Tc = chunk_rows(T, per_token)
     slots = torch.empty(HB * Tc * G * a.K, D, dtype=torch.float32, device=a.q.device)

@@ -46,7 +46,7 @@ Compiled per ``BwdSm90Config`` and cached by ``dsa.cute.sparse_attention_bwd``.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -62,6 +62,7 @@ BLOCK_H = 64   # query heads per CTA: the M of one wgmma
 BN = 64        # slots per block
 MASK_WRITERS = 16  # producer threads that write a block's mask: one per row of a copy pass
 PAIR_THREADS = 256  # the two warpgroups
+PADDED_HEADS = (16, 32)  # query heads per kv head served as one 64-row tile, the rest zero
 DQ_N = 256     # columns of warpgroup 0's dQ tile; warpgroup 1 holds [256, D)
 
 
@@ -95,7 +96,7 @@ class SparseAttnBwdSm90:
 
     deterministic False: dkv_ptr is the fp32 [N, G, D] accumulator (atomics).
     deterministic True: dkv_ptr is the fp32 slot buffer [HB, T_chunk, G, K, D]
-    (HB = H / G / 64) of the tokens [t0, t0 + T_chunk); every valid slot's row
+    (HB = max(1, H / G / 64)) of the tokens [t0, t0 + T_chunk); every valid slot's row
     is stored, invalid ones are left untouched (the reduction never reads
     them)."""
 
@@ -111,6 +112,11 @@ class SparseAttnBwdSm90:
         self.dtype = dtype
         self.D, self.d_v, self.H, self.G = D, d_v, H, G
         self.HG = H // G
+        # a kv head of 16 or 32 query heads (a tensor-parallel shard) runs as
+        # one tile of 64 rows whose rows past its heads are zero: their P and
+        # dS are 0, so they add nothing to dkv, and their dq is not stored
+        self.rows = min(self.HG, BLOCK_H)
+        self.HB = max(1, self.HG // BLOCK_H)
         self.has_len, self.deterministic = has_len, deterministic
         # evict_last on the adds (non-deterministic only): dkv (N D fp32)
         # stays in L2 while the gathered kv rows stream through
@@ -129,9 +135,9 @@ class SparseAttnBwdSm90:
         Float16 are served; anything else is named as given)."""
         if D not in (512, 576) or d_v != 512:
             return f"D={D}, d_v={d_v}: the cute backward serves D in (512, 576) with d_v = 512"
-        if G <= 0 or H % G or (H // G) % BLOCK_H:
+        if G <= 0 or H % G or ((H // G) % BLOCK_H and H // G not in PADDED_HEADS):
             return (f"H={H} query heads over G={G} kv heads: the cute backward needs H / G a multiple "
-                    f"of {BLOCK_H}")
+                    f"of {BLOCK_H}, or one of {PADDED_HEADS}")
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             return f"dtype {dtype} is not bf16 or fp16"
         return None
@@ -190,7 +196,7 @@ class SparseAttnBwdSm90:
             sP: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sp_layout)], 1024]
 
         self.smem = Smem
-        n_tiles = scheduler.tile_count(T, self.G, self.HG // BLOCK_H)
+        n_tiles = scheduler.tile_count(T, self.G, self.HB)
         self.kernel(
             s_mma, dq_mma, dq1_mma, kv_mma,
             sq_layout, sdo_layout, sk_layout, sp_layout, kt0_layout, kt1_layout, t64_layout,
@@ -244,8 +250,7 @@ class SparseAttnBwdSm90:
         """Tile tile_id of this launch: (local token tl, token t, kv head g,
         head block hb, first query head head0, slots [0, L) that may be
         valid, blocks holding them, the row's indices)."""
-        G, HG = self.G, self.HG
-        HB = HG // BLOCK_H
+        G, HG, HB = self.G, self.HG, self.HB
         pid = tile_id // HB        # tl * G + g
         hb = tile_id - pid * HB
         tl = pid // G
@@ -271,10 +276,11 @@ class SparseAttnBwdSm90:
         thr = tiled.get_slice(tidx)
         row_in_pass = tidx // 8
         col0 = (tidx % 8) * 8
+        pad = dict(real_rows=self.rows, zero_ptr=zero_ptr) if const_expr(self.rows < BLOCK_H) else {}
         copy_head_rows(atom, thr.partition_D(sQ), q_ptr, self.dtype, t, self.H, head0, BLOCK_H, self.D,
-                       row_in_pass, col0)
+                       row_in_pass, col0, **pad)
         copy_head_rows(atom, thr.partition_D(sdO), dout_ptr, self.dtype, t, self.H, head0, BLOCK_H, self.d_v,
-                       row_in_pass, col0)
+                       row_in_pass, col0, **pad)
         cute.arch.cp_async_mbarrier_arrive_noinc(q_full)
         regs = (cute.make_rmem_tensor((BN // 16,), Int32), cute.make_rmem_tensor((BN // 16,), Int64),
                 cute.make_rmem_tensor((BN // 16,), Float32))
@@ -401,8 +407,16 @@ class SparseAttnBwdSm90:
         dl = cute.make_rmem_tensor((2,), Float32)
         for r in cutlass.range_constexpr(2):
             off = Int64(t) * Int64(self.H) + Int64(head0 + row_lo + 8 * r)
-            lg2[r] = load(lg2den_ptr, off)
-            dl[r] = load(delta_ptr, off)
+            if const_expr(self.rows < BLOCK_H):
+                # a padding row: p = exp2(-inf) = 0, so dS = 0 (no load past the heads)
+                lg2[r] = Float32(float("inf"))
+                dl[r] = Float32(0.0)
+                if row_lo + 8 * r < self.rows:
+                    lg2[r] = load(lg2den_ptr, off)
+                    dl[r] = load(delta_ptr, off)
+            else:
+                lg2[r] = load(lg2den_ptr, off)
+                dl[r] = load(delta_ptr, off)
         ok = cute.make_tensor(sOk, cute.make_layout((BN,)))
         return (s_mma, tSrQ, tSrK, tSrdO, acc_s, acc_dp, thr_s.partition_C(ds), thr_s.partition_C(pp),
                 r_ds, r_p, mask, lg2, dl, ok, col_lane)
@@ -499,13 +513,14 @@ class SparseAttnBwdSm90:
         tBrQ = kv_mma.make_fragment_B(thr.partition_B(qc))
         acc.fill(0.0)
         warpgroup.fence()
-        for k in cutlass.range_constexpr(BLOCK_H // 16):
+        # the sum runs over the heads (16 a step): a padded tile's zero rows are skipped
+        for k in cutlass.range_constexpr(self.rows // 16):
             cute.gemm(kv_mma, acc, tArdS[None, None, k], tBrQ[None, None, k], acc)
         if const_expr(ch * 64 < self.d_v):
             doc = cute.make_tensor(cute.recast_ptr(raw_do + ch * BLOCK_H * 64, t64_layout.inner),
                                    t64_layout.outer)
             tBrdO = kv_mma.make_fragment_B(thr.partition_B(doc))
-            for k in cutlass.range_constexpr(BLOCK_H // 16):
+            for k in cutlass.range_constexpr(self.rows // 16):
                 cute.gemm(kv_mma, acc, tArP[None, None, k], tBrdO[None, None, k], acc)
         warpgroup.commit_group()
 
@@ -530,6 +545,11 @@ class SparseAttnBwdSm90:
             for r in cutlass.range_constexpr(2):
                 col = c0 + 8 * j + col_lane
                 addr = base + (Int64(row_lo + 8 * r) * Int64(self.D) + col) * ES
-                dst = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4)
-                cute.make_tensor(dst, cute.make_layout((1,)))[0] = ow[2 * j + r]
+                dst = cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4),
+                                       cute.make_layout((1,)))
+                if const_expr(self.rows < BLOCK_H):
+                    if row_lo + 8 * r < self.rows:  # padding rows have no dq
+                        dst[0] = ow[2 * j + r]
+                else:
+                    dst[0] = ow[2 * j + r]
 

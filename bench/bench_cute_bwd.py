@@ -78,13 +78,19 @@ def _rel(a, b) -> float:
     return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30)).item()
 
 
-def run(name: str) -> None:
+def _setup(name: str):
+    """The build of ``name`` in place, its shape's arguments, the Triton
+    forward's out and lse, a random dO; (shape, a, out, lse, dout)."""
     shape, build = _variant(name)
     cbwd.BUILD = dict(DEFAULT_BUILD, **build)
-    T, N, H, D, K, half, det = SHAPES[shape]
-    a = _args(T, N, H, D, K, half, det)
+    a = _args(*SHAPES[shape])
     out, lse = tsa.forward(a)
-    dout = torch.randn(T, H, 512, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn(a.T, a.H, 512, device="cuda", dtype=torch.bfloat16)
+    return SHAPES[shape], a, out, lse, dout
+
+
+def run(name: str) -> None:
+    (T, N, H, D, K, half, det), a, out, lse, dout = _setup(name)
     flop = 2 * T * H * K * (3 * D + 2 * 512)
     res = {}
     grads = {}
@@ -115,12 +121,7 @@ def parts(name: str) -> None:
     the kernel alone and the column-order cast of dkv, ms."""
     from dsa.triton.sparse_attention import preprocess
 
-    shape, build = _variant(name)
-    cbwd.BUILD = dict(DEFAULT_BUILD, **build)
-    T, N, H, D, K, half, det = SHAPES[shape]
-    a = _args(T, N, H, D, K, half, det)
-    out, lse = tsa.forward(a)
-    dout = torch.randn(T, H, 512, device="cuda", dtype=torch.bfloat16)
+    (T, N, H, D, K, half, det), a, out, lse, dout = _setup(name)
     delta, lg2den, _ = preprocess(a, out, lse, dout)
     dq = torch.empty_like(a.q)
     dkv = torch.zeros((N, 1, D), dtype=torch.float32, device="cuda")

@@ -371,6 +371,15 @@ def _run_and_check(a: SparseAttnArgs, seed=0):
     return dq, dkv, dsink, out64.to(a.q.dtype), lse64.float(), dout
 
 
+def _check_bitwise_repeats(a: SparseAttnArgs, runs: int) -> None:
+    """A deterministic call against float64, then runs - 1 more: every
+    gradient bitwise equal to the first's."""
+    dq, dkv, dsink, out, lse, dout = _run_and_check(a)
+    for _ in range(runs - 1):
+        dq2, dkv2, dsink2 = cbwd.backward(a, out, lse, dout)
+        assert torch.equal(dq2, dq) and torch.equal(dkv2, dkv) and torch.equal(dsink2, dsink)
+
+
 def _report(dq, dkv, dsink, exp):
     """Errors by column range (the consumers' shares) for a failing run's log."""
     for name, x, e in (("dq", dq, exp[0]), ("dkv", dkv, exp[1])):
@@ -444,10 +453,7 @@ def test_tp_shard_deterministic_bitwise():
     T, K = 16, 1024
     a = _case(T, 1024, 16, 1, 576, K, torch.bfloat16, sink=[1.0], lengths=_lengths(T, K, 13), hostile=True,
               deterministic=True)
-    dq, dkv, dsink, out, lse, dout = _run_and_check(a)
-    for _ in range(4):
-        dq2, dkv2, dsink2 = cbwd.backward(a, out, lse, dout)
-        assert torch.equal(dq2, dq) and torch.equal(dkv2, dkv) and torch.equal(dsink2, dsink)
+    _check_bitwise_repeats(a, 5)
 
 
 @pytest.mark.gpu
@@ -460,10 +466,7 @@ def test_deterministic_bitwise_over_runs(monkeypatch):
     T, K = 24, 2048
     a = _case(T, 1024, 128, 1, 576, K, torch.bfloat16, sink=[1.0], lengths=_lengths(T, K, 7), hostile=True,
               deterministic=True)
-    dq, dkv, dsink, out, lse, dout = _run_and_check(a)
-    for _ in range(9):
-        dq2, dkv2, dsink2 = cbwd.backward(a, out, lse, dout)
-        assert torch.equal(dq2, dq) and torch.equal(dkv2, dkv) and torch.equal(dsink2, dsink)
+    _check_bitwise_repeats(a, 10)
 
 
 @pytest.mark.gpu

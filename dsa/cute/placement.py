@@ -8,9 +8,10 @@ class (fewer than ``FULL_TILE_HEADS`` query heads per kv head: the backward
 pads them to one tile, which costs what a full one does, so those shapes
 rank apart) that is nearest in log2 of (query heads per kv head, K, T); a
 call more than two octaves away from every entry in any of these has no
-entry, and auto keeps Triton.  The script also measures a holdout grid frozen before the timing
-(with sinks, topk_length and other N) and records the table's regret on it;
-the table is only written when that regret is at most 1.02 (geometric mean).
+entry, and auto keeps Triton.  The script also measures a holdout grid
+frozen before the timing (with sinks, topk_length and other N) and records
+the table's regret on it; the table is only written when that regret is at
+most 1.02 (geometric mean).
 
 ``placement_sm100.json`` and ``placement_sm100_bwd.json`` are the SM100
 tables of the forward and the backward (none is measured yet: without one,

@@ -1,8 +1,9 @@
 """Sparse attention backward for Hopper (SM90) in CuTe DSL.
 
-One CTA per (token t, kv head g, block of 64 query heads), two warpgroups of
-up to 255 registers each (with a third, producer warpgroup the consumers get
-240 and ptxas spills and serialises their wgmma):
+One CTA per (token t, kv head g, block of 64 query heads; a kv head of 16 or
+32 query heads, a tensor-parallel shard, is one block whose other rows are
+zero), two warpgroups of up to 255 registers each (with a third, producer
+warpgroup the consumers get 240 and ptxas spills and serialises their wgmma):
 
 * warpgroup 0 loads Q [64, D] and dO [64, d_v] of the tile once and gathers
   the kv rows of each block of 64 slots by index with 16-byte cp.async into

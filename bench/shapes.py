@@ -111,6 +111,8 @@ SPARSE_ATTENTION: Tuple[AttnShape, ...] = (
     AttnShape("V4-flash", T=8192, N=8192, H=64, D=512, d_v=512, K=640, sink=True),
     AttnShape("H64-D576-K2048", T=4096, N=8192, H=64, D=576, d_v=512, K=2048),
     AttnShape("V3.2-half", T=4096, N=8192, H=128, D=576, d_v=512, K=2048, half_valid=True),
+    # V3.2 over 8 GPUs of tensor parallelism: 16 query heads per GPU.
+    AttnShape("V3.2-TP16", T=4096, N=8192, H=16, D=576, d_v=512, K=2048),
     # A reduced V3.2 (T=512) where the reference backend's forward+backward fits in time.
     AttnShape("V3.2-T512", T=512, N=8192, H=128, D=576, d_v=512, K=2048, reference=True),
     # Decode: 128 sequences x 1 query token, gathering from a 65536-row KV pool.

@@ -190,6 +190,20 @@ def test_backend_cute_runs_the_backward_and_auto_keeps_triton_without_a_table(sm
 
 
 @needs_dsl
+def test_auto_places_tensor_parallel_shards_by_their_own_entries(sm90, monkeypatch):
+    """With the shipped table on an H200: a V3.2 shard of 16 heads (T 4096)
+    goes to the cute backward by a padded-tile entry, one at K 128 stays on
+    Triton, and fp16 shards (no padded entries) stay on Triton."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    chosen = dsa.cute.backend_op("sparse_attention_bwd", _fake_sm90_args(H=16, T=4096), auto=True)
+    assert chosen.fn is cbwd.backward and "H/G=16 K=2048" in chosen.note, chosen.note
+    assert "says triton is faster" in _declined(_fake_sm90_args(H=16, T=8192, K=128), auto=True)
+    fp16 = types.SimpleNamespace(dtype=torch.float16, device=torch.device("cuda", 0), data_ptr=lambda: 1024)
+    kv16 = types.SimpleNamespace(dtype=torch.float16, data_ptr=lambda: 2048)
+    assert "no measured placement table entry" in _declined(_fake_sm90_args(H=32, T=4096, q=fp16, kv=kv16), auto=True)
+
+
+@needs_dsl
 def test_auto_takes_the_cute_backward_where_its_table_says_so(sm90, monkeypatch, tmp_path):
     """The backward's own table (placement_sm90_bwd.json), measured on this
     GPU, decides auto by the nearest entry; the forward's table does not."""

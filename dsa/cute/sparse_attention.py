@@ -108,7 +108,7 @@ def _compiled(a: SparseAttnArgs, profile: bool = False, refill: bool = True):
         from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
 
         fn = _COMPILED[key] = compile_kernel(SparseAttnFwdSm90.from_config(cfg), _sm90_pointer_types(cfg.dtype),
-                                    scalar_types())
+                                             scalar_types())
     return fn
 
 

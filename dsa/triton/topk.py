@@ -76,6 +76,13 @@ from dsa._args import TopkArgs
 from dsa.triton import fit, ptx
 
 
+def _env_set_flag(name: str) -> Optional[bool]:
+    """None when the variable is unset (the setting follows the row length),
+    else whether it is other than "0"."""
+    v = os.environ.get(name)
+    return None if v is None else v != "0"
+
+
 def _env_pow2(name: str, default: int, zero: bool = False) -> int:
     """A power of two from the environment (0 too where ``zero``): sample
     sizes are block shapes and warp counts powers of two."""
@@ -117,8 +124,7 @@ LIST_INLINE_SELECT = os.environ.get("DSA_TOPK_LIST_INLINE", "0") != "0"
 # 2.110 / 1.905 last-first with 4; 4096 x 16384 0.2653 against 0.2700; 65536^2
 # causal 7.044 / 6.580 against 6.825 / 6.365.
 LIST_ORDER_MAX_S = 32768
-LIST_REVERSE: Optional[bool] = (None if os.environ.get("DSA_TOPK_LIST_REVERSE") is None
-                                else os.environ["DSA_TOPK_LIST_REVERSE"] != "0")
+LIST_REVERSE = _env_set_flag("DSA_TOPK_LIST_REVERSE")
 LIST_PREFETCH: Optional[int] = (None if os.environ.get("DSA_TOPK_LIST_PREFETCH") is None
                                 else int(os.environ["DSA_TOPK_LIST_PREFETCH"]))
 # Settings bench/topk_peers.py --variants sweeps for short rows, selectable by
@@ -145,8 +151,7 @@ EVICT_FIRST = os.environ.get("DSA_TOPK_EVICT_FIRST", "0") != "0"
 # above LIST_ORDER_MAX_S keys.  H200, fp32 causal rows with row ends, same
 # process (run C74): 65536^2 6.726 / 6.272 ms (k 2048 / 1024) against 6.818 /
 # 6.359 with the whole sample; 32768^2 2.026 / 1.803 against 2.015 / 1.787.
-LIST_SCALED_SAMPLE: Optional[bool] = (None if os.environ.get("DSA_TOPK_LIST_SCALED_SAMPLE") is None
-                                      else os.environ["DSA_TOPK_LIST_SCALED_SAMPLE"] != "0")
+LIST_SCALED_SAMPLE = _env_set_flag("DSA_TOPK_LIST_SCALED_SAMPLE")
 LIST_INLINE_CHUNK = 2048  # the build's chunk with the inline select (half up to LIST_INLINE_SMALL keys)
 LIST_INLINE_SMALL = 16384
 _SAMPLE_Z = tl.constexpr(5.0)
@@ -976,22 +981,11 @@ class ListPlan:
     scaled_sample: bool = False  # with row ends, shorter rows sample less (LIST_SCALED_SAMPLE)
 
 
-def _list_reverse(S: int) -> bool:
-    """Whether the build takes a batch's rows last first for rows of S keys
-    (DSA_TOPK_LIST_REVERSE when set, else above LIST_ORDER_MAX_S keys)."""
-    return S > LIST_ORDER_MAX_S if LIST_REVERSE is None else LIST_REVERSE
-
-
-def _list_prefetch(S: int) -> int:
-    """Chunks the build prefetches to L2 ahead for rows of S keys
-    (DSA_TOPK_LIST_PREFETCH when set, else 4 above LIST_ORDER_MAX_S keys)."""
-    return (4 if S > LIST_ORDER_MAX_S else 0) if LIST_PREFETCH is None else LIST_PREFETCH
-
-
-def _list_scaled_sample(S: int) -> bool:
-    """Whether rows with ends shorter than S keys sample less
-    (DSA_TOPK_LIST_SCALED_SAMPLE when set, else above LIST_ORDER_MAX_S keys)."""
-    return S > LIST_ORDER_MAX_S if LIST_SCALED_SAMPLE is None else LIST_SCALED_SAMPLE
+def _by_row_length(S: int, setting, long, short):
+    """A list-path setting for rows of S keys: the environment's ``setting``
+    when set (not None), else ``long`` above LIST_ORDER_MAX_S keys and
+    ``short`` up to it (the row order, the L2 prefetch, the scaled sample)."""
+    return (long if S > LIST_ORDER_MAX_S else short) if setting is None else setting
 
 
 def _list_plan(S: int, k: int, sample: Optional[int] = None) -> Optional[ListPlan]:
@@ -1026,10 +1020,11 @@ def _list_plan(S: int, k: int, sample: Optional[int] = None) -> Optional[ListPla
         chunk = LIST_CHUNK // 2 if S <= LIST_SMALL_CHUNK_MAX else LIST_CHUNK
     return ListPlan(sample=n, stride=S // (n // 8), rank=rank, block=block, cap=cap, select_warps=warps,
                     select_maxnreg=128 if block == 4096 and warps == 4 else None, slack=slack, chunk=chunk,
-                    inline_select=LIST_INLINE_SELECT, reverse=_list_reverse(S), prefetch=_list_prefetch(S),
+                    inline_select=LIST_INLINE_SELECT, reverse=_by_row_length(S, LIST_REVERSE, True, False),
+                    prefetch=_by_row_length(S, LIST_PREFETCH, 4, 0),
                     build_maxnreg=128 if block == 4096 and LIST_INLINE_SELECT else None,
                     build_warps=LIST_BUILD_WARPS, batch_rows=LIST_BATCH_ROWS, evict_first=EVICT_FIRST,
-                    scaled_sample=_list_scaled_sample(S))
+                    scaled_sample=_by_row_length(S, LIST_SCALED_SAMPLE, True, False))
 
 
 def _l2_prefetch_ok(scores: torch.Tensor) -> bool:

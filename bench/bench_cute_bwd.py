@@ -21,6 +21,7 @@ import torch
 import triton
 
 from dsa._args import SparseAttnArgs
+from dsa.cute import sparse_attention as cute_sa
 from dsa.cute import sparse_attention_bwd as cbwd
 from dsa.triton import sparse_attention as tsa
 
@@ -141,7 +142,8 @@ def parts(name: str) -> None:
 
 def sanitize() -> None:
     """A small call with hostile indices (out of range both ways, past
-    topk_length, duplicates), both modes: run under compute-sanitizer."""
+    topk_length, duplicates) through the cute forward, then the cute
+    backward in both modes: run under compute-sanitizer."""
     T, N, D, K = 8, 256, 576, 256
     for H in (128, 16):  # 16: a tile padded past the heads, the last one past q's end
         a = _args(T, N, H, D, K, True, False)
@@ -153,12 +155,13 @@ def sanitize() -> None:
         tl = torch.tensor([0, -3, K + 9, 1, 65, 200, K, 17], dtype=torch.int32, device="cuda")
         for det in (False, True):
             b = SparseAttnArgs(a.q, a.kv, idx, tl, a.sink, a.sm_scale, 512, det)
-            out, lse = tsa.forward(b)
+            out, lse = cute_sa.forward(b)
+            ref_out, _ = tsa.forward(b)
             dout = torch.randn(T, H, 512, device="cuda", dtype=torch.bfloat16)
             dq, dkv, dsink = cbwd.backward(b, out, lse, dout)
             torch.cuda.synchronize()
-            print(f"sanitize H={H} det={det}: finite {bool(dq.isfinite().all() and dkv.isfinite().all())}",
-                  flush=True)
+            print(f"sanitize H={H} det={det}: out vs triton {_rel(out, ref_out):.1e}, "
+                  f"finite {bool(dq.isfinite().all() and dkv.isfinite().all())}", flush=True)
 
 
 def main() -> None:

@@ -7,8 +7,7 @@
 each call fed the Triton forward's out and lse and a random dO) and writes
 ``placement_{arch}_bwd.json``.  Copy the file to ``dsa/cute/``.
 
-1. Training grid (``TRAIN``, 120 shapes; the backward also ``TRAIN_PADDED``,
-   120 more): every shape is timed on both backends; each becomes one table
+1. Training grid (``TRAIN``, 120 shapes, and ``TRAIN_PADDED``, 120 more): every shape is timed on both backends; each becomes one table
    entry naming the faster one.
 2. Holdout grid (``HOLDOUT``): a fixed list written down before any timing
    (shapes off the training grid: other K, T, N, sink and topk_length), timed
@@ -65,7 +64,7 @@ TRAIN = [
     for dt, D, HG, K, T in itertools.product(
         ("bfloat16", "float16"), (512, 576), (64, 128), (128, 512, 2048), (16, 128, 256, 1024, 8192))
 ]  # T = 256: the first T whose grid needs more than one wave of CTAs on 132 SMs
-# The backward also serves 16 and 32 query heads per kv head (tensor-parallel
+# Both kernels also serve 16 and 32 query heads per kv head (tensor-parallel
 # shards) as one tile padded to 64 rows: a tile class of its own in the table
 # (dsa.cute.placement.FULL_TILE_HEADS), on the same grid.
 TRAIN_PADDED = [
@@ -167,7 +166,7 @@ def features(shape):
 def measure(args, backends):
     """Time the training and holdout shapes of args.dtype (all when None):
     (train rows, holdout rows), each a shape with its cute and triton ms."""
-    train = [s for s in TRAIN + (TRAIN_PADDED if args.op == "bwd" else []) if args.dtype in (None, s[0])]
+    train = [s for s in TRAIN + TRAIN_PADDED if args.dtype in (None, s[0])]
     holdout = [s for s in HOLDOUT if args.dtype in (None, s[0])]
     compile_all(train + holdout, backends, args.op)
     lock = open(args.lock, "w") if args.lock else None

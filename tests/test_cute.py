@@ -39,6 +39,8 @@ _CONFIGS = [  # name, dtype, D, H, G, has_len, has_sink, profile, refill
     # bench/profile_cute.py's builds: cycle counters; each stage gathered once
     ("v32_bf16_profile", "torch.bfloat16", 576, 128, 1, True, False, True, True),
     ("v32_bf16_norefill", "torch.bfloat16", 576, 128, 1, False, False, False, False),
+    # a tensor-parallel shard: 16 heads a kv head, one tile padded to 64 rows
+    ("tp16_bf16_gqa", "torch.bfloat16", 576, 32, 2, True, True, False, True),
 ]
 
 
@@ -100,16 +102,21 @@ def test_placement_padded_tiles_rank_apart():
     assert placement.nearest(_features(HG=128), [padded]) is None
 
 
-def test_shipped_backward_table_covers_the_padded_tiles():
-    """The shipped SM90 backward table decides bf16 calls of 16 and 32 heads
-    per kv head from their own measured entries (fp16 ones have none)."""
-    table = placement.entries(placement.TABLE_BWD)
+@pytest.mark.parametrize("op", ["fwd", "bwd"])
+def test_shipped_tables_cover_the_padded_tiles(op):
+    """The shipped SM90 tables decide bf16 calls of 16 and 32 heads per kv
+    head from their own measured entries (fp16 ones have none): at K 2048,
+    T 4096 the padded cute tile wins the backward at 16 and 32 heads and
+    the forward at 32, where Triton's cost falls with the heads and the
+    tile's does not."""
+    table = placement.entries(placement.TABLE if op == "fwd" else placement.TABLE_BWD)
     tp = [e for e in table if e.HG < placement.FULL_TILE_HEADS]
     assert {e.HG for e in tp} == {16, 32} and {e.dtype for e in tp} == {"bfloat16"}
     for e in tp:
         assert e.backend == ("cute" if e.cute_ms < e.triton_ms else "triton")
     got = placement.nearest(_features(HG=16, K=2048, T=4096), table)
-    assert got.HG == 16 and got.backend == "cute"
+    assert got.HG == 16 and got.backend == ("triton" if op == "fwd" else "cute")
+    assert placement.nearest(_features(HG=32, K=2048, T=4096), table).backend == "cute"
     assert placement.nearest(_features(HG=16, K=128, T=8192), table).backend == "triton"
     assert placement.nearest(_features(dtype="float16", HG=32), table) is None
 
@@ -251,6 +258,34 @@ def test_cute_validity_rules(dtype):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.usefixtures("grid")
+@pytest.mark.parametrize("H,G,D", [(16, 1, 576), (32, 1, 512), (32, 2, 576)])
+def test_cute_tp_shard_heads_in_a_padded_tile(H, G, D):
+    """16 or 32 query heads per kv head (a tensor-parallel shard) run as one
+    64-row tile whose other rows are zero: every out and lse element of the
+    real heads written (the memory is NaN-poisoned first), per-head sinks,
+    topk_length and hostile indices, and the last token's tile reading
+    nothing past q (its padding rows would lie past q's end)."""
+    gen = _gen(H + G + D)
+    T, K, N = 7, 300, 700
+    q = _rand((T, H, D), torch.bfloat16, gen)
+    kv = _rand((N, G, D), torch.bfloat16, gen)
+    idx = _indices(T, G, K, N, gen)
+    idx[0, :, ::5] = -1
+    idx[1, :, ::3] = N
+    tl = torch.tensor([K, 0, 1, 64, 65, 200, -5], dtype=torch.int32, device="cuda")
+    sink = (torch.randn(H, generator=gen) * 2).float().cuda()
+    sink[0], sink[H - 1] = INF, -INF
+    for _ in range(2):
+        junk = (torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda"),
+                torch.full((T, H), float("nan"), device="cuda"))
+        del junk
+        out, lse = _check(torch.bfloat16, q, kv, idx.cuda(), topk_length=tl, sink=sink)
+        assert not out.isnan().any() and not lse.isnan().any()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.usefixtures("grid")
 @dtypes
 @pytest.mark.parametrize("value", [INF, 2.4e38, -INF])
 def test_cute_sink_extremes(dtype, value):
@@ -331,7 +366,7 @@ def test_cute_profile_build_matches_and_counts():
 @pytest.mark.usefixtures("grid")
 def test_cute_unserved_shape_raises_with_reason():
     gen = _gen(23)
-    q, kv = _rand((2, 32, 512), torch.bfloat16, gen), _rand((64, 512), torch.bfloat16, gen)
+    q, kv = _rand((2, 48, 512), torch.bfloat16, gen), _rand((64, 512), torch.bfloat16, gen)
     idx = _indices(2, 1, 64, 64, gen)[:, 0].cuda()
     with pytest.raises(ValueError, match="multiple of 64"):
         dsa.sparse_attention(q, kv, idx, backend="cute")

@@ -191,10 +191,17 @@ def test_backend_cute_runs_the_backward_and_auto_keeps_triton_without_a_table(sm
 
 @needs_dsl
 def test_auto_places_tensor_parallel_shards_by_their_own_entries(sm90, monkeypatch):
-    """With the shipped table on an H200: a V3.2 shard of 16 heads (T 4096)
-    goes to the cute backward by a padded-tile entry, one at K 128 stays on
-    Triton, and fp16 shards (no padded entries) stay on Triton."""
+    """With the shipped tables on an H200: a V3.2 shard of 16 heads (T 4096)
+    goes to the cute backward by a padded-tile entry and stays on the Triton
+    forward, one of 32 heads takes the cute forward too, one at K 128 stays
+    on Triton, and fp16 shards (no padded entries) stay on Triton."""
+    from dsa.cute import sparse_attention as cute_sa
+
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    fwd = dsa.cute.backend_op("sparse_attention_fwd", _fake_sm90_args(H=32, T=4096), auto=True)
+    assert fwd.fn is cute_sa.forward and "H/G=32 K=2048" in fwd.note, fwd.note
+    with pytest.raises(Unsupported, match="says triton is faster"):
+        dsa.cute.backend_op("sparse_attention_fwd", _fake_sm90_args(H=16, T=4096), auto=True)
     chosen = dsa.cute.backend_op("sparse_attention_bwd", _fake_sm90_args(H=16, T=4096), auto=True)
     assert chosen.fn is cbwd.backward and "H/G=16 K=2048" in chosen.note, chosen.note
     assert "says triton is faster" in _declined(_fake_sm90_args(H=16, T=8192, K=128), auto=True)
@@ -485,13 +492,15 @@ def test_deterministic_bitwise_over_runs(monkeypatch):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_public_path_backend_cute_forward_and_backward(monkeypatch, deterministic):
+@pytest.mark.parametrize("deterministic,H", [(False, 128), (True, 128), (False, 16)],
+                         ids=["h128", "h128-det", "tp16"])
+def test_public_path_backend_cute_forward_and_backward(monkeypatch, deterministic, H):
     """dsa.sparse_attention(..., backend="cute") and autograd: the cute
     forward and the cute backward (counted) against the float64 reference,
-    MQA kv [N, D] and indices [T, K], sinks, topk_length and hostile indices."""
+    MQA kv [N, D] and indices [T, K], sinks, topk_length and hostile indices;
+    16 heads (a tensor-parallel shard) a padded tile in both."""
     T, K = 32, 1024
-    a = _case(T, 2048, 128, 1, 576, K, torch.bfloat16, sink=[INF, -INF, 2.0], lengths=_lengths(T, K, 9),
+    a = _case(T, 2048, H, 1, 576, K, torch.bfloat16, sink=[INF, -INF, 2.0], lengths=_lengths(T, K, 9),
               hostile=True, nan_rows=True, seed=4, deterministic=deterministic)
     ran = []
     backward = cbwd.backward

@@ -155,6 +155,9 @@ def decode_reason(dtype, D: int, d_v: int, H: int, G: int, cache: str, page_size
     why = SparseAttnFwdSm90.can_implement(dtype, D, d_v, H, G)
     if why is not None:
         return why
+    if (H // G) % BLOCK_H:
+        return (f"{H // G} query heads per kv head: the cute decode needs a multiple of {BLOCK_H} "
+                f"(its split parts are not written for padded tiles)")
     if cache not in CACHES:
         return f"cache format {cache!r}: the cute decode reads {CACHES}"
     if cache != NATIVE:

@@ -21,6 +21,11 @@ from cutlass import Int64
 
 from dsa.cute import rules
 
+# Query heads per kv head served as one tile of ``block_h`` rows whose rows
+# past the heads are zero (a tensor-parallel shard of a 64- or 128-head
+# model), where a kernel supports it.
+PADDED_HEADS = (16, 32)
+
 
 @dataclass(frozen=True)
 class ProblemConfig:
@@ -39,14 +44,15 @@ class ProblemConfig:
 
 
 def kernel_reason(dtype, D: int, d_v: int, H: int, G: int, block_h: int, smem_bytes: Callable[[int, int, int], int],
-                  smem_limit: int, arch: str) -> Optional[str]:
+                  smem_limit: int, arch: str, padded: tuple = ()) -> Optional[str]:
     """Why an attention kernel over blocks of ``block_h`` query heads cannot
     serve this problem (None if it can): the dtypes, head dims and head
-    counts every arch's kernel is built for, then the kernel's shared memory
-    (``smem_bytes(D, d_v, element bytes)``) against its arch's CTA limit.
-    dtype: ``cutlass.BFloat16`` / ``cutlass.Float16`` (anything else is
-    refused, named as given)."""
-    why = _head_block_reason(dtype, D, d_v, H, G, block_h)
+    counts every arch's kernel is built for (``padded``: the head counts a
+    kv head below ``block_h`` it serves as one padded tile), then the
+    kernel's shared memory (``smem_bytes(D, d_v, element bytes)``) against
+    its arch's CTA limit.  dtype: ``cutlass.BFloat16`` / ``cutlass.Float16``
+    (anything else is refused, named as given)."""
+    why = _head_block_reason(dtype, D, d_v, H, G, block_h, padded)
     if why is not None:
         return why
     need = smem_bytes(D, d_v, dtype.width // 8)
@@ -55,16 +61,22 @@ def kernel_reason(dtype, D: int, d_v: int, H: int, G: int, block_h: int, smem_by
     return None
 
 
-def _head_block_reason(dtype, D: int, d_v: int, H: int, G: int, block_h: int) -> Optional[str]:
+def _head_block_reason(dtype, D: int, d_v: int, H: int, G: int, block_h: int, padded: tuple = ()) -> Optional[str]:
     if dtype not in (cutlass.BFloat16, cutlass.Float16):
         return f"dtype {dtype} is not bf16 or fp16"
     if D not in (512, 576) or d_v != 512:
         return f"D={D}, d_v={d_v}: the cute kernel serves D in (512, 576) with d_v = 512"
     if G <= 0 or H % G:
         return f"{H} query heads do not split over {G} kv heads"
-    if (H // G) % block_h:
-        return f"{H // G} query heads per kv head: the cute kernel needs a multiple of {block_h}"
+    if (H // G) % block_h and H // G not in padded:
+        also = f", or one of {padded}" if padded else ""
+        return f"{H // G} query heads per kv head: the cute kernel needs a multiple of {block_h}{also}"
     return None
+
+
+def head_blocks(HG: int, block_h: int) -> int:
+    """Tiles a kv head's ``HG`` query heads take: one padded tile below ``block_h``."""
+    return max(1, HG // block_h)
 
 
 def tile_count(T, G: int, head_blocks: int):

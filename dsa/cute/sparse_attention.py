@@ -173,11 +173,12 @@ def kernel_scalars(a: SparseAttnArgs, n_cta: int) -> Tuple:
 
 
 def compile_offline(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, has_sink: bool,
-                    keep_ptx: bool = True, profile: bool = False, refill: bool = True):
+                    profile: bool = False, refill: bool = True, options: str = "--keep-ptx"):
     """Compile the kernel without a GPU (``CUTE_DSL_ARCH=sm_90a``), for CI and
-    inspection; returns the compiled object (its PTX is kept when asked)."""
+    inspection; returns the compiled object (options: ``cute.compile``'s, the
+    PTX kept by default)."""
     from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
 
     dt = cutlass_dtype(dtype) or dtype
     kernel = SparseAttnFwdSm90(dt, D, SERVED_DV, H, G, has_len, has_sink, profile, refill)
-    return compile_kernel(kernel, _sm90_pointer_types(dt), scalar_types(), "--keep-ptx" if keep_ptx else "")
+    return compile_kernel(kernel, _sm90_pointer_types(dt), scalar_types(), options)

@@ -194,12 +194,13 @@ def _deterministic_dkv(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv, launch: 
 
 
 def compile_offline_backward(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool,
-                             deterministic: bool = False, keep_ptx: bool = True, build: Optional[dict] = None):
+                             deterministic: bool = False, build: Optional[dict] = None,
+                             options: str = "--keep-ptx"):
     """Compile the backward without a GPU (``CUTE_DSL_ARCH=sm_90a``), for CI
-    and inspection; returns the compiled object (its PTX kept when asked)."""
+    and inspection; returns the compiled object (options: ``cute.compile``'s,
+    the PTX kept by default)."""
     from dsa.cute.sparse_attention_bwd_sm90 import BwdSm90Config, SparseAttnBwdSm90
 
     dt = cutlass_dtype(dtype)
     cfg = BwdSm90Config(dt, D, SERVED_DV, H, G, has_len, deterministic, **dict(BUILD, **(build or {})))
-    return compile_kernel(SparseAttnBwdSm90.from_config(cfg), _ptr_types(dt), scalar_types(),
-                          "--keep-ptx" if keep_ptx else "")
+    return compile_kernel(SparseAttnBwdSm90.from_config(cfg), _ptr_types(dt), scalar_types(), options)

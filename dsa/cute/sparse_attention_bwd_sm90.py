@@ -58,12 +58,12 @@ from dsa.cute import dkv as dkv_reduce
 from dsa.cute import pipeline, rules, scheduler
 from dsa.cute.gmem import aligned, copy_head_rows, load
 from dsa.cute.pipeline import NamedBarrier, freed_phase, named_barriers, phase
+from dsa.cute.scheduler import PADDED_HEADS
 
 BLOCK_H = 64   # query heads per CTA: the M of one wgmma
 BN = 64        # slots per block
 MASK_WRITERS = 16  # producer threads that write a block's mask: one per row of a copy pass
 PAIR_THREADS = 256  # the two warpgroups
-PADDED_HEADS = (16, 32)  # query heads per kv head served as one 64-row tile, the rest zero
 DQ_N = 256     # columns of warpgroup 0's dQ tile; warpgroup 1 holds [256, D)
 
 
@@ -117,7 +117,7 @@ class SparseAttnBwdSm90:
         # one tile of 64 rows whose rows past its heads are zero: their P and
         # dS are 0, so they add nothing to dkv, and their dq is not stored
         self.rows = min(self.HG, BLOCK_H)
-        self.HB = max(1, self.HG // BLOCK_H)
+        self.HB = scheduler.head_blocks(self.HG, BLOCK_H)
         self.has_len, self.deterministic = has_len, deterministic
         # evict_last on the adds (non-deterministic only): dkv (N D fp32)
         # stays in L2 while the gathered kv rows stream through

@@ -163,6 +163,11 @@ class SparseAttnFwdSm90:
         self.dtype = dtype
         self.D, self.d_v, self.H, self.G = D, d_v, H, G
         self.HG = H // G
+        # a kv head of 16 or 32 query heads (a tensor-parallel shard) is one
+        # tile of 64 rows: the rows past its heads are zero, and their out,
+        # lse and sink are neither read nor written
+        self.rows = min(self.HG, BLOCK_H)
+        self.HB = scheduler.head_blocks(self.HG, BLOCK_H)
         self.dv_half = d_v // 2
         self.has_len, self.has_sink = has_len, has_sink
         self.profile = profile
@@ -178,7 +183,8 @@ class SparseAttnFwdSm90:
         """None when the kernel serves this configuration, else the reason.
         dtype: ``cutlass.BFloat16`` / ``cutlass.Float16`` (anything else is
         refused, named as given)."""
-        return scheduler.kernel_reason(dtype, D, d_v, H, G, BLOCK_H, smem_bytes, SMEM_LIMIT, "SM90")
+        return scheduler.kernel_reason(dtype, D, d_v, H, G, BLOCK_H, smem_bytes, SMEM_LIMIT, "SM90",
+                                       scheduler.PADDED_HEADS)
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -191,7 +197,7 @@ class SparseAttnFwdSm90:
     ):
         mmas, layouts = self.operands()
         # tiles (token, kv head, head block) in the order of dsa.cute.scheduler
-        n_tiles = scheduler.tile_count(T, self.G, self.HG // BLOCK_H)
+        n_tiles = scheduler.tile_count(T, self.G, self.HB)
         self.kernel(
             *mmas, *layouts,
             q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr, zero_ptr, prof_ptr,
@@ -274,7 +280,7 @@ class SparseAttnFwdSm90:
         qk_mma, pv_mma, pv_mma_ss = mmas
         sv_layout, sp_layout = pv_layouts
         tidx, _, _ = cute.arch.thread_idx()
-        sched = scheduler.TileScheduler.create(n_tiles, self.G, self.HG // BLOCK_H)
+        sched = scheduler.TileScheduler.create(n_tiles, self.G, self.HB)
         wg = cute.arch.make_warp_uniform(tidx // 128)
 
         smem = cutlass.utils.SmemAllocator()
@@ -391,7 +397,7 @@ class SparseAttnFwdSm90:
                 self.resolve_rows(base1, mk1, ns1, 3, *rows)
             if j > 0:
                 self.timer.wait_mbarrier(q_empty, freed_phase(j), PROF_Q)
-            self.load_q(atom, thr, sQ, q_full, q_ptr, t, head0, row_in_pass, col0)
+            self.load_q(atom, thr, sQ, q_full, q_ptr, zero_ptr, t, head0, row_in_pass, col0)
             for i in cutlass.range(1, n_pairs, unroll=1):
                 # the next pair's indices load while this pair's copies wait and go out
                 self.fetch_rows(ns0, 2 * i + 2, idx_row, L, row_in_pass)
@@ -404,10 +410,12 @@ class SparseAttnFwdSm90:
             j = j + 1
 
     @cute.jit
-    def load_q(self, atom, thr, sQ, q_full, q_ptr, t, head0, row_in_pass, col0):
-        """Q: heads head0 .. head0 + 63 of token t, signalled on q_full."""
+    def load_q(self, atom, thr, sQ, q_full, q_ptr, zero_ptr, t, head0, row_in_pass, col0):
+        """Q: heads head0 .. head0 + 63 of token t (the zero row past a padded
+        tile's heads), signalled on q_full."""
+        pad = dict(real_rows=self.rows, zero_ptr=zero_ptr) if const_expr(self.rows < BLOCK_H) else {}
         copy_head_rows(atom, thr.partition_D(sQ), q_ptr, self.dtype, t, self.H, head0, BLOCK_H, self.D,
-                       row_in_pass, col0)
+                       row_in_pass, col0, **pad)
         cute.arch.cp_async_mbarrier_arrive_noinc(q_full)
 
     @cute.jit
@@ -798,8 +806,9 @@ class SparseAttnFwdSm90:
             if const_expr(self.has_sink):
                 # sink * log2(e) overflows to +inf for sinks above ~2.4e38:
                 # the sink then takes all the probability and out is 0.
-                sk = load(sink_ptr, Int64(head0 + row_lo + 8 * r)) * LOG2E
-                den = den + cute.math.exp2(sk - mu, fastmath=False)
+                if self.real_row(row_lo + 8 * r):
+                    sk = load(sink_ptr, Int64(head0 + row_lo + 8 * r)) * LOG2E
+                    den = den + cute.math.exp2(sk - mu, fastmath=False)
             iv = Float32(0.0)
             if den != 0.0:
                 iv = 1.0 / den
@@ -807,10 +816,18 @@ class SparseAttnFwdSm90:
         self.store_out(acc_o, inv, half, lane, row_lo, out_ptr, t, head0)
         if half == 0 and lane % 4 == 0:
             for r in cutlass.range_constexpr(2):
-                lse = rules.row_lse(m_run, l_run, r)
-                pl = cute.make_tensor(lse_ptr + (Int64(t) * Int64(self.H) + Int64(head0 + row_lo + 8 * r)),
-                                      cute.make_layout((1,)))
-                pl[0] = lse
+                if self.real_row(row_lo + 8 * r):
+                    lse = rules.row_lse(m_run, l_run, r)
+                    pl = cute.make_tensor(lse_ptr + (Int64(t) * Int64(self.H) + Int64(head0 + row_lo + 8 * r)),
+                                          cute.make_layout((1,)))
+                    pl[0] = lse
+
+    def real_row(self, row):
+        """Whether tile row ``row`` is one of the kv head's heads (always, but
+        in a padded tile): a traced test, or the constant True."""
+        if const_expr(self.rows < BLOCK_H):
+            return row < self.rows
+        return True
 
     @cute.jit
     def store_out(self, acc_o, inv, half, lane, row_lo, out_ptr, t, head0):
@@ -849,4 +866,5 @@ class SparseAttnFwdSm90:
                 row = row_lo + 8 * r
                 off = Int64(row) * Int64(self.d_v) + 8 * (4 * g + q)
                 dst = cute.make_ptr(Int32, (out_base + off).toint(), cute.AddressSpace.gmem, assumed_align=16)
-                cute.autovec_copy(w4, cute.make_tensor(dst, cute.make_layout((4,))))
+                if self.real_row(row):
+                    cute.autovec_copy(w4, cute.make_tensor(dst, cute.make_layout((4,))))

@@ -103,22 +103,22 @@ def test_placement_padded_tiles_rank_apart():
 
 
 @pytest.mark.parametrize("op", ["fwd", "bwd"])
-def test_shipped_tables_cover_the_padded_tiles(op):
-    """The shipped SM90 tables decide bf16 calls of 16 and 32 heads per kv
-    head from their own measured entries (fp16 ones have none): at K 2048,
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_shipped_tables_cover_the_padded_tiles(op, dtype):
+    """The shipped SM90 tables decide calls of 16 and 32 heads per kv head
+    from their own measured entries, each dtype from its own: at K 2048,
     T 4096 the padded cute tile wins the backward at 16 and 32 heads and
     the forward at 32, where Triton's cost falls with the heads and the
-    tile's does not."""
+    tile's does not; at K 128, T 8192 Triton wins both."""
     table = placement.entries(placement.TABLE if op == "fwd" else placement.TABLE_BWD)
     tp = [e for e in table if e.HG < placement.FULL_TILE_HEADS]
-    assert {e.HG for e in tp} == {16, 32} and {e.dtype for e in tp} == {"bfloat16"}
+    assert {e.HG for e in tp} == {16, 32} and {e.dtype for e in tp} == {"bfloat16", "float16"}
     for e in tp:
         assert e.backend == ("cute" if e.cute_ms < e.triton_ms else "triton")
-    got = placement.nearest(_features(HG=16, K=2048, T=4096), table)
-    assert got.HG == 16 and got.backend == ("triton" if op == "fwd" else "cute")
-    assert placement.nearest(_features(HG=32, K=2048, T=4096), table).backend == "cute"
-    assert placement.nearest(_features(HG=16, K=128, T=8192), table).backend == "triton"
-    assert placement.nearest(_features(dtype="float16", HG=32), table) is None
+    got = placement.nearest(_features(dtype=dtype, HG=16, K=2048, T=4096), table)
+    assert (got.HG, got.dtype) == (16, dtype) and got.backend == ("triton" if op == "fwd" else "cute")
+    assert placement.nearest(_features(dtype=dtype, HG=32, K=2048, T=4096), table).backend == "cute"
+    assert placement.nearest(_features(dtype=dtype, HG=16, K=128, T=8192), table).backend == "triton"
 
 
 def test_placement_far_shapes_have_no_entry():

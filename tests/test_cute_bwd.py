@@ -194,7 +194,7 @@ def test_auto_places_tensor_parallel_shards_by_their_own_entries(sm90, monkeypat
     """With the shipped tables on an H200: a V3.2 shard of 16 heads (T 4096)
     goes to the cute backward by a padded-tile entry and stays on the Triton
     forward, one of 32 heads takes the cute forward too, one at K 128 stays
-    on Triton, and fp16 shards (no padded entries) stay on Triton."""
+    on Triton, and fp16 shards are placed by fp16 entries of their own."""
     from dsa.cute import sparse_attention as cute_sa
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
@@ -207,7 +207,8 @@ def test_auto_places_tensor_parallel_shards_by_their_own_entries(sm90, monkeypat
     assert "says triton is faster" in _declined(_fake_sm90_args(H=16, T=8192, K=128), auto=True)
     fp16 = types.SimpleNamespace(dtype=torch.float16, device=torch.device("cuda", 0), data_ptr=lambda: 1024)
     kv16 = types.SimpleNamespace(dtype=torch.float16, data_ptr=lambda: 2048)
-    assert "no measured placement table entry" in _declined(_fake_sm90_args(H=32, T=4096, q=fp16, kv=kv16), auto=True)
+    chosen16 = dsa.cute.backend_op("sparse_attention_bwd", _fake_sm90_args(H=32, T=4096, q=fp16, kv=kv16), auto=True)
+    assert chosen16.fn is cbwd.backward and "float16 D=576 H/G=32" in chosen16.note, chosen16.note
 
 
 @needs_dsl

@@ -52,7 +52,7 @@ def kernel_reason(dtype, D: int, d_v: int, H: int, G: int, block_h: int, smem_by
     kernel's shared memory (``smem_bytes(D, d_v, element bytes)``) against
     its arch's CTA limit.  dtype: ``cutlass.BFloat16`` / ``cutlass.Float16``
     (anything else is refused, named as given)."""
-    why = _head_block_reason(dtype, D, d_v, H, G, block_h, padded)
+    why = head_block_reason(dtype, D, d_v, H, G, block_h, padded)
     if why is not None:
         return why
     need = smem_bytes(D, d_v, dtype.width // 8)
@@ -61,7 +61,10 @@ def kernel_reason(dtype, D: int, d_v: int, H: int, G: int, block_h: int, smem_by
     return None
 
 
-def _head_block_reason(dtype, D: int, d_v: int, H: int, G: int, block_h: int, padded: tuple = ()) -> Optional[str]:
+def head_block_reason(dtype, D: int, d_v: int, H: int, G: int, block_h: int, padded: tuple = ()) -> Optional[str]:
+    """Why a kernel over blocks of ``block_h`` query heads (and the padded
+    head counts ``padded``) cannot serve these dtypes, head dims and head
+    counts: the rule every attention kernel of the tier shares."""
     if dtype not in (cutlass.BFloat16, cutlass.Float16):
         return f"dtype {dtype} is not bf16 or fp16"
     if D not in (512, 576) or d_v != 512:

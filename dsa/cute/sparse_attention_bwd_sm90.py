@@ -134,14 +134,7 @@ class SparseAttnBwdSm90:
         """The reason this kernel cannot be built for (dtype, D, d_v, H, G),
         None when it can; dtype is a ``cutlass`` type (only BFloat16 and
         Float16 are served; anything else is named as given)."""
-        if D not in (512, 576) or d_v != 512:
-            return f"D={D}, d_v={d_v}: the cute backward serves D in (512, 576) with d_v = 512"
-        if G <= 0 or H % G or ((H // G) % BLOCK_H and H // G not in PADDED_HEADS):
-            return (f"H={H} query heads over G={G} kv heads: the cute backward needs H / G a multiple "
-                    f"of {BLOCK_H}, or one of {PADDED_HEADS}")
-        if dtype not in (cutlass.BFloat16, cutlass.Float16):
-            return f"dtype {dtype} is not bf16 or fp16"
-        return None
+        return scheduler.head_block_reason(dtype, D, d_v, H, G, BLOCK_H, PADDED_HEADS)
 
     @classmethod
     def from_config(cls, config: BwdSm90Config) -> "SparseAttnBwdSm90":

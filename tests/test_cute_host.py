@@ -390,3 +390,17 @@ def test_named_barrier_ids_are_checked_and_phases_alternate():
     assert [phase(n) for n in range(4)] == [0, 1, 0, 1]
     # before its n-th fill a producer waits for the release of use n - 1
     assert [freed_phase(n) for n in range(1, 5)] == [phase(n - 1) for n in range(1, 5)]
+
+
+def test_int32_sizes_count_padded_tiles():
+    """A kv head of 16 query heads is one whole tile: 2^28 tokens of 8 such kv
+    heads are 2^31 tiles (T * H / 64 would count a quarter of them)."""
+    from dsa.cute.host import int32_reason
+
+    call = lambda **kw: types.SimpleNamespace(**dict(dict(T=2**28, H=128, G=8, N=1, K=2048), **kw))  # noqa: E731
+    assert "must fit in int32" in int32_reason(call())
+    assert int32_reason(call(T=2**28 - 1)) is None
+    assert int32_reason(call(G=1, T=2**26)) is None              # 2 tiles a token of 128 heads
+    assert "must fit in int32" in int32_reason(call(G=1, T=2**30))
+    assert "must fit in int32" in int32_reason(call(T=1, N=2**28))  # N x H_kv rows
+    assert "must fit in int32" in int32_reason(call(T=1, K=2**31))

@@ -17,9 +17,9 @@ import torch
 
 from dsa._args import SparseAttnArgs
 from dsa._rules import LOG2E
-from dsa.cute.host import address, compile_kernel, cutlass_dtype, dsl_reason, sm90_reason, stream_handle, zero_row
+from dsa.cute.host import (address, compile_kernel, cutlass_dtype, dsl_reason, int32_reason, sm90_reason,
+                           stream_handle, zero_row)
 
-HEADS_PER_CTA = 64
 SERVED_DV = 512
 
 
@@ -82,8 +82,9 @@ def call_reason(a: SparseAttnArgs, can_implement: Callable[..., Optional[str]]) 
     why = a.kernel_dtype_reason()
     if why:
         return why
-    if a.T * a.H // HEADS_PER_CTA >= 2**31 or a.N * a.G >= 2**31 or a.K >= 2**31:
-        return "T * H / 64 (the grid), N * H_kv and K must fit in int32"
+    why = int32_reason(a)
+    if why:
+        return why
     for name in ("q", "kv"):
         if getattr(a, name).data_ptr() % 16:
             return f"{name} is not 16-byte aligned"

@@ -26,9 +26,9 @@ import torch
 
 from dsa._args import SparseAttnArgs
 from dsa._rules import LOG2E
-from dsa.cute.host import address, compile_kernel, cutlass_dtype, dsl_reason, sm90_reason, stream_handle, zero_row
+from dsa.cute.host import (HEADS_PER_CTA, address, compile_kernel, cutlass_dtype, dsl_reason, int32_reason,
+                           sm90_reason, stream_handle, zero_row)
 
-HEADS_PER_CTA = 64
 SERVED_DV = 512
 
 # Build options of the kernel (``BwdSm90Config``): evict_last, dkv kept in
@@ -51,8 +51,9 @@ def shape_reason(a: SparseAttnArgs) -> Optional[str]:
     why = SparseAttnBwdSm90.can_implement(cutlass_dtype(a.q.dtype) or a.q.dtype, a.D, a.d_v, a.H, a.G)
     if why:
         return why
-    if a.T * a.H // HEADS_PER_CTA >= 2**31 or a.N * a.G >= 2**31 or a.K >= 2**31:
-        return "T * H / 64 (the grid), N * H_kv and K must fit in int32"
+    why = int32_reason(a)
+    if why:
+        return why
     return None
 
 

@@ -236,9 +236,10 @@ def short_row_variants(rows: int, cols: int, k: int) -> Dict[str, dict]:
 
     * ``dsa_resident_evict`` (rows the resident kernel takes): the row load
       evict-first (DSA_TOPK_EVICT_FIRST=1).
-    * list path: ``sample2x``: twice the sample (DSA_TOPK_LIST_SAMPLE_FRACTION=8,
-      DSA_TOPK_LIST_SAMPLE_MAX=8192), at k 1024 a select block of 2048
-      instead of 4096; ``batch{n}``: n rows a batch, their lists still in L2
+    * list path: ``sample2x``: twice the plan's sample (the default's is
+      1 / 8 of the row up to 32768 keys, 1 / 16 above; set for every call by
+      DSA_TOPK_LIST_SAMPLE_FRACTION and _SAMPLE_MAX), a smaller select block
+      at k 1024; ``batch{n}``: n rows a batch, their lists still in L2
       at the select (DSA_TOPK_LIST_BATCH_ROWS=n); ``build_w{w}``: the build
       on w warps (DSA_TOPK_LIST_BUILD_WARPS=w); ``select_w8``: the first
       select block on 8 warps, no register cap (DSA_TOPK_LIST_SELECT_WARPS=8);

@@ -325,12 +325,15 @@ def test_list_plan_sizes():
     it would not pay (k near the row length)."""
     for S, k in [(16384, 2048), (32768, 1024), (65536, 2048), (131072, 64)]:
         p = tk._list_plan(S, k)
-        assert p is not None and p.sample * tk.LIST_SAMPLE_FRACTION <= max(S, 1024 * tk.LIST_SAMPLE_FRACTION)
+        fraction = 8 if S <= tk.LIST_ORDER_MAX_S else 16  # twice the sample up to 32768 keys
+        assert p is not None and p.sample * fraction <= max(S, 1024 * fraction)
         mean = p.rank * S / p.sample
         assert k < mean <= p.block <= p.cap <= tk.LIST_MAX
         assert p.stride * (p.sample // 8 - 1) + 8 <= S
     assert tk._list_plan(16384, 9000) is None
     assert tk._list_plan(16384, 0) is None
+    # twice the sample up to 32768 keys (1 / 8 of the row), then 1 / 16 up to 4096 scores
+    assert [tk._list_plan(S, 1024).sample for S in (16384, 32768, 65536, 131072)] == [2048, 4096, 4096, 4096]
 
 
 def test_list_plan_order_by_row_length(monkeypatch):

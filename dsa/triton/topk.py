@@ -83,9 +83,12 @@ def _env_set_flag(name: str) -> Optional[bool]:
     return None if v is None else v != "0"
 
 
-def _env_pow2(name: str, default: int, zero: bool = False) -> int:
+def _env_pow2(name: str, default: Optional[int], zero: bool = False) -> Optional[int]:
     """A power of two from the environment (0 too where ``zero``): sample
-    sizes are block shapes and warp counts powers of two."""
+    sizes are block shapes and warp counts powers of two.  Unset: the
+    default (None: the setting follows the row length)."""
+    if os.environ.get(name) is None and default is None:
+        return None
     v = int(os.environ.get(name, str(default)))
     if not ((zero and v == 0) or (v >= 1 and v & (v - 1) == 0)):
         raise ValueError(f"{name} must be a power of two{' or 0' if zero else ''}, got {v}")
@@ -102,8 +105,16 @@ _FILL_BLOCK = 1024
 LIST_MIN = 16384
 LIST_CHUNK = 1024  # 512 up to LIST_SMALL_CHUNK_MAX keys (H200: up to 3% faster there, 7% slower at 65536)
 LIST_SMALL_CHUNK_MAX = 32768
-LIST_SAMPLE_MAX = _env_pow2("DSA_TOPK_LIST_SAMPLE_MAX", 4096)  # env: a variant, see below
-LIST_SAMPLE_FRACTION = _env_pow2("DSA_TOPK_LIST_SAMPLE_FRACTION", 16)
+# The sample: 1 / 16 of the row, at most 4096 scores, above LIST_ORDER_MAX_S
+# keys; twice that (1 / 8, at most 8192) up to it, where the bound sits
+# closer to the cut (at k 1024 the lists then fit a select block of 2048
+# keys instead of 4096).  DSA_TOPK_LIST_SAMPLE_FRACTION / _SAMPLE_MAX when
+# set.  H200, fp32, one process (run C91): 4096 x 16384 0.2542 / 0.2286 ms
+# (k 2048 / 1024) against 0.2636 / 0.2389; 32768^2 causal with row ends
+# 1.9897 / 1.7788 against 2.0059 / 1.7857; at 65536 keys twice the sample
+# cost 8-12% (C68).
+LIST_SAMPLE_MAX = _env_pow2("DSA_TOPK_LIST_SAMPLE_MAX", None)
+LIST_SAMPLE_FRACTION = _env_pow2("DSA_TOPK_LIST_SAMPLE_FRACTION", None)
 LIST_MAX = 16384
 LIST_SCRATCH = 1 << 26
 # Whether the build kernel selects the lists that fit the select block itself
@@ -129,9 +140,7 @@ LIST_PREFETCH: Optional[int] = (None if os.environ.get("DSA_TOPK_LIST_PREFETCH")
                                 else int(os.environ["DSA_TOPK_LIST_PREFETCH"]))
 # Settings bench/topk_peers.py --variants sweeps for short rows, selectable by
 # env and off (or at the measured value) by default until a GPU run says
-# otherwise: a larger sample (DSA_TOPK_LIST_SAMPLE_FRACTION 8, _SAMPLE_MAX
-# 8192) puts the bound closer to the cut, so at k 1024 the lists fit a select
-# block of 2048 keys instead of 4096; rows a batch holds
+# otherwise: rows a batch holds
 # (DSA_TOPK_LIST_BATCH_ROWS; 0: as many as LIST_SCRATCH holds), fewer so that
 # a batch's lists are still in L2 when its select reads them; the build's and
 # the first select block's warps (DSA_TOPK_LIST_BUILD_WARPS,
@@ -984,7 +993,8 @@ class ListPlan:
 def _by_row_length(S: int, setting, long, short):
     """A list-path setting for rows of S keys: the environment's ``setting``
     when set (not None), else ``long`` above LIST_ORDER_MAX_S keys and
-    ``short`` up to it (the row order, the L2 prefetch, the scaled sample)."""
+    ``short`` up to it (the row order, the L2 prefetch, the sample's size and
+    its scaling)."""
     return (long if S > LIST_ORDER_MAX_S else short) if setting is None else setting
 
 
@@ -1000,7 +1010,8 @@ def _list_plan(S: int, k: int, sample: Optional[int] = None) -> Optional[ListPla
     """
     if k < 1 or S < 1024:
         return None
-    n = sample or max(64, min(LIST_SAMPLE_MAX, triton.next_power_of_2(S) // LIST_SAMPLE_FRACTION))
+    fraction = _by_row_length(S, LIST_SAMPLE_FRACTION, 16, 8)
+    n = sample or max(64, min(_by_row_length(S, LIST_SAMPLE_MAX, 4096, 8192), triton.next_power_of_2(S) // fraction))
     m = k * n / S
     z = _SAMPLE_Z.value
     rank = math.ceil(((z + math.sqrt(z**2 + 4 * m)) / 2) ** 2)

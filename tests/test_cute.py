@@ -258,8 +258,10 @@ def test_cute_validity_rules(dtype):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.usefixtures("grid")
-@pytest.mark.parametrize("H,G,D", [(16, 1, 576), (32, 1, 512), (32, 2, 576)])
-def test_cute_tp_shard_heads_in_a_padded_tile(H, G, D):
+@pytest.mark.parametrize("H,G,D,dtype", [(16, 1, 576, torch.bfloat16), (32, 1, 512, torch.bfloat16),
+                                         (32, 2, 576, torch.bfloat16), (32, 1, 576, torch.float16)],
+                         ids=["h16", "h32-d512", "gqa-2x16", "h32-fp16"])
+def test_cute_tp_shard_heads_in_a_padded_tile(H, G, D, dtype):
     """16 or 32 query heads per kv head (a tensor-parallel shard) run as one
     64-row tile whose other rows are zero: every out and lse element of the
     real heads written (the memory is NaN-poisoned first), per-head sinks,
@@ -267,8 +269,8 @@ def test_cute_tp_shard_heads_in_a_padded_tile(H, G, D):
     nothing past q (its padding rows would lie past q's end)."""
     gen = _gen(H + G + D)
     T, K, N = 7, 300, 700
-    q = _rand((T, H, D), torch.bfloat16, gen)
-    kv = _rand((N, G, D), torch.bfloat16, gen)
+    q = _rand((T, H, D), dtype, gen)
+    kv = _rand((N, G, D), dtype, gen)
     idx = _indices(T, G, K, N, gen)
     idx[0, :, ::5] = -1
     idx[1, :, ::3] = N
@@ -276,10 +278,10 @@ def test_cute_tp_shard_heads_in_a_padded_tile(H, G, D):
     sink = (torch.randn(H, generator=gen) * 2).float().cuda()
     sink[0], sink[H - 1] = INF, -INF
     for _ in range(2):
-        junk = (torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda"),
+        junk = (torch.full((T, H, 512), float("nan"), dtype=dtype, device="cuda"),
                 torch.full((T, H), float("nan"), device="cuda"))
         del junk
-        out, lse = _check(torch.bfloat16, q, kv, idx.cuda(), topk_length=tl, sink=sink)
+        out, lse = _check(dtype, q, kv, idx.cuda(), topk_length=tl, sink=sink)
         assert not out.isnan().any() and not lse.isnan().any()
 
 

@@ -456,15 +456,17 @@ def test_gqa_two_kv_heads_lengths_hostile():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("H,G,D", [(16, 1, 576), (32, 1, 576), (32, 2, 512)])
-def test_tp_shard_heads_in_a_padded_tile(H, G, D):
+@pytest.mark.parametrize("H,G,D,dtype", [(16, 1, 576, torch.bfloat16), (32, 1, 576, torch.bfloat16),
+                                         (32, 2, 512, torch.bfloat16), (16, 1, 576, torch.float16)],
+                         ids=["h16", "h32", "gqa-2x16-d512", "h16-fp16"])
+def test_tp_shard_heads_in_a_padded_tile(H, G, D, dtype):
     """16 or 32 query heads per kv head (a tensor-parallel shard) run as one
     64-row tile whose other rows are zero: every dq row written (the memory
     is NaN-poisoned), no padding row reaching dkv or dsink, and the last
     token's tile reading nothing past the tensors (its padding rows would
     lie past q's end)."""
     T, K = 24, 1152
-    a = _case(T, 2048, H, G, D, K, torch.bfloat16, sink=[INF, -INF, 1.0], lengths=_lengths(T, K, 11),
+    a = _case(T, 2048, H, G, D, K, dtype, sink=[INF, -INF, 1.0], lengths=_lengths(T, K, 11),
               hostile=True, nan_rows=True)
     _run_and_check(a)
 

@@ -7,8 +7,9 @@
 each call fed the Triton forward's out and lse and a random dO) and writes
 ``placement_{arch}_bwd.json``.  Copy the file to ``dsa/cute/``.
 
-1. Training grid (``TRAIN``, 120 shapes, and ``TRAIN_PADDED``, 120 more): every shape is timed on both backends; each becomes one table
-   entry naming the faster one.
+1. Training grid (``TRAIN``, 120 shapes, and ``TRAIN_PADDED``, 120 more):
+   every shape is timed on both backends; each becomes one table entry
+   naming the faster one.
 2. Holdout grid (``HOLDOUT``): a fixed list written down before any timing
    (shapes off the training grid: other K, T, N, sink and topk_length), timed
    the same way.  The table picks a backend for each holdout shape by its

@@ -1,8 +1,9 @@
 """Host-side helpers shared by the CuTe DSL ops (forward and backward).
 
 * ``dsl_reason()``: whether the CuTe DSL imports, asked once per process.
-* ``int32_reason(args)``: whether an attention call's tiles, kv rows and K
-  fit the kernels' int32 indices.
+* ``head_blocks(HG)`` / ``int32_reason(args)``: the tiles of a kv head's
+  query heads, and whether an attention call's tiles, kv rows and K fit the
+  kernels' int32 indices.
 * ``arch_of(device)`` / ``arch_reason(device, what, arch)``: the tensors'
   GPU architecture, and whether it is the one a kernel is written for
   (``sm90_reason`` for SM90).
@@ -31,11 +32,16 @@ _ZEROS: Dict[tuple, torch.Tensor] = {}
 HEADS_PER_CTA = 64  # query heads of an attention tile: the M of one wgmma
 
 
+def head_blocks(HG: int, block_h: int = HEADS_PER_CTA) -> int:
+    """Tiles a kv head's ``HG`` query heads take: one padded tile below ``block_h``."""
+    return max(1, HG // block_h)
+
+
 def int32_reason(a) -> Optional[str]:
     """Why a sparse attention call's sizes overflow the cute kernels' int32
     indices (None if they fit): its tiles (T x kv heads x 64-head blocks, a
     kv head of fewer heads one padded tile), its kv rows (N x kv heads), K."""
-    tiles = a.T * a.G * max(1, a.H // a.G // HEADS_PER_CTA)
+    tiles = a.T * a.G * head_blocks(a.H // a.G)
     if tiles >= 2**31 or a.N * a.G >= 2**31 or a.K >= 2**31:
         return "T x H_kv x head blocks (the tiles), N x H_kv and K must fit in int32"
     return None

@@ -4,8 +4,8 @@
 one GPU, named in its ``device`` field (``torch.cuda.get_device_name()``):
 one entry per shape of a training grid, each naming the faster backend
 there.  A call is decided by the entry with the same dtype, D and tile
-class (fewer than ``FULL_TILE_HEADS`` query heads per kv head: the backward
-pads them to one tile, which costs what a full one does, so those shapes
+class (fewer than ``FULL_TILE_HEADS`` query heads per kv head: both passes
+pad them to one tile, which costs what a full one does, so those shapes
 rank apart) that is nearest in log2 of (query heads per kv head, K, T); a
 call more than two octaves away from every entry in any of these has no
 entry, and auto keeps Triton.  The script also measures a holdout grid

@@ -77,11 +77,6 @@ def head_block_reason(dtype, D: int, d_v: int, H: int, G: int, block_h: int, pad
     return None
 
 
-def head_blocks(HG: int, block_h: int) -> int:
-    """Tiles a kv head's ``HG`` query heads take: one padded tile below ``block_h``."""
-    return max(1, HG // block_h)
-
-
 def tile_count(T, G: int, head_blocks: int):
     """Tiles of a call: T tokens x G kv heads x ``head_blocks`` head blocks."""
     return T * G * head_blocks

@@ -26,8 +26,8 @@ import torch
 
 from dsa._args import SparseAttnArgs
 from dsa._rules import LOG2E
-from dsa.cute.host import (HEADS_PER_CTA, address, compile_kernel, cutlass_dtype, dsl_reason, int32_reason,
-                           sm90_reason, stream_handle, zero_row)
+from dsa.cute.host import (HEADS_PER_CTA, address, compile_kernel, cutlass_dtype, dsl_reason, head_blocks,
+                           int32_reason, sm90_reason, stream_handle, zero_row)
 
 SERVED_DV = 512
 
@@ -184,7 +184,7 @@ def _deterministic_dkv(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv, launch: 
     from dsa.triton.sparse_attention import slot_keys
 
     T, N, G, D = a.T, a.N, a.G, a.D
-    HB = max(1, a.H // G // heads_per_part)  # a padded tile (16 or 32 heads) is one part
+    HB = head_blocks(a.H // G, heads_per_part)  # a padded tile (16 or 32 heads) is one part
     per_token = HB * G * a.K * D * 4
     Tc = chunk_rows(T, per_token)
     slots = torch.empty(HB * Tc * G * a.K, D, dtype=torch.float32, device=a.q.device)

@@ -57,6 +57,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from dsa.cute import dkv as dkv_reduce
 from dsa.cute import pipeline, rules, scheduler
 from dsa.cute.gmem import aligned, copy_head_rows, load
+from dsa.cute.host import head_blocks
 from dsa.cute.pipeline import NamedBarrier, freed_phase, named_barriers, phase
 from dsa.cute.scheduler import PADDED_HEADS
 
@@ -117,7 +118,7 @@ class SparseAttnBwdSm90:
         # one tile of 64 rows whose rows past its heads are zero: their P and
         # dS are 0, so they add nothing to dkv, and their dq is not stored
         self.rows = min(self.HG, BLOCK_H)
-        self.HB = scheduler.head_blocks(self.HG, BLOCK_H)
+        self.HB = head_blocks(self.HG, BLOCK_H)
         self.has_len, self.deterministic = has_len, deterministic
         # evict_last on the adds (non-deterministic only): dkv (N D fp32)
         # stays in L2 while the gathered kv rows stream through

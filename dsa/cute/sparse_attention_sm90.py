@@ -51,6 +51,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from dsa.cute import pipeline, rules, scheduler
 from dsa.cute.gmem import aligned, copy_head_rows, gather_copier, load
+from dsa.cute.host import head_blocks
 from dsa.cute.pipeline import NamedBarrier, Timer, freed_phase, named_barriers, phase
 from dsa.cute.rules import LOG2E, finite_shift
 
@@ -167,7 +168,7 @@ class SparseAttnFwdSm90:
         # tile of 64 rows: the rows past its heads are zero, and their out,
         # lse and sink are neither read nor written
         self.rows = min(self.HG, BLOCK_H)
-        self.HB = scheduler.head_blocks(self.HG, BLOCK_H)
+        self.HB = head_blocks(self.HG, BLOCK_H)
         self.dv_half = d_v // 2
         self.has_len, self.has_sink = has_len, has_sink
         self.profile = profile

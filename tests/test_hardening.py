@@ -121,6 +121,19 @@ def test_segment_sum_is_exact_and_bitwise_across_interleavings():
     assert torch.equal(one[index[0]], src[0]) and one.count_nonzero() == src[0].count_nonzero()
 
 
+def test_chunk_rows_fills_the_budget_in_whole_waves(monkeypatch):
+    from dsa.triton import segment_sum
+
+    monkeypatch.setattr(segment_sum, "WORKSPACE_BYTES", 1000)
+    assert segment_sum.chunk_rows(50, 10) == 50             # all rows fit: one chunk
+    assert segment_sum.chunk_rows(500, 10) == 100           # the budget's rows
+    assert segment_sum.chunk_rows(500, 10, 66) == 66        # rounded down to whole waves
+    assert segment_sum.chunk_rows(500, 10, 30) == 90
+    assert segment_sum.chunk_rows(500, 10, 132) == 100      # fewer rows than a wave: not rounded
+    assert segment_sum.chunk_rows(500, 4000, 66) == 1       # a row over the budget: one a chunk
+    assert segment_sum.chunk_rows(100, 10, 66) == 100       # a single chunk is never cut
+
+
 @pytest.fixture
 def no_index_add(monkeypatch):
     """index_add_ (atomics on CUDA) raises: a deterministic path must not use it."""

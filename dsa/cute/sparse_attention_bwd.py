@@ -20,6 +20,7 @@ its current stream.  ``run_backward`` (all of this but the launch) and
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -178,15 +179,19 @@ def run_backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: 
 def _deterministic_dkv(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv, launch: Launch,
                        heads_per_part: int = HEADS_PER_CTA) -> None:
     """dq, and dkv [N, G, D] fp32 summed in a fixed order: the kernel stores
-    per-slot rows [HB, Tc, G, K, D] for chunks of Tc tokens, each chunk's
-    rows summed into their kv rows by ``segment_sum``."""
+    per-slot fp32 rows [HB, Tc, G, K, D] for chunks of Tc tokens,
+    each chunk's rows summed into their kv rows by ``segment_sum``.  A chunk
+    shorter than T holds whole waves of the kernel's CTAs (HB G a token)
+    where it can."""
     from dsa.triton.segment_sum import chunk_rows, segment_sum
     from dsa.triton.sparse_attention import slot_keys
 
     T, N, G, D = a.T, a.N, a.G, a.D
     HB = head_blocks(a.H // G, heads_per_part)  # a padded tile (16 or 32 heads) is one part
     per_token = HB * G * a.K * D * 4
-    Tc = chunk_rows(T, per_token)
+    dev = a.q.device
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+    Tc = chunk_rows(T, per_token, sms // math.gcd(sms, HB * G), dev)
     slots = torch.empty(HB * Tc * G * a.K, D, dtype=torch.float32, device=a.q.device)
     for t0 in range(0, T, Tc):
         tc = min(Tc, T - t0)

@@ -30,7 +30,7 @@ for the scatter alone on the H200, of a 2.61 ms KL step (backward alone
 tile to a workspace instead (no recompute, no second pass over q and k), at
 the slot's position in its key's segment, and sums each key's rows in that
 fixed order (dsa/triton/segment_sum.py), chunk of query rows by chunk
-(segment_sum.WORKSPACE_BYTES, 1 GiB: 1024 rows at V3.2), the chunks in
+(segment_sum.workspace_bytes: 4 GiB, all 4096 rows at V3.2), the chunks in
 order: bitwise reproducible. One sort of all T*K keys a step (int32, by
 chunk then key, stable: ``grouped_positions``) gives every slot its
 position, so each sum streams contiguous rows (no gather).
@@ -296,7 +296,7 @@ def _deterministic_dk(p: _Problem, dq, dw, dk) -> None:
     stores each slot's fp32 dk row at its grouped position; contiguous sums per key."""
     T, _, D = p.q.shape
     N = p.k.shape[0]
-    rows = chunk_rows(T, p.K * D * 4)
+    rows = chunk_rows(T, p.K * D * 4, device=dk.device)
     pos, start = grouped_positions(_slot_keys(p), rows * p.K, N)
     ws = torch.empty(rows * p.K, D, device=p.q.device, dtype=torch.float32)
     for c, t0 in enumerate(range(0, T, rows)):

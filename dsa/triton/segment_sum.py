@@ -25,7 +25,7 @@ row i at ``pos[i]``, and :func:`grouped_segment_sum` sums contiguous rows
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -69,18 +69,35 @@ def segment_sum_kernel(
         tl.store(p_dst, tl.load(p_dst, mask=m_d, other=0.0) + b_acc, mask=m_d)
 
 
-# Bytes of per-slot fp32 rows a deterministic backward holds at once: the
-# rows of as many query rows as fit are written, then summed, chunk by chunk.
-# A smaller budget means more chunks, each paying a sort and a launch over
-# every destination (the indexer's 64 MB chunks made its deterministic KL step
-# 8.9x the default at V3.2).
-WORKSPACE_BYTES = 1 << 30
+# Bytes of per-slot rows a deterministic backward holds at once: the rows of
+# as many query rows as fit are written, then summed, chunk by chunk.  A
+# smaller budget means more chunks, each paying a sort, a launch over every
+# destination and a last wave of partly idle SMs (the indexer's 64 MB chunks
+# made its deterministic KL step 8.9x the default at V3.2; the cute sparse
+# attention backward's at V3.2 took 32.3 ms with 1 GiB, 26.9 with 4 GiB, 27.2
+# with 8 GiB and 26.5 with 4 GiB in whole waves, bench/RESULTS.md C93).  A device holds at most
+# 1 / WORKSPACE_SHARE of its memory in it.
+WORKSPACE_BYTES = 4 << 30
+WORKSPACE_SHARE = 16
 
 
-def chunk_rows(total: int, row_bytes: int) -> int:
+def workspace_bytes(device: Optional[torch.device] = None) -> int:
+    """The workspace budget on ``device``: ``WORKSPACE_BYTES``, at most
+    1 / ``WORKSPACE_SHARE`` of a CUDA device's memory."""
+    if device is None or device.type != "cuda":
+        return WORKSPACE_BYTES
+    return min(WORKSPACE_BYTES, torch.cuda.get_device_properties(device).total_memory // WORKSPACE_SHARE)
+
+
+def chunk_rows(total: int, row_bytes: int, multiple: int = 1, device: Optional[torch.device] = None) -> int:
     """How many of ``total`` query rows (each ``row_bytes`` of workspace) one
-    chunk of ``WORKSPACE_BYTES`` holds: at least 1, at most ``total``."""
-    return max(1, min(total, WORKSPACE_BYTES // row_bytes))
+    chunk of ``workspace_bytes(device)`` holds: at least 1, at most
+    ``total``; a chunk shorter than ``total`` is rounded down to a multiple of
+    ``multiple`` when it holds one (whole waves of a kernel's programs)."""
+    rows = max(1, min(total, workspace_bytes(device) // row_bytes))
+    if rows < total and rows >= multiple:
+        rows -= rows % multiple
+    return rows
 
 
 def inverse_index(keys: torch.Tensor, n_dst: int) -> Tuple[torch.Tensor, torch.Tensor]:

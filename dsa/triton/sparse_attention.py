@@ -302,7 +302,7 @@ def backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: torc
     else:
         # per-slot rows [HB, Tc, G, K, D], summed per kv row in a fixed order
         HB = triton.cdiv(a.H // G, cfg.BH)
-        Tc = chunk_rows(T, HB * G * K * D * 4)
+        Tc = chunk_rows(T, HB * G * K * D * 4, device=a.q.device)
         slots = torch.empty(HB * Tc * G * K, D, dtype=torch.float32, device=a.q.device)
         for t0 in range(0, T, Tc):
             tc = min(Tc, T - t0)

@@ -43,7 +43,8 @@ needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl is not i
 _NEEDLES = (
     "wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc",
     "red.relaxed.gpu.global.add.v4.f32", "red.relaxed.gpu.global.add.L2::cache_hint.v4.f32", "createpolicy",
-    "st.global.v4.f32", "shfl.sync", "setmaxnreg.inc", "setmaxnreg.dec", "mbarrier.try_wait", "bar.sync",
+    "st.global.v4.f32", "shfl.sync", "cp.async.cg.shared.global.L2::cache_hint", "st.global.L2::cache_hint.b32",
+    "setmaxnreg.inc", "setmaxnreg.dec", "mbarrier.try_wait", "bar.sync",
     "bar.arrive")
 
 _CONFIGS = [
@@ -79,7 +80,13 @@ def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
         assert r["st.global.v4.f32"] == (n_out if det else 0), (name, r)
         assert r["red.relaxed.gpu.global.add.L2::cache_hint.v4.f32"] == (n_out if hint else 0), (name, r)
         assert r["red.relaxed.gpu.global.add.v4.f32"] == (0 if det or hint else n_out), (name, r)
-        assert r["createpolicy"] == (2 if hint else 0), (name, r)  # one in each consumer
+        # evict-last for the adds (one in each consumer), evict-first for Q / dO and dq (l2_hints 3)
+        hints = build.get("l2_hints", cbwd.BUILD["l2_hints"])
+        assert r["createpolicy"] >= (2 if hint else 0) + bool(hints), (name, r)
+        n_q = (D + 512) // 64 * 4   # Q's and dO's 16-byte copies a thread
+        assert r["cp.async.cg.shared.global.L2::cache_hint"] == (n_q if hints & 1 else 0), (name, r)
+        n_dq = 128 + 16 * (D > 512)  # dq words a thread: 64 a warpgroup, 16 more for the RoPE columns
+        assert r["st.global.L2::cache_hint.b32"] == (n_dq if hints & 2 else 0), (name, r)
         # 16 shuffles a chunk, one per float of the swapped halves of lines
         assert 16 * (D // 64) <= r["shfl.sync"] < 17 * (D // 64), (name, r)
         # two warpgroups of up to 255 registers: none moved between them

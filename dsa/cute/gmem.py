@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int64, const_expr
+from cutlass import Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
+from cutlass.cutlass_dsl import dsl_user_op
+
+# createpolicy's L2 eviction priorities
+EVICT_FIRST = "evict_first"
+EVICT_LAST = "evict_last"
 
 
 @cute.jit
@@ -21,11 +27,54 @@ def aligned(dtype: cutlass.Constexpr, addr: Int64, align: cutlass.Constexpr = 16
     return cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
 
 
+@dsl_user_op
+def l2_policy(priority: str, *, loc=None, ip=None) -> Int64:
+    """An L2 cache policy giving the lines it touches ``priority``
+    (``EVICT_FIRST``: streamed data that should leave L2 first;
+    ``EVICT_LAST``: data that should stay)."""
+    return Int64(llvm.inline_asm(
+        Int64.mlir_type, [], f"createpolicy.fractional.L2::{priority}.b64 $0, 1.0;", "=l",
+        has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    ))
+
+
+@dsl_user_op
+def _cp_async_16(dst: Int32, src: Int64, policy: Int64, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(
+        None, [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip),
+               Int64(policy).ir_value(loc=loc, ip=ip)],
+        "cp.async.cg.shared.global.L2::cache_hint [$0], [$1], 16, $2;", "r,l,l",
+        has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
+def store_b32_hinted(addr: Int64, value: Int32, policy: Int64, *, loc=None, ip=None) -> None:
+    """``st.global.b32`` of value at addr under the L2 ``policy``."""
+    llvm.inline_asm(
+        None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip),
+               Int64(policy).ir_value(loc=loc, ip=ip)],
+        "st.global.L2::cache_hint.b32 [$0], $1, $2;", "l,r,l",
+        has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    )
+
+
+@cute.jit
+def copy16_hinted(dst: cute.Tensor, src_addr: Int64, policy: Int64):
+    """A 16-byte cp.async of global ``src_addr`` into ``dst`` (16 contiguous
+    bytes of a shared tile under the 128-byte swizzle, ``S<3,4,3>``, of a
+    1024-byte-aligned buffer) under the L2 ``policy``; completion is tracked
+    as any cp.async's.  The DSL's pointer holds the address before the
+    swizzle, so it is applied here: bits 4-6 ^= bits 7-9."""
+    a = Int32(dst.iterator.toint())
+    _cp_async_16(a ^ ((a >> 3) & 0x70), src_addr, policy)
+
+
 @cute.jit
 def copy_head_rows(atom, tS, ptr: cute.Pointer, dtype: cutlass.Constexpr, t, H: cutlass.Constexpr, head0,
                    rows: cutlass.Constexpr, width: cutlass.Constexpr, row_in_pass, col0,
                    rows_per_pass: cutlass.Constexpr = 16, chunk: cutlass.Constexpr = 64,
-                   real_rows: cutlass.Constexpr = None, zero_ptr: cute.Pointer = None):
+                   real_rows: cutlass.Constexpr = None, zero_ptr: cute.Pointer = None, policy=None):
     """Issue the async copies of rows head0 .. head0 + rows - 1 of token t of
     a [T, H, width] tensor at ``ptr`` into ``tS`` (this thread's slice of the
     shared tile, [copy, pass, column chunk]): the thread copies columns
@@ -33,7 +82,9 @@ def copy_head_rows(atom, tS, ptr: cute.Pointer, dtype: cutlass.Constexpr, t, H: 
     row_in_pass + rows_per_pass * m.  With ``real_rows`` (a multiple of
     rows_per_pass) the rows from head0 + real_rows on are copies of the
     zero row at ``zero_ptr`` (at least ``width`` elements): a tile padded
-    past its heads.  The caller signals their completion."""
+    past its heads.  With an L2 ``policy`` (``l2_policy``) the copies go
+    out under it (``copy16_hinted``: the tile must be 128-byte swizzled).
+    The caller signals their completion."""
     ES = dtype.width // 8
     for m in cutlass.range_constexpr(rows // rows_per_pass):
         row = head0 + row_in_pass + m * rows_per_pass
@@ -41,8 +92,11 @@ def copy_head_rows(atom, tS, ptr: cute.Pointer, dtype: cutlass.Constexpr, t, H: 
         if const_expr(real_rows is not None and m * rows_per_pass >= real_rows):
             addr = zero_ptr.toint() + col0 * ES
         for c in cutlass.range_constexpr(width // chunk):
-            src = cute.make_tensor(aligned(dtype, addr + c * chunk * ES), cute.make_layout((8,)))
-            cute.copy(atom, src, tS[None, m, c])
+            if const_expr(policy is not None):
+                copy16_hinted(tS[None, m, c], addr + c * chunk * ES, policy)
+            else:
+                src = cute.make_tensor(aligned(dtype, addr + c * chunk * ES), cute.make_layout((8,)))
+                cute.copy(atom, src, tS[None, m, c])
 
 
 def gather_copier(dtype, tid):

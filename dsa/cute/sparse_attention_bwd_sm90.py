@@ -56,7 +56,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from dsa.cute import dkv as dkv_reduce
 from dsa.cute import pipeline, rules, scheduler
-from dsa.cute.gmem import aligned, copy_head_rows, load
+from dsa.cute.gmem import (EVICT_FIRST, EVICT_LAST, aligned, copy16_hinted, copy_head_rows, l2_policy, load,
+                           store_b32_hinted)
 from dsa.cute.host import head_blocks
 from dsa.cute.pipeline import NamedBarrier, freed_phase, named_barriers, phase
 from dsa.cute.scheduler import PADDED_HEADS
@@ -83,12 +84,15 @@ class BwdSm90Config(scheduler.ProblemConfig):
     stored per slot instead of added) and the build options: evict_last (the
     adds keep dkv's lines in L2 ahead of the gathered rows), c0_chunks (the
     64-column dkv chunks warpgroup 0 takes), scatter False (a timing build
-    that adds none of dkv: its dkv is not the gradient)."""
+    that adds none of dkv: its dkv is not the gradient), l2_hints (bits: 1
+    Q and dO loaded evict-first, 2 dq stored evict-first, 4 the gathered kv
+    rows loaded evict-last)."""
 
     deterministic: bool
     evict_last: bool = True
     c0_chunks: int = 2
     scatter: bool = True
+    l2_hints: int = 0
 
 
 
@@ -103,14 +107,15 @@ class SparseAttnBwdSm90:
     them)."""
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, deterministic: bool,
-                 evict_last: bool = True, c0_chunks: int = 2, scatter: bool = True):
+                 evict_last: bool = True, c0_chunks: int = 2, scatter: bool = True, l2_hints: int = 0):
         why = self.can_implement(dtype, D, d_v, H, G)
         if why is not None:
             raise ValueError(f"SparseAttnBwdSm90: {why}")
         if not 0 <= c0_chunks < D // 64:  # warpgroup 1 releases the dS / P buffers after its last chunk
             raise ValueError(f"SparseAttnBwdSm90: c0_chunks={c0_chunks} is not in [0, {D // 64})")
         self.config = BwdSm90Config(dtype, D, d_v, H, G, has_len, deterministic, evict_last, c0_chunks,
-                                    scatter)
+                                    scatter, l2_hints)
+        self.l2_hints = l2_hints
         self.dtype = dtype
         self.D, self.d_v, self.H, self.G = D, d_v, H, G
         self.HG = H // G
@@ -272,21 +277,24 @@ class SparseAttnBwdSm90:
         row_in_pass = tidx // 8
         col0 = (tidx % 8) * 8
         pad = dict(real_rows=self.rows, zero_ptr=zero_ptr) if const_expr(self.rows < BLOCK_H) else {}
+        if const_expr(self.l2_hints & 1):
+            pad["policy"] = l2_policy(EVICT_FIRST)
         copy_head_rows(atom, thr.partition_D(sQ), q_ptr, self.dtype, t, self.H, head0, BLOCK_H, self.D,
                        row_in_pass, col0, **pad)
         copy_head_rows(atom, thr.partition_D(sdO), dout_ptr, self.dtype, t, self.H, head0, BLOCK_H, self.d_v,
                        row_in_pass, col0, **pad)
+        kv_pol = l2_policy(EVICT_LAST) if const_expr(self.l2_hints & 4) else None
         cute.arch.cp_async_mbarrier_arrive_noinc(q_full)
         regs = (cute.make_rmem_tensor((BN // 16,), Int32), cute.make_rmem_tensor((BN // 16,), Int64),
                 cute.make_rmem_tensor((BN // 16,), Float32))
         return (atom, thr.partition_D(sK), cute.make_tensor(sOk, cute.make_layout((BN,))), regs, kv_ptr,
-                zero_ptr, row_in_pass, col0)
+                zero_ptr, row_in_pass, col0, kv_pol)
 
     @cute.jit
     def gather_block(self, ld, i, tile, N, full, empty):
         """Gather the kv rows of block i into the stage, once both warpgroups
         are past block i - 1's dQ; the stage's mask with it."""
-        atom, tK, ok, (ns, base, mk), kv_ptr, zero_ptr, row_in_pass, col0 = ld
+        atom, tK, ok, (ns, base, mk), kv_ptr, zero_ptr, row_in_pass, col0, kv_pol = ld
         g, L, idx_row = tile[2], tile[5], tile[7]
         ES = self.dtype.width // 8
         # indices first, all loads in flight together; a slot past L reads
@@ -301,8 +309,11 @@ class SparseAttnBwdSm90:
             cute.arch.mbarrier_wait(empty, freed_phase(i))  # both warpgroups past block i - 1's dQ
         for m in cutlass.range_constexpr(BN // 16):
             for c in cutlass.range_constexpr(self.D // 64):
-                src = cute.make_tensor(aligned(self.dtype, base[m] + c * 64 * ES), cute.make_layout((8,)))
-                cute.copy(atom, src, tK[None, m, c])
+                if const_expr(self.l2_hints & 4):
+                    copy16_hinted(tK[None, m, c], base[m] + c * 64 * ES, kv_pol)
+                else:
+                    src = cute.make_tensor(aligned(self.dtype, base[m] + c * 64 * ES), cute.make_layout((8,)))
+                    cute.copy(atom, src, tK[None, m, c])
         cute.arch.cp_async_mbarrier_arrive_noinc(full)
         if col0 == 0:
             for m in cutlass.range_constexpr(BN // 16):
@@ -536,15 +547,24 @@ class SparseAttnBwdSm90:
         ow = cute.recast_tensor(ob, Int32)  # word 2j + r: columns 8j + col_lane + {0, 1} of row r
         ES = self.dtype.width // 8
         base = dq_ptr.toint() + (Int64(t) * Int64(self.H) + Int64(head0)) * Int64(self.D * ES)
+        pol = l2_policy(EVICT_FIRST) if const_expr(self.l2_hints & 2) else None
         for j in cutlass.range_constexpr(NO // 4):
             for r in cutlass.range_constexpr(2):
                 col = c0 + 8 * j + col_lane
                 addr = base + (Int64(row_lo + 8 * r) * Int64(self.D) + col) * ES
-                dst = cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4),
-                                       cute.make_layout((1,)))
                 if const_expr(self.rows < BLOCK_H):
                     if row_lo + 8 * r < self.rows:  # padding rows have no dq
-                        dst[0] = ow[2 * j + r]
+                        self.store_word(addr, ow[2 * j + r], pol)
                 else:
-                    dst[0] = ow[2 * j + r]
+                    self.store_word(addr, ow[2 * j + r], pol)
+
+    @cute.jit
+    def store_word(self, addr, w, pol):
+        """One 32-bit word of dq at addr (under the L2 policy pol, None for none)."""
+        if const_expr(pol is not None):
+            store_b32_hinted(addr, w, pol)
+        else:
+            dst = cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4),
+                                   cute.make_layout((1,)))
+            dst[0] = w
 

@@ -1,13 +1,16 @@
 """Sparse attention against its peers in one process, on the same inputs (H200).
 
     PYTHONPATH=$PWD python bench/peers.py [--out DIR] [--shapes V3.2,V4-pro] [--cute-build JSON]
+                                          [--cute-alt JSON]
 
 Forward: dsa ``cute`` and ``triton`` against FlashMLA's SM90 sparse prefill
 kernel (``flash_mla.flash_mla_sparse_fwd(..., use_legacy=True)``). Backward:
 dsa ``triton`` (and ``cute`` where it serves the backward) against cuDNN's
 ``sparse_attention_backward_wrapper``, all fed the same dsa forward's out and
 lse. Plus the training step (forward + backward) under ``auto``. A peer that
-is not installed is reported as such and skipped.
+is not installed is reported as such and skipped. ``--cute-alt`` also times
+the cute backward under other build options, in the same process (row
+``bwd_cute_alt_ms``).
 
 bf16, sink on, fresh ``torch.randn`` inputs, indices K distinct ascending rows
 of [0, N) per query row (``half`` rows: topk_length uniform in [0, K]).
@@ -105,7 +108,7 @@ def _peer(name, build, row, key, flops):
     return res
 
 
-def run_shape(name, T, N, H, D, K, half):
+def run_shape(name, T, N, H, D, K, half, alt=None):
     q, kv, idx, sink, tl, dout = inputs(T, N, H, D, K, half)
     scale = D ** -0.5
     ffw, fbw = 2 * T * H * K * (D + D_V), 2 * T * H * K * (3 * D + 2 * D_V)
@@ -124,6 +127,16 @@ def run_shape(name, T, N, H, D, K, half):
                     f"bwd_{backend}_ms", fbw)
         if got is not None and ref is not None:
             row[f"bwd_{backend}_rel"] = [rel(a, b) for a, b in zip(got, ref)]
+    if alt:
+        from dsa.cute import sparse_attention_bwd as cbwd
+
+        keep = cbwd.BUILD
+        cbwd.BUILD = dict(keep, **alt)
+        try:
+            _peer(f"bwd dsa cute {alt}", lambda: _dsa_bwd(q, kv, idx, sink, tl, dout, "cute"), row,
+                  "bwd_cute_alt_ms", fbw)
+        finally:
+            cbwd.BUILD = keep
     cd = _peer("bwd cudnn", lambda: _cudnn_bwd(q, kv, out, dout, lse, sink, idx, tl, scale), row, "bwd_cudnn_ms", fbw)
     if cd is not None and ref is not None:
         row["bwd_cudnn_rel"] = [rel(cd["dq"], ref[0]), rel(cd["dkv"], ref[1]), rel(cd["d_sink"], ref[2])]
@@ -145,14 +158,16 @@ def main() -> None:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--cute-build", default=None,
                    help='options of the cute backward build (dsa.cute.sparse_attention_bwd.BUILD), JSON')
+    p.add_argument("--cute-alt", default=None, help="other build options also timed (a row of their own), JSON")
     args = p.parse_args()
+    alt = json.loads(args.cute_alt) if args.cute_alt else None
     if args.cute_build:
         from dsa.cute import sparse_attention_bwd as cbwd
 
         cbwd.BUILD = dict(cbwd.BUILD, **json.loads(args.cute_build))
         print("cute backward build:", cbwd.BUILD)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
-    rows = [run_shape(n, *SHAPES[n]) for n in args.shapes.split(",")]
+    rows = [run_shape(n, *SHAPES[n], alt=alt) for n in args.shapes.split(",")]
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "peers.json"), "w") as f:

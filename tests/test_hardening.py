@@ -134,6 +134,25 @@ def test_chunk_rows_fills_the_budget_in_whole_waves(monkeypatch):
     assert segment_sum.chunk_rows(100, 10, 66) == 100       # a single chunk is never cut
 
 
+@pytest.mark.parametrize("n_dst", [5, 2**15 - 1, 2**15, 40000])
+def test_inverse_index_on_narrow_sort_keys(n_dst):
+    """The stable sort runs on int16 keys up to 2**15 destinations (the
+    never-summed key n_dst included), int32 above: the same order and starts
+    as a stable sort of the int64 keys."""
+    from dsa.triton import segment_sum
+
+    g = torch.Generator().manual_seed(n_dst)
+    keys = torch.randint(0, n_dst, (3000,), generator=g)
+    keys[::7] = n_dst          # never summed
+    keys[5::11] = n_dst + 123  # any key past n_dst is
+    keys[1:40] = n_dst - 1     # a long run at the top key
+    order, start = segment_sum.inverse_index(keys, n_dst)
+    want = torch.sort(keys.clamp(max=n_dst), stable=True)
+    assert torch.equal(order, want.indices)
+    assert torch.equal(start, torch.searchsorted(want.values, torch.arange(n_dst + 1)))
+    assert segment_sum.sort_dtype(n_dst + 1) == (torch.int16 if n_dst < 2**15 else torch.int32)
+
+
 @pytest.fixture
 def no_index_add(monkeypatch):
     """index_add_ (atomics on CUDA) raises: a deterministic path must not use it."""

@@ -105,9 +105,18 @@ def inverse_index(keys: torch.Tensor, n_dst: int) -> Tuple[torch.Tensor, torch.T
     any key >= n_dst marks a row that is never summed): order [M] int64 lists
     the rows by destination, ascending within one, and destination n owns
     order[start[n]:start[n + 1]] (start [n_dst + 1] int64)."""
-    sorted_keys, order = torch.sort(keys, stable=True)
-    start = torch.searchsorted(sorted_keys, torch.arange(n_dst + 1, device=keys.device))
+    dt = sort_dtype(n_dst + 1)
+    sorted_keys, order = torch.sort(keys.clamp(max=n_dst).to(dt), stable=True)
+    start = torch.searchsorted(sorted_keys, torch.arange(n_dst + 1, device=keys.device, dtype=dt))
     return order, start
+
+
+def sort_dtype(span: int) -> torch.dtype:
+    """The narrowest integer type holding keys in [0, span): a radix sort
+    makes one pass per 8 bits of its keys (int16: 2, int32: 4, int64: 8)."""
+    if span <= 2**15:
+        return torch.int16
+    return torch.int32 if span <= 2**31 else torch.int64
 
 
 def grouped_positions(keys: torch.Tensor, chunk: int, n_dst: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +131,7 @@ def grouped_positions(keys: torch.Tensor, chunk: int, n_dst: int) -> Tuple[torch
     M = keys.numel()
     C = max(1, -(-M // chunk))
     span = n_dst + 1
-    dt = torch.int32 if C * span < 2**31 else torch.int64  # a 32-bit sort has half the radix passes
+    dt = sort_dtype(C * span)
     row = torch.arange(M, device=keys.device)
     comp = ((row // chunk) * span + keys.clamp(0, n_dst)).to(dt)
     comp_sorted, order = torch.sort(comp, stable=True)

@@ -35,6 +35,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
 from dsa.cute import rules
+from dsa.cute.gmem import EVICT_LAST, l2_policy
 
 RED_ADD = "red.relaxed.gpu.global.add"
 STORE = "st.global"
@@ -65,13 +66,9 @@ def global_f32(op: str, addr: Int64, *values: Float32, policy: Optional[Int64] =
     )
 
 
-@dsl_user_op
-def evict_last_policy(*, loc=None, ip=None) -> Int64:
+def evict_last_policy() -> Int64:
     """An L2 cache policy that keeps the lines it touches ahead of normal ones."""
-    return Int64(llvm.inline_asm(
-        Int64.mlir_type, [], "createpolicy.fractional.L2::evict_last.b64 $0, 1.0;", "=l",
-        has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
-    ))
+    return l2_policy(EVICT_LAST)
 
 
 @cute.jit

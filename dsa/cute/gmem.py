@@ -39,24 +39,15 @@ def l2_policy(priority: str, *, loc=None, ip=None) -> Int64:
 
 
 @dsl_user_op
-def _cp_async_16(dst: Int32, src: Int64, policy: Int64, *, loc=None, ip=None) -> None:
-    llvm.inline_asm(
-        None, [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip),
-               Int64(policy).ir_value(loc=loc, ip=ip)],
-        "cp.async.cg.shared.global.L2::cache_hint [$0], [$1], 16, $2;", "r,l,l",
-        has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
-    )
+def _asm(text: str, constraints: str, *operands, loc=None, ip=None) -> None:
+    """One instruction with side effects and no result, on DSL scalars."""
+    llvm.inline_asm(None, [x.ir_value(loc=loc, ip=ip) for x in operands], text, constraints,
+                    has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
-@dsl_user_op
-def store_b32_hinted(addr: Int64, value: Int32, policy: Int64, *, loc=None, ip=None) -> None:
+def store_b32_hinted(addr: Int64, value: Int32, policy: Int64) -> None:
     """``st.global.b32`` of value at addr under the L2 ``policy``."""
-    llvm.inline_asm(
-        None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip),
-               Int64(policy).ir_value(loc=loc, ip=ip)],
-        "st.global.L2::cache_hint.b32 [$0], $1, $2;", "l,r,l",
-        has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
-    )
+    _asm("st.global.L2::cache_hint.b32 [$0], $1, $2;", "l,r,l", Int64(addr), Int32(value), Int64(policy))
 
 
 @cute.jit
@@ -67,7 +58,8 @@ def copy16_hinted(dst: cute.Tensor, src_addr: Int64, policy: Int64):
     as any cp.async's.  The DSL's pointer holds the address before the
     swizzle, so it is applied here: bits 4-6 ^= bits 7-9."""
     a = Int32(dst.iterator.toint())
-    _cp_async_16(a ^ ((a >> 3) & 0x70), src_addr, policy)
+    _asm("cp.async.cg.shared.global.L2::cache_hint [$0], [$1], 16, $2;", "r,l,l", a ^ ((a >> 3) & 0x70),
+         Int64(src_addr), Int64(policy))
 
 
 @cute.jit

@@ -144,10 +144,10 @@ def scatter(acc, ch: cutlass.Constexpr, rows, rok, pol, deterministic: cutlass.C
 
 @cute.jit
 def write4(ok, addr, vals, pol, deterministic: cutlass.Constexpr):
-    """Four adjacent floats to addr when ok: added (under the L2 policy
-    pol, None for none) or, deterministic, stored."""
+    """Four adjacent floats to addr when ok: added or, deterministic,
+    stored (under the L2 policy pol, None for none)."""
     if ok != 0:
         if const_expr(deterministic):
-            global_f32(STORE, addr, *vals)
+            global_f32(STORE, addr, *vals, policy=pol)
         else:
             global_f32(RED_ADD, addr, *vals, policy=pol)

@@ -86,7 +86,8 @@ class BwdSm90Config(scheduler.ProblemConfig):
     64-column dkv chunks warpgroup 0 takes), scatter False (a timing build
     that adds none of dkv: its dkv is not the gradient), l2_hints (bits: 1
     Q and dO loaded evict-first, 2 dq stored evict-first, 4 the gathered kv
-    rows loaded evict-last)."""
+    rows loaded evict-last, 8 the deterministic build's per-slot rows stored
+    evict-first)."""
 
     deterministic: bool
     evict_last: bool = True
@@ -362,6 +363,8 @@ class SparseAttnBwdSm90:
         rows = cute.make_rmem_tensor((4,), Int64)
         rok = cute.make_rmem_tensor((4,), Int32)
         pol = dkv_reduce.evict_last_policy() if const_expr(self.evict_last) else None
+        if const_expr(self.deterministic and self.l2_hints & 8):
+            pol = l2_policy(EVICT_FIRST)  # per-slot rows, read back only by the reduction
         row0 = self.dkv_row0(tile, T, K)
         dkv = (kv_mma, t64_layout, wtid, sQ, sdO, raw_ds, raw_p, (rows, rok, pol))
 

@@ -31,7 +31,7 @@ tile to a workspace instead (no recompute, no second pass over q and k), at
 the slot's position in its key's segment, and sums each key's rows in that
 fixed order (dsa/triton/segment_sum.py), chunk of query rows by chunk
 (segment_sum.workspace_bytes: 4 GiB, all 4096 rows at V3.2), the chunks in
-order: bitwise reproducible. One sort of all T*K keys a step (int32, by
+order: bitwise reproducible. One sort of all T*K keys a step (the narrowest integer keys, by
 chunk then key, stable: ``grouped_positions``) gives every slot its
 position, so each sum streams contiguous rows (no gather).
 

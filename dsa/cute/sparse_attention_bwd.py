@@ -37,7 +37,8 @@ SERVED_DV = 512
 # H200, bench/RESULTS.md C46-C47); l2_hints 3, Q and dO loaded and dq stored
 # evict-first, so that the once-read tiles leave L2 to kv and dkv (V4-flash,
 # whose 16384 kv rows and dkv fill the L2, 3.2% faster; the model shapes
-# within 1% else; the gathered rows evict-last did not help, C97).
+# within 1% else; the gathered rows evict-last, measured as bit 4, did not
+# help and is gone, C98).
 BUILD = dict(evict_last=True, c0_chunks=2, l2_hints=3)
 
 # (BwdSm90Config, device index) -> compiled kernel: a compiled kernel's

@@ -56,8 +56,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from dsa.cute import dkv as dkv_reduce
 from dsa.cute import pipeline, rules, scheduler
-from dsa.cute.gmem import (EVICT_FIRST, EVICT_LAST, aligned, copy16_hinted, copy_head_rows, l2_policy, load,
-                           store_b32_hinted)
+from dsa.cute.gmem import EVICT_FIRST, aligned, copy_head_rows, l2_policy, load, store_b32_hinted
 from dsa.cute.host import head_blocks
 from dsa.cute.pipeline import NamedBarrier, freed_phase, named_barriers, phase
 from dsa.cute.scheduler import PADDED_HEADS
@@ -85,9 +84,8 @@ class BwdSm90Config(scheduler.ProblemConfig):
     adds keep dkv's lines in L2 ahead of the gathered rows), c0_chunks (the
     64-column dkv chunks warpgroup 0 takes), scatter False (a timing build
     that adds none of dkv: its dkv is not the gradient), l2_hints (bits: 1
-    Q and dO loaded evict-first, 2 dq stored evict-first, 4 the gathered kv
-    rows loaded evict-last, 8 the deterministic build's per-slot rows stored
-    evict-first)."""
+    Q and dO loaded evict-first, 2 dq stored evict-first, 8 the deterministic
+    build's per-slot rows stored evict-first)."""
 
     deterministic: bool
     evict_last: bool = True
@@ -284,18 +282,17 @@ class SparseAttnBwdSm90:
                        row_in_pass, col0, **pad)
         copy_head_rows(atom, thr.partition_D(sdO), dout_ptr, self.dtype, t, self.H, head0, BLOCK_H, self.d_v,
                        row_in_pass, col0, **pad)
-        kv_pol = l2_policy(EVICT_LAST) if const_expr(self.l2_hints & 4) else None
         cute.arch.cp_async_mbarrier_arrive_noinc(q_full)
         regs = (cute.make_rmem_tensor((BN // 16,), Int32), cute.make_rmem_tensor((BN // 16,), Int64),
                 cute.make_rmem_tensor((BN // 16,), Float32))
         return (atom, thr.partition_D(sK), cute.make_tensor(sOk, cute.make_layout((BN,))), regs, kv_ptr,
-                zero_ptr, row_in_pass, col0, kv_pol)
+                zero_ptr, row_in_pass, col0)
 
     @cute.jit
     def gather_block(self, ld, i, tile, N, full, empty):
         """Gather the kv rows of block i into the stage, once both warpgroups
         are past block i - 1's dQ; the stage's mask with it."""
-        atom, tK, ok, (ns, base, mk), kv_ptr, zero_ptr, row_in_pass, col0, kv_pol = ld
+        atom, tK, ok, (ns, base, mk), kv_ptr, zero_ptr, row_in_pass, col0 = ld
         g, L, idx_row = tile[2], tile[5], tile[7]
         ES = self.dtype.width // 8
         # indices first, all loads in flight together; a slot past L reads
@@ -310,11 +307,8 @@ class SparseAttnBwdSm90:
             cute.arch.mbarrier_wait(empty, freed_phase(i))  # both warpgroups past block i - 1's dQ
         for m in cutlass.range_constexpr(BN // 16):
             for c in cutlass.range_constexpr(self.D // 64):
-                if const_expr(self.l2_hints & 4):
-                    copy16_hinted(tK[None, m, c], base[m] + c * 64 * ES, kv_pol)
-                else:
-                    src = cute.make_tensor(aligned(self.dtype, base[m] + c * 64 * ES), cute.make_layout((8,)))
-                    cute.copy(atom, src, tK[None, m, c])
+                src = cute.make_tensor(aligned(self.dtype, base[m] + c * 64 * ES), cute.make_layout((8,)))
+                cute.copy(atom, src, tK[None, m, c])
         cute.arch.cp_async_mbarrier_arrive_noinc(full)
         if col0 == 0:
             for m in cutlass.range_constexpr(BN // 16):

@@ -31,9 +31,10 @@ tile to a workspace instead (no recompute, no second pass over q and k), at
 the slot's position in its key's segment, and sums each key's rows in that
 fixed order (dsa/triton/segment_sum.py), chunk of query rows by chunk
 (segment_sum.workspace_bytes: 4 GiB, all 4096 rows at V3.2), the chunks in
-order: bitwise reproducible. One sort of all T*K keys a step (the narrowest integer keys, by
-chunk then key, stable: ``grouped_positions``) gives every slot its
-position, so each sum streams contiguous rows (no gather).
+order: bitwise reproducible. One sort of all T*K keys a step (the
+narrowest integer keys, by chunk then key, stable: ``grouped_positions``)
+gives every slot its position, so each sum streams contiguous rows (no
+gather).
 
 Cost at V3.2 on the H200 (bench/RESULTS.md, run C58): a 5.73 ms KL step,
 2.2x the default. The rows cross HBM twice (4.3 GB written, 4.3 GB read

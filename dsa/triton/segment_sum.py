@@ -74,9 +74,9 @@ def segment_sum_kernel(
 # smaller budget means more chunks, each paying a sort, a launch over every
 # destination and a last wave of partly idle SMs (the indexer's 64 MB chunks
 # made its deterministic KL step 8.9x the default at V3.2; the cute sparse
-# attention backward's at V3.2 took 32.3 ms with 1 GiB, 26.9 with 4 GiB, 27.2
-# with 8 GiB and 26.5 with 4 GiB in whole waves, bench/RESULTS.md C93).  A device holds at most
-# 1 / WORKSPACE_SHARE of its memory in it.
+# attention backward's at V3.2 took 32.3 ms with 1 GiB, 26.9 with 4 GiB and
+# 27.2 with 8 GiB (bench/RESULTS.md C93), 26.5 with 4 GiB in whole waves
+# (C95)).  A device holds at most 1 / WORKSPACE_SHARE of its memory in it.
 WORKSPACE_BYTES = 4 << 30
 WORKSPACE_SHARE = 16
 

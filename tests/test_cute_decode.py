@@ -230,9 +230,9 @@ def test_supports_needs_an_sm90_gpu():
 
 def test_placement_declines_until_measured(monkeypatch):
     a = _args(T=32)
-    monkeypatch.setattr(cdec, "_device_name", lambda d: "NVIDIA H100")  # no row of the shipped table
+    monkeypatch.setattr(cdec, "device_name", lambda d: "NVIDIA H100")  # no row of the shipped table
     assert cdec.placement_reason(a) == cdec.NOT_MEASURED == "no measurement of the cute decode on this GPU yet"
-    monkeypatch.setattr(cdec, "_device_name", lambda d: "NVIDIA H200")
+    monkeypatch.setattr(cdec, "device_name", lambda d: "NVIDIA H200")
     # the shipped table: bf16 H128 measured cute-faster at B1..128; fp8_v32 at H64 too; fp8_model1 not measured
     assert cdec.placement_reason(a) is None
     assert cdec.placement_reason(_args(T=32, H=64, fmt="fp8_v32", kv=torch.zeros(8, 64, 656,
@@ -256,11 +256,11 @@ def test_backend_hook(monkeypatch):
     a = _args(T=8)
     monkeypatch.setattr(host, "arch_of", lambda d: "sm90")
     monkeypatch.setattr(cdec, "supports", lambda a: None)
-    monkeypatch.setattr(cdec, "_device_name", lambda d: "NVIDIA H100")
+    monkeypatch.setattr(cdec, "device_name", lambda d: "NVIDIA H100")
     assert cute_backend.backend_op("sparse_decode", a) is cdec.decode  # backend="cute" runs it
     with pytest.raises(Unsupported, match="no measurement of the cute decode on this GPU yet"):
         cute_backend.backend_op("sparse_decode", a, auto=True)
-    monkeypatch.setattr(cdec, "_device_name", lambda d: "NVIDIA H200")
+    monkeypatch.setattr(cdec, "device_name", lambda d: "NVIDIA H200")
     monkeypatch.setattr(cdec, "PLACEMENT", {("NVIDIA H200", "native", 128, (1, 16)): "cute"})
     chosen = cute_backend.backend_op("sparse_decode", a, auto=True)
     assert chosen.fn is cdec.decode and "measured faster" in chosen.note

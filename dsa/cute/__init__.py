@@ -9,8 +9,9 @@ path below.
 
 Served on SM90: ``sparse_attention_fwd`` (``dsa.cute.sparse_attention``),
 ``sparse_attention_bwd`` (``dsa.cute.sparse_attention_bwd``, both modes of
-``deterministic``) and ``sparse_decode`` (``dsa.cute.decode``: native and
-fp8_v32 caches, split over the slots).  Every other op is declined with
+``deterministic``), ``sparse_decode`` (``dsa.cute.decode``: native and
+fp8_v32 caches, split over the slots) and ``topk`` (``dsa.cute.topk``: rows
+held in shared memory, a radix select).  Every other op is declined with
 that reason, so asking for ``backend="cute"`` raises a ``ValueError`` that
 says so.
 
@@ -23,7 +24,9 @@ this name (``bench/place_cute.py [--op bwd]`` writes one only when it passes
 its holdout check) auto keeps Triton; ``backend="cute"`` runs the kernel.
 The decode's placement is ``dsa.cute.decode.PLACEMENT``, a short list of
 (GPU, cache format, H, batch range) filled from bench/decode_peers.py;
-until it lists this GPU, auto leaves the decode to Triton.
+until it lists this GPU, auto leaves the decode to Triton.  The top-k's is
+``dsa.cute.topk.PLACEMENT`` (row lengths per GPU, from
+bench/topk_peers.py).
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ def backend_op(op: str, args: Any, auto: bool = False) -> Callable[..., Any]:
         return _backward(args, auto)
     if op == "sparse_decode":
         return _decode(args, auto)
+    if op == "topk":
+        return _topk(args, auto)
     if op != "sparse_attention_fwd":
         raise Unsupported(f"the cute backend has no kernel for {op} in this release")
     from dsa.cute import sparse_attention
@@ -115,3 +120,18 @@ def _decode(args: Any, auto: bool) -> Callable[..., Any]:
     if why is not None:
         raise Unsupported(why)
     return decode.decode
+
+
+def _topk(args: Any, auto: bool) -> Callable[..., Any]:
+    """The cute top-k where the kernel serves ``args`` and, under auto,
+    where its measured placement (``dsa.cute.topk.PLACEMENT``) names it."""
+    from dsa.cute import topk
+
+    why = topk.supports(args)
+    if why is None and auto:
+        why = topk.placement_reason(args)
+        if why is None:
+            return _Chosen(topk.topk, topk.placed_note(args))
+    if why is not None:
+        raise Unsupported(why)
+    return topk.topk

@@ -41,7 +41,8 @@ import torch
 from dsa._args import SparseDecodeArgs
 from dsa._kept import kept
 from dsa._rules import LOG2E
-from dsa.cute.host import compile_kernel, cutlass_dtype, dsl_reason, sm90_reason, stream_handle, zero_row
+from dsa.cute.host import (compile_kernel, cutlass_dtype, device_name, dsl_reason, sm90_reason, stream_handle,
+                           zero_row)
 from dsa.kv_cache import FORMATS, NATIVE
 from dsa.ops.decode import run_fresh
 
@@ -132,7 +133,7 @@ def placement_reason(a: SparseDecodeArgs) -> Optional[str]:
     """Why auto leaves ``a`` to another backend (None where ``PLACEMENT``
     names cute): no measurement on this GPU, none covering the shape, or a
     faster backend measured there."""
-    name = _device_name(a.q.device)
+    name = device_name(a.q.device)
     rows = {k[1:]: v for k, v in PLACEMENT.items() if k[0] == name}
     if not rows:
         return NOT_MEASURED
@@ -143,16 +144,6 @@ def placement_reason(a: SparseDecodeArgs) -> Optional[str]:
                 return None
             return f"measured on this GPU ({fmt}, H={H}, B in [{lo}, {hi}]): {backend} is faster"
     return f"no measurement of the cute decode on this GPU covers {a.cache_format}, H={a.H}, B={B}"
-
-
-_NAMES: Dict[Any, str] = {}
-
-
-def _device_name(device: torch.device) -> str:
-    key = (device.type, device.index)
-    if key not in _NAMES:
-        _NAMES[key] = torch.cuda.get_device_name(device)
-    return _NAMES[key]
 
 
 def placed_note(a: SparseDecodeArgs) -> str:

@@ -79,6 +79,17 @@ def arch_of(device: torch.device) -> Optional[str]:
     return next((name for name, caps in ARCHS.items() if cap in caps), None)
 
 
+_NAMES: Dict[tuple, str] = {}
+
+
+def device_name(device: torch.device) -> str:
+    """``torch.cuda.get_device_name``, asked once per device: the key of the measured placements."""
+    key = (device.type, device.index)
+    if key not in _NAMES:
+        _NAMES[key] = torch.cuda.get_device_name(device)
+    return _NAMES[key]
+
+
 def arch_reason(device: torch.device, what: str, arch: str) -> Optional[str]:
     """Why ``what`` (e.g. "the cute sparse attention kernel") cannot run on
     ``device``: not CUDA, or not of architecture ``arch`` (None when it is)."""

@@ -750,7 +750,7 @@ def _row_sample_plan(L, K, RANK, SLACK, STRIDE, WHOLE_MAX: tl.constexpr, SAMPLE:
     WHOLE_MAX columns is taken whole (its list is every selectable key)."""
     if HAS_END:
         n = SAMPLE * 1.0
-        m = K.to(tl.float32) * n / tl.maximum(L, 1).to(tl.float32)
+        m = (K * 1.0) * n / tl.maximum(L, 1).to(tl.float32)  # K * 1.0: K == 1 is passed as a constexpr
         root = (_SAMPLE_Z + tl.sqrt(_SAMPLE_Z * _SAMPLE_Z + 4.0 * m)) * 0.5
         rank = tl.ceil(root * root).to(tl.int32)
         slack = tl.maximum(tl.sqrt(rank.to(tl.float32) * 0.25).to(tl.int32), 1)

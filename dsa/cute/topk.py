@@ -1,0 +1,148 @@
+"""Host side of the CuTe DSL top-k (``dsa.cute.topk_sm90``): what it serves,
+its builds, and the call.
+
+A build holds rows of up to ``s_max`` keys in shared memory (``BUCKETS``:
+the smallest that holds S is compiled, once per process and configuration);
+k up to ``K_MAX``.  Rows must start 16-byte aligned (fp32 S a multiple of 4,
+16-bit S of 8) for the vector loads.  Longer rows, larger k and other
+layouts are declined with the reason, and Triton serves them.
+
+Placement under ``backend="auto"``: ``PLACEMENT`` lists, per GPU name, the
+row lengths S where the same process measured the cute kernel ahead of
+Triton; elsewhere auto declines with the reason, and ``backend="cute"``
+runs the kernel wherever it serves the call.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from dsa._args import TopkArgs
+from dsa.cute.host import address, compile_kernel, device_name, sm90_reason, stream_handle
+
+# (s_max, threads): the row lengths a build holds, the smallest first
+BUCKETS = ((4096, 256), (8192, 512), (16384, 512), (32768, 512), (49152, 512))
+K_MAX = 4096
+K_BUCKETS = (1024, 2048, K_MAX)  # the output slots a build holds in shared memory
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# GPU name -> the (lo, hi) ranges of S (row length, columns) where the cute
+# top-k measured faster than Triton, k 1024 and 2048, fp32.
+PLACEMENT: Dict[str, Tuple[Tuple[int, int], ...]] = {}
+NOT_MEASURED = "no measurement of the cute top-k on this GPU yet"
+
+
+def bucket(S: int) -> Optional[Tuple[int, int]]:
+    """(s_max, threads) of the build for rows of S keys (None: none holds them)."""
+    return next((b for b in BUCKETS if S <= b[0]), None)
+
+
+def supports(a: TopkArgs) -> Optional[str]:
+    """Why the cute top-k does not serve ``a`` (None when it does)."""
+    s = a.scores
+    why = sm90_reason(s.device, "the cute top-k kernel")
+    if why is not None:
+        return why
+    if s.dtype not in DTYPES:
+        return f"the cute top-k takes fp32 / fp16 / bf16 scores, got {s.dtype}"
+    S = s.shape[1]
+    if bucket(S) is None:
+        return f"the cute top-k holds a row in shared memory: at most {BUCKETS[-1][0]} columns, got {S}"
+    if a.topk > K_MAX:
+        return f"the cute top-k takes k up to {K_MAX}, got {a.topk}"
+    if (S * s.element_size()) % 16 or s.data_ptr() % 16:
+        return "the cute top-k loads 16-byte vectors: rows must start 16-byte aligned (S * itemsize % 16 == 0)"
+    return None
+
+
+def k_bucket(k: int) -> int:
+    """The output slots of the build for k."""
+    return next(b for b in K_BUCKETS if k <= b)
+
+
+def config(dtype: torch.dtype, S: int, k: int, has_end: bool, **kw):
+    """The build (``TopkSm90Config``) for rows of S keys; ``kw`` overrides its fields (tuning)."""
+    import cutlass
+
+    from dsa.cute.topk_sm90 import TopkSm90Config
+
+    s_max, threads = bucket(S)
+    fields = dict(s_max=s_max, k_max=k_bucket(k), has_end=has_end, threads=threads)
+    fields.update(kw)
+    return TopkSm90Config(_cute_dtype(dtype, cutlass), **fields)
+
+
+def placement_reason(a: TopkArgs) -> Optional[str]:
+    """Why auto leaves ``a`` to Triton (None where ``PLACEMENT`` names cute)."""
+    ranges = PLACEMENT.get(device_name(a.scores.device))
+    if ranges is None:
+        return NOT_MEASURED
+    S = a.scores.shape[1]
+    if any(lo <= S <= hi for lo, hi in ranges):
+        return None
+    return f"Triton measured faster on this GPU for rows of {S} columns (cute ahead for S in {list(ranges)})"
+
+
+def placed_note(a: TopkArgs) -> str:
+    """The sentence explain() prints for a call auto sends to cute."""
+    return f"measured faster than Triton on this GPU for rows of {a.scores.shape[1]} columns"
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(cfg, device_index: int):
+    from dsa.cute.topk_sm90 import TopkSm90
+
+    return compile_kernel(TopkSm90(cfg), _pointer_types(cfg.dtype), _scalar_types())
+
+
+def _cute_dtype(dtype: torch.dtype, cutlass):
+    return {torch.float32: cutlass.Float32, torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}[dtype]
+
+
+def _pointer_types(dt):
+    from cutlass import Int32
+
+    # scores, ends, indices, lengths (alignments the kernel assumes of the bases)
+    return ((dt, 16), (Int32, 4), (Int32, 4), (Int32, 4))
+
+
+def _scalar_types():
+    from cutlass import Int32
+
+    return (Int32, Int32, Int32)  # R, S, k
+
+
+def launch(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: torch.Tensor,
+           ends: Optional[torch.Tensor] = None, cfg=None) -> None:
+    """Top-k of each row of ``scores`` [R, S] into ``indices`` [R, k] and
+    ``lengths`` [R] (int32, contiguous); ``ends`` int32 [R] or None; ``cfg``
+    another build than ``config``'s (tuning)."""
+    R, S = scores.shape
+    dev = scores.device
+    cfg = cfg or config(scores.dtype, S, k, ends is not None)
+    fn = _compiled(cfg, dev.index if dev.index is not None else 0)
+    a_idx = address(indices)
+    fn(address(scores), a_idx if ends is None else address(ends), a_idx, address(lengths), R, S, k,
+       stream_handle(dev))
+
+
+def topk(a: TopkArgs) -> Tuple[torch.Tensor, torch.Tensor]:
+    """scores [R, S] -> (indices [R, k] int32, lengths [R] int32)."""
+    R = a.scores.shape[0]
+    indices = torch.empty((R, a.topk), dtype=torch.int32, device=a.scores.device)
+    lengths = torch.empty((R,), dtype=torch.int32, device=a.scores.device)
+    launch(a.scores, a.topk, indices, lengths, a.row_ends)
+    return indices, lengths
+
+
+def compile_offline(dtype: torch.dtype, S: int = 4096, k: int = 2048, has_end: bool = True,
+                    options: str = "--keep-ptx", **kw):
+    """Compile the build for rows of S keys without a GPU (``CUTE_DSL_ARCH=sm_90a``), for CI and inspection."""
+    from dsa.cute.topk_sm90 import TopkSm90
+
+    cfg = config(dtype, S, k, has_end, **kw)
+    return compile_kernel(TopkSm90(cfg), _pointer_types(cfg.dtype), _scalar_types(), options)

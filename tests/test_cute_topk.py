@@ -1,0 +1,148 @@
+"""The CuTe DSL top-k (dsa.cute.topk): its builds compile for sm_90a, its
+host logic, and on an SM90 GPU (``gpu`` marker) the contract against the
+float64 brute force on rows that expose a wrong cut, tie or padding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsa
+from cute_offline import HAVE_DSL, SM90, compile_reports
+from dsa._args import TopkArgs
+from dsa.cute import topk as ct
+from test_triton_topk import topk_contract
+
+needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="CuTe DSL not importable")
+INF = float("inf")
+NAN = float("nan")
+
+
+@needs_dsl
+def test_builds_compile_for_sm90(tmp_path):
+    """The smallest and largest fp32 buckets and a 16-bit build: one 16-byte
+    (fp32) or 8-byte (16-bit) load a key vector, shared-memory histogram
+    counts, no local memory, shared memory within the launch limit."""
+    calls = [("f32_4096", "dsa.cute.topk:compile_offline", ["torch.float32"], dict(S=4096, k=2048)),
+             ("f32_49152", "dsa.cute.topk:compile_offline", ["torch.float32"], dict(S=49152, k=4096)),
+             ("bf16_16384", "dsa.cute.topk:compile_offline", ["torch.bfloat16"], dict(S=16384, k=1024))]
+    needles = ("red.shared.add.u32", "ld.global.v4", "ld.global.v2", "st.shared.v4", "ld.shared.v4", "bar.sync",
+               "st.local", "ld.local")
+    reports = compile_reports(calls, needles, "sm_90a", tmp_path)
+    for name, r in reports.items():
+        n = r["needles"]
+        assert n["red.shared.add.u32"] > 0 and n["bar.sync"] > 0 and n["st.shared.v4"] > 0, (name, r)
+        assert (n["ld.global.v4"] > 0) == name.startswith("f32"), (name, r)
+        assert (n["ld.global.v2"] > 0) == name.startswith("bf16"), (name, r)
+        assert n["st.local"] == n["ld.local"] == 0 and r["spill_stores"] == 0, (name, r)
+        assert r["smem"] <= r["smem_limit"], (name, r)
+
+
+@needs_dsl
+def test_every_bucket_is_a_valid_build():
+    from dsa.cute.topk_sm90 import TopkSm90
+
+    for s_max, _ in ct.BUCKETS:
+        for k in ct.K_BUCKETS:
+            for dtype in ct.DTYPES:
+                TopkSm90(ct.config(dtype, s_max, k, True))  # raises on a bad split or too much shared memory
+
+
+def test_buckets():
+    assert ct.bucket(1) == ct.BUCKETS[0] and ct.bucket(4096)[0] == 4096 and ct.bucket(4097)[0] == 8192
+    assert ct.bucket(ct.BUCKETS[-1][0] + 1) is None
+    assert [ct.k_bucket(k) for k in (1, 1024, 1025, 2048, 4096)] == [1024, 1024, 2048, 2048, 4096]
+
+
+def test_supports_reasons(monkeypatch):
+    a = TopkArgs(torch.zeros(4, 4096), 2048)
+    assert "CUDA" in ct.supports(a)  # tensors on the CPU
+    monkeypatch.setattr(ct, "sm90_reason", lambda device, what: None)
+    assert ct.supports(a) is None
+    assert "fp32 / fp16 / bf16" in ct.supports(TopkArgs(torch.zeros(4, 4096, dtype=torch.float64), 8))
+    assert "at most 49152 columns" in ct.supports(TopkArgs(torch.zeros(2, 49153 + 3), 8))
+    assert "k up to 4096" in ct.supports(TopkArgs(torch.zeros(2, 8192), 4097))
+    assert "16-byte" in ct.supports(TopkArgs(torch.zeros(2, 4098), 8))
+    assert "16-byte" in ct.supports(TopkArgs(torch.zeros(2, 4100, dtype=torch.bfloat16), 8))
+    assert "16-byte" in ct.supports(TopkArgs(torch.zeros(2 * 4096 + 1)[1:].view(2, 4096), 8))
+
+
+def test_placement(monkeypatch):
+    a = TopkArgs(torch.zeros(4, 4096), 2048)
+    monkeypatch.setattr(ct, "device_name", lambda device: "NVIDIA H100")
+    monkeypatch.setattr(ct, "PLACEMENT", {"NVIDIA H200": ((1, 8192),)})
+    assert ct.placement_reason(a) == ct.NOT_MEASURED
+    monkeypatch.setattr(ct, "device_name", lambda device: "NVIDIA H200")
+    assert ct.placement_reason(a) is None
+    assert "Triton measured faster" in ct.placement_reason(TopkArgs(torch.zeros(4, 16384), 2048))
+
+
+def test_cute_backend_on_cpu_says_why():
+    with pytest.raises(ValueError, match="cute.*CUDA"):
+        dsa.topk_indices(torch.randn(4, 64), 8, backend="cute")
+
+
+def _hostile_rows(R: int, S: int, gen: torch.Generator) -> torch.Tensor:
+    """Few distinct values (ties at every cut), NaN, +-inf, -0.0 / +0.0,
+    rows with nothing or little selectable, and a row of one value."""
+    x = torch.randint(-3, 4, (R, S), device="cuda", generator=gen).float()
+    x[::3, ::7] = NAN
+    x[1::3, ::5] = -INF
+    x[2::3, ::11] = INF
+    x[0] = -INF
+    x[1] = NAN
+    x[2, 1:] = -INF  # one selectable key
+    x[3] = -0.0
+    x[4, ::2] = 0.0
+    x[5] = 1.5
+    return x
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
+@pytest.mark.parametrize("S", [128, 4096, 5000, 16384, 32768, 49152])
+@pytest.mark.parametrize("k", [1, 7, 1024, 2048, 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpu_contract(S, k, dtype):
+    """randn rows (the cut inside a digit: all three passes), hostile rows
+    (ties at the cut, early exits, rows with fewer than k valid keys), and
+    row ends past, before and inside the row; outputs poisoned first."""
+    if (S * torch.tensor([], dtype=dtype).element_size()) % 16:
+        pytest.skip("rows not 16-byte aligned: declined (tested in test_supports_reasons)")
+    gen = torch.Generator(device="cuda").manual_seed(S + k)
+    R = 48
+    for x in (torch.randn(R, S, device="cuda", generator=gen), _hostile_rows(R, S, gen)):
+        x = x.to(dtype)
+        ends = torch.randint(-5, S + 50, (R,), device="cuda", dtype=torch.int32, generator=gen)
+        for e in (None, ends):
+            idx = torch.full((R, k), 12345, dtype=torch.int32, device="cuda")
+            lens = torch.full((R,), 12345, dtype=torch.int32, device="cuda")
+            ct.launch(x, k, idx, lens, e)
+            ref = x if e is None else x.masked_fill(
+                torch.arange(S, device="cuda")[None, :] >= e.clamp(0, S)[:, None].long(), -INF)
+            want_idx, want_len = topk_contract(ref, k)
+            assert torch.equal(lens, want_len), (S, k, dtype, e is not None)
+            assert torch.equal(idx, want_idx), (S, k, dtype, e is not None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
+def test_gpu_public_cute_equals_triton():
+    x = torch.randn(300, 8192, device="cuda")
+    ends = torch.arange(300, device="cuda", dtype=torch.int32) * 31
+    for e in (None, ends):
+        a = dsa.topk_indices(x, 2048, row_ends=e, return_lengths=True, backend="cute")
+        b = dsa.topk_indices(x, 2048, row_ends=e, return_lengths=True, backend="triton")
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.gpu
+def test_gpu_triton_k1_with_row_ends_on_the_list_path():
+    """k == 1 reaches the list build as a constant (Triton specialises 1):
+    the row-ends sample plan must not call tensor methods on it."""
+    x = torch.randn(64, 16384, device="cuda")
+    ends = torch.randint(0, 16384, (64,), device="cuda", dtype=torch.int32)
+    idx, lens = dsa.topk_indices(x, 1, row_ends=ends, return_lengths=True, backend="triton")
+    ref = x.masked_fill(torch.arange(16384, device="cuda")[None, :] >= ends[:, None].long(), -INF)
+    want_idx, want_len = topk_contract(ref, 1)
+    assert torch.equal(idx, want_idx) and torch.equal(lens, want_len)

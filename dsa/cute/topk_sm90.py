@@ -62,6 +62,9 @@ class TopkSm90Config:
     has_end: bool
     threads: int = 512
     emit_max: int = 4    # key vectors a thread takes per scan of the emit, at most (fewer barriers)
+    # timing builds only (their output is not the top-k): 1 stops after the
+    # row's load without counting, 2 after the first count, 3 before the emit
+    probe: int = 0
 
     @property
     def chunk(self) -> int:
@@ -190,43 +193,51 @@ class TopkSm90:
         self.load_row(scores_ptr, keys, hist, r, S, L, n_chunks, tid)
         cute.arch.sync_threads()
 
-        # pass 1 over every valid key; passes 2 and 3 only where the search is not over
-        d1, above, h, total = self.pick_digit(hist, BINS[0], K, pick, warp_words, tid, lane, warp)
-        t_hi = Int32(INVALID + 1)  # no digit: every valid key is selected
-        t_eq = Int32(NO_TIE)
-        need_eq = Int32(0)
-        if d1 >= 0:
-            p1 = d1 - BINS[0] // 2
-            need = K - above
-            t_hi = p1 * (1 << SHIFTS[0])
-            if h != need:
-                self.count_digits(keys, hist + 4 * BINS[0], n_chunks, tid, p1, 1)
-                cute.arch.sync_threads()
-                for i in cutlass.range_constexpr(BINS[0] // c.threads):  # hist 0 again, for pass 3
-                    st_shared(hist + 4 * (tid + i * c.threads), Int32(0))
-                d2, above, h, _ = self.pick_digit(hist + 4 * BINS[0], BINS[1], need, pick + 16, warp_words, tid,
-                                                  lane, warp)
-                p2 = p1 * BINS[1] + d2
-                need = need - above
-                t_hi = p2 * (1 << SHIFTS[1])
+        if const_expr(c.probe in (0, 3)):
+            # pass 1 over every valid key; passes 2 and 3 only where the search is not over
+            d1, above, h, total = self.pick_digit(hist, BINS[0], K, pick, warp_words, tid, lane, warp)
+            t_hi = Int32(INVALID + 1)  # no digit: every valid key is selected
+            t_eq = Int32(NO_TIE)
+            need_eq = Int32(0)
+            if d1 >= 0:
+                p1 = d1 - BINS[0] // 2
+                need = K - above
+                t_hi = p1 * (1 << SHIFTS[0])
                 if h != need:
-                    self.count_digits(keys, hist, n_chunks, tid, p2, 2)
+                    self.count_digits(keys, hist + 4 * BINS[0], n_chunks, tid, p1, 1)
                     cute.arch.sync_threads()
-                    d3, above, h, _ = self.pick_digit(hist, BINS[2], need, pick + 32, warp_words, tid, lane, warp)
-                    t_eq = p2 * BINS[2] + d3
-                    t_hi = t_eq + 1
-                    need_eq = need - above
-        count = cutlass.min(K, total)
-        self.emit(keys, slots, warp_words, L, n_chunks, t_hi, t_eq, need_eq, tid, lane, warp)
-        cute.arch.sync_threads()
-        out_row = idx_ptr.toint() + Int64(r) * Int64(K) * 4
-        for i in cutlass.range(tid, K, c.threads):
-            v = Int32(-1)
-            if i < count:
-                v = ld_shared(slots + 4 * i)
-            cute.make_tensor(aligned(Int32, out_row + Int64(i) * 4, 4), cute.make_layout((1,)))[0] = v
-        if tid == 0:
-            cute.make_tensor(len_ptr + Int64(r), cute.make_layout((1,)))[0] = count
+                    for i in cutlass.range_constexpr(BINS[0] // c.threads):  # hist 0 again, for pass 3
+                        st_shared(hist + 4 * (tid + i * c.threads), Int32(0))
+                    d2, above, h, _ = self.pick_digit(hist + 4 * BINS[0], BINS[1], need, pick + 16, warp_words, tid,
+                                                      lane, warp)
+                    p2 = p1 * BINS[1] + d2
+                    need = need - above
+                    t_hi = p2 * (1 << SHIFTS[1])
+                    if h != need:
+                        self.count_digits(keys, hist, n_chunks, tid, p2, 2)
+                        cute.arch.sync_threads()
+                        d3, above, h, _ = self.pick_digit(hist, BINS[2], need, pick + 32, warp_words, tid, lane, warp)
+                        t_eq = p2 * BINS[2] + d3
+                        t_hi = t_eq + 1
+                        need_eq = need - above
+            count = cutlass.min(K, total)
+            if const_expr(c.probe == 0):
+                self.emit(keys, slots, warp_words, L, n_chunks, t_hi, t_eq, need_eq, tid, lane, warp)
+                cute.arch.sync_threads()
+                out_row = idx_ptr.toint() + Int64(r) * Int64(K) * 4
+                for i in cutlass.range(tid, K, c.threads):
+                    v = Int32(-1)
+                    if i < count:
+                        v = ld_shared(slots + 4 * i)
+                    cute.make_tensor(aligned(Int32, out_row + Int64(i) * 4, 4), cute.make_layout((1,)))[0] = v
+                if tid == 0:
+                    cute.make_tensor(len_ptr + Int64(r), cute.make_layout((1,)))[0] = count
+            elif tid == 0:  # keeps the probe's work alive
+                cute.make_tensor(len_ptr + Int64(r), cute.make_layout((1,)))[0] = count + t_hi + need_eq
+        else:
+            if tid == 0:  # keeps the probe's work alive
+                cute.make_tensor(len_ptr + Int64(r), cute.make_layout((1,)))[0] = ld_shared(hist + 4 * 1500) + \
+                    keys[0, 5]
 
     @cute.jit
     def load_row(self, scores_ptr: cute.Pointer, keys: cute.Tensor, hist: Int32, r, S, L, n_chunks, tid):
@@ -258,7 +269,7 @@ class TopkSm90:
                     k_ = order_key(bits)
                     k_ = sel(pos + j < L, k_, Int32(INVALID))
                     kv[j] = k_
-                    if k_ != INVALID:
+                    if k_ != INVALID and const_expr(c.probe != 1):
                         red_shared_add(hist + 4 * ((k_ >> SHIFTS[0]) + BINS[0] // 2))
                 cute.autovec_copy(kv, keys[None, (c0 + u) * (c.chunk // KEYS_PER_THREAD) + tid])
 

@@ -9,7 +9,8 @@
 Top-k: fp32 scores [rows, cols] from torch.randn (causal shapes: row i keeps
 min(cols, i + 1) scores, the rest -inf), every shape at k 2048 and 1024;
 timed: dsa (the triton backend's op, as ``topk_indices`` runs it),
-``torch.topk`` and, when ``import cudnn`` works, cuDNN's
+``dsa_cute`` (the cute kernel, on an SM90 GPU where it serves the shape),
+``dsa_auto`` (the public call under auto), ``torch.topk`` and, when ``import cudnn`` works, cuDNN's
 ``indexer_top_k_wrapper`` (given each row's valid length). On causal shapes
 ``dsa_row_ends`` is given the same lengths as ``row_ends`` (it reads only
 them, as cuDNN does) and ``dsa_whole_rows`` reads whole rows; dense shapes
@@ -180,6 +181,30 @@ def dsa_topk(x: torch.Tensor, k: int, ends: Optional[torch.Tensor] = None, **lau
         return idx, lens
 
     return run
+
+
+def cute_methods(x: torch.Tensor, k: int, ends: Optional[torch.Tensor]) -> Dict[str, Callable]:
+    """dsa's cute top-k on x (``dsa_cute``, where it serves the call) and
+    the public call under auto (``dsa_auto``: whichever backend the
+    selector takes); none without a CUDA device."""
+    if x.device.type != "cuda":
+        return {}
+    import dsa
+    from dsa._args import TopkArgs
+
+    out: Dict[str, Callable] = {"dsa_auto": lambda: dsa.topk_indices(x, k, row_ends=ends, return_lengths=True)}
+    try:
+        from dsa.cute import topk as ct
+    except Exception as e:  # the DSL absent: the Triton rows only
+        print(f"dsa_cute: skipped ({type(e).__name__}: {e})", flush=True)
+        return out
+    a = TopkArgs(x, k, ends)
+    why = ct.supports(a)
+    if why is None:
+        out["dsa_cute"] = lambda: ct.topk(a)
+    else:
+        print(f"dsa_cute: {why}", flush=True)
+    return out
 
 
 def list_plan(cols: int, k: int, inline: bool, **kw):
@@ -367,6 +392,9 @@ def run_topk(args, env: Env, results: List[dict], cd) -> None:
             if causal:
                 methods["dsa_whole_rows"] = dsa_topk(x, k)
                 read["dsa_whole_rows"] = whole
+            for m, fn in cute_methods(x, k, ends).items():
+                methods[m] = fn
+                read[m] = valid if causal else whole
             if args.variants:
                 for v, kw in variants(rows, cols, k).items():
                     v = f"{v}_row_ends" if causal else v
@@ -400,7 +428,8 @@ def run_sweep(args, env: Env, results: List[dict], cd) -> None:
         seq = torch.full((rows,), cols, dtype=torch.int32, device=x.device)
         nbytes = x.numel() * x.element_size()
         for k in args.ks:
-            methods: Dict[str, Callable] = {"dsa": dsa_topk(x, k), "torch": lambda: torch.topk(x, k, dim=1)}
+            methods: Dict[str, Callable] = {"dsa": dsa_topk(x, k), **cute_methods(x, k, None),
+                                            "torch": lambda: torch.topk(x, k, dim=1)}
             if cd is not None:
                 methods["cudnn"] = lambda: cd["topk"](x, seq, k, next_n=1, return_val=False)
             row = {"sweep": True, "shape": f"{rows}x{cols}", "rows": rows, "cols": cols, "causal": False, "k": k}

@@ -65,6 +65,9 @@ class TopkSm90Config:
     # timing builds only (their output is not the top-k): 1 stops after the
     # row's load without counting, 2 after the first count, 3 before the emit
     probe: int = 0
+    # keys of the first pass's digit kept for the third pass when at most
+    # this many (the third pass then reads them, not the row); 0: off
+    cands: int = 2048
 
     @property
     def chunk(self) -> int:
@@ -81,7 +84,7 @@ class TopkSm90Config:
 
 def smem_bytes(c: TopkSm90Config) -> int:
     """Shared memory of a build: keys, the output slots, two histograms, scan words."""
-    return 4 * (c.s_max + c.k_max + 2 * BINS[0] + 2 * (c.threads // 32) + 16) + 64
+    return 4 * (c.s_max + c.k_max + 2 * BINS[0] + 2 * (c.threads // 32) + 16 + max(c.cands, 4)) + 80
 
 
 @dsl_user_op
@@ -125,6 +128,14 @@ def st_shared(addr: Int32, value: Int32) -> None:
     _asm("st.shared.b32 [$0], $1;", "r,r", Int32(addr), Int32(value))
 
 
+@dsl_user_op
+def atom_shared_inc(addr: Int32, *, loc=None, ip=None) -> Int32:
+    """The shared-memory word at addr, then one added to it (atomically)."""
+    return Int32(llvm.inline_asm(T.i32(), [Int32(addr).ir_value(loc=loc, ip=ip)], "atom.shared.add.u32 $0, [$1], 1;",
+                                 "=r,r", has_side_effects=True, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
 def red_shared_add(addr: Int32) -> None:
     """Count one in the shared-memory word at addr."""
     _asm("red.shared.add.u32 [$0], 1;", "r", Int32(addr))
@@ -155,7 +166,9 @@ class TopkSm90:
             slots: cute.struct.Align[cute.struct.MemRange[Int32, c.k_max], 16]
             hist: cute.struct.Align[cute.struct.MemRange[Int32, 2 * BINS[0]], 16]
             warp: cute.struct.MemRange[Int32, 2 * (c.threads // 32)]
-            pick: cute.struct.MemRange[Int32, 16]   # per pass: digit, keys above it, its count, total
+            pick: cute.struct.MemRange[Int32, 16]   # per pass: digit, keys above it, its count, total; then
+            #                                         the candidates' count (word 15)
+            cand: cute.struct.Align[cute.struct.MemRange[Int32, max(c.cands, 4)], 16]
 
         self.smem = Smem
         self.kernel(scores_ptr, ends_ptr, idx_ptr, len_ptr, S, K).launch(
@@ -178,6 +191,7 @@ class TopkSm90:
         hist = Int32(st.hist.data_ptr().toint())
         warp_words = Int32(st.warp.data_ptr().toint())
         pick = Int32(st.pick.data_ptr().toint())
+        cand = Int32(st.cand.data_ptr().toint())
 
         L = S
         if const_expr(c.has_end):
@@ -187,6 +201,7 @@ class TopkSm90:
             st_shared(hist + 4 * (tid + i * c.threads), Int32(0))
         if tid == 0:
             st_shared(pick, Int32(-1))  # pass 1 finds no digit when the row has fewer than k valid keys
+            st_shared(pick + 60, Int32(0))
         cute.arch.sync_threads()
 
         n_chunks = (L + c.chunk - 1) // c.chunk
@@ -204,7 +219,9 @@ class TopkSm90:
                 need = K - above
                 t_hi = p1 * (1 << SHIFTS[0])
                 if h != need:
-                    self.count_digits(keys, hist + 4 * BINS[0], n_chunks, tid, p1, 1)
+                    listed = h <= c.cands  # the digit's keys fit the candidate list: pass 3 reads them there
+                    h1 = h
+                    self.count_digits(keys, hist + 4 * BINS[0], n_chunks, tid, p1, 1, listed, cand, pick + 60)
                     cute.arch.sync_threads()
                     for i in cutlass.range_constexpr(BINS[0] // c.threads):  # hist 0 again, for pass 3
                         st_shared(hist + 4 * (tid + i * c.threads), Int32(0))
@@ -214,7 +231,13 @@ class TopkSm90:
                     need = need - above
                     t_hi = p2 * (1 << SHIFTS[1])
                     if h != need:
-                        self.count_digits(keys, hist, n_chunks, tid, p2, 2)
+                        if listed:
+                            for i in cutlass.range(tid, h1, c.threads):
+                                k_ = ld_shared(cand + 4 * i)
+                                if (k_ >> SHIFTS[1]) == p2:
+                                    red_shared_add(hist + 4 * (k_ & (BINS[2] - 1)))
+                        else:
+                            self.count_digits(keys, hist, n_chunks, tid, p2, 2, False, cand, pick + 60)
                         cute.arch.sync_threads()
                         d3, above, h, _ = self.pick_digit(hist, BINS[2], need, pick + 32, warp_words, tid, lane, warp)
                         t_eq = p2 * BINS[2] + d3
@@ -274,8 +297,11 @@ class TopkSm90:
                 cute.autovec_copy(kv, keys[None, (c0 + u) * (c.chunk // KEYS_PER_THREAD) + tid])
 
     @cute.jit
-    def count_digits(self, keys: cute.Tensor, hist: Int32, n_chunks, tid, prefix, p: cutlass.Constexpr):
-        """Pass p (1 or 2): count digit p of the keys whose digits above it are ``prefix``."""
+    def count_digits(self, keys: cute.Tensor, hist: Int32, n_chunks, tid, prefix, p: cutlass.Constexpr, listed,
+                     cand: Int32, n_cand: Int32):
+        """Pass p (1 or 2): count digit p of the keys whose digits above it
+        are ``prefix``; where ``listed`` also append those keys to the
+        candidate list at ``cand`` (its length at ``n_cand``)."""
         c = self.config
         shift_hi = SHIFTS[p - 1]
         mask = BINS[p] - 1
@@ -286,6 +312,9 @@ class TopkSm90:
                 k_ = kv[j]
                 if (k_ >> shift_hi) == prefix:
                     red_shared_add(hist + 4 * ((k_ >> SHIFTS[p]) & mask))
+                    if const_expr(p == 1 and c.cands > 0):
+                        if listed:
+                            st_shared(cand + 4 * atom_shared_inc(n_cand), k_)
 
     @cute.jit
     def pick_digit(self, hist: Int32, nbins: cutlass.Constexpr, need, pick: Int32, warp_words: Int32, tid, lane,

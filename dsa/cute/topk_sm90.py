@@ -84,7 +84,12 @@ class TopkSm90Config:
 
 def smem_bytes(c: TopkSm90Config) -> int:
     """Shared memory of a build: keys, the output slots, two histograms, scan words."""
-    return 4 * (c.s_max + c.k_max + 2 * BINS[0] + 2 * (c.threads // 32) + 16 + max(c.cands, 4)) + 80
+    return 4 * (c.s_max + work_words(c) + 2 * (c.threads // 32) + 16) + 64
+
+
+def work_words(c: TopkSm90Config) -> int:
+    """The words the histograms and candidates take, and after them the output slots (the emit's)."""
+    return max(2 * BINS[0] + c.cands, c.k_max)
 
 
 @dsl_user_op
@@ -163,12 +168,11 @@ class TopkSm90:
         @cute.struct
         class Smem:
             keys: cute.struct.Align[cute.struct.MemRange[Int32, c.s_max], 16]
-            slots: cute.struct.Align[cute.struct.MemRange[Int32, c.k_max], 16]
-            hist: cute.struct.Align[cute.struct.MemRange[Int32, 2 * BINS[0]], 16]
+            # two histograms, then the candidates; the output slots once the search is over
+            work: cute.struct.Align[cute.struct.MemRange[Int32, work_words(c)], 16]
             warp: cute.struct.MemRange[Int32, 2 * (c.threads // 32)]
             pick: cute.struct.MemRange[Int32, 16]   # per pass: digit, keys above it, its count, total; then
             #                                         the candidates' count (word 15)
-            cand: cute.struct.Align[cute.struct.MemRange[Int32, max(c.cands, 4)], 16]
 
         self.smem = Smem
         self.kernel(scores_ptr, ends_ptr, idx_ptr, len_ptr, S, K).launch(
@@ -187,11 +191,11 @@ class TopkSm90:
         st = smem.allocate(self.smem)
         # keys [4, s_max / 4]: column j holds positions 4j .. 4j + 3 (one 16-byte vector)
         keys = st.keys.get_tensor(cute.make_layout((KEYS_PER_THREAD, c.s_max // KEYS_PER_THREAD)))
-        slots = Int32(st.slots.data_ptr().toint())
-        hist = Int32(st.hist.data_ptr().toint())
+        hist = Int32(st.work.data_ptr().toint())
+        cand = hist + 4 * (2 * BINS[0])
+        slots = hist
         warp_words = Int32(st.warp.data_ptr().toint())
         pick = Int32(st.pick.data_ptr().toint())
-        cand = Int32(st.cand.data_ptr().toint())
 
         L = S
         if const_expr(c.has_end):

@@ -61,13 +61,11 @@ class TopkSm90Config:
     k_max: int
     has_end: bool
     threads: int = 512
-    emit_max: int = 4    # key vectors a thread takes per scan of the emit, at most (fewer barriers)
+    emit_max: int = 2    # key vectors a thread takes per scan of the emit, at most (fewer barriers)
     # timing builds only (their output is not the top-k): 1 stops after the
     # row's load without counting, 2 after the first count, 3 before the emit
     probe: int = 0
-    # keys of the first pass's digit kept for the third pass when at most
-    # this many (the third pass then reads them, not the row); 0: off
-    cands: int = 2048
+    min_blocks: int = 0  # CTAs an SM the registers must allow (a launch bound; 0: none)
 
     @property
     def chunk(self) -> int:
@@ -88,8 +86,8 @@ def smem_bytes(c: TopkSm90Config) -> int:
 
 
 def work_words(c: TopkSm90Config) -> int:
-    """The words the histograms and candidates take, and after them the output slots (the emit's)."""
-    return max(2 * BINS[0] + c.cands, c.k_max)
+    """The words the two histograms take, and after them the output slots (the emit's)."""
+    return max(2 * BINS[0], c.k_max)
 
 
 @dsl_user_op
@@ -133,14 +131,6 @@ def st_shared(addr: Int32, value: Int32) -> None:
     _asm("st.shared.b32 [$0], $1;", "r,r", Int32(addr), Int32(value))
 
 
-@dsl_user_op
-def atom_shared_inc(addr: Int32, *, loc=None, ip=None) -> Int32:
-    """The shared-memory word at addr, then one added to it (atomically)."""
-    return Int32(llvm.inline_asm(T.i32(), [Int32(addr).ir_value(loc=loc, ip=ip)], "atom.shared.add.u32 $0, [$1], 1;",
-                                 "=r,r", has_side_effects=True, is_align_stack=False,
-                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-
 def red_shared_add(addr: Int32) -> None:
     """Count one in the shared-memory word at addr."""
     _asm("red.shared.add.u32 [$0], 1;", "r", Int32(addr))
@@ -168,15 +158,16 @@ class TopkSm90:
         @cute.struct
         class Smem:
             keys: cute.struct.Align[cute.struct.MemRange[Int32, c.s_max], 16]
-            # two histograms, then the candidates; the output slots once the search is over
+            # two histograms; the output slots once the search is over
             work: cute.struct.Align[cute.struct.MemRange[Int32, work_words(c)], 16]
             warp: cute.struct.MemRange[Int32, 2 * (c.threads // 32)]
-            pick: cute.struct.MemRange[Int32, 16]   # per pass: digit, keys above it, its count, total; then
-            #                                         the candidates' count (word 15)
+            pick: cute.struct.MemRange[Int32, 16]   # per pass: digit, keys above it, its count, total
 
         self.smem = Smem
         self.kernel(scores_ptr, ends_ptr, idx_ptr, len_ptr, S, K).launch(
-            grid=[R, 1, 1], block=[c.threads, 1, 1], stream=stream)
+            grid=[R, 1, 1], block=[c.threads, 1, 1], stream=stream,
+            # the carveout given (all of it shared memory): else the DSL asks the device for its size
+            **({"min_blocks_per_mp": c.min_blocks, "preferred_smem_carveout": 100} if c.min_blocks else {}))
 
     # ---------------------------------------------------------------- device
     @cute.kernel
@@ -192,7 +183,6 @@ class TopkSm90:
         # keys [4, s_max / 4]: column j holds positions 4j .. 4j + 3 (one 16-byte vector)
         keys = st.keys.get_tensor(cute.make_layout((KEYS_PER_THREAD, c.s_max // KEYS_PER_THREAD)))
         hist = Int32(st.work.data_ptr().toint())
-        cand = hist + 4 * (2 * BINS[0])
         slots = hist
         warp_words = Int32(st.warp.data_ptr().toint())
         pick = Int32(st.pick.data_ptr().toint())
@@ -205,7 +195,6 @@ class TopkSm90:
             st_shared(hist + 4 * (tid + i * c.threads), Int32(0))
         if tid == 0:
             st_shared(pick, Int32(-1))  # pass 1 finds no digit when the row has fewer than k valid keys
-            st_shared(pick + 60, Int32(0))
         cute.arch.sync_threads()
 
         n_chunks = (L + c.chunk - 1) // c.chunk
@@ -223,9 +212,7 @@ class TopkSm90:
                 need = K - above
                 t_hi = p1 * (1 << SHIFTS[0])
                 if h != need:
-                    listed = h <= c.cands  # the digit's keys fit the candidate list: pass 3 reads them there
-                    h1 = h
-                    self.count_digits(keys, hist + 4 * BINS[0], n_chunks, tid, p1, 1, listed, cand, pick + 60)
+                    self.count_digits(keys, hist + 4 * BINS[0], n_chunks, tid, p1, 1)
                     cute.arch.sync_threads()
                     for i in cutlass.range_constexpr(BINS[0] // c.threads):  # hist 0 again, for pass 3
                         st_shared(hist + 4 * (tid + i * c.threads), Int32(0))
@@ -235,13 +222,7 @@ class TopkSm90:
                     need = need - above
                     t_hi = p2 * (1 << SHIFTS[1])
                     if h != need:
-                        if listed:
-                            for i in cutlass.range(tid, h1, c.threads):
-                                k_ = ld_shared(cand + 4 * i)
-                                if (k_ >> SHIFTS[1]) == p2:
-                                    red_shared_add(hist + 4 * (k_ & (BINS[2] - 1)))
-                        else:
-                            self.count_digits(keys, hist, n_chunks, tid, p2, 2, False, cand, pick + 60)
+                        self.count_digits(keys, hist, n_chunks, tid, p2, 2)
                         cute.arch.sync_threads()
                         d3, above, h, _ = self.pick_digit(hist, BINS[2], need, pick + 32, warp_words, tid, lane, warp)
                         t_eq = p2 * BINS[2] + d3
@@ -301,11 +282,8 @@ class TopkSm90:
                 cute.autovec_copy(kv, keys[None, (c0 + u) * (c.chunk // KEYS_PER_THREAD) + tid])
 
     @cute.jit
-    def count_digits(self, keys: cute.Tensor, hist: Int32, n_chunks, tid, prefix, p: cutlass.Constexpr, listed,
-                     cand: Int32, n_cand: Int32):
-        """Pass p (1 or 2): count digit p of the keys whose digits above it
-        are ``prefix``; where ``listed`` also append those keys to the
-        candidate list at ``cand`` (its length at ``n_cand``)."""
+    def count_digits(self, keys: cute.Tensor, hist: Int32, n_chunks, tid, prefix, p: cutlass.Constexpr):
+        """Pass p (1 or 2): count digit p of the keys whose digits above it are ``prefix``."""
         c = self.config
         shift_hi = SHIFTS[p - 1]
         mask = BINS[p] - 1
@@ -316,9 +294,6 @@ class TopkSm90:
                 k_ = kv[j]
                 if (k_ >> shift_hi) == prefix:
                     red_shared_add(hist + 4 * ((k_ >> SHIFTS[p]) & mask))
-                    if const_expr(p == 1 and c.cands > 0):
-                        if listed:
-                            st_shared(cand + 4 * atom_shared_inc(n_cand), k_)
 
     @cute.jit
     def pick_digit(self, hist: Int32, nbins: cutlass.Constexpr, need, pick: Int32, warp_words: Int32, tid, lane,

@@ -22,19 +22,21 @@ NAN = float("nan")
 def test_builds_compile_for_sm90(tmp_path):
     """The smallest and largest fp32 buckets and a 16-bit build: one 16-byte
     (fp32) or 8-byte (16-bit) load a key vector, shared-memory histogram
-    counts, no local memory, shared memory within the launch limit."""
+    counts, no spills but the bounded build's few bytes, shared memory
+    within the launch limit."""
     calls = [("f32_4096", "dsa.cute.topk:compile_offline", ["torch.float32"], dict(S=4096, k=2048)),
              ("f32_49152", "dsa.cute.topk:compile_offline", ["torch.float32"], dict(S=49152, k=4096)),
              ("bf16_16384", "dsa.cute.topk:compile_offline", ["torch.bfloat16"], dict(S=16384, k=1024))]
-    needles = ("red.shared.add.u32", "ld.global.v4", "ld.global.v2", "st.shared.v4", "ld.shared.v4", "bar.sync",
-               "st.local", "ld.local")
+    needles = ("red.shared.add.u32", "ld.global.v4", "ld.global.v2", "st.shared.v4", "ld.shared.v4", "bar.sync")
     reports = compile_reports(calls, needles, "sm_90a", tmp_path)
     for name, r in reports.items():
         n = r["needles"]
         assert n["red.shared.add.u32"] > 0 and n["bar.sync"] > 0 and n["st.shared.v4"] > 0, (name, r)
         assert (n["ld.global.v4"] > 0) == name.startswith("f32"), (name, r)
         assert (n["ld.global.v2"] > 0) == name.startswith("bf16"), (name, r)
-        assert n["st.local"] == n["ld.local"] == 0 and r["spill_stores"] == 0, (name, r)
+        # the 4096-key build is bounded to 6 CTAs an SM (40 registers): a few
+        # bytes spilled, and still the fastest measured (bench/RESULTS.md C103)
+        assert r["spill_stores"] <= (16 if name == "f32_4096" else 0), (name, r)
         assert r["smem"] <= r["smem_limit"], (name, r)
 
 
@@ -42,7 +44,7 @@ def test_builds_compile_for_sm90(tmp_path):
 def test_every_bucket_is_a_valid_build():
     from dsa.cute.topk_sm90 import TopkSm90
 
-    for s_max, _ in ct.BUCKETS:
+    for s_max, _, _ in ct.BUCKETS:
         for k in ct.K_BUCKETS:
             for dtype in ct.DTYPES:
                 TopkSm90(ct.config(dtype, s_max, k, True))  # raises on a bad split or too much shared memory
@@ -50,6 +52,7 @@ def test_every_bucket_is_a_valid_build():
 
 def test_buckets():
     assert ct.bucket(1) == ct.BUCKETS[0] and ct.bucket(4096)[0] == 4096 and ct.bucket(4097)[0] == 8192
+    assert all(len(b) == 3 for b in ct.BUCKETS)
     assert ct.bucket(ct.BUCKETS[-1][0] + 1) is None
     assert [ct.k_bucket(k) for k in (1, 1024, 1025, 2048, 4096)] == [1024, 1024, 2048, 2048, 4096]
 
@@ -65,6 +68,12 @@ def test_supports_reasons(monkeypatch):
     assert "16-byte" in ct.supports(TopkArgs(torch.zeros(2, 4098), 8))
     assert "16-byte" in ct.supports(TopkArgs(torch.zeros(2, 4100, dtype=torch.bfloat16), 8))
     assert "16-byte" in ct.supports(TopkArgs(torch.zeros(2 * 4096 + 1)[1:].view(2, 4096), 8))
+
+
+def test_shipped_placement_names_measured_lengths():
+    # the H200's measured range: 4096 .. 16384 columns (bench/RESULTS.md C103)
+    assert ct.PLACEMENT["NVIDIA H200"] == ((4096, 16384),)
+    assert all(ct.bucket(hi) is not None for ranges in ct.PLACEMENT.values() for _, hi in ranges)
 
 
 def test_placement(monkeypatch):
@@ -100,9 +109,10 @@ def _hostile_rows(R: int, S: int, gen: torch.Generator) -> torch.Tensor:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
-@pytest.mark.parametrize("S", [128, 4096, 5000, 16384, 32768, 49152])
-@pytest.mark.parametrize("k", [1, 7, 1024, 2048, 4096])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("S,k,dtype", [
+    (128, 7, torch.float32), (4096, 2048, torch.float32), (4096, 4096, torch.bfloat16), (5000, 1, torch.float16),
+    (8192, 1024, torch.float32), (16384, 2048, torch.float32), (16384, 300, torch.bfloat16),
+    (32768, 2048, torch.float16), (49152, 4096, torch.float32), (49152, 2048, torch.bfloat16)])
 def test_gpu_contract(S, k, dtype):
     """randn rows (the cut inside a digit: all three passes), hostile rows
     (ties at the cut, early exits, rows with fewer than k valid keys), and

@@ -23,21 +23,30 @@ import torch
 from dsa._args import TopkArgs
 from dsa.cute.host import address, compile_kernel, device_name, sm90_reason, stream_handle
 
-# (s_max, threads): the row lengths a build holds, the smallest first
-BUCKETS = ((4096, 256), (8192, 512), (16384, 512), (32768, 512), (49152, 512))
+# (s_max, threads, min_blocks): the row lengths a build holds, the smallest
+# first, its CTA size and launch bound.  H200, fp32, k 1024 / 2048, one
+# process (bench/RESULTS.md C103): 4096 keys 256 threads at 6 CTAs an SM
+# 0.0661 / 0.0694 ms (4096 rows) against 0.0665 / 0.0722 unbounded and
+# 0.077-0.092 at 128 or 512 threads; 8192 keys 256 threads 0.1103 / 0.1084
+# against 0.133 at 512; 16384 keys 512 threads 0.2228 / 0.2167 against
+# 0.2397 / 0.2321 at 256 and 0.33 at 1024.
+BUCKETS = ((4096, 256, 6), (8192, 256, 0), (16384, 512, 0), (32768, 512, 0), (49152, 512, 0))
 K_MAX = 4096
 K_BUCKETS = (1024, 2048, K_MAX)  # the output slots a build holds in shared memory
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # GPU name -> the (lo, hi) ranges of S (row length, columns) where the cute
-# top-k measured faster than Triton, k 1024 and 2048, fp32.
-PLACEMENT: Dict[str, Tuple[Tuple[int, int], ...]] = {}
+# top-k measured faster than Triton, k 1024 and 2048, fp32.  H200 (C103, 4096
+# rows, ms, cute / Triton): 4096 keys 0.0661 / 0.1134, 8192 0.1103 / 0.2563,
+# 16384 0.2228 / 0.2543; 32768 (8192 rows) 1.0548 / 0.7459, slower: one CTA
+# an SM holds a row of 32768 keys.
+PLACEMENT: Dict[str, Tuple[Tuple[int, int], ...]] = {"NVIDIA H200": ((4096, 16384),)}
 NOT_MEASURED = "no measurement of the cute top-k on this GPU yet"
 
 
-def bucket(S: int) -> Optional[Tuple[int, int]]:
-    """(s_max, threads) of the build for rows of S keys (None: none holds them)."""
+def bucket(S: int) -> Optional[Tuple[int, int, int]]:
+    """(s_max, threads, min_blocks) of the build for rows of S keys (None: none holds them)."""
     return next((b for b in BUCKETS if S <= b[0]), None)
 
 
@@ -70,8 +79,8 @@ def config(dtype: torch.dtype, S: int, k: int, has_end: bool, **kw):
 
     from dsa.cute.topk_sm90 import TopkSm90Config
 
-    s_max, threads = bucket(S)
-    fields = dict(s_max=s_max, k_max=k_bucket(k), has_end=has_end, threads=threads)
+    s_max, threads, min_blocks = bucket(S)
+    fields = dict(s_max=s_max, k_max=k_bucket(k), has_end=has_end, threads=threads, min_blocks=min_blocks)
     fields.update(kw)
     return TopkSm90Config(_cute_dtype(dtype, cutlass), **fields)
 

@@ -62,6 +62,7 @@ class TopkSm90Config:
     has_end: bool
     threads: int = 512
     emit_max: int = 2    # key vectors a thread takes per scan of the emit, at most (fewer barriers)
+    warp_emit: bool = True  # the emit by warps over contiguous segments (emit_warps), else by scans (emit)
     # timing builds only (their output is not the top-k): 1 stops after the
     # row's load without counting, 2 after the first count, 3 before the emit
     probe: int = 0
@@ -230,7 +231,11 @@ class TopkSm90:
                         need_eq = need - above
             count = cutlass.min(K, total)
             if const_expr(c.probe == 0):
-                self.emit(keys, slots, warp_words, L, n_chunks, t_hi, t_eq, need_eq, tid, lane, warp)
+                if const_expr(c.warp_emit):
+                    self.emit_warps(Int32(st.keys.data_ptr().toint()), slots, warp_words, L, t_hi, t_eq, need_eq,
+                                    lane, warp)
+                else:
+                    self.emit(keys, slots, warp_words, L, n_chunks, t_hi, t_eq, need_eq, tid, lane, warp)
                 cute.arch.sync_threads()
                 out_row = idx_ptr.toint() + Int64(r) * Int64(K) * 4
                 for i in cutlass.range(tid, K, c.threads):
@@ -332,6 +337,56 @@ class TopkSm90:
             above = above + hs[j]
         cute.arch.sync_threads()
         return ld_shared(pick), ld_shared(pick + 4), ld_shared(pick + 8), ld_shared(pick + 12)
+
+    @cute.jit
+    def emit_warps(self, keys: Int32, slots: Int32, warp_words: Int32, L, t_hi, t_eq, need_eq, lane, warp):
+        """``emit`` by warps: warp w takes the w-th of ``warps`` contiguous
+        segments of the row, a key a lane a step.  It counts its segment's
+        keys above the cut and ties (ballots), one scan over the warps'
+        counts gives each its first output slot, then it walks the segment
+        again: a key's slot is the selected keys before it in the warp's
+        step (``popc`` of the ballots under its lane) plus the running
+        counts.  One barrier a row."""
+        seg = ((L + self.warps - 1) // self.warps + 31) // 32 * 32
+        lo = warp * seg
+        below = (Int32(1) << lane) - 1
+        ng = Int32(0)
+        ne = Int32(0)
+        for s0 in cutlass.range(0, seg, 32):
+            i = lo + s0 + lane
+            k_ = Int32(INVALID)
+            if i < L:
+                k_ = ld_shared(keys + 4 * i)
+            ng = ng + cute.arch.popc(cute.arch.vote_ballot_sync(k_ >= t_hi))
+            ne = ne + cute.arch.popc(cute.arch.vote_ballot_sync(k_ == t_eq))
+        if lane == 0:
+            st_shared(warp_words + 4 * warp, ne * 65536 + ng)
+        cute.arch.sync_threads()
+        # the counts of the warps before this one: lane l holds warp l's, a warp scan
+        x = Int32(0)
+        if lane < self.warps:
+            x = ld_shared(warp_words + 4 * lane)
+        for o in cutlass.range_constexpr(5):
+            y = cute.arch.shuffle_sync_up(x, offset=1 << o)
+            x = x + sel(lane >= (1 << o), y, Int32(0))
+        before = sel(warp > 0, cute.arch.shuffle_sync(x, cutlass.max(warp - 1, Int32(0))), Int32(0))
+        gb = before & 65535
+        eb = before >> 16
+        if ng > 0 or (ne > 0 and eb < need_eq):
+            for s0 in cutlass.range(0, seg, 32):
+                i = lo + s0 + lane
+                k_ = Int32(INVALID)
+                if i < L:
+                    k_ = ld_shared(keys + 4 * i)
+                gt = k_ >= t_hi
+                eq = k_ == t_eq
+                gm = cute.arch.vote_ballot_sync(gt)
+                em = cute.arch.vote_ballot_sync(eq)
+                rank = eb + cute.arch.popc(em & below)
+                if gt or (eq and rank < need_eq):
+                    st_shared(slots + 4 * (gb + cute.arch.popc(gm & below) + cutlass.min(rank, need_eq)), i)
+                gb = gb + cute.arch.popc(gm)
+                eb = eb + cute.arch.popc(em)
 
     @cute.jit
     def emit(self, keys: cute.Tensor, slots: Int32, warp_words: Int32, L, n_chunks, t_hi, t_eq, need_eq, tid, lane,

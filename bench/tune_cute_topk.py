@@ -77,7 +77,7 @@ def main(argv=None) -> int:
             if cd is not None:
                 row["cudnn"] = round(bench(lambda: cd["topk"](x, seq, k, next_n=1, return_val=False)), 4)
             print(f"{R}x{S}{' causal' if causal else ''} k {k}: {json.dumps(row)}", flush=True)
-        del x
+        x = None  # the next shape's scores replace these
         torch.cuda.empty_cache()
     return 0
 

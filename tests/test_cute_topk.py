@@ -141,10 +141,10 @@ def test_gpu_contract(S, k, dtype):
     (4096, 2048, torch.float32, dict(half_keys=True)), (16384, 1024, torch.bfloat16, dict(half_keys=True)),
     (32768, 2048, torch.float32, dict(half_keys=True)), (20000, 7, torch.float16, dict(half_keys=True)),
     (65536, 2048, torch.float32, dict(half_keys=True, s_max=65536)),
-    (8192, 2048, torch.float32, dict(warp_emit=False)), (16384, 300, torch.float16, dict(warp_emit=False))])
+    (8192, 2048, torch.float32, dict(warp_emit=True)), (16384, 300, torch.float16, dict(warp_emit=True))])
 def test_gpu_contract_other_builds(S, k, dtype, build):
     """The builds beside the shipped ones (half keys: passes 3 and 4 and the
-    emit read tied keys again from global memory; the emit by scans)."""
+    emit read tied keys again from global memory; the emit by warps)."""
     gen = torch.Generator(device="cuda").manual_seed(S + k + 1)
     R = 40
     for x in (torch.randn(R, S, device="cuda", generator=gen), _hostile_rows(R, S, gen)):

@@ -62,7 +62,7 @@ class TopkSm90Config:
     has_end: bool
     threads: int = 512
     emit_max: int = 2    # key vectors a thread takes per scan of the emit, at most (fewer barriers)
-    warp_emit: bool = True  # the emit by warps over contiguous segments (emit_warps), else by scans (emit)
+    warp_emit: bool = False  # the emit by warps over contiguous segments (emit_warps), else by scans (emit)
     # shared memory keeps each key's top 16 bits only (half the bytes: more
     # CTAs an SM, longer rows); the few keys whose top bits tie the cut's are
     # read again from global memory (search_half, emit_half)

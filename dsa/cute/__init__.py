@@ -112,14 +112,7 @@ def _decode(args: Any, auto: bool) -> Callable[..., Any]:
     where its measured placement (``dsa.cute.decode.PLACEMENT``) names it."""
     from dsa.cute import decode
 
-    why = decode.supports(args)
-    if why is None and auto:
-        why = decode.placement_reason(args)
-        if why is None:
-            return _Chosen(decode.decode, decode.placed_note(args))
-    if why is not None:
-        raise Unsupported(why)
-    return decode.decode
+    return _measured(decode, decode.decode, args, auto)
 
 
 def _topk(args: Any, auto: bool) -> Callable[..., Any]:
@@ -127,11 +120,18 @@ def _topk(args: Any, auto: bool) -> Callable[..., Any]:
     where its measured placement (``dsa.cute.topk.PLACEMENT``) names it."""
     from dsa.cute import topk
 
-    why = topk.supports(args)
+    return _measured(topk, topk.topk, args, auto)
+
+
+def _measured(module: Any, fn: Callable[..., Any], args: Any, auto: bool) -> Callable[..., Any]:
+    """``fn`` where ``module.supports(args)`` allows it and, under auto,
+    where ``module.placement_reason(args)`` (its measured placement) does
+    too; Unsupported with the reason otherwise."""
+    why = module.supports(args)
     if why is None and auto:
-        why = topk.placement_reason(args)
+        why = module.placement_reason(args)
         if why is None:
-            return _Chosen(topk.topk, topk.placed_note(args))
+            return _Chosen(fn, module.placed_note(args))
     if why is not None:
         raise Unsupported(why)
-    return topk.topk
+    return fn

@@ -486,27 +486,8 @@ class TopkSm90:
     def emit_half(self, key_addr: Int32, slots: Int32, warp_words: Int32, row: Int64, L, exact, t16, t_hi, t_eq,
                   need_eq, lane, warp):
         """``emit_warps`` on a half-key row (``half_flags``)."""
-        seg = ((L + self.warps - 1) // self.warps + 31) // 32 * 32
-        lo = warp * seg
-        below = (Int32(1) << lane) - 1
-        ng = Int32(0)
-        ne = Int32(0)
-        for s0 in cutlass.range(0, seg, 32):
-            gt, eq = self.half_flags(key_addr, row, lo + s0 + lane, L, exact, t16, t_hi, t_eq)
-            ng = ng + cute.arch.popc(cute.arch.vote_ballot_sync(gt))
-            ne = ne + cute.arch.popc(cute.arch.vote_ballot_sync(eq))
-        gb, eb = self.warp_bases(warp_words, ng, ne, lane, warp)
-        if ng > 0 or (ne > 0 and eb < need_eq):
-            for s0 in cutlass.range(0, seg, 32):
-                i = lo + s0 + lane
-                gt, eq = self.half_flags(key_addr, row, i, L, exact, t16, t_hi, t_eq)
-                gm = cute.arch.vote_ballot_sync(gt)
-                em = cute.arch.vote_ballot_sync(eq)
-                rank = eb + cute.arch.popc(em & below)
-                if gt or (eq and rank < need_eq):
-                    st_shared(slots + 4 * (gb + cute.arch.popc(gm & below) + cutlass.min(rank, need_eq)), i)
-                gb = gb + cute.arch.popc(gm)
-                eb = eb + cute.arch.popc(em)
+        self.emit_segments(slots, warp_words, L, need_eq, lane, warp,
+                           lambda i: self.half_flags(key_addr, row, i, L, exact, t16, t_hi, t_eq))
 
     @cute.jit
     def warp_bases(self, warp_words: Int32, ng, ne, lane, warp):
@@ -526,8 +507,23 @@ class TopkSm90:
 
     @cute.jit
     def emit_warps(self, keys: Int32, slots: Int32, warp_words: Int32, L, t_hi, t_eq, need_eq, lane, warp):
+        """``emit`` by warps (``emit_segments``) on a row of full keys."""
+        self.emit_segments(slots, warp_words, L, need_eq, lane, warp,
+                           lambda i: self.key_flags(keys, i, L, t_hi, t_eq))
+
+    @cute.jit
+    def key_flags(self, keys: Int32, i, L, t_hi, t_eq):
+        """(above the cut, a tie of it) for column i of a full-key row."""
+        k_ = Int32(INVALID)
+        if i < L:
+            k_ = ld_shared(keys + 4 * i)
+        return k_ >= t_hi, k_ == t_eq
+
+    @cute.jit
+    def emit_segments(self, slots: Int32, warp_words: Int32, L, need_eq, lane, warp, flags):
         """``emit`` by warps: warp w takes the w-th of ``warps`` contiguous
-        segments of the row, a key a lane a step.  It counts its segment's
+        segments of the row, a key a lane a step (``flags(i)``: whether
+        column i is above the cut, a tie of it).  It counts its segment's
         keys above the cut and ties (ballots), one scan over the warps'
         counts gives each its first output slot, then it walks the segment
         again: a key's slot is the selected keys before it in the warp's
@@ -539,21 +535,14 @@ class TopkSm90:
         ng = Int32(0)
         ne = Int32(0)
         for s0 in cutlass.range(0, seg, 32):
-            i = lo + s0 + lane
-            k_ = Int32(INVALID)
-            if i < L:
-                k_ = ld_shared(keys + 4 * i)
-            ng = ng + cute.arch.popc(cute.arch.vote_ballot_sync(k_ >= t_hi))
-            ne = ne + cute.arch.popc(cute.arch.vote_ballot_sync(k_ == t_eq))
+            gt, eq = flags(lo + s0 + lane)
+            ng = ng + cute.arch.popc(cute.arch.vote_ballot_sync(gt))
+            ne = ne + cute.arch.popc(cute.arch.vote_ballot_sync(eq))
         gb, eb = self.warp_bases(warp_words, ng, ne, lane, warp)
         if ng > 0 or (ne > 0 and eb < need_eq):
             for s0 in cutlass.range(0, seg, 32):
                 i = lo + s0 + lane
-                k_ = Int32(INVALID)
-                if i < L:
-                    k_ = ld_shared(keys + 4 * i)
-                gt = k_ >= t_hi
-                eq = k_ == t_eq
+                gt, eq = flags(i)
                 gm = cute.arch.vote_ballot_sync(gt)
                 em = cute.arch.vote_ballot_sync(eq)
                 rank = eb + cute.arch.popc(em & below)

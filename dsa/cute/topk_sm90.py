@@ -253,14 +253,7 @@ class TopkSm90:
                 else:
                     self.emit(keys, slots, warp_words, L, n_chunks, t_hi, t_eq, need_eq, tid, lane, warp)
                 cute.arch.sync_threads()
-                out_row = idx_ptr.toint() + Int64(r) * Int64(K) * 4
-                for i in cutlass.range(tid, K, c.threads):
-                    v = Int32(-1)
-                    if i < count:
-                        v = ld_shared(slots + 4 * i)
-                    cute.make_tensor(aligned(Int32, out_row + Int64(i) * 4, 4), cute.make_layout((1,)))[0] = v
-                if tid == 0:
-                    cute.make_tensor(len_ptr + Int64(r), cute.make_layout((1,)))[0] = count
+                self.write_out(slots, idx_ptr, len_ptr, r, K, count, tid)
             elif tid == 0:  # keeps the probe's work alive
                 cute.make_tensor(len_ptr + Int64(r), cute.make_layout((1,)))[0] = count + t_hi + need_eq
         else:

@@ -125,6 +125,12 @@ def _scalar_types():
     return (Int32, Int32, Int32)  # R, S, k
 
 
+@functools.lru_cache(maxsize=None)
+def _shipped(dtype: torch.dtype, s_max: int, k_max: int, has_end: bool, device_index: int):
+    """The compiled shipped build (``config``'s) of a bucket: a call looks it up without making a config."""
+    return _compiled(config(dtype, s_max, k_max, has_end), device_index)
+
+
 def launch(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: torch.Tensor,
            ends: Optional[torch.Tensor] = None, cfg=None) -> None:
     """Top-k of each row of ``scores`` [R, S] into ``indices`` [R, k] and
@@ -132,8 +138,11 @@ def launch(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: torch.T
     another build than ``config``'s (tuning)."""
     R, S = scores.shape
     dev = scores.device
-    cfg = cfg or config(scores.dtype, S, k, ends is not None)
-    fn = _compiled(cfg, dev.index if dev.index is not None else 0)
+    index = dev.index if dev.index is not None else 0
+    if cfg is None:
+        fn = _shipped(scores.dtype, bucket(S)[0], k_bucket(k), ends is not None, index)
+    else:
+        fn = _compiled(cfg, index)
     a_idx = address(indices)
     fn(address(scores), a_idx if ends is None else address(ends), a_idx, address(lengths), R, S, k,
        stream_handle(dev))

@@ -137,33 +137,6 @@ def test_gpu_contract(S, k, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
-@pytest.mark.parametrize("S,k,dtype,build", [
-    (4096, 2048, torch.float32, dict(half_keys=True)), (16384, 1024, torch.bfloat16, dict(half_keys=True)),
-    (32768, 2048, torch.float32, dict(half_keys=True)), (20000, 7, torch.float16, dict(half_keys=True)),
-    (65536, 2048, torch.float32, dict(half_keys=True, s_max=65536)),
-    (8192, 2048, torch.float32, dict(warp_emit=True)), (16384, 300, torch.float16, dict(warp_emit=True))])
-def test_gpu_contract_other_builds(S, k, dtype, build):
-    """The builds beside the shipped ones (half keys: passes 3 and 4 and the
-    emit read tied keys again from global memory; the emit by warps)."""
-    gen = torch.Generator(device="cuda").manual_seed(S + k + 1)
-    R = 40
-    for x in (torch.randn(R, S, device="cuda", generator=gen), _hostile_rows(R, S, gen)):
-        x = x.to(dtype)
-        ends = torch.randint(-5, S + 50, (R,), device="cuda", dtype=torch.int32, generator=gen)
-        for e in (None, ends):
-            cfg = ct.config(dtype, min(S, ct.BUCKETS[-1][0]), k, e is not None, **build)
-            idx = torch.full((R, k), 12345, dtype=torch.int32, device="cuda")
-            lens = torch.full((R,), 12345, dtype=torch.int32, device="cuda")
-            ct.launch(x, k, idx, lens, e, cfg)
-            ref = x if e is None else x.masked_fill(
-                torch.arange(S, device="cuda")[None, :] >= e.clamp(0, S)[:, None].long(), -INF)
-            want_idx, want_len = topk_contract(ref, k)
-            assert torch.equal(lens, want_len), (S, k, dtype, build, e is not None)
-            assert torch.equal(idx, want_idx), (S, k, dtype, build, e is not None)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
 def test_gpu_public_cute_equals_triton():
     x = torch.randn(300, 8192, device="cuda")
     ends = torch.arange(300, device="cuda", dtype=torch.int32) * 31

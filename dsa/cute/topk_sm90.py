@@ -62,11 +62,6 @@ class TopkSm90Config:
     has_end: bool
     threads: int = 512
     emit_max: int = 2    # key vectors a thread takes per scan of the emit, at most (fewer barriers)
-    warp_emit: bool = False  # the emit by warps over contiguous segments (emit_warps), else by scans (emit)
-    # shared memory keeps each key's top 16 bits only (half the bytes: more
-    # CTAs an SM, longer rows); the few keys whose top bits tie the cut's are
-    # read again from global memory (search_half, emit_half)
-    half_keys: bool = False
     # timing builds only (their output is not the top-k): 1 stops after the
     # row's load without counting, 2 after the first count, 3 before the emit
     probe: int = 0
@@ -87,7 +82,7 @@ class TopkSm90Config:
 
 def smem_bytes(c: TopkSm90Config) -> int:
     """Shared memory of a build: keys, the output slots, two histograms, scan words."""
-    return (2 if c.half_keys else 4) * c.s_max + 4 * (work_words(c) + 2 * (c.threads // 32) + 16) + 64
+    return 4 * (c.s_max + work_words(c) + 2 * (c.threads // 32) + 16) + 64
 
 
 def work_words(c: TopkSm90Config) -> int:
@@ -132,15 +127,6 @@ def sel(cond, a, b) -> Int32:
     return Int32(cutlass.select_(cond, a, b))
 
 
-@dsl_user_op
-def ld_shared16(addr: Int32, *, loc=None, ip=None) -> Int32:
-    """One signed 16-bit word of shared memory, sign-extended (a volatile asm)."""
-    return Int32(llvm.inline_asm(T.i32(), [Int32(addr).ir_value(loc=loc, ip=ip)],
-                                 "{\n.reg .s16 t;\nld.shared.s16 t, [$1];\ncvt.s32.s16 $0, t;\n}", "=r,r",
-                                 has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                                 loc=loc, ip=ip))
-
-
 def st_shared(addr: Int32, value: Int32) -> None:
     _asm("st.shared.b32 [$0], $1;", "r,r", Int32(addr), Int32(value))
 
@@ -171,7 +157,7 @@ class TopkSm90:
 
         @cute.struct
         class Smem:
-            keys: cute.struct.Align[cute.struct.MemRange[cutlass.Int16 if c.half_keys else Int32, c.s_max], 16]
+            keys: cute.struct.Align[cute.struct.MemRange[Int32, c.s_max], 16]
             # two histograms; the output slots once the search is over
             work: cute.struct.Align[cute.struct.MemRange[Int32, work_words(c)], 16]
             warp: cute.struct.MemRange[Int32, 2 * (c.threads // 32)]
@@ -194,9 +180,8 @@ class TopkSm90:
         warp = tid // 32
         smem = cutlass.utils.SmemAllocator()
         st = smem.allocate(self.smem)
-        # keys [4, s_max / 4]: column j holds positions 4j .. 4j + 3 (one 16-byte vector, 8 bytes of half keys)
+        # keys [4, s_max / 4]: column j holds positions 4j .. 4j + 3 (one 16-byte vector)
         keys = st.keys.get_tensor(cute.make_layout((KEYS_PER_THREAD, c.s_max // KEYS_PER_THREAD)))
-        key_addr = Int32(st.keys.data_ptr().toint())
         hist = Int32(st.work.data_ptr().toint())
         slots = hist
         warp_words = Int32(st.warp.data_ptr().toint())
@@ -216,10 +201,7 @@ class TopkSm90:
         self.load_row(scores_ptr, keys, hist, r, S, L, n_chunks, tid)
         cute.arch.sync_threads()
 
-        if const_expr(c.half_keys):
-            self.finish_half(scores_ptr, key_addr, hist, pick, warp_words, idx_ptr, len_ptr, r, S, L, K, tid,
-                             lane, warp)
-        elif const_expr(c.probe in (0, 3)):
+        if const_expr(c.probe in (0, 3)):
             # pass 1 over every valid key; passes 2 and 3 only where the search is not over
             d1, above, h, total = self.pick_digit(hist, BINS[0], K, pick, warp_words, tid, lane, warp)
             t_hi = Int32(INVALID + 1)  # no digit: every valid key is selected
@@ -248,10 +230,7 @@ class TopkSm90:
                         need_eq = need - above
             count = cutlass.min(K, total)
             if const_expr(c.probe == 0):
-                if const_expr(c.warp_emit):
-                    self.emit_warps(key_addr, slots, warp_words, L, t_hi, t_eq, need_eq, lane, warp)
-                else:
-                    self.emit(keys, slots, warp_words, L, n_chunks, t_hi, t_eq, need_eq, tid, lane, warp)
+                self.emit(keys, slots, warp_words, L, n_chunks, t_hi, t_eq, need_eq, tid, lane, warp)
                 cute.arch.sync_threads()
                 self.write_out(slots, idx_ptr, len_ptr, r, K, count, tid)
             elif tid == 0:  # keeps the probe's work alive
@@ -293,13 +272,7 @@ class TopkSm90:
                     kv[j] = k_
                     if k_ != INVALID and const_expr(c.probe != 1):
                         red_shared_add(hist + 4 * ((k_ >> SHIFTS[0]) + BINS[0] // 2))
-                if const_expr(c.half_keys):
-                    kh = cute.make_rmem_tensor((KEYS_PER_THREAD,), cutlass.Int16)
-                    for j in cutlass.range_constexpr(KEYS_PER_THREAD):
-                        kh[j] = cutlass.Int16(kv[j] >> 16)
-                    cute.autovec_copy(kh, keys[None, (c0 + u) * (c.chunk // KEYS_PER_THREAD) + tid])
-                else:
-                    cute.autovec_copy(kv, keys[None, (c0 + u) * (c.chunk // KEYS_PER_THREAD) + tid])
+                cute.autovec_copy(kv, keys[None, (c0 + u) * (c.chunk // KEYS_PER_THREAD) + tid])
 
     @cute.jit
     def count_digits(self, keys: cute.Tensor, hist: Int32, n_chunks, tid, prefix, p: cutlass.Constexpr):
@@ -323,15 +296,10 @@ class TopkSm90:
         same in every thread; d = -1 when fewer than ``need`` were counted
         (the caller set pick[0] to -1)."""
         c = self.config
-        per = max(1, nbins // c.threads)  # fewer bins than threads: one each, the threads past them none
+        per = nbins // c.threads
         hs = cute.make_rmem_tensor((per,), Int32)
         for j in cutlass.range_constexpr(per):
-            if const_expr(nbins >= c.threads):
-                hs[j] = ld_shared(hist + 4 * (tid * per + j))
-            else:
-                hs[j] = Int32(0)
-                if tid < nbins:
-                    hs[j] = ld_shared(hist + 4 * tid)
+            hs[j] = ld_shared(hist + 4 * (tid * per + j))
         mine = Int32(0)
         for j in cutlass.range_constexpr(per):
             mine = mine + hs[j]
@@ -358,97 +326,6 @@ class TopkSm90:
         cute.arch.sync_threads()
         return ld_shared(pick), ld_shared(pick + 4), ld_shared(pick + 8), ld_shared(pick + 12)
 
-    # ------------------------------------------------------------ half keys
-    @cute.jit
-    def key_at(self, row: Int64, i) -> Int32:
-        """The order key of column i of the row at byte address ``row`` (one global load)."""
-        c = self.config
-        if const_expr(self.es == 4):
-            bits = cute.make_tensor(aligned(Int32, row + Int64(i) * 4, 4), cute.make_layout((1,)))[0]
-        else:
-            h = cute.make_tensor(aligned(cutlass.Int16, row + Int64(i) * 2, 2), cute.make_layout((1,)))[0]
-            w = Int32(h) & 65535
-            if const_expr(c.dtype is cutlass.Float16):
-                bits = f16_bits(w, False)
-            else:
-                bits = w << 16
-        return order_key(bits)
-
-    @cute.jit
-    def count_half(self, key_addr: Int32, hist: Int32, row: Int64, L, tid, prefix, p: cutlass.Constexpr, p3=None):
-        """Pass p of the half-key search over the top 16 bits in shared
-        memory: p 2 counts bits 16..20 of the keys whose top 11 bits are
-        ``prefix``; p 3 / 4 read the keys whose top 16 bits are ``prefix``
-        again and count bits 8..15 / (those whose bits 8..31 are p3) bits
-        0..7."""
-        c = self.config
-        for i in cutlass.range(tid, L, c.threads):
-            u = ld_shared16(key_addr + 2 * i)
-            if const_expr(p == 2):
-                if (u >> 5) == prefix:
-                    red_shared_add(hist + 4 * (u & 31))
-            else:
-                if u == prefix:
-                    k_ = self.key_at(row, i)
-                    if const_expr(p == 3):
-                        red_shared_add(hist + 4 * ((k_ >> 8) & 255))
-                    else:
-                        if (k_ >> 8) == p3:
-                            red_shared_add(hist + 4 * (k_ & 255))
-
-    @cute.jit
-    def finish_half(self, scores_ptr: cute.Pointer, key_addr: Int32, hist: Int32, pick: Int32, warp_words: Int32,
-                    idx_ptr: cute.Pointer, len_ptr: cute.Pointer, r, S, L, K, tid, lane, warp):
-        """The search and the emit of a half-key build: the top 16 bits of
-        the cut from shared memory (passes 1 and 2: 11 + 5 bits), then, when
-        the cut splits the keys sharing them, its low 16 bits (passes 3 and
-        4: 8 + 8 bits) from those keys read again."""
-        c = self.config
-        row = scores_ptr.toint() + Int64(r) * Int64(S) * self.es
-        hist1 = hist + 4 * BINS[0]
-        d1, above, h, total = self.pick_digit(hist, BINS[0], K, pick, warp_words, tid, lane, warp)
-        exact = Int32(0)
-        t16 = Int32(-32767)  # no digit: every valid key (the top bits of INVALID are -32768)
-        t_hi = Int32(INVALID + 1)
-        t_eq = Int32(NO_TIE)
-        need_eq = Int32(0)
-        if d1 >= 0:
-            p1 = d1 - BINS[0] // 2
-            need = K - above
-            t16 = p1 * 32
-            if h != need:
-                self.count_half(key_addr, hist1, row, L, tid, p1, 2)
-                cute.arch.sync_threads()
-                for i in cutlass.range_constexpr(max(1, 256 // c.threads)):  # hist 0 again, for pass 3
-                    if tid + i * c.threads < 256:
-                        st_shared(hist + 4 * (tid + i * c.threads), Int32(0))
-                d2, above, h, _ = self.pick_digit(hist1, 32, need, pick + 16, warp_words, tid, lane, warp)
-                p2 = p1 * 32 + d2
-                need = need - above
-                t16 = p2
-                if h != need:
-                    exact = Int32(1)
-                    for i in cutlass.range_constexpr(max(1, 256 // c.threads)):  # hist 1 again, for pass 4
-                        if tid + i * c.threads < 256:
-                            st_shared(hist1 + 4 * (tid + i * c.threads), Int32(0))
-                    self.count_half(key_addr, hist, row, L, tid, p2, 3)
-                    cute.arch.sync_threads()
-                    d3, above, h, _ = self.pick_digit(hist, 256, need, pick + 32, warp_words, tid, lane, warp)
-                    p3 = p2 * 256 + d3
-                    need = need - above
-                    t_hi = p3 * 256
-                    if h != need:
-                        self.count_half(key_addr, hist1, row, L, tid, p2, 4, p3)
-                        cute.arch.sync_threads()
-                        d4, above, h, _ = self.pick_digit(hist1, 256, need, pick + 48, warp_words, tid, lane, warp)
-                        t_eq = p3 * 256 + d4
-                        t_hi = t_eq + 1
-                        need_eq = need - above
-        count = cutlass.min(K, total)
-        self.emit_half(key_addr, hist, warp_words, row, L, exact, t16, t_hi, t_eq, need_eq, lane, warp)
-        cute.arch.sync_threads()
-        self.write_out(hist, idx_ptr, len_ptr, r, K, count, tid)
-
     @cute.jit
     def write_out(self, slots: Int32, idx_ptr: cute.Pointer, len_ptr: cute.Pointer, r, K, count, tid):
         """Row r of the output: the ``count`` slots in shared memory, then -1; its length."""
@@ -461,88 +338,6 @@ class TopkSm90:
             cute.make_tensor(aligned(Int32, out_row + Int64(i) * 4, 4), cute.make_layout((1,)))[0] = v
         if tid == 0:
             cute.make_tensor(len_ptr + Int64(r), cute.make_layout((1,)))[0] = count
-
-    @cute.jit
-    def half_flags(self, key_addr: Int32, row: Int64, i, L, exact, t16, t_hi, t_eq):
-        """(above the cut, a tie of it) for column i of a half-key row."""
-        u = Int32(-32768)
-        if i < L:
-            u = ld_shared16(key_addr + 2 * i)
-        k_ = Int32(INVALID)
-        if exact != 0 and u == t16:
-            k_ = self.key_at(row, i)
-        gt = (u > t16) or (u == t16 and (exact == 0 or k_ >= t_hi))
-        eq = exact != 0 and u == t16 and k_ == t_eq
-        return gt, eq
-
-    @cute.jit
-    def emit_half(self, key_addr: Int32, slots: Int32, warp_words: Int32, row: Int64, L, exact, t16, t_hi, t_eq,
-                  need_eq, lane, warp):
-        """``emit_warps`` on a half-key row (``half_flags``)."""
-        self.emit_segments(slots, warp_words, L, need_eq, lane, warp,
-                           lambda i: self.half_flags(key_addr, row, i, L, exact, t16, t_hi, t_eq))
-
-    @cute.jit
-    def warp_bases(self, warp_words: Int32, ng, ne, lane, warp):
-        """(keys above the cut, ties) in the segments of the warps before
-        this one, from each warp's counts: a barrier, then a warp scan."""
-        if lane == 0:
-            st_shared(warp_words + 4 * warp, ne * 65536 + ng)
-        cute.arch.sync_threads()
-        x = Int32(0)
-        if lane < self.warps:
-            x = ld_shared(warp_words + 4 * lane)
-        for o in cutlass.range_constexpr(5):
-            y = cute.arch.shuffle_sync_up(x, offset=1 << o)
-            x = x + sel(lane >= (1 << o), y, Int32(0))
-        before = sel(warp > 0, cute.arch.shuffle_sync(x, cutlass.max(warp - 1, Int32(0))), Int32(0))
-        return before & 65535, before >> 16
-
-    @cute.jit
-    def emit_warps(self, keys: Int32, slots: Int32, warp_words: Int32, L, t_hi, t_eq, need_eq, lane, warp):
-        """``emit`` by warps (``emit_segments``) on a row of full keys."""
-        self.emit_segments(slots, warp_words, L, need_eq, lane, warp,
-                           lambda i: self.key_flags(keys, i, L, t_hi, t_eq))
-
-    @cute.jit
-    def key_flags(self, keys: Int32, i, L, t_hi, t_eq):
-        """(above the cut, a tie of it) for column i of a full-key row."""
-        k_ = Int32(INVALID)
-        if i < L:
-            k_ = ld_shared(keys + 4 * i)
-        return k_ >= t_hi, k_ == t_eq
-
-    @cute.jit
-    def emit_segments(self, slots: Int32, warp_words: Int32, L, need_eq, lane, warp, flags):
-        """``emit`` by warps: warp w takes the w-th of ``warps`` contiguous
-        segments of the row, a key a lane a step (``flags(i)``: whether
-        column i is above the cut, a tie of it).  It counts its segment's
-        keys above the cut and ties (ballots), one scan over the warps'
-        counts gives each its first output slot, then it walks the segment
-        again: a key's slot is the selected keys before it in the warp's
-        step (``popc`` of the ballots under its lane) plus the running
-        counts.  One barrier a row."""
-        seg = ((L + self.warps - 1) // self.warps + 31) // 32 * 32
-        lo = warp * seg
-        below = (Int32(1) << lane) - 1
-        ng = Int32(0)
-        ne = Int32(0)
-        for s0 in cutlass.range(0, seg, 32):
-            gt, eq = flags(lo + s0 + lane)
-            ng = ng + cute.arch.popc(cute.arch.vote_ballot_sync(gt))
-            ne = ne + cute.arch.popc(cute.arch.vote_ballot_sync(eq))
-        gb, eb = self.warp_bases(warp_words, ng, ne, lane, warp)
-        if ng > 0 or (ne > 0 and eb < need_eq):
-            for s0 in cutlass.range(0, seg, 32):
-                i = lo + s0 + lane
-                gt, eq = flags(i)
-                gm = cute.arch.vote_ballot_sync(gt)
-                em = cute.arch.vote_ballot_sync(eq)
-                rank = eb + cute.arch.popc(em & below)
-                if gt or (eq and rank < need_eq):
-                    st_shared(slots + 4 * (gb + cute.arch.popc(gm & below) + cutlass.min(rank, need_eq)), i)
-                gb = gb + cute.arch.popc(gm)
-                eb = eb + cute.arch.popc(em)
 
     @cute.jit
     def emit(self, keys: cute.Tensor, slots: Int32, warp_words: Int32, L, n_chunks, t_hi, t_eq, need_eq, tid, lane,

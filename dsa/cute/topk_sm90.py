@@ -20,11 +20,13 @@ position; row r is its first clamp(ends[r], 0, S) scores when ends are given.
   pass counts only the keys sharing the prefix, read back from shared
   memory.  After the third the k-th key ``T`` is exact and ``need`` of its
   ties are taken.
-* **Emit.**  One pass over the row in position order, ``CHUNK`` keys at a
-  time: per thread the counts of keys above the cut and of ties (packed in
-  one word), a block-wide prefix scan, then each selected key's output slot
-  is (keys above before it) + min(ties before it, need).  Slots go to a
-  shared buffer, written out with the -1 padding by coalesced stores.
+* **Emit.**  One pass over the row in position order, ``emit_cols``
+  chunks at a time (a thread's 4 x emit_cols contiguous keys): per thread
+  the counts of keys above the cut and of ties (packed in one word), a
+  block-wide prefix scan, then each selected key's output slot is (keys
+  above before it) + min(ties before it, need).  Slots go to shared memory
+  (over the histograms, dead by then), written out with the -1 padding by
+  coalesced stores.
 
 Every barrier is CTA-uniform: the pass structure depends only on values
 read back from shared memory after a barrier.

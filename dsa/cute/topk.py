@@ -37,10 +37,11 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # GPU name -> the (lo, hi) ranges of S (row length, columns) where the cute
-# top-k measured faster than Triton, k 1024 and 2048, fp32.  H200 (C103, 4096
-# rows, ms, cute / Triton): 4096 keys 0.0661 / 0.1134, 8192 0.1103 / 0.2563,
-# 16384 0.2228 / 0.2543; 32768 (8192 rows) 1.0548 / 0.7459, slower: one CTA
-# an SM holds a row of 32768 keys.
+# top-k measured faster than Triton, k 1024 and 2048, fp32.  H200 (ms, cute /
+# Triton, k 2048 / 1024; C104 but 8192 keys, C103): 4096 x 4096 0.0654 /
+# 0.0976, 0.0698 / 0.0807; 4096 x 8192 0.1103 / 0.2563, 0.1084 / 0.2513;
+# 4096 x 16384 0.2232 / 0.2592, 0.2156 / 0.3039; 8192 x 32768 1.0463 /
+# 0.7424, slower: one CTA an SM holds a row of 32768 keys.
 PLACEMENT: Dict[str, Tuple[Tuple[int, int], ...]] = {"NVIDIA H200": ((4096, 16384),)}
 NOT_MEASURED = "no measurement of the cute top-k on this GPU yet"
 

@@ -144,9 +144,10 @@ class TopkSm90:
     def __init__(self, config: TopkSm90Config):
         c = self.config = config
         step = c.chunk * max(c.unroll, c.emit_cols)
-        if c.s_max % step or c.threads % 32 or c.threads > BINS[2] or 16 * c.threads * c.emit_cols >= 2**16:
+        # the emit packs a scan group's counts (at most chunk * emit_cols keys) in 16 bits
+        if c.s_max % step or c.threads % 32 or c.threads > BINS[2] or c.chunk * c.emit_cols >= 2**16:
             raise ValueError(f"TopkSm90: s_max {c.s_max} must be a multiple of {step}, threads a multiple of 32 "
-                             f"up to {BINS[2]}")
+                             f"up to {BINS[2]}, a scan group under 65536 keys")
         if smem_bytes(c) > SMEM_LIMIT:
             raise ValueError(f"TopkSm90: {smem_bytes(c)} bytes of shared memory exceed {SMEM_LIMIT}")
         self.warps = c.threads // 32

@@ -6,8 +6,9 @@
 fp32 scores from torch.randn, rows x columns of ``SHAPES`` (causal: row i
 keeps its first i + 1 scores, given as row ends). Each build is
 ``dsa.cute.topk.config(...)`` with the JSON fields given (none: the
-shipped build of the row length; rows longer than every shipped build
-take only the builds given an ``s_max`` that holds them); ``--probes`` adds the shipped build's
+shipped build of the row length; ``"stream": true`` / ``false`` picks the
+streaming or the resident kernel, whose builds take only rows their
+``s_max`` holds); ``--probes`` adds the shipped build's
 timing builds (``probe`` 1 / 2 / 3: stopped after the load, after the first
 count, before the emit), whose outputs are not checked. Every other build
 is checked against the contract on a spread of rows first. Times:
@@ -37,7 +38,7 @@ def main(argv=None) -> int:
     ints = lambda v: [int(x) for x in v.split(",")]  # noqa: E731
     ap.add_argument("--shapes", type=ints, default=None, help="indices into SHAPES (default all)")
     ap.add_argument("--ks", type=ints, default=[2048, 1024])
-    ap.add_argument("--builds", default="{}", help="';'-separated JSON objects of TopkSm90Config fields")
+    ap.add_argument("--builds", default="{}", help="';'-separated JSON objects of config fields")
     ap.add_argument("--probes", action="store_true", help="also the shipped build's timing builds")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -68,9 +69,12 @@ def main(argv=None) -> int:
             lens = torch.empty(R, dtype=torch.int32, device="cuda")
             for kw in builds:
                 name = "cute" + "".join(f"_{a}{b}" for a, b in kw.items())
-                if ct.bucket(S) is None and kw.get("s_max", 0) < S:
-                    continue  # rows longer than the shipped builds: only builds given an s_max that holds them
-                cfg = ct.config(x.dtype, min(S, ct.BUCKETS[-1][0]), k, ends is not None, **kw)
+                stream = kw.get("stream", ct.streams(S))
+                if stream and "probe" in kw:
+                    continue  # timing builds are the resident kernel's
+                if not stream and ct.bucket(S) is None and kw.get("s_max", 0) < S:
+                    continue  # resident builds: only those given an s_max that holds the rows
+                cfg = ct.config(x.dtype, S if stream else min(S, ct.BUCKETS[-1][0]), k, ends is not None, **kw)
                 idx.fill_(-7)
                 ct.launch(x, k, idx, lens, ends, cfg)
                 ok = None if kw.get("probe") else check_rows(x, k, idx, lens)

@@ -25,13 +25,19 @@ def test_builds_compile_for_sm90(tmp_path):
     counts, no spills but the bounded build's few bytes, shared memory
     within the launch limit."""
     calls = [("f32_4096", "dsa.cute.topk:compile_offline", ["torch.float32"], dict(S=4096, k=2048)),
-             ("f32_49152", "dsa.cute.topk:compile_offline", ["torch.float32"], dict(S=49152, k=4096)),
-             ("bf16_16384", "dsa.cute.topk:compile_offline", ["torch.bfloat16"], dict(S=16384, k=1024))]
-    needles = ("red.shared.add.u32", "ld.global.v4", "ld.global.v2", "st.shared.v4", "ld.shared.v4", "bar.sync")
+             ("f32_49152", "dsa.cute.topk:compile_offline", ["torch.float32"], dict(S=49152, k=4096, stream=False)),
+             ("bf16_16384", "dsa.cute.topk:compile_offline", ["torch.bfloat16"], dict(S=16384, k=1024)),
+             ("f32_stream", "dsa.cute.topk:compile_offline", ["torch.float32"], dict(S=65536, k=2048)),
+             ("bf16_stream", "dsa.cute.topk:compile_offline", ["torch.bfloat16"], dict(S=131072, k=4096))]
+    needles = ("red.shared.add.u32", "ld.global.v4", "ld.global.v2", "st.shared.v4", "ld.shared.v4", "bar.sync",
+               "vote.sync.ballot")
     reports = compile_reports(calls, needles, "sm_90a", tmp_path)
     for name, r in reports.items():
         n = r["needles"]
-        assert n["red.shared.add.u32"] > 0 and n["bar.sync"] > 0 and n["st.shared.v4"] > 0, (name, r)
+        stream = name.endswith("stream")
+        assert n["red.shared.add.u32"] > 0 and n["bar.sync"] > 0, (name, r)
+        # the resident kernel stores its row's key vectors; the streaming one places keys by ballots
+        assert (n["st.shared.v4"] > 0) != stream and (n["vote.sync.ballot"] > 0) == stream, (name, r)
         assert (n["ld.global.v4"] > 0) == name.startswith("f32"), (name, r)
         assert (n["ld.global.v2"] > 0) == name.startswith("bf16"), (name, r)
         # the 4096-key build is bounded to 6 CTAs an SM (40 registers): a few
@@ -44,10 +50,28 @@ def test_builds_compile_for_sm90(tmp_path):
 def test_every_bucket_is_a_valid_build():
     from dsa.cute.topk_sm90 import TopkSm90
 
+    from dsa.cute.topk_stream_sm90 import TopkStreamSm90, smem_bytes
+
     for s_max, _, _ in ct.BUCKETS:
         for k in ct.K_BUCKETS:
             for dtype in ct.DTYPES:
-                TopkSm90(ct.config(dtype, s_max, k, True))  # raises on a bad split or too much shared memory
+                TopkSm90(ct.config(dtype, s_max, k, True, stream=False))  # raises on a bad split or too much shared memory
+    for k in ct.K_BUCKETS:
+        for dtype in ct.DTYPES:
+            cfg = ct.config(dtype, 10**6, k, False)
+            TopkStreamSm90(cfg)
+            # a buffer holds k entries and one round's
+            assert cfg.cap == cfg.k_max + cfg.round and smem_bytes(cfg) < 100 * 1024
+
+
+def test_rows_stream_above_the_resident_lengths():
+    from dsa.cute.topk_stream_sm90 import TopkStreamSm90Config
+
+    assert not ct.streams(ct.RESIDENT_MAX) and ct.streams(ct.RESIDENT_MAX + 4)
+    assert ct.bucket(ct.RESIDENT_MAX) is not None
+    assert isinstance(ct.config(torch.float32, 1 << 20, 2048, True), TopkStreamSm90Config)
+    assert isinstance(ct.config(torch.float32, 4096, 2048, True, stream=True), TopkStreamSm90Config)
+    assert not isinstance(ct.config(torch.float32, 4096, 2048, True), TopkStreamSm90Config)
 
 
 def test_buckets():
@@ -63,7 +87,7 @@ def test_supports_reasons(monkeypatch):
     monkeypatch.setattr(ct, "sm90_reason", lambda device, what: None)
     assert ct.supports(a) is None
     assert "fp32 / fp16 / bf16" in ct.supports(TopkArgs(torch.zeros(4, 4096, dtype=torch.float64), 8))
-    assert "at most 49152 columns" in ct.supports(TopkArgs(torch.zeros(2, 49153 + 3), 8))
+    assert ct.supports(TopkArgs(torch.zeros(2, 49152 + 4), 8)) is None  # long rows stream
     assert "k up to 4096" in ct.supports(TopkArgs(torch.zeros(2, 8192), 4097))
     assert "16-byte" in ct.supports(TopkArgs(torch.zeros(2, 4098), 8))
     assert "16-byte" in ct.supports(TopkArgs(torch.zeros(2, 4100, dtype=torch.bfloat16), 8))
@@ -112,7 +136,8 @@ def _hostile_rows(R: int, S: int, gen: torch.Generator) -> torch.Tensor:
 @pytest.mark.parametrize("S,k,dtype", [
     (128, 7, torch.float32), (4096, 2048, torch.float32), (4096, 4096, torch.bfloat16), (5000, 1, torch.float16),
     (8192, 1024, torch.float32), (16384, 2048, torch.float32), (16384, 300, torch.bfloat16),
-    (32768, 2048, torch.float16), (49152, 4096, torch.float32), (49152, 2048, torch.bfloat16)])
+    (32768, 2048, torch.float16), (49152, 4096, torch.float32), (49152, 2048, torch.bfloat16),
+    (65536, 2048, torch.float32), (65540, 1024, torch.float32), (131072, 4096, torch.bfloat16)])
 def test_gpu_contract(S, k, dtype):
     """randn rows (the cut inside a digit: all three passes), hostile rows
     (ties at the cut, early exits, rows with fewer than k valid keys), and
@@ -133,6 +158,48 @@ def test_gpu_contract(S, k, dtype):
             want_idx, want_len = topk_contract(ref, k)
             assert torch.equal(lens, want_len), (S, k, dtype, e is not None)
             assert torch.equal(idx, want_idx), (S, k, dtype, e is not None)
+
+
+def _sample_columns(L: int, threads: int) -> torch.Tensor:
+    """The columns the streaming kernel samples in a row of L keys (one 4-key vector a thread)."""
+    start = torch.arange(threads) * ((L // 4) // threads) * 4
+    return (start[:, None] + torch.arange(4)[None, :]).reshape(-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
+@pytest.mark.parametrize("S,k,build", [
+    (1000, 7, {}), (6000, 300, {}), (12288, 2048, {}), (12288, 4096, {}), (40000, 2048, {}), (65536, 1, {}),
+    (65536, 2048, {"vectors": 1, "prefetch": 0}), (65536, 1024, {"threads": 128, "margin4": 4}),
+    (100000, 2048, {"min_blocks": 3, "samples": 2, "margin4": 6})])
+def test_gpu_stream_contract(S, k, build):
+    """The streaming kernel on rows it holds whole (no sample), on long rows
+    where the sample sets the threshold, and on rows made to defeat it: the
+    sampled columns far above the rest (too few candidates: the row is
+    streamed again from every key) and far below (every key a candidate:
+    the buffer compacted again and again); hostile rows compact on ties.
+    Row ends inside, before and past the row; outputs poisoned first."""
+    gen = torch.Generator(device="cuda").manual_seed(S + k)
+    R = 24
+    cfg = ct.config(torch.float32, S, k, True, stream=True, **build)
+    high = torch.randn(R, S, device="cuda", generator=gen)
+    low = high.clone()
+    cols = _sample_columns(S, cfg.threads).cuda()
+    high[:, cols] = 1e30
+    low[:, cols] = -1e30
+    for x in (torch.randn(R, S, device="cuda", generator=gen), _hostile_rows(R, S, gen), high, low):
+        ends = torch.randint(-5, S + 50, (R,), device="cuda", dtype=torch.int32, generator=gen)
+        ends[: R // 2] = S  # the crafted rows' sample is that of the whole row
+        for e in (None, ends):
+            idx = torch.full((R, k), 12345, dtype=torch.int32, device="cuda")
+            lens = torch.full((R,), 12345, dtype=torch.int32, device="cuda")
+            ct.launch(x, k, idx, lens, e, cfg if e is not None else ct.config(torch.float32, S, k, False, stream=True,
+                                                                              **build))
+            ref = x if e is None else x.masked_fill(
+                torch.arange(S, device="cuda")[None, :] >= e.clamp(0, S)[:, None].long(), -INF)
+            want_idx, want_len = topk_contract(ref, k)
+            assert torch.equal(lens, want_len), (S, k, build, e is not None)
+            assert torch.equal(idx, want_idx), (S, k, build, e is not None)
 
 
 @pytest.mark.gpu

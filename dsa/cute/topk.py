@@ -1,11 +1,14 @@
 """Host side of the CuTe DSL top-k (``dsa.cute.topk_sm90``): what it serves,
 its builds, and the call.
 
-A build holds rows of up to ``s_max`` keys in shared memory (``BUCKETS``:
-the smallest that holds S is compiled, once per process and configuration);
-k up to ``K_MAX``.  Rows must start 16-byte aligned (fp32 S a multiple of 4,
-16-bit S of 8) for the vector loads.  Longer rows, larger k and other
-layouts are declined with the reason, and Triton serves them.
+Two kernels: rows of up to ``RESIDENT_MAX`` keys go to the resident radix
+select (``topk_sm90``: the row in shared memory, a build per ``BUCKETS``
+entry, the smallest that holds S), longer rows to the streaming one
+(``topk_stream_sm90``: the row read once, candidates in shared memory; any
+S).  k up to ``K_MAX``.  Rows must start 16-byte aligned (fp32 S a multiple
+of 4, 16-bit S of 8) for the vector loads.  Larger k and other layouts are
+declined with the reason, and Triton serves them.  Builds are compiled once
+per process and configuration.
 
 Placement under ``backend="auto"``: ``PLACEMENT`` lists, per GPU name, the
 row lengths S where the same process measured the cute kernel ahead of
@@ -31,6 +34,9 @@ from dsa.cute.host import address, compile_kernel, device_name, sm90_reason, str
 # against 0.133 at 512; 16384 keys 512 threads 0.2228 / 0.2167 against
 # 0.2397 / 0.2321 at 256 and 0.33 at 1024.
 BUCKETS = ((4096, 256, 6), (8192, 256, 0), (16384, 512, 0), (32768, 512, 0), (49152, 512, 0))
+RESIDENT_MAX = 16384  # longer rows stream (one CTA an SM holds a resident row of 32768 fp32 keys)
+# the streaming build: threads a CTA, 4-key vectors a thread per round, launch bound
+STREAM = dict(threads=256, vectors=4, min_blocks=3)
 K_MAX = 4096
 K_BUCKETS = (1024, 2048, K_MAX)  # the output slots a build holds in shared memory
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -60,8 +66,6 @@ def supports(a: TopkArgs) -> Optional[str]:
     if s.dtype not in DTYPES:
         return f"the cute top-k takes fp32 / fp16 / bf16 scores, got {s.dtype}"
     S = s.shape[1]
-    if bucket(S) is None:
-        return f"the cute top-k holds a row in shared memory: at most {BUCKETS[-1][0]} columns, got {S}"
     if a.topk > K_MAX:
         return f"the cute top-k takes k up to {K_MAX}, got {a.topk}"
     if (S * s.element_size()) % 16 or s.data_ptr() % 16:
@@ -74,12 +78,24 @@ def k_bucket(k: int) -> int:
     return next(b for b in K_BUCKETS if k <= b)
 
 
-def config(dtype: torch.dtype, S: int, k: int, has_end: bool, **kw):
-    """The build (``TopkSm90Config``) for rows of S keys; ``kw`` overrides its fields (tuning)."""
+def streams(S: int) -> bool:
+    """Whether rows of S keys go to the streaming kernel."""
+    return S > RESIDENT_MAX
+
+
+def config(dtype: torch.dtype, S: int, k: int, has_end: bool, stream: Optional[bool] = None, **kw):
+    """The build for rows of S keys (a ``TopkSm90Config``, or a
+    ``TopkStreamSm90Config`` where ``stream``, by default ``streams(S)``);
+    ``kw`` overrides its fields (tuning)."""
     import cutlass
 
     from dsa.cute.topk_sm90 import TopkSm90Config
+    from dsa.cute.topk_stream_sm90 import TopkStreamSm90Config
 
+    if streams(S) if stream is None else stream:
+        fields = dict(STREAM, k_max=k_bucket(k), has_end=has_end)
+        fields.update(kw)
+        return TopkStreamSm90Config(_cute_dtype(dtype, cutlass), **fields)
     s_max, threads, min_blocks = bucket(S)
     fields = dict(s_max=s_max, k_max=k_bucket(k), has_end=has_end, threads=threads, min_blocks=min_blocks)
     fields.update(kw)
@@ -102,11 +118,16 @@ def placed_note(a: TopkArgs) -> str:
     return f"measured faster than Triton on this GPU for rows of {a.scores.shape[1]} columns"
 
 
+def _kernel(cfg):
+    from dsa.cute.topk_sm90 import TopkSm90
+    from dsa.cute.topk_stream_sm90 import TopkStreamSm90, TopkStreamSm90Config
+
+    return TopkStreamSm90(cfg) if isinstance(cfg, TopkStreamSm90Config) else TopkSm90(cfg)
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(cfg, device_index: int):
-    from dsa.cute.topk_sm90 import TopkSm90
-
-    return compile_kernel(TopkSm90(cfg), _pointer_types(cfg.dtype), _scalar_types())
+    return compile_kernel(_kernel(cfg), _pointer_types(cfg.dtype), _scalar_types())
 
 
 def _cute_dtype(dtype: torch.dtype, cutlass):
@@ -128,8 +149,9 @@ def _scalar_types():
 
 @functools.lru_cache(maxsize=None)
 def _shipped(dtype: torch.dtype, s_max: int, k_max: int, has_end: bool, device_index: int):
-    """The compiled shipped build (``config``'s) of a bucket: a call looks it up without making a config."""
-    return _compiled(config(dtype, s_max, k_max, has_end), device_index)
+    """The compiled shipped build (``config``'s) of a bucket (s_max 0: the
+    streaming build): a call looks it up without making a config."""
+    return _compiled(config(dtype, s_max, k_max, has_end, stream=s_max == 0), device_index)
 
 
 def launch(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: torch.Tensor,
@@ -141,7 +163,7 @@ def launch(scores: torch.Tensor, k: int, indices: torch.Tensor, lengths: torch.T
     dev = scores.device
     index = dev.index if dev.index is not None else 0
     if cfg is None:
-        fn = _shipped(scores.dtype, bucket(S)[0], k_bucket(k), ends is not None, index)
+        fn = _shipped(scores.dtype, 0 if streams(S) else bucket(S)[0], k_bucket(k), ends is not None, index)
     else:
         fn = _compiled(cfg, index)
     a_idx = address(indices)
@@ -161,7 +183,5 @@ def topk(a: TopkArgs) -> Tuple[torch.Tensor, torch.Tensor]:
 def compile_offline(dtype: torch.dtype, S: int = 4096, k: int = 2048, has_end: bool = True,
                     options: str = "--keep-ptx", **kw):
     """Compile the build for rows of S keys without a GPU (``CUTE_DSL_ARCH=sm_90a``), for CI and inspection."""
-    from dsa.cute.topk_sm90 import TopkSm90
-
     cfg = config(dtype, S, k, has_end, **kw)
-    return compile_kernel(TopkSm90(cfg), _pointer_types(cfg.dtype), _scalar_types(), options)
+    return compile_kernel(_kernel(cfg), _pointer_types(cfg.dtype), _scalar_types(), options)

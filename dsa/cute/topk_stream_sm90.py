@@ -1,0 +1,465 @@
+"""Top-k of long score rows in CuTe DSL: one pass over the row, candidates kept in shared memory.
+
+One CTA a row of ``scores`` [R, S] (fp32, fp16 or bf16), any S; the contract
+is ``dsa.cute.topk_sm90``'s (and ``dsa.triton.topk``'s), with its order keys.
+Where the resident kernel holds the whole row, this one holds a buffer of
+``cap = k_max + round`` candidates (key and position) in position order:
+
+* **Threshold.**  A row longer than the buffer first reads a spread sample
+  (``samples`` vectors a thread; the first round's loads are in flight
+  meanwhile) and takes, by two digit passes, a key ``t`` that about
+  ``margin4 / 4 * k`` of the row's keys reach (the sample's rank scaled by
+  its share of the row).  Shorter rows start with every valid key a
+  candidate.
+* **Stream.**  The row is read once, a round (``vectors`` 4-key vectors a
+  thread, each warp a contiguous segment) at a time, the next round's loads
+  in flight while one is taken and each warp's segment ``prefetch`` rounds
+  ahead requested into L2 (``cp.async.bulk.prefetch``: bytes in flight
+  that hold no registers).  Keys >= t are appended in position order:
+  ballots give each key's place within its warp, a block-wide sum of the
+  warps' counts (one barrier a round) the warp's place in the buffer.
+* **Compaction.**  A round that would overflow the buffer first compacts
+  it: the radix select of ``topk_sm90`` (three digit passes) on the
+  buffer's keys finds the k-th, the k selected entries move to the front in
+  order, and t rises to the cut (a later key enters only above it: ties go
+  to the smaller position).  The buffer is then a superset of the row's
+  top-k so far, whatever the row's order.
+* **Select.**  At the end the same radix select and an ordered scan write
+  the positions out.  If the sampled threshold left fewer than
+  min(k, valid keys) candidates, the row is streamed again from every
+  valid key (exact whatever the sample saw).
+
+Every barrier is CTA-uniform: what decides a branch is a block-wide sum or
+a value read back from shared memory after a barrier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, const_expr
+
+from dsa.cute.gmem import _asm, aligned
+from dsa.cute.topk_sm90 import (BINS, INVALID, KEYS_PER_THREAD, NO_TIE, SHIFTS, SMEM_LIMIT, TopkSm90, f16_bits,
+                                ld_shared, order_key, red_shared_add, sel, st_shared)
+
+
+@dataclass(frozen=True)
+class TopkStreamSm90Config:
+    """A build: score dtype (a CuTe type), the largest k, row ends, threads
+    a CTA, 4-key vectors a thread per round, the sample, the L2 prefetch
+    and a launch bound (0: none)."""
+
+    dtype: object
+    k_max: int
+    has_end: bool
+    threads: int = 256
+    vectors: int = 4
+    margin4: int = 8     # candidates the sampled threshold aims at: margin4 / 4 * k
+    samples: int = 1     # 4-key vectors a thread samples
+    prefetch: int = 2    # rounds ahead of the loads each warp prefetches into L2 (0: none)
+    min_blocks: int = 0
+
+    @property
+    def round(self) -> int:
+        return self.threads * KEYS_PER_THREAD * self.vectors
+
+    @property
+    def cap(self) -> int:
+        return self.k_max + self.round
+
+
+def smem_bytes(c: TopkStreamSm90Config) -> int:
+    """Shared memory of a build: the candidates' keys and positions, two histograms, scan words."""
+    return 4 * (2 * c.cap + max(2 * BINS[0], c.k_max) + 6 * (c.threads // 32) + 48) + 64
+
+
+class TopkStreamSm90(TopkSm90):
+    """Host-side builder of the kernel for one ``TopkStreamSm90Config`` (the
+    digit search and the write-out are ``TopkSm90``'s)."""
+
+    def __init__(self, config: TopkStreamSm90Config):
+        c = self.config = config
+        if c.threads % 32 or c.threads > BINS[2] or BINS[2] % c.threads or c.k_max % 4:
+            raise ValueError(f"TopkStreamSm90: threads must be a multiple of 32 dividing {BINS[2]}, k_max of 4")
+        if not 1 <= c.samples <= c.vectors or c.margin4 < 4:
+            # a sampled row is longer than a round: samples <= vectors keeps the sample's spacing >= 1 vector
+            raise ValueError("TopkStreamSm90: samples in [1, vectors], margin4 >= 4 (at least k candidates aimed at)")
+        if smem_bytes(c) > SMEM_LIMIT:
+            raise ValueError(f"TopkStreamSm90: {smem_bytes(c)} bytes of shared memory exceed {SMEM_LIMIT}")
+        self.warps = c.threads // 32
+        self.es = c.dtype.width // 8
+
+    @cute.jit
+    def __call__(self, scores_ptr: cute.Pointer, ends_ptr: cute.Pointer, idx_ptr: cute.Pointer,
+                 len_ptr: cute.Pointer, R: Int32, S: Int32, K: Int32, stream):
+        c = self.config
+
+        @cute.struct
+        class Smem:
+            keys: cute.struct.Align[cute.struct.MemRange[Int32, c.cap], 16]
+            pos: cute.struct.Align[cute.struct.MemRange[Int32, c.cap], 16]
+            # two histograms; the output slots at the end
+            work: cute.struct.Align[cute.struct.MemRange[Int32, max(2 * BINS[0], c.k_max)], 16]
+            # the digit search's, the rounds' and the ordered scan's warp words (two sets each: by parity)
+            warp: cute.struct.MemRange[Int32, 6 * (c.threads // 32)]
+            pick: cute.struct.MemRange[Int32, 48]
+
+        self.smem = Smem
+        self.kernel(scores_ptr, ends_ptr, idx_ptr, len_ptr, S, K).launch(
+            grid=[R, 1, 1], block=[c.threads, 1, 1], stream=stream,
+            **({"min_blocks_per_mp": c.min_blocks, "preferred_smem_carveout": 100} if c.min_blocks else {}))
+
+    # ---------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(self, scores_ptr: cute.Pointer, ends_ptr: cute.Pointer, idx_ptr: cute.Pointer,
+               len_ptr: cute.Pointer, S: Int32, K: Int32):
+        c = self.config
+        tid, _, _ = cute.arch.thread_idx()
+        r, _, _ = cute.arch.block_idx()
+        lane = tid % 32
+        warp = tid // 32
+        smem = cutlass.utils.SmemAllocator()
+        st = smem.allocate(self.smem)
+        bk = Int32(st.keys.data_ptr().toint())
+        bp = Int32(st.pos.data_ptr().toint())
+        hist = Int32(st.work.data_ptr().toint())
+        words = Int32(st.warp.data_ptr().toint())
+        pick = Int32(st.pick.data_ptr().toint())
+
+        L = S
+        if const_expr(c.has_end):
+            e = cute.make_tensor(ends_ptr + Int64(r), cute.make_layout((1,)))[0]
+            L = cutlass.min(cutlass.max(e, Int32(0)), S)
+        row = scores_ptr.toint() + Int64(r) * Int64(S) * self.es
+        for i in cutlass.range_constexpr(2 * BINS[0] // c.threads):
+            st_shared(hist + 4 * (tid + i * c.threads), Int32(0))
+        if tid == 0:
+            st_shared(pick, Int32(-1))
+        cute.arch.sync_threads()
+
+        wd = 4 if const_expr(self.es == 4) else 2
+        cur = cute.make_rmem_tensor((wd, c.vectors), Int32)
+        self.start(cur, row, L, S, lane, warp)
+        t0 = Int32(INVALID + 1)
+        if L > c.cap:
+            t0 = self.sample_threshold(row, L, K, hist, pick, words, tid, lane, warp)
+
+        # a second stream from every valid key when the sampled threshold was too high
+        n = Int32(0)
+        go = Int32(1)
+        for _ in cutlass.range(0, 2, 1, unroll=1):
+            if go != 0:
+                n, nv = self.stream(cur, row, L, S, t0, K, bk, bp, hist, words, pick, tid, lane, warp)
+                go = Int32(0)
+                if n < K:
+                    V = self.block_sum(nv, words + 4 * 2 * self.warps, lane, warp)
+                    if n < cutlass.min(K, V):
+                        go = Int32(1)
+                        t0 = Int32(INVALID + 1)
+                        self.start(cur, row, L, S, lane, warp)
+
+        t_hi, t_eq, need_eq = self.select(bk, n, K, hist, pick, words, tid, lane, warp)
+        self.ordered(bk, bp, n, t_hi, t_eq, need_eq, hist, words + 4 * 4 * self.warps, tid, lane, warp, False)
+        cute.arch.sync_threads()
+        self.write_out(hist, idx_ptr, len_ptr, r, K, cutlass.min(K, n), tid)
+
+    @cute.jit
+    def load_round(self, raw: cute.Tensor, row: Int64, base, L, lane, warp):
+        """A round's vectors (warp w's segment from base + w * 128 * vectors)
+        into ``raw``; vectors past L load the row's first one (discarded)."""
+        c = self.config
+        words = 4 if const_expr(self.es == 4) else 2
+        seg = base + warp * (32 * KEYS_PER_THREAD * c.vectors)
+        for j in cutlass.range_constexpr(c.vectors):
+            pos = seg + j * (32 * KEYS_PER_THREAD) + lane * KEYS_PER_THREAD
+            src = row + Int64(sel(pos < L, pos, Int32(0))) * self.es
+            cute.autovec_copy(cute.make_tensor(aligned(Int32, src, 4 * words), cute.make_layout((words,))),
+                              raw[None, j])
+
+    @cute.jit
+    def start(self, cur: cute.Tensor, row: Int64, L, S, lane, warp):
+        """The first round's loads into ``cur``, and the prefetch of the rounds after it."""
+        c = self.config
+        self.load_round(cur, row, Int32(0), L, lane, warp)
+        for p in cutlass.range_constexpr(1, c.prefetch + 1):
+            self.prefetch_l2(row, p * c.round, L, S, lane, warp)
+
+    @cute.jit
+    def prefetch_l2(self, row: Int64, base, L, S, lane, warp):
+        """Warp ``warp``'s segment of the round at base requested into L2
+        (lane 0; only a segment that starts before L and lies in the row)."""
+        seg_keys = 32 * KEYS_PER_THREAD * self.config.vectors
+        seg = base + warp * seg_keys
+        if lane == 0 and seg < L and seg + seg_keys <= S:
+            _asm("cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", row + Int64(seg) * self.es,
+                 Int32(seg_keys * self.es))
+
+    @cute.jit
+    def keys_of(self, raw: cute.Tensor, j: cutlass.Constexpr, kv: cute.Tensor, pos, L):
+        """The order keys of vector j of ``raw`` (positions pos ..) into kv[:, j]; INVALID past L."""
+        c = self.config
+        for i in cutlass.range_constexpr(KEYS_PER_THREAD):
+            if const_expr(self.es == 4):
+                bits = raw[i, j]
+            elif const_expr(c.dtype is cutlass.Float16):
+                bits = f16_bits(raw[i // 2, j], i % 2 == 1)
+            else:  # bf16: the upper 16 bits of an fp32
+                bits = (raw[i // 2, j] << 16) if const_expr(i % 2 == 0) else (raw[i // 2, j] & -65536)
+            kv[i, j] = sel(pos + i < L, order_key(bits), Int32(INVALID))
+
+    @cute.jit
+    def sample_threshold(self, row: Int64, L, K, hist: Int32, pick: Int32, words: Int32, tid, lane, warp) -> Int32:
+        """A key about margin4 / 4 * K of the row's keys reach: the lower
+        edge of the 22-bit prefix of the sample's matching rank (``samples``
+        vectors a thread, spread over [0, L)); INVALID + 1 when too few
+        valid."""
+        c = self.config
+        wd = 4 if const_expr(self.es == 4) else 2
+        ns = c.threads * c.samples
+        raw = cute.make_rmem_tensor((wd, c.samples), Int32)
+        kv = cute.make_rmem_tensor((KEYS_PER_THREAD, c.samples), Int32)
+        for j in cutlass.range_constexpr(c.samples):
+            pos = (tid + j * c.threads) * ((L // KEYS_PER_THREAD) // ns) * KEYS_PER_THREAD
+            cute.autovec_copy(cute.make_tensor(aligned(Int32, row + Int64(pos) * self.es, 4 * wd),
+                                               cute.make_layout((wd,))), raw[None, j])
+        for j in cutlass.range_constexpr(c.samples):
+            pos = (tid + j * c.threads) * ((L // KEYS_PER_THREAD) // ns) * KEYS_PER_THREAD
+            self.keys_of(raw, j, kv, pos, L)
+            for i in cutlass.range_constexpr(KEYS_PER_THREAD):
+                if kv[i, j] != INVALID:
+                    red_shared_add(hist + 4 * ((kv[i, j] >> SHIFTS[0]) + BINS[0] // 2))
+        cute.arch.sync_threads()
+        # the rank among ns * 4 sampled keys that about margin4 / 4 * K of the row's L reach
+        rank = cutlass.max((c.margin4 * ns * K + L - 1) // L, Int32(1))
+        d1, above, h, _ = self.pick_digit(hist, BINS[0], rank, pick, words, tid, lane, warp)
+        self.zero(hist, BINS[0], tid)
+        t = Int32(INVALID + 1)
+        if d1 >= 0:
+            p1 = d1 - BINS[0] // 2
+            t = p1 * (1 << SHIFTS[0])
+            need = rank - above
+            if h != need:
+                for j in cutlass.range_constexpr(c.samples):
+                    for i in cutlass.range_constexpr(KEYS_PER_THREAD):
+                        if (kv[i, j] >> SHIFTS[0]) == p1:
+                            red_shared_add(hist + 4 * (BINS[0] + ((kv[i, j] >> SHIFTS[1]) & (BINS[1] - 1))))
+                cute.arch.sync_threads()
+                d2, _, _, _ = self.pick_digit(hist + 4 * BINS[0], BINS[1], need, pick + 16, words, tid, lane, warp)
+                self.zero(hist + 4 * BINS[0], BINS[1], tid)
+                t = (p1 * BINS[1] + d2) * (1 << SHIFTS[1])
+        return t
+
+    @cute.jit
+    def zero(self, hist: Int32, nbins: cutlass.Constexpr, tid):
+        for i in cutlass.range_constexpr(nbins // self.config.threads):
+            st_shared(hist + 4 * (tid + i * self.config.threads), Int32(0))
+
+    @cute.jit
+    def block_sum(self, x, words: Int32, lane, warp) -> Int32:
+        """The sum of x over the CTA, in every thread (two barriers)."""
+        for o in cutlass.range_constexpr(5):
+            x = x + cute.arch.shuffle_sync_down(x, offset=1 << o)
+        cute.arch.sync_threads()
+        if lane == 0:
+            st_shared(words + 4 * warp, x)
+        cute.arch.sync_threads()
+        s = Int32(0)
+        for w in cutlass.range_constexpr(self.warps):
+            s = s + ld_shared(words + 4 * w)
+        return s
+
+    @cute.jit
+    def stream(self, cur: cute.Tensor, row: Int64, L, S, t0, K, bk: Int32, bp: Int32, hist: Int32, words: Int32,
+               pick: Int32, tid, lane, warp):
+        """The row's keys >= the running threshold appended to the buffer,
+        compacted to the top K whenever a round would overflow it:
+        (entries, valid keys this thread saw).  ``cur`` holds the first
+        round's loads (``start``)."""
+        c = self.config
+        V = c.vectors
+        wd = 4 if const_expr(self.es == 4) else 2
+        lt = (Int32(1) << lane) - 1
+        n = Int32(0)
+        nv = Int32(0)
+        t = t0
+        n_rounds = (L + c.round - 1) // c.round
+        nxt = cute.make_rmem_tensor((wd, V), Int32)
+        offs = cute.make_rmem_tensor((V,), Int32)
+        kv = cute.make_rmem_tensor((KEYS_PER_THREAD, V), Int32)
+        for ri in cutlass.range(0, n_rounds, 1, unroll=1):
+            base = ri * c.round
+            self.load_round(nxt, row, base + c.round, L, lane, warp)
+            if const_expr(c.prefetch > 0):
+                self.prefetch_l2(row, base + (c.prefetch + 1) * c.round, L, S, lane, warp)
+            seg = base + warp * (32 * KEYS_PER_THREAD * V)
+            for j in cutlass.range_constexpr(V):
+                self.keys_of(cur, j, kv, seg + j * (32 * KEYS_PER_THREAD) + lane * KEYS_PER_THREAD, L)
+                for i in cutlass.range_constexpr(KEYS_PER_THREAD):
+                    nv = nv + sel(kv[i, j] != INVALID, Int32(1), Int32(0))
+            rw = words + 4 * 2 * self.warps + 4 * self.warps * (ri % 2)
+            total, before = self.locate(kv, t, offs, rw, lt, warp)
+            if n + total > c.cap:
+                t_hi, t_eq, need_eq = self.select(bk, n, K, hist, pick, words, tid, lane, warp)
+                self.ordered(bk, bp, n, t_hi, t_eq, need_eq, bk, words + 4 * 4 * self.warps, tid, lane, warp, True)
+                n = K
+                t = t_hi
+                total, before = self.locate(kv, t, offs, rw, lt, warp)
+            for j in cutlass.range_constexpr(V):
+                o = n + before + offs[j]
+                pos = seg + j * (32 * KEYS_PER_THREAD) + lane * KEYS_PER_THREAD
+                for i in cutlass.range_constexpr(KEYS_PER_THREAD):
+                    k_ = kv[i, j]
+                    if k_ >= t:
+                        st_shared(bk + 4 * o, k_)
+                        st_shared(bp + 4 * o, pos + i)
+                    o = o + sel(k_ >= t, Int32(1), Int32(0))
+            n = n + total
+            cute.autovec_copy(nxt, cur)
+        cute.arch.sync_threads()
+        return n, nv
+
+    @cute.jit
+    def locate(self, kv: cute.Tensor, t, offs: cute.Tensor, rw: Int32, lt, warp):
+        """Where this thread's keys >= t go in a round, in position order
+        (warp segment, vector, lane, key): offs[j] its first key's place in
+        the warp's share; returns (the round's total, the entries of the
+        warps before this one).  One barrier."""
+        c = self.config
+        wsum = Int32(0)
+        for j in cutlass.range_constexpr(c.vectors):
+            mine = Int32(0)
+            tot = Int32(0)
+            for i in cutlass.range_constexpr(KEYS_PER_THREAD):
+                b = cute.arch.vote_ballot_sync(kv[i, j] >= t)
+                mine = mine + cute.arch.popc(b & lt)
+                tot = tot + cute.arch.popc(b)
+            offs[j] = wsum + mine
+            wsum = wsum + tot
+        if lt == 0:
+            st_shared(rw + 4 * warp, wsum)
+        cute.arch.sync_threads()
+        total = Int32(0)
+        before = Int32(0)
+        for w in cutlass.range_constexpr(self.warps):
+            v = ld_shared(rw + 4 * w)
+            total = total + v
+            before = before + sel(w < warp, v, Int32(0))
+        return total, before
+
+    @cute.jit
+    def count_buffer(self, bk: Int32, n, hist: Int32, p: cutlass.Constexpr, prefix, tid):
+        """Digit p (0, 1, 2) of the buffer's n keys whose digits above it are ``prefix`` counted in ``hist``."""
+        c = self.config
+        for v in cutlass.range(tid, (n + 3) // 4, c.threads, unroll=1):
+            kv = cute.make_rmem_tensor((KEYS_PER_THREAD,), Int32)
+            cute.autovec_copy(cute.make_tensor(cute.make_ptr(Int32, bk + 16 * v, cute.AddressSpace.smem,
+                                                             assumed_align=16), cute.make_layout((4,))), kv)
+            for i in cutlass.range_constexpr(KEYS_PER_THREAD):
+                k_ = kv[i]
+                if const_expr(p == 0):
+                    if 4 * v + i < n:
+                        red_shared_add(hist + 4 * ((k_ >> SHIFTS[0]) + BINS[0] // 2))
+                else:
+                    if 4 * v + i < n and (k_ >> SHIFTS[p - 1]) == prefix:
+                        red_shared_add(hist + 4 * ((k_ >> SHIFTS[p]) & (BINS[p] - 1)))
+
+    @cute.jit
+    def select(self, bk: Int32, n, K, hist: Int32, pick: Int32, words: Int32, tid, lane, warp):
+        """The cut of the buffer's top K (``topk_sm90``'s three digit
+        passes): (t_hi, t_eq, need_eq): keys >= t_hi and the first need_eq
+        keys == t_eq.  Leaves both histograms zero."""
+        if tid == 0:
+            st_shared(pick, Int32(-1))  # no digit when fewer than K keys: all are taken
+        self.count_buffer(bk, n, hist, 0, Int32(0), tid)
+        cute.arch.sync_threads()
+        d1, above, h, _ = self.pick_digit(hist, BINS[0], K, pick, words, tid, lane, warp)
+        self.zero(hist, BINS[0], tid)
+        t_hi = Int32(INVALID + 1)
+        t_eq = Int32(NO_TIE)
+        need_eq = Int32(0)
+        if d1 >= 0:
+            p1 = d1 - BINS[0] // 2
+            need = K - above
+            t_hi = p1 * (1 << SHIFTS[0])
+            if h != need:
+                h2 = hist + 4 * BINS[0]
+                self.count_buffer(bk, n, h2, 1, p1, tid)
+                cute.arch.sync_threads()
+                d2, above, h, _ = self.pick_digit(h2, BINS[1], need, pick + 16, words, tid, lane, warp)
+                self.zero(h2, BINS[1], tid)
+                p2 = p1 * BINS[1] + d2
+                need = need - above
+                t_hi = p2 * (1 << SHIFTS[1])
+                if h != need:
+                    self.count_buffer(bk, n, hist, 2, p2, tid)
+                    cute.arch.sync_threads()
+                    d3, above, _, _ = self.pick_digit(hist, BINS[2], need, pick + 32, words, tid, lane, warp)
+                    self.zero(hist, BINS[2], tid)
+                    t_eq = p2 * BINS[2] + d3
+                    t_hi = t_eq + 1
+                    need_eq = need - above
+        return t_hi, t_eq, need_eq
+
+    @cute.jit
+    def ordered(self, bk: Int32, bp: Int32, n, t_hi, t_eq, need_eq, dst: Int32, words: Int32, tid, lane, warp,
+                compact: cutlass.Constexpr):
+        """The selected entries of the buffer (keys >= t_hi, the first
+        need_eq == t_eq) in order: their keys and positions moved to the
+        buffer's front (``compact``; in place: an entry never moves up), or
+        their positions to the slots at ``dst``.  A thread takes 4
+        contiguous entries a group, one barrier a group."""
+        c = self.config
+        gt_run = Int32(0)
+        eq_run = Int32(0)
+        for g in cutlass.range(0, (n + 4 * c.threads - 1) // (4 * c.threads), 1, unroll=1):
+            e0 = (g * c.threads + tid) * 4
+            kv = cute.make_rmem_tensor((KEYS_PER_THREAD,), Int32)
+            pv = cute.make_rmem_tensor((KEYS_PER_THREAD,), Int32)
+            cute.autovec_copy(cute.make_tensor(cute.make_ptr(Int32, bk + 4 * e0, cute.AddressSpace.smem,
+                                                             assumed_align=16), cute.make_layout((4,))), kv)
+            cute.autovec_copy(cute.make_tensor(cute.make_ptr(Int32, bp + 4 * e0, cute.AddressSpace.smem,
+                                                             assumed_align=16), cute.make_layout((4,))), pv)
+            ng = Int32(0)
+            ne = Int32(0)
+            for i in cutlass.range_constexpr(KEYS_PER_THREAD):
+                k_ = sel(e0 + i < n, kv[i], Int32(INVALID))
+                kv[i] = k_
+                ng = ng + sel(k_ >= t_hi, Int32(1), Int32(0))
+                ne = ne + sel(k_ == t_eq, Int32(1), Int32(0))
+            mine = ne * 65536 + ng
+            x = mine
+            for o in cutlass.range_constexpr(5):
+                y = cute.arch.shuffle_sync_up(x, offset=1 << o)
+                x = x + sel(lane >= (1 << o), y, Int32(0))
+            ww = words + 4 * self.warps * (g % 2)  # by parity: one barrier a group
+            if lane == 31:
+                st_shared(ww + 4 * warp, x)
+            cute.arch.sync_threads()
+            before = x - mine
+            tot = Int32(0)
+            for w in cutlass.range_constexpr(self.warps):
+                v = ld_shared(ww + 4 * w)
+                before = before + sel(w < warp, v, Int32(0))
+                tot = tot + v
+            gb = gt_run + (before & 65535)
+            eb = eq_run + (before >> 16)
+            if (ng + ne) > 0:
+                for i in cutlass.range_constexpr(KEYS_PER_THREAD):
+                    k_ = kv[i]
+                    gt = k_ >= t_hi
+                    eq = k_ == t_eq
+                    if gt or (eq and eb < need_eq):
+                        slot = gb + cutlass.min(eb, need_eq)
+                        if const_expr(compact):
+                            st_shared(dst + 4 * slot, k_)
+                            st_shared(bp + 4 * slot, pv[i])
+                        else:
+                            st_shared(dst + 4 * slot, pv[i])
+                    gb = gb + sel(gt, Int32(1), Int32(0))
+                    eb = eb + sel(eq, Int32(1), Int32(0))
+            gt_run = gt_run + (tot & 65535)
+            eq_run = eq_run + (tot >> 16)
+        cute.arch.sync_threads()

@@ -26,18 +26,20 @@ def test_builds_compile_for_sm90(tmp_path):
     within the launch limit."""
     calls = [("f32_4096", "dsa.cute.topk:compile_offline", ["torch.float32"], dict(S=4096, k=2048)),
              ("f32_49152", "dsa.cute.topk:compile_offline", ["torch.float32"], dict(S=49152, k=4096, stream=False)),
-             ("bf16_16384", "dsa.cute.topk:compile_offline", ["torch.bfloat16"], dict(S=16384, k=1024)),
+             ("bf16_8192", "dsa.cute.topk:compile_offline", ["torch.bfloat16"], dict(S=8192, k=1024)),
              ("f32_stream", "dsa.cute.topk:compile_offline", ["torch.float32"], dict(S=65536, k=2048)),
              ("bf16_stream", "dsa.cute.topk:compile_offline", ["torch.bfloat16"], dict(S=131072, k=4096))]
     needles = ("red.shared.add.u32", "ld.global.v4", "ld.global.v2", "st.shared.v4", "ld.shared.v4", "bar.sync",
-               "vote.sync.ballot")
+               "shfl.sync.up", "setp.ge.f32", "cp.async.bulk.prefetch.L2")
     reports = compile_reports(calls, needles, "sm_90a", tmp_path)
     for name, r in reports.items():
         n = r["needles"]
         stream = name.endswith("stream")
         assert n["red.shared.add.u32"] > 0 and n["bar.sync"] > 0, (name, r)
-        # the resident kernel stores its row's key vectors; the streaming one places keys by ballots
-        assert (n["st.shared.v4"] > 0) != stream and (n["vote.sync.ballot"] > 0) == stream, (name, r)
+        # the resident kernel stores its row's key vectors; the streaming one tests scores as fp32
+        # against the threshold and prefetches rounds ahead into L2
+        assert (n["st.shared.v4"] > 0) != stream, (name, r)
+        assert (n["setp.ge.f32"] > 0) == stream and (n["cp.async.bulk.prefetch.L2"] > 0) == stream, (name, r)
         assert (n["ld.global.v4"] > 0) == name.startswith("f32"), (name, r)
         assert (n["ld.global.v2"] > 0) == name.startswith("bf16"), (name, r)
         # the 4096-key build is bounded to 6 CTAs an SM (40 registers): a few
@@ -95,9 +97,8 @@ def test_supports_reasons(monkeypatch):
 
 
 def test_shipped_placement_names_measured_lengths():
-    # the H200's measured range: 4096 .. 16384 columns (bench/RESULTS.md C103)
-    assert ct.PLACEMENT["NVIDIA H200"] == ((4096, 16384),)
-    assert all(ct.bucket(hi) is not None for ranges in ct.PLACEMENT.values() for _, hi in ranges)
+    # the H200's measured range: 4096 .. 65536 columns (bench/RESULTS.md C108)
+    assert ct.PLACEMENT["NVIDIA H200"] == ((4096, 65536),)
 
 
 def test_placement(monkeypatch):
@@ -107,7 +108,9 @@ def test_placement(monkeypatch):
     assert ct.placement_reason(a) == ct.NOT_MEASURED
     monkeypatch.setattr(ct, "device_name", lambda device: "NVIDIA H200")
     assert ct.placement_reason(a) is None
-    assert "Triton measured faster" in ct.placement_reason(TopkArgs(torch.zeros(4, 16384), 2048))
+    assert "Triton measured faster" in ct.placement_reason(TopkArgs(torch.zeros(4, 1024), 2048))
+    monkeypatch.setattr(ct, "PLACEMENT", {"NVIDIA H200": ((4096, 8192),)})
+    assert "not measured" in ct.placement_reason(TopkArgs(torch.zeros(4, 16384), 2048))
 
 
 def test_cute_backend_on_cpu_says_why():
@@ -171,7 +174,8 @@ def _sample_columns(L: int, threads: int) -> torch.Tensor:
 @pytest.mark.parametrize("S,k,build", [
     (1000, 7, {}), (6000, 300, {}), (12288, 2048, {}), (12288, 4096, {}), (40000, 2048, {}), (65536, 1, {}),
     (65536, 2048, {"vectors": 1, "prefetch": 0}), (65536, 1024, {"threads": 128, "margin4": 4}),
-    (100000, 2048, {"min_blocks": 3, "samples": 2, "margin4": 6})])
+    (100000, 2048, {"min_blocks": 3, "samples": 2, "margin4": 8}), (65536, 2048, {"vectors": 2}),
+    (20000, 1024, {"threads": 512, "vectors": 1})])
 def test_gpu_stream_contract(S, k, build):
     """The streaming kernel on rows it holds whole (no sample), on long rows
     where the sample sets the threshold, and on rows made to defeat it: the

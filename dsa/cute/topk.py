@@ -34,8 +34,13 @@ from dsa.cute.host import address, compile_kernel, device_name, sm90_reason, str
 # against 0.133 at 512; 16384 keys 512 threads 0.2228 / 0.2167 against
 # 0.2397 / 0.2321 at 256 and 0.33 at 1024.
 BUCKETS = ((4096, 256, 6), (8192, 256, 0), (16384, 512, 0), (32768, 512, 0), (49152, 512, 0))
-RESIDENT_MAX = 16384  # longer rows stream (one CTA an SM holds a resident row of 32768 fp32 keys)
-# the streaming build: threads a CTA, 4-key vectors a thread per round, launch bound
+RESIDENT_MAX = 8192  # longer rows stream
+# The streaming build: threads a CTA, 4-key vectors a thread per round,
+# launch bound (3 CTAs an SM, 80 registers).  H200, fp32, k 2048 / 1024, one
+# process (bench/RESULTS.md C108), ms: 4096 x 16384 0.2069 / 0.1838 against
+# the resident build's 0.2218 / 0.2166; 4096 x 8192 0.1585 / 0.1381 against
+# 0.1100 / 0.1080.  Two vectors a thread at 4 CTAs an SM, no L2 prefetch, or a
+# threshold aiming at 1.25 k candidates were level or slower (C107-C108).
 STREAM = dict(threads=256, vectors=4, min_blocks=3)
 K_MAX = 4096
 K_BUCKETS = (1024, 2048, K_MAX)  # the output slots a build holds in shared memory
@@ -43,12 +48,13 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # GPU name -> the (lo, hi) ranges of S (row length, columns) where the cute
-# top-k measured faster than Triton, k 1024 and 2048, fp32.  H200 (ms, cute /
-# Triton, k 2048 / 1024; C104 but 8192 keys, C103): 4096 x 4096 0.0654 /
-# 0.0976, 0.0698 / 0.0807; 4096 x 8192 0.1103 / 0.2563, 0.1084 / 0.2513;
-# 4096 x 16384 0.2232 / 0.2592, 0.2156 / 0.3039; 8192 x 32768 1.0463 /
-# 0.7424, slower: one CTA an SM holds a row of 32768 keys.
-PLACEMENT: Dict[str, Tuple[Tuple[int, int], ...]] = {"NVIDIA H200": ((4096, 16384),)}
+# top-k measured faster than Triton, k 1024 and 2048, fp32.  H200 (C108, one
+# process, ms, cute / Triton, k 2048 and k 1024): 4096 x 4096 0.0651 / 0.0819,
+# 0.0695 / 0.0804; 4096 x 8192 0.1100 / 0.2539, 0.1080 / 0.2487; 4096 x 16384
+# 0.2069 / 0.2535, 0.1838 / 0.2661; 8192 x 32768 0.5762 / 0.7417, 0.5096 /
+# 0.6823; 32768^2 causal (row ends) 1.544 / 1.990, 1.375 / 1.778; 65536^2
+# causal 4.494 / 6.708, 3.910 / 6.264.  Longer rows are not measured yet.
+PLACEMENT: Dict[str, Tuple[Tuple[int, int], ...]] = {"NVIDIA H200": ((4096, 65536),)}
 NOT_MEASURED = "no measurement of the cute top-k on this GPU yet"
 
 
@@ -110,6 +116,8 @@ def placement_reason(a: TopkArgs) -> Optional[str]:
     S = a.scores.shape[1]
     if any(lo <= S <= hi for lo, hi in ranges):
         return None
+    if S > max(hi for _, hi in ranges):
+        return f"the cute top-k is not measured on this GPU for rows of {S} columns (ahead for S in {list(ranges)})"
     return f"Triton measured faster on this GPU for rows of {S} columns (cute ahead for S in {list(ranges)})"
 
 

@@ -15,9 +15,11 @@ Where the resident kernel holds the whole row, this one holds a buffer of
   thread, each warp a contiguous segment) at a time, the next round's loads
   in flight while one is taken and each warp's segment ``prefetch`` rounds
   ahead requested into L2 (``cp.async.bulk.prefetch``: bytes in flight
-  that hold no registers).  Keys >= t are appended in position order:
-  ballots give each key's place within its warp, a block-wide sum of the
-  warps' counts (one barrier a round) the warp's place in the buffer.
+  that hold no registers).  Scores are tested as fp32 against the value
+  of t (``value_bits``), and those at or above it appended in position
+  order with their keys: one packed warp scan of the lanes' counts gives
+  each its place within its warp, a block-wide sum of the warps' counts
+  (one barrier a round) the warp's place in the buffer.
 * **Compaction.**  A round that would overflow the buffer first compacts
   it: the radix select of ``topk_sm90`` (three digit passes) on the
   buffer's keys finds the k-th, the k selected entries move to the front in
@@ -25,9 +27,10 @@ Where the resident kernel holds the whole row, this one holds a buffer of
   to the smaller position).  The buffer is then a superset of the row's
   top-k so far, whatever the row's order.
 * **Select.**  At the end the same radix select and an ordered scan write
-  the positions out.  If the sampled threshold left fewer than
-  min(k, valid keys) candidates, the row is streamed again from every
-  valid key (exact whatever the sample saw).
+  the positions out.  If the sampled threshold left fewer than k
+  candidates, the row is streamed again from every valid key (exact
+  whatever the sample saw; also the path of a long row with fewer than k
+  valid keys).
 
 Every barrier is CTA-uniform: what decides a branch is a block-wide sum or
 a value read back from shared memory after a barrier.
@@ -41,9 +44,33 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, const_expr
 
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
 from dsa.cute.gmem import _asm, aligned
 from dsa.cute.topk_sm90 import (BINS, INVALID, KEYS_PER_THREAD, NO_TIE, SHIFTS, SMEM_LIMIT, TopkSm90, f16_bits,
                                 ld_shared, order_key, red_shared_add, sel, st_shared)
+
+
+KEY_OF_NEG_MAX = -2139095040  # 0x80800000: the order key of -FLT_MAX, the lowest valid finite score
+NEG_MAX_BITS = -8388609       # 0xFF7FFFFF: -FLT_MAX
+
+
+def value_bits(t: Int32) -> Int32:
+    """The fp32 pattern f with x >= f exactly when order_key(x) >= t, for
+    every valid x (not NaN, not -inf): the inverse of the order key, and
+    -FLT_MAX for keys at or below its key (every valid score)."""
+    return sel(t <= KEY_OF_NEG_MAX, Int32(NEG_MAX_BITS), sel(t >= 0, t, t ^ 0x7FFFFFFF))
+
+
+@dsl_user_op
+def candidate(bits: Int32, tf: Int32, pos: Int32, L: Int32, *, loc=None, ip=None) -> Int32:
+    """1 when the fp32 ``bits`` >= the fp32 ``tf`` (never for NaN) and pos < L, else 0."""
+    asm = ("{\n.reg .pred p, q;\n.reg .f32 a, b;\nmov.b32 a, $1;\nmov.b32 b, $2;\n"
+           "setp.ge.f32 p, a, b;\nsetp.lt.s32 q, $3, $4;\nand.pred p, p, q;\nselp.u32 $0, 1, 0, p;\n}")
+    return Int32(llvm.inline_asm(T.i32(), [Int32(v).ir_value(loc=loc, ip=ip) for v in (bits, tf, pos, L)], asm,
+                                 "=r,r,r,r,r", has_side_effects=False, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
 @dataclass(frozen=True)
@@ -57,7 +84,7 @@ class TopkStreamSm90Config:
     has_end: bool
     threads: int = 256
     vectors: int = 4
-    margin4: int = 8     # candidates the sampled threshold aims at: margin4 / 4 * k
+    margin4: int = 6     # candidates the sampled threshold aims at: margin4 / 4 * k
     samples: int = 1     # 4-key vectors a thread samples
     prefetch: int = 2    # rounds ahead of the loads each warp prefetches into L2 (0: none)
     min_blocks: int = 0
@@ -84,6 +111,8 @@ class TopkStreamSm90(TopkSm90):
         c = self.config = config
         if c.threads % 32 or c.threads > BINS[2] or BINS[2] % c.threads or c.k_max % 4:
             raise ValueError(f"TopkStreamSm90: threads must be a multiple of 32 dividing {BINS[2]}, k_max of 4")
+        if c.vectors not in (1, 2, 4):
+            raise ValueError("TopkStreamSm90: the packed scan takes 1, 2 or 4 vectors a thread (8-bit counts)")
         if not 1 <= c.samples <= c.vectors or c.margin4 < 4:
             # a sampled row is longer than a round: samples <= vectors keeps the sample's spacing >= 1 vector
             raise ValueError("TopkStreamSm90: samples in [1, vectors], margin4 >= 4 (at least k candidates aimed at)")
@@ -152,14 +181,14 @@ class TopkStreamSm90(TopkSm90):
         go = Int32(1)
         for _ in cutlass.range(0, 2, 1, unroll=1):
             if go != 0:
-                n, nv = self.stream(cur, row, L, S, t0, K, bk, bp, hist, words, pick, tid, lane, warp)
+                n = self.stream(cur, row, L, S, t0, K, bk, bp, hist, words, pick, tid, lane, warp)
                 go = Int32(0)
-                if n < K:
-                    V = self.block_sum(nv, words + 4 * 2 * self.warps, lane, warp)
-                    if n < cutlass.min(K, V):
-                        go = Int32(1)
-                        t0 = Int32(INVALID + 1)
-                        self.start(cur, row, L, S, lane, warp)
+                # fewer than K after a sampled threshold: the sample misled, or the row has
+                # fewer than K valid keys; streaming again from every valid key is exact either way
+                if n < K and t0 != INVALID + 1:
+                    go = Int32(1)
+                    t0 = Int32(INVALID + 1)
+                    self.start(cur, row, L, S, lane, warp)
 
         t_hi, t_eq, need_eq = self.select(bk, n, K, hist, pick, words, tid, lane, warp)
         self.ordered(bk, bp, n, t_hi, t_eq, need_eq, hist, words + 4 * 4 * self.warps, tid, lane, warp, False)
@@ -198,17 +227,21 @@ class TopkStreamSm90(TopkSm90):
                  Int32(seg_keys * self.es))
 
     @cute.jit
+    def bits_of(self, raw: cute.Tensor, i: cutlass.Constexpr, j: cutlass.Constexpr) -> Int32:
+        """The fp32 pattern of score i of vector j of ``raw`` (16-bit scores widened exactly)."""
+        if const_expr(self.es == 4):
+            bits = raw[i, j]
+        elif const_expr(self.config.dtype is cutlass.Float16):
+            bits = f16_bits(raw[i // 2, j], i % 2 == 1)
+        else:  # bf16: the upper 16 bits of an fp32
+            bits = (raw[i // 2, j] << 16) if const_expr(i % 2 == 0) else (raw[i // 2, j] & -65536)
+        return bits
+
+    @cute.jit
     def keys_of(self, raw: cute.Tensor, j: cutlass.Constexpr, kv: cute.Tensor, pos, L):
         """The order keys of vector j of ``raw`` (positions pos ..) into kv[:, j]; INVALID past L."""
-        c = self.config
         for i in cutlass.range_constexpr(KEYS_PER_THREAD):
-            if const_expr(self.es == 4):
-                bits = raw[i, j]
-            elif const_expr(c.dtype is cutlass.Float16):
-                bits = f16_bits(raw[i // 2, j], i % 2 == 1)
-            else:  # bf16: the upper 16 bits of an fp32
-                bits = (raw[i // 2, j] << 16) if const_expr(i % 2 == 0) else (raw[i // 2, j] & -65536)
-            kv[i, j] = sel(pos + i < L, order_key(bits), Int32(INVALID))
+            kv[i, j] = sel(pos + i < L, order_key(self.bits_of(raw, i, j)), Int32(INVALID))
 
     @cute.jit
     def sample_threshold(self, row: Int64, L, K, hist: Int32, pick: Int32, words: Int32, tid, lane, warp) -> Int32:
@@ -258,87 +291,82 @@ class TopkStreamSm90(TopkSm90):
             st_shared(hist + 4 * (tid + i * self.config.threads), Int32(0))
 
     @cute.jit
-    def block_sum(self, x, words: Int32, lane, warp) -> Int32:
-        """The sum of x over the CTA, in every thread (two barriers)."""
-        for o in cutlass.range_constexpr(5):
-            x = x + cute.arch.shuffle_sync_down(x, offset=1 << o)
-        cute.arch.sync_threads()
-        if lane == 0:
-            st_shared(words + 4 * warp, x)
-        cute.arch.sync_threads()
-        s = Int32(0)
-        for w in cutlass.range_constexpr(self.warps):
-            s = s + ld_shared(words + 4 * w)
-        return s
-
-    @cute.jit
-    def stream(self, cur: cute.Tensor, row: Int64, L, S, t0, K, bk: Int32, bp: Int32, hist: Int32, words: Int32,
-               pick: Int32, tid, lane, warp):
-        """The row's keys >= the running threshold appended to the buffer,
-        compacted to the top K whenever a round would overflow it:
-        (entries, valid keys this thread saw).  ``cur`` holds the first
-        round's loads (``start``)."""
+    def stream(self, cur: cute.Tensor, row: Int64, L, S, t0, K, bk: Int32, bp: Int32, hist: Int32,
+               words: Int32, pick: Int32, tid, lane, warp) -> Int32:
+        """The row's scores at or above the running threshold appended to the
+        buffer (key and position), which is compacted to the top K whenever
+        a round would overflow it; returns the entries.  ``cur`` holds the
+        first round's loads (``start``).  Scores are tested as fp32 against
+        the threshold's value (``value_bits``): a key is made only for a
+        candidate."""
         c = self.config
         V = c.vectors
-        wd = 4 if const_expr(self.es == 4) else 2
-        lt = (Int32(1) << lane) - 1
-        n = Int32(0)
-        nv = Int32(0)
-        t = t0
-        n_rounds = (L + c.round - 1) // c.round
-        nxt = cute.make_rmem_tensor((wd, V), Int32)
+        nxt = cute.make_rmem_tensor((4 if const_expr(self.es == 4) else 2, V), Int32)
         offs = cute.make_rmem_tensor((V,), Int32)
-        kv = cute.make_rmem_tensor((KEYS_PER_THREAD, V), Int32)
+        cf = cute.make_rmem_tensor((KEYS_PER_THREAD, V), Int32)
+        n = Int32(0)
+        t = t0
+        tf = value_bits(t0)
+        n_rounds = (L + c.round - 1) // c.round
         for ri in cutlass.range(0, n_rounds, 1, unroll=1):
             base = ri * c.round
             self.load_round(nxt, row, base + c.round, L, lane, warp)
             if const_expr(c.prefetch > 0):
                 self.prefetch_l2(row, base + (c.prefetch + 1) * c.round, L, S, lane, warp)
-            seg = base + warp * (32 * KEYS_PER_THREAD * V)
+            seg = base + warp * (32 * KEYS_PER_THREAD * V) + lane * KEYS_PER_THREAD
             for j in cutlass.range_constexpr(V):
-                self.keys_of(cur, j, kv, seg + j * (32 * KEYS_PER_THREAD) + lane * KEYS_PER_THREAD, L)
                 for i in cutlass.range_constexpr(KEYS_PER_THREAD):
-                    nv = nv + sel(kv[i, j] != INVALID, Int32(1), Int32(0))
+                    cf[i, j] = candidate(self.bits_of(cur, i, j), tf, seg + j * (32 * KEYS_PER_THREAD) + i, L)
             rw = words + 4 * 2 * self.warps + 4 * self.warps * (ri % 2)
-            total, before = self.locate(kv, t, offs, rw, lt, warp)
+            total, before = self.locate(cf, offs, rw, lane, warp)
             if n + total > c.cap:
                 t_hi, t_eq, need_eq = self.select(bk, n, K, hist, pick, words, tid, lane, warp)
                 self.ordered(bk, bp, n, t_hi, t_eq, need_eq, bk, words + 4 * 4 * self.warps, tid, lane, warp, True)
                 n = K
                 t = t_hi
-                total, before = self.locate(kv, t, offs, rw, lt, warp)
+                tf = value_bits(t)
+                for j in cutlass.range_constexpr(V):
+                    for i in cutlass.range_constexpr(KEYS_PER_THREAD):
+                        cf[i, j] = candidate(self.bits_of(cur, i, j), tf, seg + j * (32 * KEYS_PER_THREAD) + i, L)
+                total, before = self.locate(cf, offs, rw, lane, warp)
             for j in cutlass.range_constexpr(V):
                 o = n + before + offs[j]
-                pos = seg + j * (32 * KEYS_PER_THREAD) + lane * KEYS_PER_THREAD
                 for i in cutlass.range_constexpr(KEYS_PER_THREAD):
-                    k_ = kv[i, j]
-                    if k_ >= t:
-                        st_shared(bk + 4 * o, k_)
-                        st_shared(bp + 4 * o, pos + i)
-                    o = o + sel(k_ >= t, Int32(1), Int32(0))
+                    if cf[i, j] != 0:
+                        st_shared(bk + 4 * o, order_key(self.bits_of(cur, i, j)))
+                        st_shared(bp + 4 * o, seg + j * (32 * KEYS_PER_THREAD) + i)
+                    o = o + cf[i, j]
             n = n + total
             cute.autovec_copy(nxt, cur)
         cute.arch.sync_threads()
-        return n, nv
+        return n
 
     @cute.jit
-    def locate(self, kv: cute.Tensor, t, offs: cute.Tensor, rw: Int32, lt, warp):
-        """Where this thread's keys >= t go in a round, in position order
-        (warp segment, vector, lane, key): offs[j] its first key's place in
-        the warp's share; returns (the round's total, the entries of the
-        warps before this one).  One barrier."""
+    def locate(self, cf: cute.Tensor, offs: cute.Tensor, rw: Int32, lane, warp):
+        """Where this thread's candidates (0 / 1 flags) go in a round, in
+        position order (warp segment, vector, lane, score): offs[j] the
+        place of its first of vector j in the warp's share; returns (the
+        round's total, the entries of the warps before this one).  A lane's
+        count a vector is one byte of a word (at most 128 a warp): one
+        inclusive warp scan of the word, one barrier."""
         c = self.config
+        mine = Int32(0)
+        for j in cutlass.range_constexpr(c.vectors):
+            cnt = Int32(0)
+            for i in cutlass.range_constexpr(KEYS_PER_THREAD):
+                cnt = cnt + cf[i, j]
+            mine = mine + (cnt << (8 * j))
+        x = mine
+        for o in cutlass.range_constexpr(5):
+            y = cute.arch.shuffle_sync_up(x, offset=1 << o)
+            x = x + sel(lane >= (1 << o), y, Int32(0))
+        tot = cute.arch.shuffle_sync(x, 31)
+        excl = x - mine
         wsum = Int32(0)
         for j in cutlass.range_constexpr(c.vectors):
-            mine = Int32(0)
-            tot = Int32(0)
-            for i in cutlass.range_constexpr(KEYS_PER_THREAD):
-                b = cute.arch.vote_ballot_sync(kv[i, j] >= t)
-                mine = mine + cute.arch.popc(b & lt)
-                tot = tot + cute.arch.popc(b)
-            offs[j] = wsum + mine
-            wsum = wsum + tot
-        if lt == 0:
+            offs[j] = wsum + ((excl >> (8 * j)) & 255)
+            wsum = wsum + ((tot >> (8 * j)) & 255)
+        if lane == 0:
             st_shared(rw + 4 * warp, wsum)
         cute.arch.sync_threads()
         total = Int32(0)

@@ -104,12 +104,11 @@ def test_shipped_placement_names_measured_lengths():
 def test_placement(monkeypatch):
     a = TopkArgs(torch.zeros(4, 4096), 2048)
     monkeypatch.setattr(ct, "device_name", lambda device: "NVIDIA H100")
-    monkeypatch.setattr(ct, "PLACEMENT", {"NVIDIA H200": ((1, 8192),)})
+    monkeypatch.setattr(ct, "PLACEMENT", {"NVIDIA H200": ((2048, 8192),)})
     assert ct.placement_reason(a) == ct.NOT_MEASURED
     monkeypatch.setattr(ct, "device_name", lambda device: "NVIDIA H200")
     assert ct.placement_reason(a) is None
     assert "Triton measured faster" in ct.placement_reason(TopkArgs(torch.zeros(4, 1024), 2048))
-    monkeypatch.setattr(ct, "PLACEMENT", {"NVIDIA H200": ((4096, 8192),)})
     assert "not measured" in ct.placement_reason(TopkArgs(torch.zeros(4, 16384), 2048))
 
 

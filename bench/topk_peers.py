@@ -35,8 +35,9 @@ device image has it); the same numbers go to OUT/topk_sweep.csv, and
 ``--replot`` draws the plots from a saved JSON anywhere matplotlib is.
 
 Indexer -> top-k (``--indexer``): H 64, D 128, bf16, causal; dsa's fused
-``indexer_topk`` against cuDNN's ``indexer_forward_wrapper`` followed by
-``indexer_top_k_wrapper``.
+``indexer_topk`` (``dsa_fused``: Triton; ``dsa_fused_cute``: Triton's scores
+and the cute top-k, where it serves the call) against cuDNN's
+``indexer_forward_wrapper`` followed by ``indexer_top_k_wrapper``.
 
 Times: triton.testing.do_bench(warmup=25, rep=100, median), ms. A shape
 that has run ``--shape-budget`` seconds skips its remaining methods (named
@@ -498,6 +499,11 @@ def run_indexer(args, env: Env, results: List[dict], cd) -> None:
         row = {"shape": name, "S_q": sq, "S_k": sk, "ratio": ratio, "k": k, "ms": {}}
         fused = lambda: dsa.indexer_topk(q, kk, w, k, ratio=ratio, backend="triton")  # noqa: E731
         methods = {"dsa_fused": fused}
+        try:  # Triton's scores, the cute top-k (where it serves the call: an SM90 GPU)
+            dsa.explain("indexer_topk", q, kk, w, k, ratio=ratio, backend="cute")
+            methods["dsa_fused_cute"] = lambda: dsa.indexer_topk(q, kk, w, k, ratio=ratio, backend="cute")
+        except (ValueError, ImportError) as e:
+            print(f"indexer {sq}/{sk} dsa_fused_cute: {e}", flush=True)
         if args.variants:
             for v, settings in INDEXER_VARIANTS.items():
                 methods[v] = with_settings(fused, settings)

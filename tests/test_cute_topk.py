@@ -9,7 +9,7 @@ import torch
 
 import dsa
 from cute_offline import HAVE_DSL, SM90, compile_reports
-from dsa._args import TopkArgs
+from dsa._args import IndexerArgs, TopkArgs
 from dsa.cute import topk as ct
 from test_triton_topk import topk_contract
 
@@ -226,3 +226,44 @@ def test_gpu_triton_k1_with_row_ends_on_the_list_path():
     ref = x.masked_fill(torch.arange(16384, device="cuda")[None, :] >= ends[:, None].long(), -INF)
     want_idx, want_len = topk_contract(ref, 1)
     assert torch.equal(idx, want_idx) and torch.equal(lens, want_len)
+
+
+def _indexer_args(Tq: int, Tk: int, max_seqlen_k: int, device="cpu") -> IndexerArgs:
+    return IndexerArgs(torch.randn(Tq, 4, 32, device=device), torch.randn(Tk, 32, device=device),
+                       torch.randn(Tq, 4, device=device), torch.tensor([0, Tq], dtype=torch.int32, device=device),
+                       torch.tensor([0, Tk], dtype=torch.int32, device=device),
+                       torch.zeros(1, dtype=torch.int64, device=device), max_seqlen_k, 1, True, 0.1)
+
+
+def test_indexer_topk_supports_and_placement(monkeypatch):
+    from dsa.cute import indexer_topk as cix
+
+    a = _indexer_args(8, 64, 64)
+    assert "CUDA" in cix.supports(a)
+    monkeypatch.setattr(cix, "sm90_reason", lambda device, what: None)
+    assert cix.supports(a) is None
+    assert "multiple of 4" in cix.supports(_indexer_args(8, 66, 66))
+    monkeypatch.setattr(cix, "device_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(cix, "PLACEMENT", {})
+    assert cix.placement_reason(a) == cix.NOT_MEASURED
+    monkeypatch.setattr(cix, "PLACEMENT", {"NVIDIA H200": ((32, 128),)})
+    assert cix.placement_reason(a) is None and "cute top-k" in cix.placed_note(a)
+    assert "measured faster or not measured" in cix.placement_reason(_indexer_args(8, 64, 256))
+    assert "k above 4096" in cix.indexer_topk.note
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
+@pytest.mark.parametrize("sq,sk,ratio,k", [(2048, 2048, 1, 512), (4096, 8192, 4, 2048), (3000, 20000, 1, 1024),
+                                           (1024, 12288, 1, 5000)])
+def test_gpu_indexer_topk_cute_equals_triton(sq, sk, ratio, k):
+    """The cute path's chunks (resident rows, streamed rows, and k above
+    the cute top-k's limit) select exactly what the Triton op does."""
+    gen = torch.Generator(device="cuda").manual_seed(sq + sk)
+    q = torch.randn(1, sq, 8, 64, device="cuda", generator=gen).bfloat16()
+    kk = torch.randn(1, sk, 64, device="cuda", generator=gen).bfloat16()
+    w = torch.randn(1, sq, 8, device="cuda", generator=gen).bfloat16()
+    a = dsa.indexer_topk(q, kk, w, k, ratio=ratio, return_lengths=True, backend="cute")
+    b = dsa.indexer_topk(q, kk, w, k, ratio=ratio, return_lengths=True, backend="triton")
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert "cute top-k" in dsa.explain("indexer_topk", q, kk, w, k, ratio=ratio, backend="cute")

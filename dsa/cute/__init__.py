@@ -10,10 +10,12 @@ path below.
 Served on SM90: ``sparse_attention_fwd`` (``dsa.cute.sparse_attention``),
 ``sparse_attention_bwd`` (``dsa.cute.sparse_attention_bwd``, both modes of
 ``deterministic``), ``sparse_decode`` (``dsa.cute.decode``: native and
-fp8_v32 caches, split over the slots) and ``topk`` (``dsa.cute.topk``: rows
-held in shared memory, a radix select).  Every other op is declined with
-that reason, so asking for ``backend="cute"`` raises a ``ValueError`` that
-says so.
+fp8_v32 caches, split over the slots), ``topk`` (``dsa.cute.topk``: a
+radix select with the row in shared memory, or streamed once past
+candidates kept there) and ``indexer_topk`` (``dsa.cute.indexer_topk``:
+Triton's scores chunk by chunk, each chunk's rows selected by the cute
+top-k).  Every other op is declined with that reason, so asking for
+``backend="cute"`` raises a ``ValueError`` that says so.
 
 Under ``backend="auto"`` a call the kernel can serve goes to cute only
 where the measured placement table of its op (``dsa.cute.placement``: the
@@ -26,7 +28,8 @@ The decode's placement is ``dsa.cute.decode.PLACEMENT``, a short list of
 (GPU, cache format, H, batch range) filled from bench/decode_peers.py;
 until it lists this GPU, auto leaves the decode to Triton.  The top-k's is
 ``dsa.cute.topk.PLACEMENT`` (row lengths per GPU, from
-bench/topk_peers.py).
+bench/topk_peers.py), the fused indexer top-k's
+``dsa.cute.indexer_topk.PLACEMENT`` (max_seqlen_k per GPU).
 """
 
 from __future__ import annotations
@@ -60,6 +63,10 @@ def backend_op(op: str, args: Any, auto: bool = False) -> Callable[..., Any]:
         return _decode(args, auto)
     if op == "topk":
         return _topk(args, auto)
+    if op == "indexer_topk":
+        from dsa.cute import indexer_topk
+
+        return _measured(indexer_topk, indexer_topk.indexer_topk, args, auto)
     if op != "sparse_attention_fwd":
         raise Unsupported(f"the cute backend has no kernel for {op} in this release")
     from dsa.cute import sparse_attention

@@ -395,22 +395,25 @@ def _side_stream(device: torch.device, i: int) -> torch.cuda.Stream:
     return _SIDE_STREAMS[key]
 
 
-def indexer_topk(a: IndexerArgs, topk: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """-> (indices [Tq, topk] int32 local key positions, -1 padded; lengths [Tq] int32)."""
+def indexer_topk(a: IndexerArgs, topk: int, launch_topk=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """-> (indices [Tq, topk] int32 local key positions, -1 padded; lengths [Tq] int32).
+    ``launch_topk``: another top-k kernel for the chunks (``chunked_topk``)."""
     BQ, _, _ = _dims(a, _config(a))
     if TOPK_ROW_ENDS:  # the top-k reads only the windows: no -inf past them
-        return chunked_topk(a, topk, BQ, lambda *args: _launch_scores(*args, fill_inf=False))
-    return chunked_topk(a, topk, BQ, _launch_scores)
+        return chunked_topk(a, topk, BQ, lambda *args: _launch_scores(*args, fill_inf=False), launch_topk=launch_topk)
+    return chunked_topk(a, topk, BQ, _launch_scores, launch_topk=launch_topk)
 
 
 def chunked_topk(a: IndexerArgs, topk: int, BQ: int, launch_scores, buffers: Optional[int] = None,
-                 row_ends_: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                 row_ends_: Optional[bool] = None, launch_topk=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``indexer_topk`` with any scores kernel: ``launch_scores(a, out,
     block table or None, row_begin, row_end)`` writes the score rows [row_begin,
     row_end) into out (its query blocks of BQ rows per ``_block_tables``),
     chunk by chunk, and the top-k kernel selects from each chunk (up to each
     row's window end with ``row_ends_``, default TOPK_ROW_ENDS). ``buffers``
-    (default TOPK_BUFFERS): chunks in flight, each on its own stream."""
+    (default TOPK_BUFFERS): chunks in flight, each on its own stream.
+    ``launch_topk(scores, k, indices, lengths, ends=)``: the top-k kernel
+    (default ``dsa.triton.topk.launch``)."""
     Tq, S = a.q.shape[0], a.max_seqlen_k
     dev = a.q.device
     indices = torch.empty((Tq, topk), dtype=torch.int32, device=dev)
@@ -433,8 +436,8 @@ def chunked_topk(a: IndexerArgs, topk: int, BQ: int, launch_scores, buffers: Opt
         buf = scratch[c % n_buf]
         with contextlib.nullcontext() if streams[c % n_buf] is None else torch.cuda.stream(streams[c % n_buf]):
             launch_scores(a, buf, None if tables is None else tables[c], r0, r1)
-            _topk.launch(buf[: r1 - r0], topk, indices[r0:r1], lengths[r0:r1],
-                         ends=None if ends is None else ends[r0:r1])
+            (launch_topk or _topk.launch)(buf[: r1 - r0], topk, indices[r0:r1], lengths[r0:r1],
+                                          ends=None if ends is None else ends[r0:r1])
     if forked:
         for st in streams[1:]:
             cur.wait_stream(st)

@@ -252,6 +252,13 @@ def test_indexer_topk_supports_and_placement(monkeypatch):
     assert "k above 4096" in cix.indexer_topk.note
 
 
+def test_indexer_topk_shipped_placement():
+    from dsa.cute import indexer_topk as cix
+
+    # measured at max_seqlen_k 16384, 32768 and 65536 (bench/RESULTS.md C109)
+    assert cix.PLACEMENT["NVIDIA H200"] == ((16384, 65536),)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
 @pytest.mark.parametrize("sq,sk,ratio,k", [(2048, 2048, 1, 512), (4096, 8192, 4, 2048), (3000, 20000, 1, 1024),

@@ -24,7 +24,12 @@ from dsa._args import IndexerArgs
 from dsa.cute import topk as ct
 from dsa.cute.host import device_name, sm90_reason
 
-PLACEMENT: Dict[str, Tuple[Tuple[int, int], ...]] = {}
+# H200 (bench/RESULTS.md C109, one process, H_i 64, D_i 128, causal, ms, this
+# path / the Triton op / cuDNN's two steps): 32768 / 32768 ratio 1 k 2048
+# 18.115 / 18.920 / 20.404; 65536 / 16384 ratio 4 k 1024 18.668 / 18.998 /
+# 20.777; 65536 / 65536 k 2048 71.533 / 74.279 / 81.922; 131072 / 32768 ratio
+# 4 k 1024 72.874 / 74.513 / 81.725.
+PLACEMENT: Dict[str, Tuple[Tuple[int, int], ...]] = {"NVIDIA H200": ((16384, 65536),)}
 NOT_MEASURED = "no measurement of the cute indexer top-k on this GPU yet"
 NOTE = f"Triton's scores chunk by chunk, the cute top-k (k above {ct.K_MAX}: Triton's)"
 

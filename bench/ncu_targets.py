@@ -1,8 +1,9 @@
 """One workload a call, for Nsight Compute: the kernels behind the missed targets.
 
-    python bench/ncu_targets.py {topk|cute|klbwd}      (CUDA)
+    python bench/ncu_targets.py {topk|cute_topk|cute|klbwd}      (CUDA)
 
 * topk: the resident top-k kernel on 4096 x 16384 fp32 torch.randn rows, k = 2048;
+* cute_topk: the cute streaming top-k on 8192 x 32768 fp32 torch.randn rows, k = 2048;
 * cute: the CuTe SM90 sparse attention forward at V3.2 (bench/tune_cute.py's inputs);
 * klbwd: the indexer KL loss backward at the V3.2 training step
   (bench/test_bench_training.py's inputs).
@@ -10,7 +11,8 @@
 Each runs its kernel three times (twice for klbwd), so that
 ``ncu --clock-control none --launch-skip 1 --launch-count 1 -k regex:NAME``
 profiles a launch after the first. The kernel names: ``_topk_resident_kernel``,
-``SparseAttnFwdSm90`` (within the CuTe DSL's name), ``_indexer_bwd_kernel``.
+``TopkStreamSm90`` and ``SparseAttnFwdSm90`` (within the CuTe DSL's names),
+``_indexer_bwd_kernel``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,16 @@ def topk() -> None:
     n = torch.empty(4096, dtype=torch.int32, device="cuda")
     for _ in range(3):
         tk.launch(x, 2048, i, n)
+
+
+def cute_topk() -> None:
+    from dsa.cute import topk as ct
+
+    x = torch.randn(8192, 32768, device="cuda")
+    i = torch.empty(8192, 2048, dtype=torch.int32, device="cuda")
+    n = torch.empty(8192, dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        ct.launch(x, 2048, i, n)
 
 
 def cute() -> None:
@@ -55,5 +67,5 @@ def klbwd() -> None:
 
 
 if __name__ == "__main__":
-    {"topk": topk, "cute": cute, "klbwd": klbwd}[sys.argv[1]]()
+    {"topk": topk, "cute_topk": cute_topk, "cute": cute, "klbwd": klbwd}[sys.argv[1]]()
     torch.cuda.synchronize()

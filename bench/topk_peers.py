@@ -610,7 +610,7 @@ def plot_sweep(results: List[dict], path: str) -> None:
     R = sweep[0]["rows"]
     for j, k in enumerate(ks):
         rows = sorted((r for r in sweep if r["k"] == k), key=lambda r: r["cols"])
-        for m, color in (("dsa", "C0"), ("cudnn", "C2"), ("torch", "C1")):
+        for m, color in (("dsa_cute", "C0"), ("dsa", "C3"), ("cudnn", "C2"), ("torch", "C1")):
             pts = [(r["cols"], r["ms"][m], r["gbps"][m]) for r in rows if r["ms"].get(m)]
             if pts:
                 axes[0][j].plot([p[0] for p in pts], [p[1] for p in pts], "-o", color=color, label=m)

@@ -39,8 +39,9 @@ RESIDENT_MAX = 8192  # longer rows stream
 # launch bound (3 CTAs an SM, 80 registers).  H200, fp32, k 2048 / 1024, one
 # process (bench/RESULTS.md C108), ms: 4096 x 16384 0.2069 / 0.1838 against
 # the resident build's 0.2218 / 0.2166; 4096 x 8192 0.1585 / 0.1381 against
-# 0.1100 / 0.1080.  Two vectors a thread at 4 CTAs an SM, no L2 prefetch, or a
-# threshold aiming at 1.25 k candidates were level or slower (C107-C108).
+# 0.1100 / 0.1080.  Two vectors a thread at 4 CTAs an SM, 128 threads at 4,
+# no L2 prefetch, or a threshold aiming at 1.25 k candidates were level or
+# slower (C107-C108, C112).
 STREAM = dict(threads=256, vectors=4, min_blocks=3)
 K_MAX = 4096
 K_BUCKETS = (1024, 2048, K_MAX)  # the output slots a build holds in shared memory
@@ -53,8 +54,9 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # 0.0695 / 0.0804; 4096 x 8192 0.1100 / 0.2539, 0.1080 / 0.2487; 4096 x 16384
 # 0.2069 / 0.2535, 0.1838 / 0.2661; 8192 x 32768 0.5762 / 0.7417, 0.5096 /
 # 0.6823; 32768^2 causal (row ends) 1.544 / 1.990, 1.375 / 1.778; 65536^2
-# causal 4.494 / 6.708, 3.910 / 6.264.  Longer rows are not measured yet.
-PLACEMENT: Dict[str, Tuple[Tuple[int, int], ...]] = {"NVIDIA H200": ((4096, 65536),)}
+# causal 4.494 / 6.708, 3.910 / 6.264; 4096 x 131072 (C112) 0.7543 / 1.2484,
+# 0.7273 / 1.0672.  Longer rows are not measured yet.
+PLACEMENT: Dict[str, Tuple[Tuple[int, int], ...]] = {"NVIDIA H200": ((4096, 131072),)}
 NOT_MEASURED = "no measurement of the cute top-k on this GPU yet"
 
 

@@ -331,11 +331,21 @@ class TopkStreamSm90(TopkSm90):
                 total, before = self.locate(cf, offs, rw, lane, warp)
             for j in cutlass.range_constexpr(V):
                 o = n + before + offs[j]
-                for i in cutlass.range_constexpr(KEYS_PER_THREAD):
-                    if cf[i, j] != 0:
-                        st_shared(bk + 4 * o, order_key(self.bits_of(cur, i, j)))
-                        st_shared(bp + 4 * o, seg + j * (32 * KEYS_PER_THREAD) + i)
-                    o = o + cf[i, j]
+                # a lane's candidates of the vector one at a time: a warp takes as many
+                # steps as its busiest lane (most lanes have none), not a branch a score
+                m = cf[0, j] | (cf[1, j] << 1) | (cf[2, j] << 2) | (cf[3, j] << 3)
+                b0 = self.bits_of(cur, 0, j)
+                b1 = self.bits_of(cur, 1, j)
+                b2 = self.bits_of(cur, 2, j)
+                b3 = self.bits_of(cur, 3, j)
+                while m != 0:
+                    low = m & (0 - m)
+                    i = cute.arch.popc(low - 1)
+                    bits = sel(i == 0, b0, sel(i == 1, b1, sel(i == 2, b2, b3)))
+                    st_shared(bk + 4 * o, order_key(bits))
+                    st_shared(bp + 4 * o, seg + j * (32 * KEYS_PER_THREAD) + i)
+                    o = o + 1
+                    m = m ^ low
             n = n + total
             cute.autovec_copy(nxt, cur)
         cute.arch.sync_threads()

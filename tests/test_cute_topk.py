@@ -57,7 +57,8 @@ def test_every_bucket_is_a_valid_build():
     for s_max, _, _ in ct.BUCKETS:
         for k in ct.K_BUCKETS:
             for dtype in ct.DTYPES:
-                TopkSm90(ct.config(dtype, s_max, k, True, stream=False))  # raises on a bad split or too much shared memory
+                # raises on a bad split or too much shared memory
+                TopkSm90(ct.config(dtype, s_max, k, True, stream=False))
     for k in ct.K_BUCKETS:
         for dtype in ct.DTYPES:
             cfg = ct.config(dtype, 10**6, k, False)

@@ -25,24 +25,25 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+def _topk_launches(launch, rows: int, cols: int) -> None:
+    """Three launches of a top-k ``launch`` on fp32 torch.randn rows, k = 2048."""
+    x = torch.randn(rows, cols, device="cuda")
+    i = torch.empty(rows, 2048, dtype=torch.int32, device="cuda")
+    n = torch.empty(rows, dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        launch(x, 2048, i, n)
+
+
 def topk() -> None:
     from dsa.triton import topk as tk
 
-    x = torch.randn(4096, 16384, device="cuda")
-    i = torch.empty(4096, 2048, dtype=torch.int32, device="cuda")
-    n = torch.empty(4096, dtype=torch.int32, device="cuda")
-    for _ in range(3):
-        tk.launch(x, 2048, i, n)
+    _topk_launches(tk.launch, 4096, 16384)
 
 
 def cute_topk() -> None:
     from dsa.cute import topk as ct
 
-    x = torch.randn(8192, 32768, device="cuda")
-    i = torch.empty(8192, 2048, dtype=torch.int32, device="cuda")
-    n = torch.empty(8192, dtype=torch.int32, device="cuda")
-    for _ in range(3):
-        ct.launch(x, 2048, i, n)
+    _topk_launches(ct.launch, 8192, 32768)
 
 
 def cute() -> None:

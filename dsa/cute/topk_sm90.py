@@ -153,20 +153,25 @@ class TopkSm90:
         self.warps = c.threads // 32
         self.es = c.dtype.width // 8
 
+    def smem_layout(self):
+        """The kernel's shared memory (a ``cute.struct``; its fields' types made here, not as
+        annotations, which this module's postponed evaluation leaves as strings)."""
+        c = self.config
+        fields = {
+            "keys": cute.struct.Align[cute.struct.MemRange[Int32, c.s_max], 16],
+            # two histograms; the output slots once the search is over
+            "work": cute.struct.Align[cute.struct.MemRange[Int32, work_words(c)], 16],
+            "warp": cute.struct.MemRange[Int32, 2 * (c.threads // 32)],
+            "pick": cute.struct.MemRange[Int32, 16],  # per pass: digit, keys above it, its count, total
+        }
+        return cute.struct(type("Smem", (), {"__annotations__": fields}))
+
     @cute.jit
     def __call__(self, scores_ptr: cute.Pointer, ends_ptr: cute.Pointer, idx_ptr: cute.Pointer,
                  len_ptr: cute.Pointer, R: Int32, S: Int32, K: Int32, stream):
+        """One CTA a row (the builders' shared launch)."""
         c = self.config
-
-        @cute.struct
-        class Smem:
-            keys: cute.struct.Align[cute.struct.MemRange[Int32, c.s_max], 16]
-            # two histograms; the output slots once the search is over
-            work: cute.struct.Align[cute.struct.MemRange[Int32, work_words(c)], 16]
-            warp: cute.struct.MemRange[Int32, 2 * (c.threads // 32)]
-            pick: cute.struct.MemRange[Int32, 16]   # per pass: digit, keys above it, its count, total
-
-        self.smem = Smem
+        self.smem = self.smem_layout()
         self.kernel(scores_ptr, ends_ptr, idx_ptr, len_ptr, S, K).launch(
             grid=[R, 1, 1], block=[c.threads, 1, 1], stream=stream,
             # the carveout given (all of it shared memory): else the DSL asks the device for its size
@@ -343,6 +348,29 @@ class TopkSm90:
             cute.make_tensor(len_ptr + Int64(r), cute.make_layout((1,)))[0] = count
 
     @cute.jit
+    def scan_counts(self, ng, ne, words: Int32, lane, warp):
+        """The CTA-wide scan of a group's (ties, above) counts, packed in one
+        word (ties << 16 | above; a group holds under 65536 keys): (the
+        threads' before this one, the group's total), both packed.  One
+        barrier; ``words`` (a word a warp) must not be read by a thread
+        still at the previous scan, hence two sets used by parity."""
+        mine = ne * 65536 + ng
+        x = mine
+        for o in cutlass.range_constexpr(5):
+            y = cute.arch.shuffle_sync_up(x, offset=1 << o)
+            x = x + sel(lane >= (1 << o), y, Int32(0))
+        if lane == 31:
+            st_shared(words + 4 * warp, x)
+        cute.arch.sync_threads()
+        before = x - mine
+        tot = Int32(0)
+        for w in cutlass.range_constexpr(self.warps):
+            v = ld_shared(words + 4 * w)
+            before = before + sel(w < warp, v, Int32(0))
+            tot = tot + v
+        return before, tot
+
+    @cute.jit
     def emit(self, keys: cute.Tensor, slots: Int32, warp_words: Int32, L, n_chunks, t_hi, t_eq, need_eq, tid, lane,
              warp):
         """Each selected key's position into its output slot (shared
@@ -367,21 +395,8 @@ class TopkSm90:
                 kv[j % KEYS_PER_THREAD, j // KEYS_PER_THREAD] = kj
                 ng = ng + sel(kj >= t_hi, Int32(1), Int32(0))
                 ne = ne + sel(kj == t_eq, Int32(1), Int32(0))
-            mine = ne * 65536 + ng
-            x = mine
-            for o in cutlass.range_constexpr(5):
-                y = cute.arch.shuffle_sync_up(x, offset=1 << o)
-                x = x + sel(lane >= (1 << o), y, Int32(0))
-            words = warp_words + 4 * self.warps * (g % 2)  # by parity: one barrier a scan
-            if lane == 31:
-                st_shared(words + 4 * warp, x)
-            cute.arch.sync_threads()
-            before = x - mine
-            tot = Int32(0)
-            for w in cutlass.range_constexpr(self.warps):
-                v = ld_shared(words + 4 * w)
-                before = before + sel(w < warp, v, Int32(0))
-                tot = tot + v
+            # by parity: one barrier a scan
+            before, tot = self.scan_counts(ng, ne, warp_words + 4 * self.warps * (g % 2), lane, warp)
             gb = gt_run + (before & 65535)
             eb = eq_run + (before >> 16)
             if (ng + ne) > 0:

@@ -121,25 +121,20 @@ class TopkStreamSm90(TopkSm90):
         self.warps = c.threads // 32
         self.es = c.dtype.width // 8
 
-    @cute.jit
-    def __call__(self, scores_ptr: cute.Pointer, ends_ptr: cute.Pointer, idx_ptr: cute.Pointer,
-                 len_ptr: cute.Pointer, R: Int32, S: Int32, K: Int32, stream):
+    def smem_layout(self):
+        """The kernel's shared memory (a ``cute.struct``; its fields' types made here, not as
+        annotations, which this module's postponed evaluation leaves as strings)."""
         c = self.config
-
-        @cute.struct
-        class Smem:
-            keys: cute.struct.Align[cute.struct.MemRange[Int32, c.cap], 16]
-            pos: cute.struct.Align[cute.struct.MemRange[Int32, c.cap], 16]
+        fields = {
+            "keys": cute.struct.Align[cute.struct.MemRange[Int32, c.cap], 16],
+            "pos": cute.struct.Align[cute.struct.MemRange[Int32, c.cap], 16],
             # two histograms; the output slots at the end
-            work: cute.struct.Align[cute.struct.MemRange[Int32, max(2 * BINS[0], c.k_max)], 16]
+            "work": cute.struct.Align[cute.struct.MemRange[Int32, max(2 * BINS[0], c.k_max)], 16],
             # the digit search's, the rounds' and the ordered scan's warp words (two sets each: by parity)
-            warp: cute.struct.MemRange[Int32, 6 * (c.threads // 32)]
-            pick: cute.struct.MemRange[Int32, 48]
-
-        self.smem = Smem
-        self.kernel(scores_ptr, ends_ptr, idx_ptr, len_ptr, S, K).launch(
-            grid=[R, 1, 1], block=[c.threads, 1, 1], stream=stream,
-            **({"min_blocks_per_mp": c.min_blocks, "preferred_smem_carveout": 100} if c.min_blocks else {}))
+            "warp": cute.struct.MemRange[Int32, 6 * (c.threads // 32)],
+            "pick": cute.struct.MemRange[Int32, 48],
+        }
+        return cute.struct(type("Smem", (), {"__annotations__": fields}))
 
     # ---------------------------------------------------------------- device
     @cute.kernel
@@ -467,21 +462,8 @@ class TopkStreamSm90(TopkSm90):
                 kv[i] = k_
                 ng = ng + sel(k_ >= t_hi, Int32(1), Int32(0))
                 ne = ne + sel(k_ == t_eq, Int32(1), Int32(0))
-            mine = ne * 65536 + ng
-            x = mine
-            for o in cutlass.range_constexpr(5):
-                y = cute.arch.shuffle_sync_up(x, offset=1 << o)
-                x = x + sel(lane >= (1 << o), y, Int32(0))
-            ww = words + 4 * self.warps * (g % 2)  # by parity: one barrier a group
-            if lane == 31:
-                st_shared(ww + 4 * warp, x)
-            cute.arch.sync_threads()
-            before = x - mine
-            tot = Int32(0)
-            for w in cutlass.range_constexpr(self.warps):
-                v = ld_shared(ww + 4 * w)
-                before = before + sel(w < warp, v, Int32(0))
-                tot = tot + v
+            # by parity: one barrier a group
+            before, tot = self.scan_counts(ng, ne, words + 4 * self.warps * (g % 2), lane, warp)
             gb = gt_run + (before & 65535)
             eb = eq_run + (before >> 16)
             if (ng + ne) > 0:

@@ -148,10 +148,14 @@ class TopkSm90:
         if c.s_max % step or c.threads % 32 or c.threads > BINS[2] or c.chunk * c.emit_cols >= 2**16:
             raise ValueError(f"TopkSm90: s_max {c.s_max} must be a multiple of {step}, threads a multiple of 32 "
                              f"up to {BINS[2]}, a scan group under 65536 keys")
-        if smem_bytes(c) > SMEM_LIMIT:
-            raise ValueError(f"TopkSm90: {smem_bytes(c)} bytes of shared memory exceed {SMEM_LIMIT}")
-        self.warps = c.threads // 32
-        self.es = c.dtype.width // 8
+        self.fit(smem_bytes(c))
+
+    def fit(self, nbytes: int) -> None:
+        """Check a build's shared memory against the launch limit; set the warps and the score's bytes."""
+        if nbytes > SMEM_LIMIT:
+            raise ValueError(f"{type(self).__name__}: {nbytes} bytes of shared memory exceed {SMEM_LIMIT}")
+        self.warps = self.config.threads // 32
+        self.es = self.config.dtype.width // 8
 
     def smem_layout(self):
         """The kernel's shared memory (a ``cute.struct``; its fields' types made here, not as

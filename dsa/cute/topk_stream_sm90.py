@@ -48,7 +48,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dsa.cute.gmem import _asm, aligned
-from dsa.cute.topk_sm90 import (BINS, INVALID, KEYS_PER_THREAD, NO_TIE, SHIFTS, SMEM_LIMIT, TopkSm90, f16_bits,
+from dsa.cute.topk_sm90 import (BINS, INVALID, KEYS_PER_THREAD, NO_TIE, SHIFTS, TopkSm90, f16_bits,
                                 ld_shared, order_key, red_shared_add, sel, st_shared)
 
 
@@ -116,14 +116,10 @@ class TopkStreamSm90(TopkSm90):
         if not 1 <= c.samples <= c.vectors or c.margin4 < 4:
             # a sampled row is longer than a round: samples <= vectors keeps the sample's spacing >= 1 vector
             raise ValueError("TopkStreamSm90: samples in [1, vectors], margin4 >= 4 (at least k candidates aimed at)")
-        if smem_bytes(c) > SMEM_LIMIT:
-            raise ValueError(f"TopkStreamSm90: {smem_bytes(c)} bytes of shared memory exceed {SMEM_LIMIT}")
-        self.warps = c.threads // 32
-        self.es = c.dtype.width // 8
+        self.fit(smem_bytes(c))
 
     def smem_layout(self):
-        """The kernel's shared memory (a ``cute.struct``; its fields' types made here, not as
-        annotations, which this module's postponed evaluation leaves as strings)."""
+        """The candidates, the histograms and the scan words (as ``TopkSm90.smem_layout``)."""
         c = self.config
         fields = {
             "keys": cute.struct.Align[cute.struct.MemRange[Int32, c.cap], 16],

@@ -1,5 +1,5 @@
-"""Host side of the CuTe DSL top-k (``dsa.cute.topk_sm90``): what it serves,
-its builds, and the call.
+"""Host side of the CuTe DSL top-k (``dsa.cute.topk_sm90``,
+``dsa.cute.topk_stream_sm90``): what it serves, its builds, and the call.
 
 Two kernels: rows of up to ``RESIDENT_MAX`` keys go to the resident radix
 select (``topk_sm90``: the row in shared memory, a build per ``BUCKETS``
@@ -33,15 +33,18 @@ from dsa.cute.host import address, compile_kernel, device_name, sm90_reason, str
 # 0.077-0.092 at 128 or 512 threads; 8192 keys 256 threads 0.1103 / 0.1084
 # against 0.133 at 512; 16384 keys 512 threads 0.2228 / 0.2167 against
 # 0.2397 / 0.2321 at 256 and 0.33 at 1024.
+# Rows past RESIDENT_MAX stream; the longer buckets remain for tuning builds
+# (``config(..., stream=False)``).
 BUCKETS = ((4096, 256, 6), (8192, 256, 0), (16384, 512, 0), (32768, 512, 0), (49152, 512, 0))
-RESIDENT_MAX = 8192  # longer rows stream
+RESIDENT_MAX = 8192
 # The streaming build: threads a CTA, 4-key vectors a thread per round,
 # launch bound (3 CTAs an SM, 80 registers).  H200, fp32, k 2048 / 1024, one
 # process (bench/RESULTS.md C108), ms: 4096 x 16384 0.2069 / 0.1838 against
 # the resident build's 0.2218 / 0.2166; 4096 x 8192 0.1585 / 0.1381 against
-# 0.1100 / 0.1080.  Two vectors a thread at 4 CTAs an SM, 128 threads at 4,
-# no L2 prefetch, or a threshold aiming at 1.25 k candidates were level or
-# slower (C107-C108, C112).
+# 0.1100 / 0.1080 (the appends' loop, C111, took the streaming build to
+# 0.2121 / 0.1780 at 4096 x 16384 in C112).  Two vectors a thread at 4 CTAs
+# an SM, 128 threads at 4, no L2 prefetch, or a threshold aiming at 1.25 k
+# candidates were level or slower (C107-C108, C112).
 STREAM = dict(threads=256, vectors=4, min_blocks=3)
 K_MAX = 4096
 K_BUCKETS = (1024, 2048, K_MAX)  # the output slots a build holds in shared memory

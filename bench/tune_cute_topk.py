@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python bench/tune_cute_topk.py [--shapes 0,1] [--ks 2048,1024]
         [--builds '{"threads": 256};{"threads": 512, "min_blocks": 2}'] [--probes]
+    compute-sanitizer --tool memcheck python3 bench/tune_cute_topk.py --sanitize
 
 fp32 scores from torch.randn, rows x columns of ``SHAPES`` (causal: row i
 keeps its first i + 1 scores, given as row ends). Each build is
@@ -15,6 +16,12 @@ is checked against the contract on a spread of rows first. Times:
 triton.testing.do_bench medians (warmup 25, rep 100), ms; Triton's
 ``topk`` and cuDNN's ``indexer_top_k_wrapper`` (when importable) on the
 same scores.
+
+``--sanitize``: no timing; hostile rows (few distinct values, NaN, +-inf,
+rows with nothing selectable) with row ends before, inside and past the
+row, through the shipped resident and streaming builds (fp32, bf16, fp16,
+k not a multiple of 4, rows whose sampled columns are far above the rest),
+for compute-sanitizer to watch every access.
 """
 
 from __future__ import annotations
@@ -40,10 +47,13 @@ def main(argv=None) -> int:
     ap.add_argument("--ks", type=ints, default=[2048, 1024])
     ap.add_argument("--builds", default="{}", help="';'-separated JSON objects of config fields")
     ap.add_argument("--probes", action="store_true", help="also the shipped build's timing builds")
+    ap.add_argument("--sanitize", action="store_true", help="hostile rows through the shipped builds, untimed")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("tune_cute_topk: needs an SM90 GPU")
         return 2
+    if args.sanitize:
+        return sanitize()
     import triton
 
     from dsa._args import TopkArgs
@@ -86,6 +96,36 @@ def main(argv=None) -> int:
             print(f"{R}x{S}{' causal' if causal else ''} k {k}: {json.dumps(row)}", flush=True)
         x = None  # the next shape's scores replace these
         torch.cuda.empty_cache()
+    return 0
+
+
+def sanitize() -> int:
+    """Hostile rows through the shipped builds (see the module doc)."""
+    from dsa.cute import topk as ct
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    R = 64
+    calls = 0
+    for S, k, dtype in ((4096, 2048, torch.float32), (8192, 1001, torch.bfloat16), (40000, 2048, torch.float32),
+                        (65544, 4096, torch.float16), (131072, 7, torch.float32)):
+        x = torch.randint(-3, 4, (R, S), device="cuda", generator=gen).float()
+        x[::3, ::7] = float("nan")
+        x[1::3, ::5] = float("-inf")
+        x[2::3, ::11] = float("inf")
+        x[0] = float("-inf")
+        x[1] = float("nan")
+        if ct.streams(S):  # the sampled columns far above the rest: the row read again
+            cols = torch.arange(256, device="cuda") * ((S // 4) // 256) * 4
+            x[3, cols] = 1e30
+        x = x.to(dtype)
+        ends = torch.randint(-5, S + 50, (R,), device="cuda", dtype=torch.int32, generator=gen)
+        idx = torch.empty((R, k), dtype=torch.int32, device="cuda")
+        lens = torch.empty(R, dtype=torch.int32, device="cuda")
+        for e in (None, ends):
+            ct.launch(x, k, idx, lens, e)
+            calls += 1
+    torch.cuda.synchronize()
+    print(f"sanitize: {calls} launches of the shipped cute top-k builds done")
     return 0
 
 

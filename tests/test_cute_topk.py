@@ -253,6 +253,37 @@ def test_indexer_topk_supports_and_placement(monkeypatch):
     assert "k above 4096" in cix.indexer_topk.note
 
 
+def test_indexer_topk_routes_k_to_a_top_k_kernel(monkeypatch):
+    """k up to the cute top-k's limit selects with it; above, with Triton's (the default launch)."""
+    from dsa.cute import indexer_topk as cix
+    from dsa.triton import indexer as ti
+
+    seen = []
+    monkeypatch.setattr(ti, "indexer_topk", lambda a, k, launch_topk=None: seen.append((k, launch_topk)))
+    a = _indexer_args(8, 64, 64)
+    cix.indexer_topk(a, ct.K_MAX)
+    cix.indexer_topk(a, ct.K_MAX + 1)
+    assert seen == [(ct.K_MAX, ct.launch), (ct.K_MAX + 1, None)]
+
+
+def test_chunked_topk_takes_another_top_k_launch(monkeypatch):
+    """The chunks' rows, their ends and the output rows reach the given launch."""
+    from dsa.triton import indexer as ti
+
+    monkeypatch.setattr(ti, "TOPK_CHUNK_FLOATS", 64)  # chunks of 2 rows at 32 columns: several chunks
+    a = _indexer_args(5, 32, 32)
+    calls = []
+
+    def launch(scores, k, indices, lengths, ends=None):
+        calls.append((scores.shape, indices.shape, None if ends is None else ends.shape))
+        indices.fill_(len(calls))
+        lengths.fill_(k)
+
+    idx, lens = ti.chunked_topk(a, 1, 16, lambda *args: None, buffers=1, row_ends_=True, launch_topk=launch)
+    assert calls == [((2, 32), (2, 1), (2,)), ((2, 32), (2, 1), (2,)), ((1, 32), (1, 1), (1,))]
+    assert idx[:, 0].tolist() == [1, 1, 2, 2, 3] and lens.tolist() == [1] * 5
+
+
 def test_indexer_topk_shipped_placement():
     from dsa.cute import indexer_topk as cix
 

@@ -245,13 +245,13 @@ class TopkStreamSm90(TopkSm90):
         ns = c.threads * c.samples
         raw = cute.make_rmem_tensor((wd, c.samples), Int32)
         kv = cute.make_rmem_tensor((KEYS_PER_THREAD, c.samples), Int32)
+        step = (L // KEYS_PER_THREAD) // ns * KEYS_PER_THREAD  # the samples' spacing, in keys
         for j in cutlass.range_constexpr(c.samples):
-            pos = (tid + j * c.threads) * ((L // KEYS_PER_THREAD) // ns) * KEYS_PER_THREAD
+            pos = (tid + j * c.threads) * step
             cute.autovec_copy(cute.make_tensor(aligned(Int32, row + Int64(pos) * self.es, 4 * wd),
                                                cute.make_layout((wd,))), raw[None, j])
         for j in cutlass.range_constexpr(c.samples):
-            pos = (tid + j * c.threads) * ((L // KEYS_PER_THREAD) // ns) * KEYS_PER_THREAD
-            self.keys_of(raw, j, kv, pos, L)
+            self.keys_of(raw, j, kv, (tid + j * c.threads) * step, L)
             for i in cutlass.range_constexpr(KEYS_PER_THREAD):
                 if kv[i, j] != INVALID:
                     red_shared_add(hist + 4 * ((kv[i, j] >> SHIFTS[0]) + BINS[0] // 2))
@@ -305,9 +305,7 @@ class TopkStreamSm90(TopkSm90):
             if const_expr(c.prefetch > 0):
                 self.prefetch_l2(row, base + (c.prefetch + 1) * c.round, L, S, lane, warp)
             seg = base + warp * (32 * KEYS_PER_THREAD * V) + lane * KEYS_PER_THREAD
-            for j in cutlass.range_constexpr(V):
-                for i in cutlass.range_constexpr(KEYS_PER_THREAD):
-                    cf[i, j] = candidate(self.bits_of(cur, i, j), tf, seg + j * (32 * KEYS_PER_THREAD) + i, L)
+            self.flag(cur, cf, tf, seg, L)
             rw = words + 4 * 2 * self.warps + 4 * self.warps * (ri % 2)
             total, before = self.locate(cf, offs, rw, lane, warp)
             if n + total > c.cap:
@@ -316,9 +314,7 @@ class TopkStreamSm90(TopkSm90):
                 n = K
                 t = t_hi
                 tf = value_bits(t)
-                for j in cutlass.range_constexpr(V):
-                    for i in cutlass.range_constexpr(KEYS_PER_THREAD):
-                        cf[i, j] = candidate(self.bits_of(cur, i, j), tf, seg + j * (32 * KEYS_PER_THREAD) + i, L)
+                self.flag(cur, cf, tf, seg, L)
                 total, before = self.locate(cf, offs, rw, lane, warp)
             for j in cutlass.range_constexpr(V):
                 o = n + before + offs[j]
@@ -341,6 +337,13 @@ class TopkStreamSm90(TopkSm90):
             cute.autovec_copy(nxt, cur)
         cute.arch.sync_threads()
         return n
+
+    @cute.jit
+    def flag(self, cur: cute.Tensor, cf: cute.Tensor, tf, seg, L):
+        """cf[i, j]: 1 where score i of vector j (position seg + 128 j + i) is a candidate against ``tf``."""
+        for j in cutlass.range_constexpr(self.config.vectors):
+            for i in cutlass.range_constexpr(KEYS_PER_THREAD):
+                cf[i, j] = candidate(self.bits_of(cur, i, j), tf, seg + j * (32 * KEYS_PER_THREAD) + i, L)
 
     @cute.jit
     def locate(self, cf: cute.Tensor, offs: cute.Tensor, rw: Int32, lane, warp):

@@ -6,20 +6,23 @@ Where the resident kernel holds the whole row, this one holds a buffer of
 ``cap = k_max + round`` candidates (key and position) in position order:
 
 * **Threshold.**  A row longer than the buffer first reads a spread sample
-  (``samples`` vectors a thread; the first round's loads are in flight
-  meanwhile) and takes, by two digit passes, a key ``t`` that about
-  ``margin4 / 4 * k`` of the row's keys reach (the sample's rank scaled by
-  its share of the row).  Shorter rows start with every valid key a
-  candidate.
+  (``samples`` vectors a thread, by cp.async into shared memory: it holds no
+  registers; the first round's loads are in flight meanwhile) and takes, by
+  two digit passes, a key ``t`` that about ``margin4 / 4 * k`` of the row's
+  keys reach (the sample's rank scaled by its share of the row).  Shorter
+  rows start with every valid key a candidate.
 * **Stream.**  The row is read once, a round (``vectors`` 4-key vectors a
   thread, each warp a contiguous segment) at a time, the next round's loads
   in flight while one is taken and each warp's segment ``prefetch`` rounds
-  ahead requested into L2 (``cp.async.bulk.prefetch``: bytes in flight
-  that hold no registers).  Scores are tested as fp32 against the value
-  of t (``value_bits``), and those at or above it appended in position
-  order with their keys: one packed warp scan of the lanes' counts gives
-  each its place within its warp, a block-wide sum of the warps' counts
-  (one barrier a round) the warp's place in the buffer.
+  ahead requested into L2 (``cp.async.bulk.prefetch``: bytes in flight that
+  hold no registers); two rounds a loop iteration, so that the two rounds'
+  registers swap roles without a copy.  Scores are tested as fp32 against
+  the value of t (``value_bits``; the position against the row's end only in
+  its last round), a lane's flags packed in a mask a vector, and those at or
+  above it appended in position order with their keys: one packed warp scan
+  of the lanes' counts gives each its place within its warp, a block-wide
+  sum of the warps' counts (one barrier a round) the warp's place in the
+  buffer.
 * **Compaction.**  A round that would overflow the buffer first compacts
   it: the radix select of ``topk_sm90`` (three digit passes) on the
   buffer's keys finds the k-th, the k selected entries move to the front in
@@ -73,6 +76,16 @@ def candidate(bits: Int32, tf: Int32, pos: Int32, L: Int32, *, loc=None, ip=None
                                  asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
+@dsl_user_op
+def at_least(bits: Int32, tf: Int32, *, loc=None, ip=None) -> Int32:
+    """1 when the fp32 ``bits`` >= the fp32 ``tf`` (never for NaN), else 0."""
+    asm = ("{\n.reg .pred p;\n.reg .f32 a, b;\nmov.b32 a, $1;\nmov.b32 b, $2;\n"
+           "setp.ge.f32 p, a, b;\nselp.u32 $0, 1, 0, p;\n}")
+    return Int32(llvm.inline_asm(T.i32(), [Int32(v).ir_value(loc=loc, ip=ip) for v in (bits, tf)], asm,
+                                 "=r,r,r", has_side_effects=False, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
 @dataclass(frozen=True)
 class TopkStreamSm90Config:
     """A build: score dtype (a CuTe type), the largest k, row ends, threads
@@ -99,8 +112,13 @@ class TopkStreamSm90Config:
 
 
 def smem_bytes(c: TopkStreamSm90Config) -> int:
-    """Shared memory of a build: the candidates' keys and positions, two histograms, scan words."""
-    return 4 * (2 * c.cap + max(2 * BINS[0], c.k_max) + 6 * (c.threads // 32) + 48) + 64
+    """Shared memory of a build: the candidates' keys and positions, two histograms, the sample, scan words."""
+    return 4 * (2 * c.cap + max(2 * BINS[0], c.k_max) + sample_words(c) + 6 * (c.threads // 32) + 48) + 64
+
+
+def sample_words(c: TopkStreamSm90Config) -> int:
+    """The sample's words in shared memory: ``samples`` 4-score vectors a thread."""
+    return c.threads * c.samples * KEYS_PER_THREAD * c.dtype.width // 32
 
 
 class TopkStreamSm90(TopkSm90):
@@ -126,6 +144,8 @@ class TopkStreamSm90(TopkSm90):
             "pos": cute.struct.Align[cute.struct.MemRange[Int32, c.cap], 16],
             # two histograms; the output slots at the end
             "work": cute.struct.Align[cute.struct.MemRange[Int32, max(2 * BINS[0], c.k_max)], 16],
+            # the sample (cp.async: in flight without registers)
+            "sample": cute.struct.Align[cute.struct.MemRange[Int32, sample_words(c)], 16],
             # the digit search's, the rounds' and the ordered scan's warp words (two sets each: by parity)
             "warp": cute.struct.MemRange[Int32, 6 * (c.threads // 32)],
             "pick": cute.struct.MemRange[Int32, 48],
@@ -148,24 +168,21 @@ class TopkStreamSm90(TopkSm90):
         hist = Int32(st.work.data_ptr().toint())
         words = Int32(st.warp.data_ptr().toint())
         pick = Int32(st.pick.data_ptr().toint())
+        samp = Int32(st.sample.data_ptr().toint())
 
-        L = S
-        if const_expr(c.has_end):
-            e = cute.make_tensor(ends_ptr + Int64(r), cute.make_layout((1,)))[0]
-            L = cutlass.min(cutlass.max(e, Int32(0)), S)
-        row = scores_ptr.toint() + Int64(r) * Int64(S) * self.es
-        for i in cutlass.range_constexpr(2 * BINS[0] // c.threads):
-            st_shared(hist + 4 * (tid + i * c.threads), Int32(0))
+        L = self.row_end(ends_ptr, r, S)
+        row = self.row_base(scores_ptr, r, S)
+        cur = cute.make_rmem_tensor((4 if const_expr(self.es == 4) else 2, c.vectors), Int32)
+        self.start(cur, row, L, S, lane, warp)
+        if L > c.cap:
+            self.sample_load(samp, row, L, tid)
+        self.zero(hist, 2 * BINS[0], tid)
         if tid == 0:
             st_shared(pick, Int32(-1))
         cute.arch.sync_threads()
-
-        wd = 4 if const_expr(self.es == 4) else 2
-        cur = cute.make_rmem_tensor((wd, c.vectors), Int32)
-        self.start(cur, row, L, S, lane, warp)
         t0 = Int32(INVALID + 1)
         if L > c.cap:
-            t0 = self.sample_threshold(row, L, K, hist, pick, words, tid, lane, warp)
+            t0 = self.sample_threshold(samp, L, K, hist, pick, words, tid, lane, warp)
 
         # a second stream from every valid key when the sampled threshold was too high
         n = Int32(0)
@@ -185,6 +202,19 @@ class TopkStreamSm90(TopkSm90):
         self.ordered(bk, bp, n, t_hi, t_eq, need_eq, hist, words + 4 * 4 * self.warps, tid, lane, warp, False)
         cute.arch.sync_threads()
         self.write_out(hist, idx_ptr, len_ptr, r, K, cutlass.min(K, n), tid)
+
+    @cute.jit
+    def row_end(self, ends_ptr: cute.Pointer, r, S) -> Int32:
+        """Row r's length: clamp(ends[r], 0, S), or S without row ends."""
+        L = S
+        if const_expr(self.config.has_end):
+            e = cute.make_tensor(ends_ptr + Int64(r), cute.make_layout((1,)))[0]
+            L = cutlass.min(cutlass.max(e, Int32(0)), S)
+        return L
+
+    def row_base(self, scores_ptr: cute.Pointer, r, S) -> Int64:
+        """The address of row r's first score."""
+        return scores_ptr.toint() + Int64(r) * Int64(S) * self.es
 
     @cute.jit
     def load_round(self, raw: cute.Tensor, row: Int64, base, L, lane, warp):
@@ -234,22 +264,42 @@ class TopkStreamSm90(TopkSm90):
         for i in cutlass.range_constexpr(KEYS_PER_THREAD):
             kv[i, j] = sel(pos + i < L, order_key(self.bits_of(raw, i, j)), Int32(INVALID))
 
+    def sample_step(self, L):
+        """The spacing of the sampled vectors over [0, L), in keys (a multiple of 4)."""
+        return (L // KEYS_PER_THREAD) // (self.config.threads * self.config.samples) * KEYS_PER_THREAD
+
     @cute.jit
-    def sample_threshold(self, row: Int64, L, K, hist: Int32, pick: Int32, words: Int32, tid, lane, warp) -> Int32:
+    def sample_load(self, samp: Int32, row: Int64, L, tid):
+        """The sample's vectors (``samples`` a thread, spread over [0, L))
+        copied to shared memory at ``samp`` by cp.async: in flight without
+        holding registers (the stream's are at the launch bound)."""
+        c = self.config
+        step = self.sample_step(L)
+        for j in cutlass.range_constexpr(c.samples):
+            v = tid + j * c.threads
+            src = row + Int64(v * step) * self.es
+            if const_expr(self.es == 4):
+                _asm("cp.async.cg.shared.global [$0], [$1], 16;", "r,l", samp + 16 * v, src)
+            else:
+                _asm("cp.async.ca.shared.global [$0], [$1], 8;", "r,l", samp + 8 * v, src)
+
+    @cute.jit
+    def sample_threshold(self, samp: Int32, L, K, hist: Int32, pick: Int32, words: Int32, tid, lane,
+                         warp) -> Int32:
         """A key about margin4 / 4 * K of the row's keys reach: the lower
-        edge of the 22-bit prefix of the sample's matching rank (``samples``
-        vectors a thread, spread over [0, L)); INVALID + 1 when too few
-        valid."""
+        edge of the 22-bit prefix of the sample's matching rank (the
+        vectors ``sample_load`` copied to ``samp``); INVALID + 1 when too
+        few valid."""
         c = self.config
         wd = 4 if const_expr(self.es == 4) else 2
         ns = c.threads * c.samples
         raw = cute.make_rmem_tensor((wd, c.samples), Int32)
         kv = cute.make_rmem_tensor((KEYS_PER_THREAD, c.samples), Int32)
-        step = (L // KEYS_PER_THREAD) // ns * KEYS_PER_THREAD  # the samples' spacing, in keys
+        step = self.sample_step(L)
+        _asm("cp.async.wait_all;", "")  # a thread reads only the vectors it copied
         for j in cutlass.range_constexpr(c.samples):
-            pos = (tid + j * c.threads) * step
-            cute.autovec_copy(cute.make_tensor(aligned(Int32, row + Int64(pos) * self.es, 4 * wd),
-                                               cute.make_layout((wd,))), raw[None, j])
+            for w in cutlass.range_constexpr(wd):
+                raw[w, j] = ld_shared(samp + 4 * (wd * (tid + j * c.threads) + w))
         for j in cutlass.range_constexpr(c.samples):
             self.keys_of(raw, j, kv, (tid + j * c.threads) * step, L)
             for i in cutlass.range_constexpr(KEYS_PER_THREAD):
@@ -289,65 +339,90 @@ class TopkStreamSm90(TopkSm90):
         a round would overflow it; returns the entries.  ``cur`` holds the
         first round's loads (``start``).  Scores are tested as fp32 against
         the threshold's value (``value_bits``): a key is made only for a
-        candidate."""
+        candidate.  Two rounds an iteration, the loads' registers swapping
+        roles (no copy between them)."""
         c = self.config
-        V = c.vectors
-        nxt = cute.make_rmem_tensor((4 if const_expr(self.es == 4) else 2, V), Int32)
-        offs = cute.make_rmem_tensor((V,), Int32)
-        cf = cute.make_rmem_tensor((KEYS_PER_THREAD, V), Int32)
+        nxt = cute.make_rmem_tensor((4 if const_expr(self.es == 4) else 2, c.vectors), Int32)
         n = Int32(0)
         t = t0
         tf = value_bits(t0)
         n_rounds = (L + c.round - 1) // c.round
-        for ri in cutlass.range(0, n_rounds, 1, unroll=1):
-            base = ri * c.round
-            self.load_round(nxt, row, base + c.round, L, lane, warp)
-            if const_expr(c.prefetch > 0):
-                self.prefetch_l2(row, base + (c.prefetch + 1) * c.round, L, S, lane, warp)
-            seg = base + warp * (32 * KEYS_PER_THREAD * V) + lane * KEYS_PER_THREAD
-            self.flag(cur, cf, tf, seg, L)
-            rw = words + 4 * 2 * self.warps + 4 * self.warps * (ri % 2)
-            total, before = self.locate(cf, offs, rw, lane, warp)
-            if n + total > c.cap:
-                t_hi, t_eq, need_eq = self.select(bk, n, K, hist, pick, words, tid, lane, warp)
-                self.ordered(bk, bp, n, t_hi, t_eq, need_eq, bk, words + 4 * 4 * self.warps, tid, lane, warp, True)
-                n = K
-                t = t_hi
-                tf = value_bits(t)
-                self.flag(cur, cf, tf, seg, L)
-                total, before = self.locate(cf, offs, rw, lane, warp)
-            for j in cutlass.range_constexpr(V):
-                o = n + before + offs[j]
-                # a lane's candidates of the vector one at a time: a warp takes as many
-                # steps as its busiest lane (most lanes have none), not a branch a score
-                m = cf[0, j] | (cf[1, j] << 1) | (cf[2, j] << 2) | (cf[3, j] << 3)
-                b0 = self.bits_of(cur, 0, j)
-                b1 = self.bits_of(cur, 1, j)
-                b2 = self.bits_of(cur, 2, j)
-                b3 = self.bits_of(cur, 3, j)
-                while m != 0:
-                    low = m & (0 - m)
-                    i = cute.arch.popc(low - 1)
-                    bits = sel(i == 0, b0, sel(i == 1, b1, sel(i == 2, b2, b3)))
-                    st_shared(bk + 4 * o, order_key(bits))
-                    st_shared(bp + 4 * o, seg + j * (32 * KEYS_PER_THREAD) + i)
-                    o = o + 1
-                    m = m ^ low
-            n = n + total
-            cute.autovec_copy(nxt, cur)
+        for ri in cutlass.range(0, n_rounds, 2, unroll=1):
+            n, t, tf = self.round_(cur, nxt, ri, 0, n, t, tf, row, L, S, K, bk, bp, hist, words, pick, tid, lane,
+                                   warp)
+            if ri + 1 < n_rounds:
+                n, t, tf = self.round_(nxt, cur, ri + 1, 1, n, t, tf, row, L, S, K, bk, bp, hist, words, pick, tid,
+                                       lane, warp)
         cute.arch.sync_threads()
         return n
 
     @cute.jit
-    def flag(self, cur: cute.Tensor, cf: cute.Tensor, tf, seg, L):
-        """cf[i, j]: 1 where score i of vector j (position seg + 128 j + i) is a candidate against ``tf``."""
-        for j in cutlass.range_constexpr(self.config.vectors):
-            for i in cutlass.range_constexpr(KEYS_PER_THREAD):
-                cf[i, j] = candidate(self.bits_of(cur, i, j), tf, seg + j * (32 * KEYS_PER_THREAD) + i, L)
+    def round_(self, cur: cute.Tensor, nxt: cute.Tensor, ri, parity: cutlass.Constexpr, n, t, tf, row: Int64, L,
+               S, K, bk: Int32, bp: Int32, hist: Int32, words: Int32, pick: Int32, tid, lane, warp):
+        """Round ri of the stream (its scores in ``cur``; the next round's
+        loads into ``nxt``): returns the buffer's entries, the threshold
+        and its fp32 value after it."""
+        c = self.config
+        V = c.vectors
+        offs = cute.make_rmem_tensor((V,), Int32)
+        cm = cute.make_rmem_tensor((V,), Int32)
+        base = ri * c.round
+        self.load_round(nxt, row, base + c.round, L, lane, warp)
+        if const_expr(c.prefetch > 0):
+            self.prefetch_l2(row, base + (c.prefetch + 1) * c.round, L, S, lane, warp)
+        seg = base + warp * (32 * KEYS_PER_THREAD * V) + lane * KEYS_PER_THREAD
+        inside = base + c.round <= L  # the whole round lies before the row's end (CTA-uniform)
+        self.flag(cur, cm, tf, seg, L, inside)
+        rw = words + 4 * 2 * self.warps + 4 * self.warps * parity
+        total, before = self.locate(cm, offs, rw, lane, warp)
+        if n + total > c.cap:
+            t_hi, t_eq, need_eq = self.select(bk, n, K, hist, pick, words, tid, lane, warp)
+            self.ordered(bk, bp, n, t_hi, t_eq, need_eq, bk, words + 4 * 4 * self.warps, tid, lane, warp, True)
+            n = K
+            t = t_hi
+            tf = value_bits(t)
+            self.flag(cur, cm, tf, seg, L, inside)
+            total, before = self.locate(cm, offs, rw, lane, warp)
+        for j in cutlass.range_constexpr(V):
+            o = n + before + offs[j]
+            # a lane's candidates of the vector one at a time: a warp takes as many
+            # steps as its busiest lane (most lanes have none), not a branch a score
+            m = cm[j]
+            b0 = self.bits_of(cur, 0, j)
+            b1 = self.bits_of(cur, 1, j)
+            b2 = self.bits_of(cur, 2, j)
+            b3 = self.bits_of(cur, 3, j)
+            while m != 0:
+                low = m & (0 - m)
+                i = cute.arch.popc(low - 1)
+                bits = sel(i == 0, b0, sel(i == 1, b1, sel(i == 2, b2, b3)))
+                st_shared(bk + 4 * o, order_key(bits))
+                st_shared(bp + 4 * o, seg + j * (32 * KEYS_PER_THREAD) + i)
+                o = o + 1
+                m = m ^ low
+        return n + total, t, tf
 
     @cute.jit
-    def locate(self, cf: cute.Tensor, offs: cute.Tensor, rw: Int32, lane, warp):
-        """Where this thread's candidates (0 / 1 flags) go in a round, in
+    def flag(self, cur: cute.Tensor, cm: cute.Tensor, tf, seg, L, inside):
+        """cm[j]: bit i set where score i of vector j (position seg + 128 j + i) is a candidate against
+        ``tf`` (a mask a vector, not a register a score: the stream's registers are at the launch bound).
+        Positions are checked against L only in a round that ``inside`` says reaches past it."""
+        if inside:
+            for j in cutlass.range_constexpr(self.config.vectors):
+                m = Int32(0)
+                for i in cutlass.range_constexpr(KEYS_PER_THREAD):
+                    m = m | (at_least(self.bits_of(cur, i, j), tf) << i)
+                cm[j] = m
+        else:
+            for j in cutlass.range_constexpr(self.config.vectors):
+                m = Int32(0)
+                for i in cutlass.range_constexpr(KEYS_PER_THREAD):
+                    m = m | (candidate(self.bits_of(cur, i, j), tf, seg + j * (32 * KEYS_PER_THREAD) + i, L) << i)
+                cm[j] = m
+
+    @cute.jit
+    def locate(self, cm: cute.Tensor, offs: cute.Tensor, rw: Int32, lane, warp):
+        """Where this thread's candidates (``flag``'s masks) go in a round, in
         position order (warp segment, vector, lane, score): offs[j] the
         place of its first of vector j in the warp's share; returns (the
         round's total, the entries of the warps before this one).  A lane's
@@ -356,10 +431,7 @@ class TopkStreamSm90(TopkSm90):
         c = self.config
         mine = Int32(0)
         for j in cutlass.range_constexpr(c.vectors):
-            cnt = Int32(0)
-            for i in cutlass.range_constexpr(KEYS_PER_THREAD):
-                cnt = cnt + cf[i, j]
-            mine = mine + (cnt << (8 * j))
+            mine = mine + (cute.arch.popc(cm[j]) << (8 * j))
         x = mine
         for o in cutlass.range_constexpr(5):
             y = cute.arch.shuffle_sync_up(x, offset=1 << o)

@@ -42,9 +42,11 @@ RESIDENT_MAX = 8192
 # process (bench/RESULTS.md C108), ms: 4096 x 16384 0.2069 / 0.1838 against
 # the resident build's 0.2218 / 0.2166; 4096 x 8192 0.1585 / 0.1381 against
 # 0.1100 / 0.1080 (the appends' loop, C111, took the streaming build to
-# 0.2121 / 0.1780 at 4096 x 16384 in C112).  Two vectors a thread at 4 CTAs
-# an SM, 128 threads at 4, no L2 prefetch, or a threshold aiming at 1.25 k
-# candidates were level or slower (C107-C108, C112).
+# 0.2121 / 0.1780 at 4096 x 16384 in C112; the sample in shared memory, C114,
+# to 0.2061 / 0.1772).  Two vectors a thread at 4 CTAs an SM, 128 threads at
+# 4, no L2 prefetch, a threshold aiming at 1.25 k candidates, a persistent
+# grid or L2 warmed a wave of rows ahead were level or slower (C107-C108,
+# C112-C113, C115).
 STREAM = dict(threads=256, vectors=4, min_blocks=3)
 K_MAX = 4096
 K_BUCKETS = (1024, 2048, K_MAX)  # the output slots a build holds in shared memory
@@ -58,7 +60,8 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # 0.2069 / 0.2535, 0.1838 / 0.2661; 8192 x 32768 0.5762 / 0.7417, 0.5096 /
 # 0.6823; 32768^2 causal (row ends) 1.544 / 1.990, 1.375 / 1.778; 65536^2
 # causal 4.494 / 6.708, 3.910 / 6.264; 4096 x 131072 (C112) 0.7543 / 1.2484,
-# 0.7273 / 1.0672.  Longer rows are not measured yet.
+# 0.7273 / 1.0672 (C114: 0.7407 / 1.2492, 0.7361 / 1.0680).  Longer rows are
+# not measured yet.
 PLACEMENT: Dict[str, Tuple[Tuple[int, int], ...]] = {"NVIDIA H200": ((4096, 131072),)}
 NOT_MEASURED = "no measurement of the cute top-k on this GPU yet"
 

@@ -8,8 +8,9 @@ Where the resident kernel holds the whole row, this one holds a buffer of
 * **Threshold.**  A row longer than the buffer first reads a spread sample
   (``samples`` vectors a thread, by cp.async into shared memory: it holds no
   registers; the first round's loads are in flight meanwhile) and takes, by
-  two digit passes, a key ``t`` that about ``margin4 / 4 * k`` of the row's
-  keys reach (the sample's rank scaled by its share of the row).  Shorter
+  two digit passes (one with ``coarse``: the first digit's edge, lower), a
+  key ``t`` that about ``margin4 / 4 * k`` of the row's keys reach (the
+  sample's rank scaled by its share of the row).  Shorter
   rows start with every valid key a candidate.
 * **Stream.**  The row is read once, a round (``vectors`` 4-key vectors a
   thread, each warp a contiguous segment) at a time, the next round's loads
@@ -101,6 +102,7 @@ class TopkStreamSm90Config:
     samples: int = 1     # 4-key vectors a thread samples
     prefetch: int = 2    # rounds ahead of the loads each warp prefetches into L2 (0: none)
     min_blocks: int = 0
+    coarse: bool = False  # the sampled threshold an 11-bit prefix edge (one digit pass, not two)
 
     @property
     def round(self) -> int:
@@ -315,15 +317,17 @@ class TopkStreamSm90(TopkSm90):
             p1 = d1 - BINS[0] // 2
             t = p1 * (1 << SHIFTS[0])
             need = rank - above
-            if h != need:
-                for j in cutlass.range_constexpr(c.samples):
-                    for i in cutlass.range_constexpr(KEYS_PER_THREAD):
-                        if (kv[i, j] >> SHIFTS[0]) == p1:
-                            red_shared_add(hist + 4 * (BINS[0] + ((kv[i, j] >> SHIFTS[1]) & (BINS[1] - 1))))
-                cute.arch.sync_threads()
-                d2, _, _, _ = self.pick_digit(hist + 4 * BINS[0], BINS[1], need, pick + 16, words, tid, lane, warp)
-                self.zero(hist + 4 * BINS[0], BINS[1], tid)
-                t = (p1 * BINS[1] + d2) * (1 << SHIFTS[1])
+            if const_expr(not c.coarse):
+                if h != need:
+                    for j in cutlass.range_constexpr(c.samples):
+                        for i in cutlass.range_constexpr(KEYS_PER_THREAD):
+                            if (kv[i, j] >> SHIFTS[0]) == p1:
+                                red_shared_add(hist + 4 * (BINS[0] + ((kv[i, j] >> SHIFTS[1]) & (BINS[1] - 1))))
+                    cute.arch.sync_threads()
+                    d2, _, _, _ = self.pick_digit(hist + 4 * BINS[0], BINS[1], need, pick + 16, words, tid, lane,
+                                                  warp)
+                    self.zero(hist + 4 * BINS[0], BINS[1], tid)
+                    t = (p1 * BINS[1] + d2) * (1 << SHIFTS[1])
         return t
 
     @cute.jit

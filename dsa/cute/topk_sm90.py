@@ -199,10 +199,7 @@ class TopkSm90:
         warp_words = Int32(st.warp.data_ptr().toint())
         pick = Int32(st.pick.data_ptr().toint())
 
-        L = S
-        if const_expr(c.has_end):
-            e = cute.make_tensor(ends_ptr + Int64(r), cute.make_layout((1,)))[0]
-            L = cutlass.min(cutlass.max(e, Int32(0)), S)
+        L = self.row_end(ends_ptr, r, S)
         for i in cutlass.range_constexpr(2 * BINS[0] // c.threads):
             st_shared(hist + 4 * (tid + i * c.threads), Int32(0))
         if tid == 0:
@@ -253,6 +250,19 @@ class TopkSm90:
                     keys[0, 5]
 
     @cute.jit
+    def row_end(self, ends_ptr: cute.Pointer, r, S) -> Int32:
+        """Row r's length: clamp(ends[r], 0, S), or S without row ends."""
+        L = S
+        if const_expr(self.config.has_end):
+            e = cute.make_tensor(ends_ptr + Int64(r), cute.make_layout((1,)))[0]
+            L = cutlass.min(cutlass.max(e, Int32(0)), S)
+        return L
+
+    def row_base(self, scores_ptr: cute.Pointer, r, S) -> Int64:
+        """The address of row r's first score."""
+        return scores_ptr.toint() + Int64(r) * Int64(S) * self.es
+
+    @cute.jit
     def load_row(self, scores_ptr: cute.Pointer, keys: cute.Tensor, hist: Int32, r, S, L, n_chunks, tid):
         """The row's keys into shared memory (INVALID past L) and the first
         digit counted in ``hist``: ``unroll`` chunks' loads issued before the
@@ -261,7 +271,7 @@ class TopkSm90:
         c = self.config
         es = self.es
         words = 4 if const_expr(es == 4) else 2
-        row = scores_ptr.toint() + Int64(r) * Int64(S) * es
+        row = self.row_base(scores_ptr, r, S)
         for c0 in cutlass.range(0, n_chunks, c.unroll):
             raw = cute.make_rmem_tensor((words, c.unroll), Int32)
             for u in cutlass.range_constexpr(c.unroll):

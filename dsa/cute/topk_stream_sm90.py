@@ -10,8 +10,8 @@ Where the resident kernel holds the whole row, this one holds a buffer of
   registers; the first round's loads are in flight meanwhile) and takes, by
   two digit passes (one with ``coarse``: the first digit's edge, lower), a
   key ``t`` that about ``margin4 / 4 * k`` of the row's keys reach (the
-  sample's rank scaled by its share of the row).  Shorter
-  rows start with every valid key a candidate.
+  sample's rank scaled by its share of the row).  Shorter rows start with
+  every valid key a candidate.
 * **Stream.**  The row is read once, a round (``vectors`` 4-key vectors a
   thread, each warp a contiguous segment) at a time, the next round's loads
   in flight while one is taken and each warp's segment ``prefetch`` rounds
@@ -204,19 +204,6 @@ class TopkStreamSm90(TopkSm90):
         self.ordered(bk, bp, n, t_hi, t_eq, need_eq, hist, words + 4 * 4 * self.warps, tid, lane, warp, False)
         cute.arch.sync_threads()
         self.write_out(hist, idx_ptr, len_ptr, r, K, cutlass.min(K, n), tid)
-
-    @cute.jit
-    def row_end(self, ends_ptr: cute.Pointer, r, S) -> Int32:
-        """Row r's length: clamp(ends[r], 0, S), or S without row ends."""
-        L = S
-        if const_expr(self.config.has_end):
-            e = cute.make_tensor(ends_ptr + Int64(r), cute.make_layout((1,)))[0]
-            L = cutlass.min(cutlass.max(e, Int32(0)), S)
-        return L
-
-    def row_base(self, scores_ptr: cute.Pointer, r, S) -> Int64:
-        """The address of row r's first score."""
-        return scores_ptr.toint() + Int64(r) * Int64(S) * self.es
 
     @cute.jit
     def load_round(self, raw: cute.Tensor, row: Int64, base, L, lane, warp):

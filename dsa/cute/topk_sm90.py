@@ -200,11 +200,7 @@ class TopkSm90:
         pick = Int32(st.pick.data_ptr().toint())
 
         L = self.row_end(ends_ptr, r, S)
-        for i in cutlass.range_constexpr(2 * BINS[0] // c.threads):
-            st_shared(hist + 4 * (tid + i * c.threads), Int32(0))
-        if tid == 0:
-            st_shared(pick, Int32(-1))  # pass 1 finds no digit when the row has fewer than k valid keys
-        cute.arch.sync_threads()
+        self.clear(hist, pick, tid)
 
         n_chunks = (L + c.chunk - 1) // c.chunk
         self.load_row(scores_ptr, keys, hist, r, S, L, n_chunks, tid)
@@ -223,8 +219,7 @@ class TopkSm90:
                 if h != need:
                     self.count_digits(keys, hist + 4 * BINS[0], n_chunks, tid, p1, 1)
                     cute.arch.sync_threads()
-                    for i in cutlass.range_constexpr(BINS[0] // c.threads):  # hist 0 again, for pass 3
-                        st_shared(hist + 4 * (tid + i * c.threads), Int32(0))
+                    self.zero(hist, BINS[0], tid)  # hist 0 again, for pass 3
                     d2, above, h, _ = self.pick_digit(hist + 4 * BINS[0], BINS[1], need, pick + 16, warp_words, tid,
                                                       lane, warp)
                     p2 = p1 * BINS[1] + d2
@@ -248,6 +243,21 @@ class TopkSm90:
             if tid == 0:  # keeps the probe's work alive
                 cute.make_tensor(len_ptr + Int64(r), cute.make_layout((1,)))[0] = ld_shared(hist + 4 * 1500) + \
                     keys[0, 5]
+
+    @cute.jit
+    def zero(self, hist: Int32, nbins: cutlass.Constexpr, tid):
+        """nbins words of shared memory from hist set to 0 (a word a thread at a time)."""
+        for i in cutlass.range_constexpr(nbins // self.config.threads):
+            st_shared(hist + 4 * (tid + i * self.config.threads), Int32(0))
+
+    @cute.jit
+    def clear(self, hist: Int32, pick: Int32, tid):
+        """A row's start: both histograms 0, pick[0] -1 (pass 1 finds no digit when the row has
+        fewer than k valid keys), then a barrier."""
+        self.zero(hist, 2 * BINS[0], tid)
+        if tid == 0:
+            st_shared(pick, Int32(-1))
+        cute.arch.sync_threads()
 
     @cute.jit
     def row_end(self, ends_ptr: cute.Pointer, r, S) -> Int32:

@@ -178,10 +178,7 @@ class TopkStreamSm90(TopkSm90):
         self.start(cur, row, L, S, lane, warp)
         if L > c.cap:
             self.sample_load(samp, row, L, tid)
-        self.zero(hist, 2 * BINS[0], tid)
-        if tid == 0:
-            st_shared(pick, Int32(-1))
-        cute.arch.sync_threads()
+        self.clear(hist, pick, tid)
         t0 = Int32(INVALID + 1)
         if L > c.cap:
             t0 = self.sample_threshold(samp, L, K, hist, pick, words, tid, lane, warp)
@@ -318,11 +315,6 @@ class TopkStreamSm90(TopkSm90):
         return t
 
     @cute.jit
-    def zero(self, hist: Int32, nbins: cutlass.Constexpr, tid):
-        for i in cutlass.range_constexpr(nbins // self.config.threads):
-            st_shared(hist + 4 * (tid + i * self.config.threads), Int32(0))
-
-    @cute.jit
     def stream(self, cur: cute.Tensor, row: Int64, L, S, t0, K, bk: Int32, bp: Int32, hist: Int32,
                words: Int32, pick: Int32, tid, lane, warp) -> Int32:
         """The row's scores at or above the running threshold appended to the
@@ -399,17 +391,22 @@ class TopkStreamSm90(TopkSm90):
         ``tf`` (a mask a vector, not a register a score: the stream's registers are at the launch bound).
         Positions are checked against L only in a round that ``inside`` says reaches past it."""
         if inside:
-            for j in cutlass.range_constexpr(self.config.vectors):
-                m = Int32(0)
-                for i in cutlass.range_constexpr(KEYS_PER_THREAD):
-                    m = m | (at_least(self.bits_of(cur, i, j), tf) << i)
-                cm[j] = m
+            self.masks(cur, cm, tf, seg, L, False)
         else:
-            for j in cutlass.range_constexpr(self.config.vectors):
-                m = Int32(0)
-                for i in cutlass.range_constexpr(KEYS_PER_THREAD):
-                    m = m | (candidate(self.bits_of(cur, i, j), tf, seg + j * (32 * KEYS_PER_THREAD) + i, L) << i)
-                cm[j] = m
+            self.masks(cur, cm, tf, seg, L, True)
+
+    @cute.jit
+    def masks(self, cur: cute.Tensor, cm: cute.Tensor, tf, seg, L, check_end: cutlass.Constexpr):
+        """``flag``'s masks, each position tested against L or (``check_end`` False) none."""
+        for j in cutlass.range_constexpr(self.config.vectors):
+            m = Int32(0)
+            for i in cutlass.range_constexpr(KEYS_PER_THREAD):
+                bits = self.bits_of(cur, i, j)
+                if const_expr(check_end):
+                    m = m | (candidate(bits, tf, seg + j * (32 * KEYS_PER_THREAD) + i, L) << i)
+                else:
+                    m = m | (at_least(bits, tf) << i)
+            cm[j] = m
 
     @cute.jit
     def locate(self, cm: cute.Tensor, offs: cute.Tensor, rw: Int32, lane, warp):

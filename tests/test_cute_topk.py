@@ -29,8 +29,8 @@ def test_builds_compile_for_sm90(tmp_path):
              ("bf16_8192", "dsa.cute.topk:compile_offline", ["torch.bfloat16"], dict(S=8192, k=1024)),
              ("f32_stream", "dsa.cute.topk:compile_offline", ["torch.float32"], dict(S=65536, k=2048)),
              ("bf16_stream", "dsa.cute.topk:compile_offline", ["torch.bfloat16"], dict(S=131072, k=4096)),
-             ("f32_coarse_stream", "dsa.cute.topk:compile_offline", ["torch.float32"],
-              dict(S=65536, k=2048, coarse=True))]
+             ("f32_fine_stream", "dsa.cute.topk:compile_offline", ["torch.float32"],
+              dict(S=65536, k=2048, coarse=False, margin4=6))]
     needles = ("red.shared.add.u32", "ld.global.v4", "ld.global.v2", "st.shared.v4", "ld.shared.v4", "bar.sync",
                "shfl.sync.up", "setp.ge.f32", "cp.async.bulk.prefetch.L2")
     reports = compile_reports(calls, needles, "sm_90a", tmp_path)
@@ -48,8 +48,8 @@ def test_builds_compile_for_sm90(tmp_path):
         # bytes spilled, and still the fastest measured (bench/RESULTS.md C103)
         assert r["spill_stores"] <= (16 if name == "f32_4096" else 0), (name, r)
         assert r["smem"] <= r["smem_limit"], (name, r)
-    # the coarse threshold drops the sample's second digit pass: its count's barrier and its scan's two
-    assert reports["f32_coarse_stream"]["needles"]["bar.sync"] == reports["f32_stream"]["needles"]["bar.sync"] - 3
+    # the shipped coarse threshold drops the sample's second digit pass: its count's barrier and its scan's two
+    assert reports["f32_stream"]["needles"]["bar.sync"] == reports["f32_fine_stream"]["needles"]["bar.sync"] - 3
 
 
 @needs_dsl
@@ -179,8 +179,8 @@ def _sample_columns(L: int, threads: int) -> torch.Tensor:
     (1000, 7, {}), (6000, 300, {}), (12288, 2048, {}), (12288, 4096, {}), (40000, 2048, {}), (65536, 1, {}),
     (65536, 2048, {"vectors": 1, "prefetch": 0}), (65536, 1024, {"threads": 128, "margin4": 4}),
     (100000, 2048, {"min_blocks": 3, "samples": 2, "margin4": 8}), (65536, 2048, {"vectors": 2}),
-    (20000, 1024, {"threads": 512, "vectors": 1}), (40000, 2048, {"coarse": True}),
-    (65536, 1024, {"coarse": True, "margin4": 4})])
+    (20000, 1024, {"threads": 512, "vectors": 1}), (40000, 2048, {"coarse": False, "margin4": 6}),
+    (65536, 1024, {"coarse": False, "margin4": 4})])
 def test_gpu_stream_contract(S, k, build):
     """The streaming kernel on rows it holds whole (no sample), on long rows
     where the sample sets the threshold, and on rows made to defeat it: the

@@ -43,11 +43,17 @@ RESIDENT_MAX = 8192
 # the resident build's 0.2218 / 0.2166; 4096 x 8192 0.1585 / 0.1381 against
 # 0.1100 / 0.1080 (the appends' loop, C111, took the streaming build to
 # 0.2121 / 0.1780 at 4096 x 16384 in C112; the sample in shared memory, C114,
-# to 0.2061 / 0.1772).  Two vectors a thread at 4 CTAs an SM, 128 threads at
-# 4, no L2 prefetch, a threshold aiming at 1.25 k candidates, a persistent
-# grid or L2 warmed a wave of rows ahead were level or slower (C107-C108,
-# C112-C113, C115).
-STREAM = dict(threads=256, vectors=4, min_blocks=3)
+# to 0.2061 / 0.1772).  The sample's threshold at an 11-bit prefix edge,
+# aiming at 1.25 k candidates (``coarse``, ``margin4`` 5: one digit pass a row
+# fewer, and no second read of randn rows of 65536 keys in
+# bench/sample_threshold_sim.py), C116, one process, ms, against the 22-bit
+# threshold at 1.5 k: 65536^2 causal 4.004 / 4.136 (k 2048), 3.515 / 3.671
+# (k 1024); 8192 x 32768 0.5174 / 0.5332, 0.4578 / 0.4791; 4096 x 16384
+# 0.1888 / 0.2064, 0.1651 / 0.1764.  Two vectors a thread at 4 CTAs an SM,
+# 128 threads at 4, no L2 prefetch, the 22-bit threshold at 1.25 k, a
+# persistent grid or L2 warmed a wave of rows ahead were level or slower
+# (C107-C108, C112-C113, C115).
+STREAM = dict(threads=256, vectors=4, min_blocks=3, coarse=True, margin4=5)
 K_MAX = 4096
 K_BUCKETS = (1024, 2048, K_MAX)  # the output slots a build holds in shared memory
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

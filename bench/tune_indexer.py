@@ -84,6 +84,10 @@ def section_scores(quick):
         # 48 KB of shared memory and <= 128 registers: 4 programs an SM
         "BN64_NC128_w4_s1_r128": ix.IndexerConfig(64, 128, 4, 1, maxnreg=128),
         "BN64_NC64_w4_s2_r128": ix.IndexerConfig(64, 64, 4, 2, maxnreg=128),
+        # two warpgroups sharing each key tile (4 queries a program: half the key
+        # bytes a score); 128 registers, 99 / 113 KB (sm_90a)
+        "BN64_NC256_w8_s2": ix.IndexerConfig(64, 256, 8, 2),
+        "BN64_NC256_w8_s3": ix.IndexerConfig(64, 256, 8, 3),
     }
     if quick:
         cfgs = dict(list(cfgs.items())[:2])

@@ -229,6 +229,34 @@ def test_gpu_scores(dtype, ratio, causal):
     assert torch.equal(idx, ref_idx) and torch.equal(lens, ref_len)
 
 
+def test_scores_tiles_by_head_count():
+    """64 heads or more take the two-warpgroup tiles, fewer the one-warpgroup
+    ones, fp32 its own: one choice per dtype and head count, so indexer_topk's
+    chunks compute what scores() does."""
+    def tiles(H, dtype):
+        a = make_args([3], [3], [0], H=H, D=16, dtype=dtype, w_dtype=torch.float32, ratio=1, causal=True)
+        return ix._CONFIGS[ix._class(a)]
+
+    assert tiles(64, torch.bfloat16) == tiles(128, torch.float16) == ix._CONFIGS["mma"]
+    assert tiles(32, torch.bfloat16) == tiles(16, torch.float16) == ix._CONFIGS["mma_narrow"]
+    assert tiles(64, torch.float32) == ix._CONFIGS["fp32"]
+    assert ix._CONFIGS["mma"].num_warps == 8 and ix._CONFIGS["mma_narrow"].num_warps == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,D", [(16, 128), (32, 128), (64, 64), (128, 128)])
+def test_gpu_scores_head_counts(H, D):
+    """Both tile classes against float64 on ragged causal batches."""
+    a = make_args(GPU_RAGGED["sq"], GPU_RAGGED["sk"], GPU_RAGGED["offs"], H=H, D=D, dtype=torch.bfloat16,
+                  w_dtype=torch.float32, ratio=1, causal=True, sm_scale=D**-0.5, device="cuda")
+    got = ix.scores(a)
+    ref = scores_f64(a)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(ref))
+    fin = torch.isfinite(ref)
+    rel = (got.double()[fin] - ref[fin]).norm() / ref[fin].norm()
+    assert rel < 1e-3, rel.item()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("chunk", [None, 1000])

@@ -226,30 +226,43 @@ class IndexerConfig:
     maxnreg: Optional[int] = None  # ptxas register cap (None: its choice)
 
 
-# Chosen per dtype class only (never per Tq or S_k): indexer_topk's chunked
-# calls must compute exactly what scores() computes.
+# Chosen per dtype class and head count only (never per Tq or S_k):
+# indexer_topk's chunked calls must compute exactly what scores() computes.
 _CONFIGS = {
-    # H200, bf16, H=64 D=128, causal: 518 / 539 / 515 TFLOP/s at S=4096,
-    # S=16384 (ratio 1) and 16384x4096 (ratio 4); 3 programs an SM (154
-    # registers, 66 KB shared). See bench/notes_indexer.md for the others.
-    "mma": IndexerConfig(BN=64, NCOLS=128, num_warps=4, num_stages=2),
+    # H200, bf16, H=64 D=128, causal: 567-574 / 589-600 / 575 TFLOP/s at
+    # S=4096, S=16384 (ratio 1) and 16384x4096 (ratio 4), against 517-522 /
+    # 520-531 / 512 with one warpgroup and 2 queries a program (bench/RESULTS.md
+    # C120, C122): the two warpgroups share each key tile, so a score costs half
+    # the key bytes from L2; 2 programs an SM (128 registers, 113 KB shared).
+    # More than 64 heads take it too (not measured).
+    "mma": IndexerConfig(BN=64, NCOLS=256, num_warps=8, num_stages=3),
+    # Fewer than 64 heads (C122, H 32 / 16, 4096^2 and 16384^2 causal): these
+    # tiles 441 / 471 and 324 / 426 TFLOP/s, the two-warpgroup ones 438 / 466
+    # and 369 / 399.  See bench/notes_indexer.md for the others.
+    "mma_narrow": IndexerConfig(BN=64, NCOLS=128, num_warps=4, num_stages=2),
     # fp32 runs in full fp32 (FMA dot, not tuned): ptxas spills 5 KB a thread
     # at 4 warps, none at 8 (56 registers, sm_90a, H=64 D=128).
     "fp32": IndexerConfig(BN=32, NCOLS=64, num_warps=8, num_stages=2),
 }
 
 
+def _class(a: IndexerArgs) -> str:
+    """The ``_CONFIGS`` entry of a's dtype and head count."""
+    if a.q.dtype == torch.float32:
+        return "fp32"
+    return "mma" if a.q.shape[1] >= 64 else "mma_narrow"
+
+
 def _candidates(a: IndexerArgs) -> Iterator[IndexerConfig]:
-    """The dtype class's config first, then one stage, then fewer keys a tile,
+    """The class's config first, then one stage, then fewer keys a tile,
     then fewer (query, head) columns."""
-    cfg = _CONFIGS["fp32" if a.q.dtype == torch.float32 else "mma"]
-    return fit.shrinking(cfg, (("num_stages", 1), ("BN", 16), ("NCOLS", 16)))
+    return fit.shrinking(_CONFIGS[_class(a)], (("num_stages", 1), ("BN", 16), ("NCOLS", 16)))
 
 
 def pick(a: IndexerArgs, target: Optional[fit.Target] = None) -> Tuple[Optional[IndexerConfig], str]:
     """(the scores tiles that fit ``target`` (a's device when None), "") or (None, why)."""
     key = ("indexer_scores", a.q.dtype, a.weights.dtype, a.q.shape[1], a.q.shape[2], bool(a.causal),
-           _CONFIGS["fp32" if a.q.dtype == torch.float32 else "mma"])
+           _CONFIGS[_class(a)])
     return fit.pick(lambda: _candidates(a), lambda c: scores_spec(a, c), target or fit.device_target(a.q),
                     key)
 

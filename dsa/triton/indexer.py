@@ -234,7 +234,8 @@ _CONFIGS = {
     # 520-531 / 512 with one warpgroup and 2 queries a program (bench/RESULTS.md
     # C120, C122): the two warpgroups share each key tile, so a score costs half
     # the key bytes from L2; 2 programs an SM (128 registers, 113 KB shared).
-    # More than 64 heads take it too (not measured).
+    # 128 / 256 heads (C123, 4096^2 and 16384^2): 586 / 601 and 588 / 624
+    # TFLOP/s against 535 / 551 and 568 / 593.
     "mma": IndexerConfig(BN=64, NCOLS=256, num_warps=8, num_stages=3),
     # Fewer than 64 heads (C122, H 32 / 16, 4096^2 and 16384^2 causal): these
     # tiles 441 / 471 and 324 / 426 TFLOP/s, the two-warpgroup ones 438 / 466

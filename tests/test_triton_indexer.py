@@ -210,6 +210,18 @@ def test_head_limits():
 GPU_RAGGED = dict(sq=[1500, 1, 700, 0, 1025], sk=[1600, 0, 190, 64, 1030], offs=[200, 0, 60, 0, 3])
 
 
+def _scores_near_f64(a: IndexerArgs) -> torch.Tensor:
+    """The kernel's scores of ``a``, checked against float64: the same -inf
+    pattern, 1e-3 rel L2 over the finite ones."""
+    got = ix.scores(a)
+    ref = scores_f64(a)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(ref))
+    fin = torch.isfinite(ref)
+    rel = (got.double()[fin] - ref[fin]).norm() / ref[fin].norm()
+    assert rel < 1e-3, rel.item()
+    return got
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("ratio,causal", [(1, True), (4, True), (1, False)])
@@ -217,12 +229,7 @@ def test_gpu_scores(dtype, ratio, causal):
     sk = GPU_RAGGED["sk"] if ratio == 1 else [s // 4 + 1 for s in GPU_RAGGED["sk"]]
     a = make_args(GPU_RAGGED["sq"], sk, GPU_RAGGED["offs"], H=64, D=128, dtype=dtype, w_dtype=torch.float32,
                   ratio=ratio, causal=causal, sm_scale=128**-0.5, device="cuda")
-    got = ix.scores(a)
-    ref = scores_f64(a)
-    assert torch.equal(torch.isneginf(got), torch.isneginf(ref))
-    fin = torch.isfinite(ref)
-    rel = (got.double()[fin] - ref[fin]).norm() / ref[fin].norm()
-    assert rel < 1e-3, rel.item()
+    got = _scores_near_f64(a)
     # top-k of the kernel's scores follows the contract (plain torch on the same scores)
     idx, lens = tk.topk(TopkArgs(got, 512))
     ref_idx, ref_len = topk_contract(got, 512)
@@ -249,12 +256,7 @@ def test_gpu_scores_head_counts(H, D):
     """Both tile classes against float64 on ragged causal batches."""
     a = make_args(GPU_RAGGED["sq"], GPU_RAGGED["sk"], GPU_RAGGED["offs"], H=H, D=D, dtype=torch.bfloat16,
                   w_dtype=torch.float32, ratio=1, causal=True, sm_scale=D**-0.5, device="cuda")
-    got = ix.scores(a)
-    ref = scores_f64(a)
-    assert torch.equal(torch.isneginf(got), torch.isneginf(ref))
-    fin = torch.isfinite(ref)
-    rel = (got.double()[fin] - ref[fin]).norm() / ref[fin].norm()
-    assert rel < 1e-3, rel.item()
+    _scores_near_f64(a)
 
 
 @pytest.mark.gpu

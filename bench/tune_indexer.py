@@ -12,7 +12,6 @@ $OUT/tune_indexer.json when $OUT is set.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -263,7 +262,8 @@ def main():
             extra = f" extra {r['extra_bytes_excl_out'] / 2**30:.3f} GiB (+out {r['extra_bytes_incl_out'] / 2**30:.3f})"
         if "ratio_to_scores" in r:
             extra = f" x{r['ratio_to_scores']:.2f} of scores"
-        print(f"| {r['op']} | {r['shape']} | {r['variant']} | {r['ms']:.4f} | {'' if tf is None else f'{tf:.0f}'} | {chk}{extra} |")
+        tfs = '' if tf is None else f'{tf:.0f}'
+        print(f"| {r['op']} | {r['shape']} | {r['variant']} | {r['ms']:.4f} | {tfs} | {chk}{extra} |")
 
 
 if __name__ == "__main__":

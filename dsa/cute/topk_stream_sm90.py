@@ -273,9 +273,9 @@ class TopkStreamSm90(TopkSm90):
     def sample_threshold(self, samp: Int32, L, K, hist: Int32, pick: Int32, words: Int32, tid, lane,
                          warp) -> Int32:
         """A key about margin4 / 4 * K of the row's keys reach: the lower
-        edge of the 22-bit prefix of the sample's matching rank (the
-        vectors ``sample_load`` copied to ``samp``); INVALID + 1 when too
-        few valid."""
+        edge of the 22-bit prefix (11-bit with ``coarse``) of the sample's
+        matching rank (the vectors ``sample_load`` copied to ``samp``);
+        INVALID + 1 when too few valid."""
         c = self.config
         wd = 4 if const_expr(self.es == 4) else 2
         ns = c.threads * c.samples

@@ -1,6 +1,6 @@
 """Indexer training against cuDNN, on the same inputs, in one process.
 
-    PYTHONPATH=$PWD python bench/training_peers.py [--out DIR] [--runs 10] [--sweep] [--no-f64]
+    PYTHONPATH=$PWD python bench/training_peers.py [--out DIR] [--runs 10] [--sweep] [--no-f64] [--cute]
 
 The V3.2 step of bench/test_bench_training.py (T 4096, N 8192, K 2048, main
 attention H 128 / D 576, indexer H_i 64 / D_i 128, bf16, fp32 weights).
@@ -17,7 +17,9 @@ Timed (triton.testing.do_bench, warmup 25 ms, rep 100 ms, median, ms):
 * the deterministic step's floor, piece by piece: the dk rows' fp32 atomics
   alone (the default's scatter), the one sort a step (grouped_positions),
   the fp32 rows stored to the workspace and summed back;
-* with ``--sweep``, the default backward's other tiles.
+* with ``--sweep``, the default backward's other tiles;
+* with ``--cute`` (the CuTe DSL importable, an SM90 GPU), the same ops and
+  the KL step under ``backend="cute"`` (``dsa.cute.indexer_train``).
 
 Checked: the deterministic step bitwise equal over ``--runs`` runs, and
 the gradients of every KL step against float64 (relative L2; for cuDNN also
@@ -156,11 +158,20 @@ def run_kl(table: Table, s, shape, args, ref) -> None:
     results = {"dsa default": step()}
     import dsa
 
+    if args.cute:
+        step_cute = kl_call(s, "cute", False)
+        if guarded(table, "KL step", "dsa cute", step_cute) is not None:
+            results["dsa cute"] = step_cute()
+
     # where the step goes: the backward alone (the forward is "indexer_kl_loss fwd")
-    leaves = [s[n].detach().clone().requires_grad_() for n in ("q_i", "k_i", "weights")]
-    loss = dsa.indexer_kl_loss(*leaves, s["indices"], s["target"], sm_scale=sm, backend="triton")
-    guarded(table, "KL backward alone", "dsa default", lambda: torch.autograd.grad(loss, leaves, retain_graph=True))
-    del loss
+    for backend, method in (("triton", "dsa default"), ("cute", "dsa cute")):
+        if backend == "cute" and not args.cute:
+            continue
+        leaves = [s[n].detach().clone().requires_grad_() for n in ("q_i", "k_i", "weights")]
+        loss = dsa.indexer_kl_loss(*leaves, s["indices"], s["target"], sm_scale=sm, backend=backend)
+        guarded(table, "KL backward alone", method,
+                lambda loss=loss, leaves=leaves: torch.autograd.grad(loss, leaves, retain_graph=True))
+        del loss
     name = "dsa deterministic"
     det = kl_call(s, "triton", True)
     if guarded(table, "KL step", name, det) is not None:
@@ -192,7 +203,7 @@ def run_kl(table: Table, s, shape, args, ref) -> None:
             table.add("KL grads vs float64", method, None, rel_l2=errs, scale=scales)
 
 
-def run_forward_ops(table: Table, s, shape) -> None:
+def run_forward_ops(table: Table, s, shape, cute: bool = False) -> None:
     import dsa
 
     sm = shape.D_i ** -0.5
@@ -203,6 +214,16 @@ def run_forward_ops(table: Table, s, shape) -> None:
             s["q_i"], s["k_i"], s["weights"], s["indices"], sm_scale=sm, backend="triton"))
         guarded(table, "indexer_kl_loss fwd", "dsa", lambda: dsa.indexer_kl_loss(
             s["q_i"], s["k_i"], s["weights"], s["indices"], s["target"], sm_scale=sm, backend="triton"))
+        if cute:
+            want = dsa.sparse_indexer_scores(s["q_i"], s["k_i"], s["weights"], s["indices"], sm_scale=sm,
+                                             backend="triton")
+            got = dsa.sparse_indexer_scores(s["q_i"], s["k_i"], s["weights"], s["indices"], sm_scale=sm,
+                                            backend="cute")
+            guarded(table, "sparse_indexer_scores", "dsa cute", lambda: dsa.sparse_indexer_scores(
+                s["q_i"], s["k_i"], s["weights"], s["indices"], sm_scale=sm, backend="cute"),
+                rel_l2_to_triton=float(f"{rel_l2(got, want):.3g}"))
+            guarded(table, "indexer_kl_loss fwd", "dsa cute", lambda: dsa.indexer_kl_loss(
+                s["q_i"], s["k_i"], s["weights"], s["indices"], s["target"], sm_scale=sm, backend="cute"))
         why = cudnn_peer.unavailable()
         if why is not None:
             table.add("attention_target", "cudnn", None, skipped=why)
@@ -263,6 +284,7 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=10, help="deterministic runs compared bitwise")
     ap.add_argument("--sweep", action="store_true", help="also time the backward's other tiles")
     ap.add_argument("--no-f64", action="store_true", help="skip the float64 gradients")
+    ap.add_argument("--cute", action="store_true", help="also time the cute indexer kernels")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("training_peers: needs a CUDA device")
@@ -273,7 +295,7 @@ def main(argv=None) -> int:
     s = make_set(shape, torch.device("cuda"))
     print(f"shape {shape}; cudnn: {cudnn_peer.unavailable() or 'available'}", flush=True)
     table = Table()
-    run_forward_ops(table, s, shape)
+    run_forward_ops(table, s, shape, args.cute)
     ref = None if args.no_f64 else f64_grads(s, shape.D_i ** -0.5)
     run_kl(table, s, shape, args, ref)
     del ref

@@ -14,7 +14,9 @@ fp8_v32 caches, split over the slots), ``topk`` (``dsa.cute.topk``: a
 radix select with the row in shared memory, or streamed once past
 candidates kept there) and ``indexer_topk`` (``dsa.cute.indexer_topk``:
 Triton's scores chunk by chunk, each chunk's rows selected by the cute
-top-k).  Every other op is declined with that reason, so asking for
+top-k), and the indexer's training ops on the top-k slots
+(``dsa.cute.indexer_train``: ``sparse_indexer_fwd`` / ``_bwd``,
+``indexer_kl_fwd`` / ``_bwd``).  Every other op is declined with that reason, so asking for
 ``backend="cute"`` raises a ``ValueError`` that says so.
 
 Under ``backend="auto"`` a call the kernel can serve goes to cute only
@@ -29,7 +31,8 @@ The decode's placement is ``dsa.cute.decode.PLACEMENT``, a short list of
 until it lists this GPU, auto leaves the decode to Triton.  The top-k's is
 ``dsa.cute.topk.PLACEMENT`` (row lengths per GPU, from
 bench/topk_peers.py), the fused indexer top-k's
-``dsa.cute.indexer_topk.PLACEMENT`` (max_seqlen_k per GPU).
+``dsa.cute.indexer_topk.PLACEMENT`` (max_seqlen_k per GPU), the
+indexer training ops' ``dsa.cute.indexer_train.PLACEMENT`` (ops per GPU).
 """
 
 from __future__ import annotations
@@ -67,6 +70,10 @@ def backend_op(op: str, args: Any, auto: bool = False) -> Callable[..., Any]:
         from dsa.cute import indexer_topk
 
         return _measured(indexer_topk, indexer_topk.indexer_topk, args, auto)
+    if op in ("sparse_indexer_fwd", "indexer_kl_fwd", "sparse_indexer_bwd", "indexer_kl_bwd"):
+        from dsa.cute import indexer_train
+
+        return indexer_train.backend_op(op, args, auto)
     if op != "sparse_attention_fwd":
         raise Unsupported(f"the cute backend has no kernel for {op} in this release")
     from dsa.cute import sparse_attention

@@ -1,0 +1,248 @@
+"""CuTe DSL sparse indexer training ops on SM90: what they serve, launch, placement.
+
+    sparse_indexer_fwd(a) -> logits [T, K] fp32, -inf on invalid slots
+    indexer_kl_fwd(a, target) -> stats [T, 4] fp32 (loss_t, lse, sum of valid target, has a valid slot)
+    sparse_indexer_bwd(a, dlogits) -> dq, dk, dweights
+    indexer_kl_bwd(a, target, stats, scale) -> dq, dk, dweights
+
+on :class:`dsa._args.SparseIndexerArgs`, with the Triton ops' results
+(``dsa.triton.training``, ``dsa.triton.indexer_bwd``).  The kernels are
+``indexer_train_sm90.SparseIndexerSm90`` (forward) and
+``indexer_train_bwd_sm90.SparseIndexerBwdSm90`` (backward: 64 heads, D_i up
+to 128, dk by fp32 atomics, so ``deterministic=True`` stays Triton's);
+compiled kernels are cached per (config, device), and every launch runs
+under q's device and its current stream.
+
+Placement under ``backend="auto"``: ``PLACEMENT`` names, per GPU, the ops the
+same process measured ahead of Triton's (bench/training_peers.py --cute);
+elsewhere auto keeps Triton and ``explain()`` says so.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from dsa._args import SparseIndexerArgs, Unsupported
+from dsa.cute.host import (address, compile_kernel, cutlass_dtype, device_name, dsl_reason, sm90_reason,
+                           stream_handle, zero_row)
+
+# GPU name -> the ops measured faster than Triton's there
+PLACEMENT: Dict[str, Tuple[str, ...]] = {}
+FORWARD = ("sparse_indexer_fwd", "indexer_kl_fwd")
+BACKWARD = ("sparse_indexer_bwd", "indexer_kl_bwd")
+NOTE = "the cute SM90 sparse indexer kernel (gathered k rows in a ring of stages, slots as wgmma rows)"
+_W_TYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# (IndexerSm90Config, device index) -> compiled kernel
+_COMPILED: Dict[tuple, object] = {}
+
+
+def shape_reason(a: SparseIndexerArgs) -> Optional[str]:
+    """Why the kernel is not built for a's dtypes and sizes (None when it
+    is; no device check, the CuTe DSL must import)."""
+    if a.k.dtype != a.q.dtype:
+        return f"k dtype {a.k.dtype} differs from q dtype {a.q.dtype}"
+    if a.weights.dtype not in _W_TYPES:
+        return f"weights dtype {a.weights.dtype}: the cute indexer kernels read {_W_TYPES}"
+    from dsa.cute.indexer_train_sm90 import indexer_reason
+
+    why = indexer_reason(cutlass_dtype(a.q.dtype) or a.q.dtype, a.H, a.D)
+    if why:
+        return why
+    if a.T >= 2**31 or a.N >= 2**31 or a.T * a.K >= 2**31:
+        return "T, N and T x K must fit in int32"
+    return None
+
+
+def supports(a: SparseIndexerArgs, op: str = "sparse_indexer_fwd") -> Optional[str]:
+    """None when the kernel of ``op`` can serve ``a``, else the reason."""
+    why = sm90_reason(a.q.device, "the cute sparse indexer kernels")
+    if why:
+        return why
+    why = dsl_reason() or shape_reason(a)
+    if why:
+        return why
+    if op in BACKWARD:
+        from dsa.cute.indexer_train_bwd_sm90 import bwd_reason
+
+        why = bwd_reason(cutlass_dtype(a.q.dtype), a.H, a.D)
+        if why:
+            return why
+        if a.deterministic:
+            return "deterministic=True: the cute indexer backward adds dk with fp32 atomics (order-free)"
+    for name in ("q", "k"):
+        if getattr(a, name).data_ptr() % 16:
+            return f"{name} is not 16-byte aligned"
+    return None
+
+
+def placement_reason(a: SparseIndexerArgs, op: str) -> Optional[str]:
+    """Why auto leaves ``op`` on ``a`` to Triton (None where ``PLACEMENT`` names it on this GPU)."""
+    ops = PLACEMENT.get(device_name(a.q.device))
+    if ops is None:
+        return "no measurement of the cute indexer kernels on this GPU yet"
+    if op not in ops:
+        return f"{op}: Triton's measured faster on this GPU (cute leads at {list(ops)})"
+    return None
+
+
+def backend_op(op: str, a: SparseIndexerArgs, auto: bool) -> Callable:
+    """The cute implementation of ``op`` for ``a``; Unsupported with the
+    reason where the kernel cannot serve it or, under auto, where it was not
+    measured ahead of Triton's."""
+    why = supports(a, op)
+    if why is None and auto:
+        why = placement_reason(a, op)
+        if why is None:
+            from dsa.cute import _Chosen
+
+            return _Chosen(_OPS[op], f"{NOTE}: measured faster than Triton's on this GPU")
+    if why is not None:
+        raise Unsupported(why)
+    return _OPS[op]
+
+
+def kernel_config(a: SparseIndexerArgs, kl: bool):
+    """The ``IndexerSm90Config`` that serves ``a``."""
+    from dsa.cute.indexer_train_sm90 import IndexerSm90Config
+
+    return IndexerSm90Config(cutlass_dtype(a.q.dtype), _w_type(a.weights.dtype), a.H, a.D,
+                             a.topk_length is not None, kl)
+
+
+def _w_type(dt: torch.dtype):
+    import cutlass
+
+    return cutlass_dtype(dt) or cutlass.Float32
+
+
+def _ptr_types(dt, wt):
+    """(cutlass element type, assumed alignment) of each pointer, in order:
+    q, k, weights, indices, topk_length, target, out, zero row."""
+    import cutlass
+
+    I32, F32 = cutlass.Int32, cutlass.Float32
+    return ((dt, 16), (dt, 16), (wt, wt.width // 8), (I32, 4), (I32, 4), (F32, 4), (F32, 4), (dt, 16))
+
+
+def _scalar_types():
+    """T, N, K, sm_scale."""
+    import cutlass
+
+    return cutlass.Int32, cutlass.Int32, cutlass.Int32, cutlass.Float32
+
+
+def _compiled(cfg, device: torch.device):
+    key = (cfg, device.index)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        from dsa.cute.indexer_train_sm90 import SparseIndexerSm90
+
+        fn = _COMPILED[key] = compile_kernel(SparseIndexerSm90.from_config(cfg), _ptr_types(cfg.dtype, cfg.w_dtype),
+                                             _scalar_types())
+    return fn
+
+
+def _launch(a: SparseIndexerArgs, target: torch.Tensor, out: torch.Tensor, kl: bool) -> None:
+    length = a.topk_length if a.topk_length is not None else a.indices  # never read when absent
+    with torch.cuda.device(a.q.device):
+        tensors = (a.q, a.k, a.weights, a.indices, length, target, out, zero_row(a.q.device, a.q.dtype, a.D))
+        _compiled(kernel_config(a, kl), a.q.device)(*(address(x) for x in tensors), a.T, a.N, a.K,
+                                                    float(a.sm_scale), stream_handle(a.q.device))
+
+
+def _checked(a: SparseIndexerArgs, op: str) -> None:
+    why = supports(a, op)
+    if why:
+        raise ValueError(why)
+
+
+def sparse_indexer_fwd(a: SparseIndexerArgs) -> torch.Tensor:
+    """-> logits [T, K] fp32, -inf on invalid slots (every slot written)."""
+    _checked(a, "sparse_indexer_fwd")
+    out = torch.empty((a.T, a.K), device=a.q.device, dtype=torch.float32)
+    _launch(a, out, out, kl=False)
+    return out
+
+
+def indexer_kl_fwd(a: SparseIndexerArgs, target: torch.Tensor) -> torch.Tensor:
+    """-> stats [T, 4] fp32 (loss_t, lse of the logits, sum of valid target,
+    has a valid slot); target [T, K] (fp32 read)."""
+    _checked(a, "indexer_kl_fwd")
+    stats = torch.empty(a.T, 4, device=a.q.device, dtype=torch.float32)
+    _launch(a, target.float().contiguous(), stats, kl=True)
+    return stats
+
+
+def _bwd_compiled(a: SparseIndexerArgs, kl: bool):
+    from dsa.cute.indexer_train_bwd_sm90 import IndexerBwdSm90Config, SparseIndexerBwdSm90
+
+    cfg = IndexerBwdSm90Config(cutlass_dtype(a.q.dtype), _w_type(a.weights.dtype), a.H, a.D,
+                               a.topk_length is not None, kl)
+    key = (cfg, a.q.device.index)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        fn = _COMPILED[key] = compile_kernel(SparseIndexerBwdSm90.from_config(cfg), _bwd_ptr_types(cfg),
+                                             _scalar_types())
+    return fn
+
+
+def _bwd_ptr_types(cfg):
+    """q, k, weights, indices, topk_length, gin, stats, scale, dq, dk, dweights, zero row."""
+    import cutlass
+
+    I32, F32 = cutlass.Int32, cutlass.Float32
+    dt, wt = cfg.dtype, cfg.w_dtype
+    return ((dt, 16), (dt, 16), (wt, wt.width // 8), (I32, 4), (I32, 4), (F32, 4), (F32, 4), (F32, 4),
+            (dt, 4), (F32, 16), (wt, wt.width // 8), (dt, 16))
+
+
+def _backward(a: SparseIndexerArgs, gin: torch.Tensor, stats: torch.Tensor, scale: torch.Tensor, kl: bool):
+    from dsa.cute.sparse_attention_bwd import natural_columns
+
+    length = a.topk_length if a.topk_length is not None else a.indices  # never read when absent
+    with torch.cuda.device(a.q.device):
+        dq = torch.empty_like(a.q)
+        dw = torch.empty_like(a.weights)
+        dk = torch.zeros(a.N, a.D, device=a.q.device, dtype=torch.float32)
+        tensors = (a.q, a.k, a.weights, a.indices, length, gin, stats, scale, dq, dk, dw,
+                   zero_row(a.q.device, a.q.dtype, a.D))
+        _bwd_compiled(a, kl)(*(address(x) for x in tensors), a.T, a.N, a.K, float(a.sm_scale),
+                             stream_handle(a.q.device))
+        return dq, natural_columns(dk, a.k.dtype), dw
+
+
+def sparse_indexer_bwd(a: SparseIndexerArgs, dlogits: torch.Tensor):
+    """-> dq, dk, dweights of the logits; dlogits [T, K] (fp32 read; never read at an invalid slot)."""
+    _checked(a, "sparse_indexer_bwd")
+    g = dlogits.float().contiguous()
+    return _backward(a, g, g, g, kl=False)
+
+
+def indexer_kl_bwd(a: SparseIndexerArgs, target: torch.Tensor, stats: torch.Tensor, scale: torch.Tensor):
+    """-> dq, dk, dweights of the KL loss; stats [T, 4] of the forward, scale = dloss / max(R, 1) (0-dim)."""
+    _checked(a, "indexer_kl_bwd")
+    return _backward(a, target.float().contiguous(), stats.float().contiguous(), scale.float().reshape(1), kl=True)
+
+
+_OPS = {"sparse_indexer_fwd": sparse_indexer_fwd, "indexer_kl_fwd": indexer_kl_fwd,
+        "sparse_indexer_bwd": sparse_indexer_bwd, "indexer_kl_bwd": indexer_kl_bwd}
+for _fn in _OPS.values():
+    _fn.note = NOTE
+
+
+def compile_offline(dtype: torch.dtype, w_dtype: torch.dtype, H: int, D: int, has_len: bool, kl: bool,
+                    backward: bool = False, options: str = "--keep-ptx"):
+    """Compile the forward (or the backward) without a GPU
+    (``CUTE_DSL_ARCH=sm_90a``), for CI and inspection; returns the compiled object."""
+    from dsa.cute.indexer_train_bwd_sm90 import IndexerBwdSm90Config, SparseIndexerBwdSm90
+    from dsa.cute.indexer_train_sm90 import IndexerSm90Config, SparseIndexerSm90
+
+    if backward:
+        cfg = IndexerBwdSm90Config(cutlass_dtype(dtype), _w_type(w_dtype), H, D, has_len, kl)
+        return compile_kernel(SparseIndexerBwdSm90.from_config(cfg), _bwd_ptr_types(cfg), _scalar_types(), options)
+    cfg = IndexerSm90Config(cutlass_dtype(dtype), _w_type(w_dtype), H, D, has_len, kl)
+    return compile_kernel(SparseIndexerSm90.from_config(cfg), _ptr_types(cfg.dtype, cfg.w_dtype), _scalar_types(),
+                          options)

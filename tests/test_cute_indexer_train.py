@@ -1,0 +1,312 @@
+"""The CuTe DSL SM90 sparse indexer forward: logits and KL stats.
+
+* CPU (CI): the kernel compiles ahead of time for sm_90a (``CUTE_DSL_ARCH``)
+  with wgmma and the cp.async gather in its PTX, no spill, and register
+  targets its launch can grant; what it serves, and the routing (auto keeps
+  Triton until this GPU is measured, ``explain()`` says why).
+* GPU (``-m gpu``, an SM90 device): logits and the KL stats against a float64
+  computation written here, with hostile indices, every kind of topk_length,
+  rows of K not a multiple of 64, NaN in k rows no valid slot names, and an
+  output whose memory held NaN before the call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import dsa
+from cute_offline import HAVE_DSL, SM90, compile_reports
+from dsa._args import SparseIndexerArgs
+from dsa.cute import indexer_train as cit
+
+needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl is not installed")
+gpu = pytest.mark.gpu
+sm90 = pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
+
+
+# --------------------------------------------------------------------------
+# ahead-of-time compilation (CPU)
+
+_CONFIGS = [
+    # name, q dtype, weights dtype, H, D, topk_length, kl
+    ("v32_logits", "bfloat16", "float32", 64, 128, True, False),
+    ("v32_kl", "bfloat16", "float32", 64, 128, False, True),
+    ("h128_kl_fp16", "float16", "bfloat16", 128, 128, True, True),
+    ("h16_d64_logits", "bfloat16", "bfloat16", 16, 64, False, False),
+    ("h32_d256_kl", "float16", "float16", 32, 256, True, True),
+]
+
+
+@needs_dsl
+def test_compiles_offline_for_sm90_without_spills(tmp_path):
+    from dsa.cute.indexer_train_sm90 import REGS, ctas_per_sm
+
+    calls = [(name, "dsa.cute.indexer_train:compile_offline", [f"torch.{dt}", f"torch.{wt}", H, D, has_len, kl], {})
+             for name, dt, wt, H, D, has_len, kl in _CONFIGS]
+    needles = ("wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc", "shfl.sync",
+               "setmaxnreg.inc", "setmaxnreg.dec", "st.global.f32", "ex2.approx")
+    res = compile_reports(calls, needles, "sm_90a", tmp_path)
+    for name, dt, wt, H, D, has_len, kl in _CONFIGS:
+        r = res[name]
+        n = r["needles"]
+        # S^T = K Q^T: D / 16 steps in each consumer's copy of the loop
+        assert n["wgmma.mma_async"] == 2 * (D // 16), (name, n)
+        # Q's copies (H / 16 passes) and the gather's (4 passes, in each of
+        # the two blocks a loop step fills), a 16-byte copy per 64-column chunk
+        assert n["cp.async.cg.shared.global"] == (H // 16 + 8) * (D // 64), (name, n)
+        assert n["cp.async.mbarrier.arrive.noinc"] == 3, (name, n)
+        assert n["shfl.sync"] >= 4, (name, n)  # the quad's head sums
+        assert n["setmaxnreg.inc"] == 1 and n["setmaxnreg.dec"] == 1, (name, n)
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
+        # the register targets fit what the launch gives a thread
+        p, c = REGS[ctas_per_sm(H)]
+        assert r["registers"] == 65536 // (384 * ctas_per_sm(H)) // 8 * 8, (name, r)
+        assert p + 2 * c <= 3 * r["registers"], (name, r)
+        assert r["smem"] * ctas_per_sm(H) <= r["smem_limit"] or D > 128, (name, r)
+
+
+# --------------------------------------------------------------------------
+# host logic (CPU)
+
+
+def _args(T=3, N=40, H=64, D=128, K=70, dtype=torch.bfloat16, w_dtype=torch.float32, device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(T, H, D, generator=g).to(dtype)
+    k = torch.randn(N, D, generator=g).to(dtype)
+    w = torch.randn(T, H, generator=g).to(w_dtype)
+    idx = torch.randint(0, N, (T, K), generator=g, dtype=torch.int32)
+    return SparseIndexerArgs(q.to(device), k.to(device), w.to(device), idx.to(device), None, 0.5)
+
+
+@needs_dsl
+@pytest.mark.parametrize("change, words", [
+    (dict(H=8), "multiple of 16 heads"),
+    (dict(H=256), "multiple of 16 heads"),
+    (dict(D=96), "D_i = 96"),
+    (dict(dtype=torch.float32), "bf16 or fp16"),
+    (dict(w_dtype=torch.float64), "weights dtype"),
+])
+def test_shape_reasons(change, words):
+    assert words in cit.shape_reason(_args(**change))
+
+
+@needs_dsl
+def test_served_shapes_have_no_reason():
+    for H, D in ((16, 64), (64, 128), (128, 256)):
+        assert cit.shape_reason(_args(H=H, D=D)) is None
+
+
+def test_a_cpu_call_is_declined_with_the_architecture():
+    assert "CUDA GPU" in cit.supports(_args())
+    with pytest.raises(ValueError, match="CUDA GPU"):
+        dsa.sparse_indexer_scores(*_public(_args()), backend="cute")
+
+
+def _public(a: SparseIndexerArgs):
+    return a.q, a.k, a.weights, a.indices
+
+
+def test_auto_keeps_triton_on_a_gpu_not_measured(monkeypatch):
+    monkeypatch.setattr(cit, "PLACEMENT", {})
+    monkeypatch.setattr(cit, "device_name", lambda dev: "Some GPU")
+    assert "no measurement" in cit.placement_reason(_args(), "indexer_kl_fwd")
+    monkeypatch.setattr(cit, "PLACEMENT", {"Some GPU": ("sparse_indexer_fwd", "indexer_kl_fwd")})
+    assert cit.placement_reason(_args(), "indexer_kl_fwd") is None
+    assert "Triton's measured faster" in cit.placement_reason(_args(), "indexer_kl_bwd")
+
+
+# --------------------------------------------------------------------------
+# GPU: against float64
+
+
+def _f64_logits(q, k, w, idx, length, sm_scale):
+    """[T, K] float64: sm_scale sum_h w relu(q . k[idx]) on valid slots, -inf elsewhere."""
+    q, k, w, idx = q.double().cpu(), k.double().cpu(), w.double().cpu(), idx.long().cpu()
+    T, K = idx.shape
+    N = k.shape[0]
+    L = torch.full((T,), K) if length is None else length.long().cpu().clamp(0, K)
+    valid = (torch.arange(K)[None, :] < L[:, None]) & (idx >= 0) & (idx < N)
+    rows = k[idx.clamp(0, N - 1)]                          # [T, K, D]
+    dots = torch.einsum("thd,tkd->tkh", q, rows)           # [T, K, H]
+    lg = sm_scale * (torch.relu(dots) * w[:, None, :]).sum(-1)
+    return torch.where(valid, lg, -math.inf), valid
+
+
+def _f64_stats(lg, valid, target):
+    """[T, 4]: loss_t, lse, sum of valid target, has a valid slot."""
+    tg = torch.where(valid, target.double().cpu(), 0.0)
+    out = torch.zeros(lg.shape[0], 4, dtype=torch.float64)
+    for t in range(lg.shape[0]):
+        v = valid[t]
+        if not v.any():
+            out[t, 1] = -math.inf
+            continue
+        lse = torch.logsumexp(lg[t][v], 0)
+        nz = v & (tg[t] != 0)
+        out[t, 0] = (tg[t][nz] * (torch.log(tg[t][nz]) - (lg[t][nz] - lse))).sum()
+        out[t, 1], out[t, 2], out[t, 3] = lse, tg[t].sum(), 1.0
+    return out
+
+
+def _rel(got, exp):
+    got, exp = got.double().cpu(), exp.double().cpu()
+    fin = torch.isfinite(exp)
+    assert torch.equal(torch.isfinite(got), fin), "non-finite entries differ"
+    assert torch.equal(got[~fin], exp[~fin])
+    return ((got[fin] - exp[fin]).norm() / exp[fin].norm().clamp_min(1e-30)).item()
+
+
+def _hostile(T, N, K, H, D, dtype, w_dtype, seed):
+    """Inputs with every kind of slot: hostile indices, lengths below 0, 0,
+    inside, K and past K, and NaN in the k rows 0-3, which only invalid
+    slots and slots past a row's length name."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(T, H, D, device="cuda", generator=g).to(dtype)
+    k = torch.randn(N, D, device="cuda", generator=g).to(dtype)
+    k[:4] = float("nan")
+    w = torch.randn(T, H, device="cuda", generator=g).to(w_dtype)
+    idx = torch.randint(4, N, (T, K), device="cuda", generator=g, dtype=torch.int32)
+    bad = torch.rand(T, K, device="cuda", generator=g) < 0.1
+    choices = torch.tensor([-1, N, N + 3, 2**31 - 1, -(2**31)], device="cuda", dtype=torch.int32)
+    idx = torch.where(bad, choices[torch.randint(0, 5, (T, K), device="cuda", generator=g)], idx)
+    length = torch.randint(1, K + 1, (T,), device="cuda", generator=g, dtype=torch.int32)
+    length[: min(T, 5)] = torch.tensor([-3, 0, 1, K, K + 7], dtype=torch.int32)[: min(T, 5)]
+    past = torch.arange(K, device="cuda")[None, :] >= length[:, None]
+    idx = torch.where(past, torch.randint(0, 4, (T, K), device="cuda", generator=g, dtype=torch.int32), idx)
+    return q, k, w, idx, length
+
+
+def _poisoned_pool(nbytes):
+    """Leave NaN in the caching allocator's free memory, so an output the
+    kernel fails to write shows."""
+    torch.empty(nbytes // 4 + 1024, device="cuda").fill_(float("nan"))
+    torch.cuda.synchronize()
+
+
+_GPU_SHAPES = [
+    # T, N, K, H, D, dtype, weights dtype
+    (64, 300, 200, 64, 128, torch.bfloat16, torch.float32),
+    (33, 1000, 512, 64, 128, torch.float16, torch.bfloat16),
+    (17, 257, 130, 128, 128, torch.bfloat16, torch.float32),
+    (20, 200, 64, 16, 64, torch.bfloat16, torch.bfloat16),
+    (9, 150, 100, 32, 256, torch.float16, torch.float16),
+]
+
+
+@gpu
+@sm90
+@needs_dsl
+@pytest.mark.parametrize("T, N, K, H, D, dtype, w_dtype", _GPU_SHAPES)
+def test_gpu_logits_against_float64(T, N, K, H, D, dtype, w_dtype):
+    q, k, w, idx, length = _hostile(T, N, K, H, D, dtype, w_dtype, seed=T + K)
+    a = SparseIndexerArgs(q, k, w, idx, length, 0.3)
+    _poisoned_pool(T * K * 4)
+    got = cit.sparse_indexer_fwd(a)
+    exp, _ = _f64_logits(q, k, w, idx, length, 0.3)
+    assert _rel(got, exp) < 1e-5
+
+
+@gpu
+@sm90
+@needs_dsl
+@pytest.mark.parametrize("T, N, K, H, D, dtype, w_dtype", _GPU_SHAPES)
+def test_gpu_kl_stats_against_float64(T, N, K, H, D, dtype, w_dtype):
+    q, k, w, idx, length = _hostile(T, N, K, H, D, dtype, w_dtype, seed=2 * T + K)
+    a = SparseIndexerArgs(q, k, w, idx, length, 0.3)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    target = torch.rand(T, K, device="cuda", generator=g)
+    target[torch.rand(T, K, device="cuda", generator=g) < 0.3] = 0.0  # zero targets count 0
+    target[:, 1::7] = float("nan")  # read only where valid: an invalid slot's target is ignored
+    lg, valid = _f64_logits(q, k, w, idx, length, 0.3)
+    target = torch.where(valid.cuda(), target.nan_to_num(0.5), target)
+    _poisoned_pool(T * 16)
+    got = cit.indexer_kl_fwd(a, target)
+    exp = _f64_stats(lg, valid, target)
+    assert torch.equal(got[:, 3].cpu(), exp[:, 3].float())
+    for col in range(3):
+        assert _rel(got[:, col], exp[:, col]) < 1e-4, col
+
+
+@gpu
+@sm90
+@needs_dsl
+def test_gpu_public_path_auto_takes_cute_where_placed(monkeypatch):
+    from dsa import selector
+
+    q, k, w, idx, length = _hostile(40, 500, 300, 64, 128, torch.bfloat16, torch.float32, seed=3)
+    want = dsa.sparse_indexer_scores(q, k, w, idx, sm_scale=0.2, topk_length=length, backend="triton")
+    monkeypatch.setattr(cit, "PLACEMENT", {torch.cuda.get_device_name(): ("sparse_indexer_fwd", "indexer_kl_fwd")})
+    selector.forget()
+    got = dsa.sparse_indexer_scores(q, k, w, idx, sm_scale=0.2, topk_length=length)
+    assert "cute" in dsa.explain("sparse_indexer_scores", q, k, w, idx, sm_scale=0.2, topk_length=length)
+    assert _rel(got, want) < 1e-5
+    target = torch.rand(40, 300, device="cuda")
+    qg, kg, wg = (x.clone().requires_grad_() for x in (q, k, w))
+    loss = dsa.indexer_kl_loss(qg, kg, wg, idx, target, sm_scale=0.2, topk_length=length)
+    ref = dsa.indexer_kl_loss(q, k, w, idx, target, sm_scale=0.2, topk_length=length, backend="triton")
+    assert abs(loss.item() - ref.item()) <= 1e-4 * abs(ref.item())
+    loss.backward()  # the backward stays Triton's
+    assert torch.isfinite(qg.grad).all() and torch.isfinite(kg.grad).all()
+
+
+def _f64_leaves(q, k, w):
+    return tuple(x.detach().double().cpu().requires_grad_() for x in (q, k, w))
+
+
+def _f64_logits_grad(q, k, w, idx, length, sm_scale):
+    """Differentiable float64 logits [T, K] and validity: invalid slots gather
+    a zero row (so the NaN rows never enter) and get -inf."""
+    idx = idx.long().cpu()
+    T, K = idx.shape
+    N = k.shape[0]
+    L = torch.full((T,), K) if length is None else length.long().cpu().clamp(0, K)
+    valid = (torch.arange(K)[None, :] < L[:, None]) & (idx >= 0) & (idx < N)
+    rows = torch.where(valid[..., None], k[idx.clamp(0, N - 1)], 0.0)
+    lg = sm_scale * (torch.relu(torch.einsum("thd,tkd->tkh", q, rows)) * w[:, None, :]).sum(-1)
+    return torch.where(valid, lg, -math.inf), valid
+
+
+@gpu
+@sm90
+@needs_dsl
+@pytest.mark.parametrize("kl", [True, False], ids=["kl", "logits"])
+@pytest.mark.parametrize("T, N, K, D, dtype, w_dtype", [
+    (48, 300, 200, 128, torch.bfloat16, torch.float32),
+    (21, 1000, 512, 64, torch.float16, torch.bfloat16),
+])
+def test_gpu_backward_against_float64(kl, T, N, K, D, dtype, w_dtype):
+    q, k, w, idx, length = _hostile(T, N, K, 64, D, dtype, w_dtype, seed=5 * T + K)
+    k = torch.where(torch.isnan(k), 0.0, k)  # the float64 gradient of a NaN row is NaN; the kernel reads none
+    a = SparseIndexerArgs(q, k, w, idx, length, 0.4)
+    ql, kl_, wl = _f64_leaves(q, k, w)
+    lg, valid = _f64_logits_grad(ql, kl_, wl, idx, length, 0.4)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    if kl:
+        target = torch.rand(T, K, device="cuda", generator=g)
+        target[torch.rand(T, K, device="cuda", generator=g) < 0.3] = 0.0
+        stats = cit.indexer_kl_fwd(a, target)
+        R = max(int(valid.any(1).sum()), 1)
+        scale = torch.tensor(1.0 / R, device="cuda")
+        tg = torch.where(valid, target.double().cpu(), 0.0)
+        lse = torch.logsumexp(lg, -1, keepdim=True)
+        nz = valid & (tg != 0)
+        terms = torch.where(nz, tg * (torch.log(torch.where(nz, tg, 1.0)) - (lg - lse)), 0.0)
+        (terms.sum() / R).backward()
+        _poisoned_pool(T * 64 * D * 2)
+        dq, dk, dw = cit.indexer_kl_bwd(a, target, stats, scale)
+    else:
+        dl = torch.randn(T, K, device="cuda", generator=g)
+        (torch.where(valid, lg, 0.0) * dl.double().cpu()).sum().backward()
+        dl = torch.where(valid.cuda(), dl, float("nan"))  # an invalid slot's gradient is never read
+        _poisoned_pool(T * 64 * D * 2)
+        dq, dk, dw = cit.sparse_indexer_bwd(a, dl)
+    for name, got, leaf, x in (("dq", dq, ql, q), ("dk", dk, kl_, k), ("dw", dw, wl, w)):
+        assert got.dtype == x.dtype and got.shape == x.shape, name
+        assert _rel(got, leaf.grad) < 1e-2, name
+    # k rows no valid slot names get exactly zero
+    named = torch.zeros(N, dtype=torch.bool)
+    named[idx.long().cpu()[valid].unique()] = True
+    assert torch.equal(dk.cpu()[~named], torch.zeros_like(dk.cpu()[~named]))

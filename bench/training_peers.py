@@ -171,7 +171,11 @@ def run_kl(table: Table, s, shape, args, ref) -> None:
         loss = dsa.indexer_kl_loss(*leaves, s["indices"], s["target"], sm_scale=sm, backend=backend)
         guarded(table, "KL backward alone", method,
                 lambda loss=loss, leaves=leaves: torch.autograd.grad(loss, leaves, retain_graph=True))
-        del loss
+        lg = dsa.sparse_indexer_scores(*leaves, s["indices"], sm_scale=sm, backend=backend)
+        dl = torch.randn_like(lg)
+        guarded(table, "sparse_indexer_scores backward alone", method,
+                lambda lg=lg, leaves=leaves, dl=dl: torch.autograd.grad(lg, leaves, dl, retain_graph=True))
+        del loss, lg
     name = "dsa deterministic"
     det = kl_call(s, "triton", True)
     if guarded(table, "KL step", name, det) is not None:

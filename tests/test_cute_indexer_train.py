@@ -68,6 +68,36 @@ def test_compiles_offline_for_sm90_without_spills(tmp_path):
         assert r["smem"] * ctas_per_sm(H) <= r["smem_limit"] or D > 128, (name, r)
 
 
+_BWD_CONFIGS = [
+    # name, q dtype, weights dtype, D, topk_length, kl
+    ("v32_kl", "bfloat16", "float32", 128, False, True),
+    ("logits_len_fp16", "float16", "bfloat16", 128, True, False),
+    ("d64_kl_len", "bfloat16", "bfloat16", 64, True, True),
+]
+
+
+@needs_dsl
+def test_backward_compiles_offline_for_sm90_without_spills(tmp_path):
+    from dsa.cute.indexer_train_bwd_sm90 import BWD_REGS
+
+    calls = [(name, "dsa.cute.indexer_train:compile_offline", [f"torch.{dt}", f"torch.{wt}", 64, D, has_len, kl],
+              {"backward": True}) for name, dt, wt, D, has_len, kl in _BWD_CONFIGS]
+    needles = ("wgmma.mma_async", "red.relaxed.gpu.global.add.L2::cache_hint.v4.f32", "createpolicy",
+               "st.global.b32", "bar.sync")
+    res = compile_reports(calls, needles, "sm_90a", tmp_path)
+    for name, dt, wt, D, has_len, kl in _BWD_CONFIGS:
+        r = res[name]
+        n = r["needles"]
+        # each consumer: S^T (D / 16 steps), dq (4: 64 slots), dk (4: 64 heads) per 64-column chunk
+        assert n["wgmma.mma_async"] == 2 * (D // 16 + 4 + 4 * (D // 64)), (name, n)
+        # each consumer: 8 four-float adds a thread and chunk, under the evict-last policy
+        assert n["red.relaxed.gpu.global.add.L2::cache_hint.v4.f32"] == 2 * 8 * (D // 64), (name, n)
+        assert n["createpolicy"] >= 2, (name, n)
+        assert n["st.global.b32"] >= (64 * D // 128) // 2, (name, n)  # dq, two columns a word
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
+        assert r["registers"] == 168 and BWD_REGS[0] + 2 * BWD_REGS[1] <= 3 * r["registers"], (name, r)
+
+
 # --------------------------------------------------------------------------
 # host logic (CPU)
 
@@ -91,6 +121,17 @@ def _args(T=3, N=40, H=64, D=128, K=70, dtype=torch.bfloat16, w_dtype=torch.floa
 ])
 def test_shape_reasons(change, words):
     assert words in cit.shape_reason(_args(**change))
+
+
+@needs_dsl
+def test_backward_reasons():
+    from dsa.cute.indexer_train_bwd_sm90 import bwd_reason
+
+    import cutlass
+
+    assert bwd_reason(cutlass.BFloat16, 64, 128) is None
+    assert "64 heads" in bwd_reason(cutlass.BFloat16, 32, 128)
+    assert "64 heads" in bwd_reason(cutlass.BFloat16, 64, 256)
 
 
 @needs_dsl

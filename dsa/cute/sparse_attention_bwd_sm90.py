@@ -85,13 +85,15 @@ class BwdSm90Config(scheduler.ProblemConfig):
     64-column dkv chunks warpgroup 0 takes), scatter False (a timing build
     that adds none of dkv: its dkv is not the gradient), l2_hints (bits: 1
     Q and dO loaded evict-first, 2 dq stored evict-first, 8 the deterministic
-    build's per-slot rows stored evict-first)."""
+    build's per-slot rows stored evict-first), index_ahead (a block's kv-row
+    indices loaded while the block before it is computed)."""
 
     deterministic: bool
     evict_last: bool = True
     c0_chunks: int = 2
     scatter: bool = True
     l2_hints: int = 0
+    index_ahead: bool = True
 
 
 
@@ -106,15 +108,16 @@ class SparseAttnBwdSm90:
     them)."""
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, deterministic: bool,
-                 evict_last: bool = True, c0_chunks: int = 2, scatter: bool = True, l2_hints: int = 0):
+                 evict_last: bool = True, c0_chunks: int = 2, scatter: bool = True, l2_hints: int = 0,
+                 index_ahead: bool = True):
         why = self.can_implement(dtype, D, d_v, H, G)
         if why is not None:
             raise ValueError(f"SparseAttnBwdSm90: {why}")
         if not 0 <= c0_chunks < D // 64:  # warpgroup 1 releases the dS / P buffers after its last chunk
             raise ValueError(f"SparseAttnBwdSm90: c0_chunks={c0_chunks} is not in [0, {D // 64})")
         self.config = BwdSm90Config(dtype, D, d_v, H, G, has_len, deterministic, evict_last, c0_chunks,
-                                    scatter, l2_hints)
-        self.l2_hints = l2_hints
+                                    scatter, l2_hints, index_ahead)
+        self.l2_hints, self.index_ahead = l2_hints, index_ahead
         self.dtype = dtype
         self.D, self.d_v, self.H, self.G = D, d_v, H, G
         self.HG = H // G
@@ -289,20 +292,33 @@ class SparseAttnBwdSm90:
                 zero_ptr, row_in_pass, col0)
 
     @cute.jit
-    def gather_block(self, ld, i, tile, N, full, empty):
-        """Gather the kv rows of block i into the stage, once both warpgroups
-        are past block i - 1's dQ; the stage's mask with it."""
-        atom, tK, ok, (ns, base, mk), kv_ptr, zero_ptr, row_in_pass, col0 = ld
-        g, L, idx_row = tile[2], tile[5], tile[7]
-        ES = self.dtype.width // 8
-        # indices first, all loads in flight together; a slot past L reads
-        # slot L - 1 instead (nothing past topk_length is read) and is
-        # dropped.  rules.fetch_indices less its L > 0 test: a block runs
-        # only when L > 0
+    def fetch_block(self, ld, i, tile):
+        """Issue the index loads of block i (this thread's rows), all in
+        flight together; a slot past L reads slot L - 1 instead (nothing past
+        topk_length is read) and is dropped.  rules.fetch_indices less its
+        L > 0 test: a block runs only when L > 0."""
+        ns = ld[3][0]
+        row_in_pass = ld[6]
+        L, idx_row = tile[5], tile[7]
         for m in cutlass.range_constexpr(BN // 16):
             slot = i * BN + row_in_pass + m * 16
             ns[m] = load(idx_row, Int64(cutlass.min(slot, L - 1)))
+
+    @cute.jit
+    def gather_block(self, ld, i, tile, N, full, empty):
+        """Gather the kv rows of block i into the stage, once both warpgroups
+        are past block i - 1's dQ; the stage's mask with it.  Its indices
+        were fetched (``fetch_block``) a block earlier with ``index_ahead``,
+        else now; then block i + 1's are fetched."""
+        atom, tK, ok, (ns, base, mk), kv_ptr, zero_ptr, row_in_pass, col0 = ld
+        g, L = tile[2], tile[5]
+        ES = self.dtype.width // 8
+        if const_expr(not self.index_ahead):
+            self.fetch_block(ld, i, tile)
         self.resolve_rows(base, mk, ns, i, kv_ptr, zero_ptr, g, L, N, row_in_pass, col0)
+        if const_expr(self.index_ahead):
+            if i + 1 < tile[6]:
+                self.fetch_block(ld, i + 1, tile)  # its latency runs under this block's work
         if i > 0:
             cute.arch.mbarrier_wait(empty, freed_phase(i))  # both warpgroups past block i - 1's dQ
         for m in cutlass.range_constexpr(BN // 16):
@@ -365,6 +381,8 @@ class SparseAttnBwdSm90:
         if const_expr(w == 0):
             ld = self.loader(wtid, gather, tile, q_full)
             if n_blocks > 0:
+                if const_expr(self.index_ahead):
+                    self.fetch_block(ld, 0, tile)
                 self.gather_block(ld, 0, tile, N, full, empty)
             cute.arch.mbarrier_wait(q_full, 0)
             sc = self.scores_setup(s_mma, sp_layout, wtid, sQ, sdO, sK, raw_ds, raw_p, sOk, t, head0,

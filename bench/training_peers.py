@@ -19,7 +19,8 @@ Timed (triton.testing.do_bench, warmup 25 ms, rep 100 ms, median, ms):
   the fp32 rows stored to the workspace and summed back;
 * with ``--sweep``, the default backward's other tiles;
 * with ``--cute`` (the CuTe DSL importable, an SM90 GPU), the same ops and
-  the KL step under ``backend="cute"`` (``dsa.cute.indexer_train``).
+  the KL step under ``backend="cute"`` (``dsa.cute.indexer_train``) and
+  ``"auto"``; the deterministic step stays Triton's backward under auto.
 
 Checked: the deterministic step bitwise equal over ``--runs`` runs, and
 the gradients of every KL step against float64 (relative L2; for cuDNN also
@@ -159,9 +160,10 @@ def run_kl(table: Table, s, shape, args, ref) -> None:
     import dsa
 
     if args.cute:
-        step_cute = kl_call(s, "cute", False)
-        if guarded(table, "KL step", "dsa cute", step_cute) is not None:
-            results["dsa cute"] = step_cute()
+        for backend in ("cute", "auto"):
+            step_b = kl_call(s, backend, False)
+            if guarded(table, "KL step", f"dsa {backend}", step_b) is not None:
+                results[f"dsa {backend}"] = step_b()
 
     # where the step goes: the backward alone (the forward is "indexer_kl_loss fwd")
     for backend, method in (("triton", "dsa default"), ("cute", "dsa cute")):
@@ -228,6 +230,8 @@ def run_forward_ops(table: Table, s, shape, cute: bool = False) -> None:
                 rel_l2_to_triton=float(f"{rel_l2(got, want):.3g}"))
             guarded(table, "indexer_kl_loss fwd", "dsa cute", lambda: dsa.indexer_kl_loss(
                 s["q_i"], s["k_i"], s["weights"], s["indices"], s["target"], sm_scale=sm, backend="cute"))
+            guarded(table, "sparse_indexer_scores", "dsa auto", lambda: dsa.sparse_indexer_scores(
+                s["q_i"], s["k_i"], s["weights"], s["indices"], sm_scale=sm))
         why = cudnn_peer.unavailable()
         if why is not None:
             table.add("attention_target", "cudnn", None, skipped=why)

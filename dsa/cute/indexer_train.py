@@ -31,8 +31,8 @@ from dsa.cute.host import (address, compile_kernel, cutlass_dtype, device_name, 
 FORWARD = ("sparse_indexer_fwd", "indexer_kl_fwd")
 BACKWARD = ("sparse_indexer_bwd", "indexer_kl_bwd")
 # GPU name -> the ops measured faster than Triton's there.  H200, the V3.2
-# step (T 4096, N 8192, K 2048, H_i 64, D_i 128; bench/RESULTS.md C125,
-# C127), cute / Triton ms: logits 0.358 / 0.400, KL forward 0.429 / 0.460,
+# step (T 4096, N 8192, K 2048, H_i 64, D_i 128; bench/RESULTS.md C127,
+# C128), cute / Triton ms: logits 0.358 / 0.400, KL forward 0.429 / 0.460,
 # KL backward 1.597 / 2.113, logits backward 1.512 / 2.040.
 PLACEMENT: Dict[str, Tuple[str, ...]] = {"NVIDIA H200": FORWARD + BACKWARD}
 NOTE = "the cute SM90 sparse indexer kernel (gathered k rows in a ring of stages, slots as wgmma rows)"

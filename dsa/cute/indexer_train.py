@@ -180,10 +180,11 @@ def indexer_kl_fwd(a: SparseIndexerArgs, target: torch.Tensor) -> torch.Tensor:
 
 
 def _bwd_compiled(a: SparseIndexerArgs, kl: bool):
-    from dsa.cute.indexer_train_bwd_sm90 import IndexerBwdSm90Config, SparseIndexerBwdSm90
+    from dsa.cute.indexer_train_bwd_sm90 import SparseIndexerBwdSm90
+    from dsa.cute.indexer_train_sm90 import IndexerSm90Config
 
-    cfg = IndexerBwdSm90Config(cutlass_dtype(a.q.dtype), _w_type(a.weights.dtype), a.H, a.D,
-                               a.topk_length is not None, kl)
+    cfg = IndexerSm90Config(cutlass_dtype(a.q.dtype), _w_type(a.weights.dtype), a.H, a.D,
+                            a.topk_length is not None, kl, backward=True)
     key = (cfg, a.q.device.index)
     fn = _COMPILED.get(key)
     if fn is None:
@@ -240,11 +241,11 @@ def compile_offline(dtype: torch.dtype, w_dtype: torch.dtype, H: int, D: int, ha
                     backward: bool = False, options: str = "--keep-ptx"):
     """Compile the forward (or the backward) without a GPU
     (``CUTE_DSL_ARCH=sm_90a``), for CI and inspection; returns the compiled object."""
-    from dsa.cute.indexer_train_bwd_sm90 import IndexerBwdSm90Config, SparseIndexerBwdSm90
+    from dsa.cute.indexer_train_bwd_sm90 import SparseIndexerBwdSm90
     from dsa.cute.indexer_train_sm90 import IndexerSm90Config, SparseIndexerSm90
 
     if backward:
-        cfg = IndexerBwdSm90Config(cutlass_dtype(dtype), _w_type(w_dtype), H, D, has_len, kl)
+        cfg = IndexerSm90Config(cutlass_dtype(dtype), _w_type(w_dtype), H, D, has_len, kl, backward=True)
         return compile_kernel(SparseIndexerBwdSm90.from_config(cfg), _bwd_ptr_types(cfg), _scalar_types(), options)
     cfg = IndexerSm90Config(cutlass_dtype(dtype), _w_type(w_dtype), H, D, has_len, kl)
     return compile_kernel(SparseIndexerSm90.from_config(cfg), _ptr_types(cfg.dtype, cfg.w_dtype), _scalar_types(),

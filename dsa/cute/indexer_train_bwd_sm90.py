@@ -31,18 +31,15 @@ stores dq and dweights.  Served: H = 64 and D a multiple of 64 up to 128
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from dsa.cute import dkv as dk_reduce
-from dsa.cute import rules
 from dsa.cute.gmem import load
-from dsa.cute.indexer_train_sm90 import BN, CONSUMERS, THREADS, SparseIndexerSm90, indexer_reason
-from dsa.cute.pipeline import NamedBarrier, named_barriers, phase
+from dsa.cute.indexer_train_sm90 import BN, CONSUMERS, THREADS, IndexerSm90Config, SparseIndexerSm90, indexer_reason
+from dsa.cute.pipeline import NamedBarrier, named_barriers
 from dsa.cute.rules import LOG2E
 
 BWD_H = 64
@@ -58,21 +55,6 @@ class BwdBarrier(NamedBarrier):
     G1 = 3     # consumer 1's
     DONE = 4   # both consumers are past their last block: the ring is free
     SUMS = 5   # consumer 1's dq and dweights sums are in the ring
-
-
-@dataclass(frozen=True)
-class IndexerBwdSm90Config:
-    """The static configuration of one compiled backward (its compile key):
-    q / k dtype, weights dtype, H, D, whether topk_length is given, kl (the
-    KL loss's gradient; else the logits' from dlogits) and the stages."""
-
-    dtype: object
-    w_dtype: object
-    H: int
-    D: int
-    has_len: bool
-    kl: bool
-    stages: int = 4
 
 
 def bwd_reason(dtype, H: int, D: int) -> str | None:
@@ -93,8 +75,8 @@ class SparseIndexerBwdSm90(SparseIndexerSm90):
         if why is not None:
             raise ValueError(f"SparseIndexerBwdSm90: {why}")
         super().__init__(dtype, w_dtype, H, D, has_len, kl, stages)
-        self.config = IndexerBwdSm90Config(dtype, w_dtype, H, D, has_len, kl, stages)
-        self.ctas = 1
+        self.config = IndexerSm90Config(dtype, w_dtype, H, D, has_len, kl, stages, backward=True)
+        self.ctas, self.regs = 1, BWD_REGS
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -155,31 +137,29 @@ class SparseIndexerBwdSm90(SparseIndexerSm90):
         dq_ptr: cute.Pointer, dk_ptr: cute.Pointer, dw_ptr: cute.Pointer, zero_ptr: cute.Pointer,
         N: Int32, K: Int32, sm_scale: Float32,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        t, _, _ = cute.arch.block_idx()
-        wg = cute.arch.make_warp_uniform(tidx // 128)
-        st, sQ, sK, q_full, full, empty = self.shared(tidx, sq_layout, sk_layout)
-        L = rules.row_length(len_ptr, t, K, self.has_len)
-        n_blocks = rules.block_count(L, BN)
-        ok = st.sOk.data_ptr()
-        idx_row = idx_ptr + Int64(t) * Int64(K)
-        if wg == 0:
-            cute.arch.setmaxregister_decrease(BWD_REGS[0])
-            self.producer(tidx, sQ, sK, ok, q_full, full, empty, q_ptr, k_ptr, zero_ptr, idx_row, t, L, n_blocks, N)
+        self.run(sq_layout, sk_layout, q_ptr, k_ptr, idx_ptr, len_ptr, zero_ptr, N, K,
+                 ((s_mma, dq_mma, dk_mma), (kt_layout, sg_layout, gt_layout, qc_layout),
+                  (w_ptr, gin_ptr, stats_ptr, scale_ptr, dq_ptr, dk_ptr, dw_ptr), sm_scale))
+
+    @cute.jit
+    def consumers(self, tidx, row, st, sQ, sK, bars, N, K, extra):
+        """Warpgroups 1 and 2: the gradients (``consumer_bwd``)."""
+        (s_mma, dq_mma, dk_mma), (kt_layout, sg_layout, gt_layout, qc_layout), ptrs, sm_scale = extra
+        w_ptr, gin_ptr, stats_ptr, scale_ptr, dq_ptr, dk_ptr, dw_ptr = ptrs
+        t, L, n_blocks, idx_row = row
+        q_full, full, empty = bars
+        for m_ in (s_mma, dq_mma, dk_mma):
+            m_.set(warpgroup.Field.ACCUMULATE, True)
+        raw_k = cute.recast_ptr(sK.iterator, None)
+        raw_g = cute.recast_ptr(st.sG.data_ptr(), None)
+        views = (sQ, sK, cute.make_tensor(cute.recast_ptr(raw_k, kt_layout.inner), kt_layout.outer), raw_g,
+                 sg_layout, gt_layout, qc_layout)
+        args = (s_mma, dq_mma, dk_mma, tidx % 128, views, st.sOk.data_ptr(), q_full, full, empty, w_ptr, idx_row,
+                gin_ptr, stats_ptr, scale_ptr, dq_ptr, dk_ptr, dw_ptr, t, L, n_blocks, N, K, sm_scale)
+        if cute.arch.make_warp_uniform(tidx // 128) == 1:
+            self.consumer_bwd(0, *args)
         else:
-            cute.arch.setmaxregister_increase(BWD_REGS[1])
-            for m_ in (s_mma, dq_mma, dk_mma):
-                m_.set(warpgroup.Field.ACCUMULATE, True)
-            raw_k = cute.recast_ptr(sK.iterator, None)
-            raw_g = cute.recast_ptr(st.sG.data_ptr(), None)
-            views = (sQ, sK, cute.make_tensor(cute.recast_ptr(raw_k, kt_layout.inner), kt_layout.outer), raw_g,
-                     sg_layout, gt_layout, qc_layout)
-            args = (s_mma, dq_mma, dk_mma, tidx % 128, views, ok, q_full, full, empty, w_ptr, idx_row, gin_ptr,
-                    stats_ptr, scale_ptr, dq_ptr, dk_ptr, dw_ptr, t, L, n_blocks, N, K, sm_scale)
-            if wg == 1:
-                self.consumer_bwd(0, *args)
-            else:
-                self.consumer_bwd(1, *args)
+            self.consumer_bwd(1, *args)
 
     @cute.jit
     def consumer_bwd(self, c: cutlass.Constexpr, s_mma, dq_mma, dk_mma, wtid, views, ok, q_full, full, empty, w_ptr,
@@ -187,13 +167,8 @@ class SparseIndexerBwdSm90(SparseIndexerSm90):
         """Blocks c, c + 2, ...: S^T, g, G, dq, dk (see the module header);
         then the row's dq and dweights (``finish``)."""
         sQ, sK, sKt, raw_g, sg_layout, gt_layout, qc_layout = views
-        lane = wtid % 32
-        row_lo = (wtid // 32) * 16 + lane // 4
-        col_lane = 2 * (lane % 4)
-        thr_s = s_mma.get_slice(wtid)
-        tSrK = s_mma.make_fragment_A(thr_s.partition_A(sK))      # (MMA, 1, D / 16, stages)
-        tSrQ = s_mma.make_fragment_B(thr_s.partition_B(sQ))      # (MMA, 1, D / 16)
-        acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((BN, self.H)), Float32)
+        sc = self.scores_setup(s_mma, wtid, sQ, sK, w_ptr, t, sm_scale)
+        lane, row_lo, col_lane, thr_s, acc_s, wv, mask = sc[0], sc[1], sc[2], sc[3], sc[4], sc[6], sc[7]
         NS = cute.size(acc_s)
         g_own = raw_g + c * BN * self.H
         sG = cute.make_tensor(cute.recast_ptr(g_own, sg_layout.inner), sg_layout.outer)
@@ -214,12 +189,6 @@ class SparseIndexerBwdSm90(SparseIndexerSm90):
         rows = cute.make_rmem_tensor((4,), Int64)
         rok = cute.make_rmem_tensor((4,), Int32)
         pol = dk_reduce.evict_last_policy()
-
-        wv = cute.make_rmem_tensor((NS // 2,), Float32)
-        for j in cutlass.range_constexpr(NS // 4):
-            for e in cutlass.range_constexpr(2):
-                w = load(w_ptr, Int64(t) * Int64(self.H) + Int64(8 * j + col_lane + e))
-                wv[2 * j + e] = w.to(Float32) * sm_scale
         dwv = cute.make_rmem_tensor((NS // 2,), Float32)
         dwv.fill(0.0)
         lse = Float32(0.0)
@@ -231,22 +200,12 @@ class SparseIndexerBwdSm90(SparseIndexerSm90):
             scale = load(scale_ptr, Int64(0))
         lg = cute.make_rmem_tensor((2,), Float32)
         gv = cute.make_rmem_tensor((2,), Float32)
-        mask = cute.make_rmem_tensor((2,), Float32)
         gin_row = gin_ptr + Int64(t) * Int64(K)
         g_bar = BwdBarrier.G0 if const_expr(c == 0) else BwdBarrier.G1
         cute.arch.mbarrier_wait(q_full, 0)
         for i in cutlass.range(c, n_blocks, 2, unroll=1):
-            s = i % self.stages
             dk_reduce.slot_rows(rows, rok, i, row_lo, lane, L, Int64(0), idx_row, dk_ptr, N, 1, self.D, False)
-            cute.arch.mbarrier_wait(full + s, phase(i // self.stages))
-            acc_s.fill(0.0)
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(self.D // 16):
-                cute.gemm(s_mma, acc_s, tSrK[None, None, k, s], tSrQ[None, None, k], acc_s)
-            warpgroup.commit_group()
-            for r in cutlass.range_constexpr(2):
-                mask[r] = cute.make_tensor(ok + (s * BN + row_lo + 8 * r), cute.make_layout((1,)))[0]
-            warpgroup.wait_group(0)
+            s = self.block_scores(sc, ok, full, i)
             self.block_logits(acc_s, wv, mask, lg)
             for r in cutlass.range_constexpr(2):
                 gr = Float32(0.0)

@@ -53,14 +53,14 @@ STATS = 6          # a slot position's KL sums: max, exp-sum, target (logit - ma
 # setmaxnreg targets (producer, consumers) by CTAs an SM: the launch gives
 # each thread 65536 / (384 x CTAs) registers (80 at two, 168 at one), and
 # p + 2 c must stay within 3 x that, or a consumer's increase waits forever.
-# Up to 64 heads (S^T 32 registers a thread) two CTAs share an SM; 128 heads
-# need more than 80 registers for the wgmma alone.
 REGS = {2: (40, 96), 1: (56, 224)}
 
 
-def ctas_per_sm(H: int) -> int:
-    """CTAs an SM the kernel is launched for."""
-    return 2 if H <= 64 else 1
+def ctas_per_sm(H: int, D: int) -> int:
+    """CTAs an SM the kernel is launched for: two up to 64 heads (S^T 32
+    registers a thread) and 128 dims (the ring and Q in half the shared
+    memory); 128 heads need more than 80 registers for the wgmma alone."""
+    return 2 if H <= 64 and D <= 128 else 1
 
 
 @named_barriers
@@ -74,7 +74,9 @@ class Barrier(NamedBarrier):
 class IndexerSm90Config:
     """The static configuration of one compiled kernel (its compile key):
     q / k dtype, weights dtype, heads H, head dim D, whether topk_length is
-    given, kl (the KL stats instead of the logits) and the ring's stages."""
+    given, kl (the KL loss's stats, or its gradient, instead of the logits
+    or theirs), the ring's stages, and backward (the gradients' kernel,
+    ``indexer_train_bwd_sm90``)."""
 
     dtype: object
     w_dtype: object
@@ -83,6 +85,7 @@ class IndexerSm90Config:
     has_len: bool
     kl: bool
     stages: int = 4
+    backward: bool = False
 
 
 def indexer_reason(dtype, H: int, D: int) -> Optional[str]:
@@ -107,11 +110,13 @@ class SparseIndexerSm90:
         self.config = IndexerSm90Config(dtype, w_dtype, H, D, has_len, kl, stages)
         self.dtype, self.w_dtype = dtype, w_dtype
         self.H, self.D, self.has_len, self.kl, self.stages = H, D, has_len, kl, stages
-        self.ctas = ctas_per_sm(H)
+        self.ctas = ctas_per_sm(H, D)
+        self.regs = REGS[self.ctas]
 
     @classmethod
     def from_config(cls, config: IndexerSm90Config) -> "SparseIndexerSm90":
-        return cls(**{f.name: getattr(config, f.name) for f in fields(config)})
+        """The builder of ``config`` (whose ``backward`` names the class: this one's or its subclass's)."""
+        return cls(**{f.name: getattr(config, f.name) for f in fields(config) if f.name != "backward"})
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -153,27 +158,49 @@ class SparseIndexerSm90:
         len_ptr: cute.Pointer, tgt_ptr: cute.Pointer, out_ptr: cute.Pointer, zero_ptr: cute.Pointer,
         N: Int32, K: Int32, sm_scale: Float32,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        t, _, _ = cute.arch.block_idx()
-        wg = cute.arch.make_warp_uniform(tidx // 128)
+        self.run(sq_layout, sk_layout, q_ptr, k_ptr, idx_ptr, len_ptr, zero_ptr, N, K,
+                 (mma, w_ptr, tgt_ptr, out_ptr, sm_scale))
 
-        st, sQ, sK, q_full, full, empty = self.shared(tidx, sq_layout, sk_layout)
-        L = rules.row_length(len_ptr, t, K, self.has_len)
-        n_blocks = rules.block_count(L, BN)
+    @cute.jit
+    def run(self, sq_layout, sk_layout, q_ptr, k_ptr, idx_ptr, len_ptr, zero_ptr, N, K, extra):
+        """The kernel body: the CTA's start, then warpgroup 0 the producer,
+        warpgroups 1 and 2 ``consumers`` (with ``extra``, what they read
+        besides the ring)."""
+        tidx, row, st, sQ, sK, (q_full, full, empty) = self.start(sq_layout, sk_layout, len_ptr, idx_ptr, K)
+        t, L, n_blocks, idx_row = row
         ok = st.sOk.data_ptr()
-        if wg == 0:
-            cute.arch.setmaxregister_decrease(REGS[self.ctas][0])
-            idx_row = idx_ptr + Int64(t) * Int64(K)
+        if tidx < 128:
+            cute.arch.setmaxregister_decrease(self.regs[0])
             self.producer(tidx, sQ, sK, ok, q_full, full, empty, q_ptr, k_ptr, zero_ptr, idx_row, t, L, n_blocks, N)
         else:
-            cute.arch.setmaxregister_increase(REGS[self.ctas][1])
-            mma.set(warpgroup.Field.ACCUMULATE, True)
-            args = (mma, tidx % 128, sQ, sK, ok, st.sLanes.data_ptr(), q_full, full, empty, w_ptr, tgt_ptr,
-                    out_ptr, t, L, n_blocks, K, sm_scale)
-            if wg == 1:
-                self.consumer(0, *args)
-            else:
-                self.consumer(1, *args)
+            cute.arch.setmaxregister_increase(self.regs[1])
+            self.consumers(tidx, row, st, sQ, sK, (q_full, full, empty), N, K, extra)
+
+    @cute.jit
+    def consumers(self, tidx, row, st, sQ, sK, bars, N, K, extra):
+        """Warpgroups 1 and 2: the logits or the KL stats (``consumer``)."""
+        mma, w_ptr, tgt_ptr, out_ptr, sm_scale = extra
+        t, L, n_blocks, _ = row
+        q_full, full, empty = bars
+        mma.set(warpgroup.Field.ACCUMULATE, True)
+        args = (mma, tidx % 128, sQ, sK, st.sOk.data_ptr(), st.sLanes.data_ptr(), q_full, full, empty, w_ptr,
+                tgt_ptr, out_ptr, t, L, n_blocks, K, sm_scale)
+        if cute.arch.make_warp_uniform(tidx // 128) == 1:
+            self.consumer(0, *args)
+        else:
+            self.consumer(1, *args)
+
+    @cute.jit
+    def start(self, sq_layout, sk_layout, len_ptr, idx_ptr, K):
+        """A CTA's start: (thread index, its row (t, L, blocks, the row's
+        indices), the shared storage, Q and the ring as tensors, the
+        barriers (q_full, full[stages], empty[stages]) initialised)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        t, _, _ = cute.arch.block_idx()
+        st, sQ, sK, bars = self.shared(tidx, sq_layout, sk_layout)
+        L = rules.row_length(len_ptr, t, K, self.has_len)
+        row = (t, L, rules.block_count(L, BN), idx_ptr + Int64(t) * Int64(K))
+        return tidx, row, st, sQ, sK, bars
 
     @cute.jit
     def shared(self, tidx, sq_layout, sk_layout):
@@ -189,7 +216,7 @@ class SparseIndexerSm90:
             arrivals.append((full, s, 128 + MASK_WRITERS))  # the copies, then one mask writer a row
             arrivals.append((empty, s, 128))                # the consumer that read the stage
         pipeline.init_mbarriers(tidx, arrivals)
-        return st, sQ, sK, q_full, full, empty
+        return st, sQ, sK, (q_full, full, empty)
 
     @cute.jit
     def producer(self, tidx, sQ, sK, ok, q_full, full, empty, q_ptr, k_ptr, zero_ptr, idx_row, t, L, n_blocks, N):
@@ -245,20 +272,8 @@ class SparseIndexerSm90:
         """Blocks c, c + 2, ...: S^T = K Q^T, the slots' logits, then their
         store (logits) or the running KL sums of the thread's two slot
         positions (kl)."""
-        lane = wtid % 32
-        row_lo = (wtid // 32) * 16 + lane // 4  # accumulator rows row_lo and row_lo + 8: two slots
-        col_lane = 2 * (lane % 4)
-        thr = mma.get_slice(wtid)
-        tSrK = mma.make_fragment_A(thr.partition_A(sK))  # (MMA, 1, D / 16, stages)
-        tSrQ = mma.make_fragment_B(thr.partition_B(sQ))  # (MMA, 1, D / 16)
-        acc = cute.make_rmem_tensor(thr.partition_shape_C((BN, self.H)), Float32)
-        NA = cute.size(acc)
-        # element 4j + 2r + e sits at slot row_lo + 8r, head 8j + col_lane + e
-        wv = cute.make_rmem_tensor((NA // 2,), Float32)
-        for j in cutlass.range_constexpr(NA // 4):
-            for e in cutlass.range_constexpr(2):
-                w = load(w_ptr, Int64(t) * Int64(self.H) + Int64(8 * j + col_lane + e))
-                wv[2 * j + e] = w.to(Float32) * sm_scale
+        sc = self.scores_setup(mma, wtid, sQ, sK, w_ptr, t, sm_scale)
+        lane, row_lo, acc, wv, mask = sc[0], sc[1], sc[4], sc[6], sc[7]
         lg = cute.make_rmem_tensor((2,), Float32)
         sums = cute.make_rmem_tensor((2, STATS), Float32)
         for r in cutlass.range_constexpr(2):
@@ -267,17 +282,7 @@ class SparseIndexerSm90:
                 sums[r, f] = Float32(0.0)
         cute.arch.mbarrier_wait(q_full, 0)
         for i in cutlass.range(c, n_blocks, 2, unroll=1):
-            s = i % self.stages
-            cute.arch.mbarrier_wait(full + s, phase(i // self.stages))
-            acc.fill(0.0)
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(self.D // 16):
-                cute.gemm(mma, acc, tSrK[None, None, k, s], tSrQ[None, None, k], acc)
-            warpgroup.commit_group()
-            mask = cute.make_rmem_tensor((2,), Float32)
-            for r in cutlass.range_constexpr(2):
-                mask[r] = cute.make_tensor(ok + (s * BN + row_lo + 8 * r), cute.make_layout((1,)))[0]
-            warpgroup.wait_group(0)
+            s = self.block_scores(sc, ok, full, i)
             cute.arch.mbarrier_arrive(empty + s)
             self.block_logits(acc, wv, mask, lg)
             slot0 = i * BN + row_lo
@@ -296,6 +301,46 @@ class SparseIndexerSm90:
             out_row = out_ptr + Int64(t) * Int64(K)
             for slot in cutlass.range(n_blocks * BN + c * 128 + wtid, K, CONSUMERS, unroll=1):
                 cute.make_tensor(out_row + Int64(slot), cute.make_layout((1,)))[0] = -Float32.inf
+
+    @cute.jit
+    def scores_setup(self, mma, wtid, sQ, sK, w_ptr, t, sm_scale):
+        """A consumer's registers for S^T = K Q^T: (lane, row_lo, col_lane,
+        the MMA's slice, the accumulator, the operands (K stages, Q), the
+        weights times sm_scale of the thread's heads, the mask of its two
+        slots).  Accumulator element 4j + 2r + e sits at slot row_lo + 8r,
+        head 8j + col_lane + e."""
+        lane = wtid % 32
+        row_lo = (wtid // 32) * 16 + lane // 4
+        col_lane = 2 * (lane % 4)
+        thr = mma.get_slice(wtid)
+        tSrK = mma.make_fragment_A(thr.partition_A(sK))  # (MMA, 1, D / 16, stages)
+        tSrQ = mma.make_fragment_B(thr.partition_B(sQ))  # (MMA, 1, D / 16)
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((BN, self.H)), Float32)
+        NA = cute.size(acc)
+        wv = cute.make_rmem_tensor((NA // 2,), Float32)
+        for j in cutlass.range_constexpr(NA // 4):
+            for e in cutlass.range_constexpr(2):
+                w = load(w_ptr, Int64(t) * Int64(self.H) + Int64(8 * j + col_lane + e))
+                wv[2 * j + e] = w.to(Float32) * sm_scale
+        return (lane, row_lo, col_lane, thr, acc, (mma, tSrK, tSrQ), wv, cute.make_rmem_tensor((2,), Float32))
+
+    @cute.jit
+    def block_scores(self, sc, ok, full, i):
+        """Block i's S^T = K Q^T into the accumulator and its two slots'
+        mask, once its stage is full; returns the stage (the caller
+        releases it)."""
+        row_lo, acc, (mma, tSrK, tSrQ), mask = sc[1], sc[4], sc[5], sc[7]
+        s = i % self.stages
+        cute.arch.mbarrier_wait(full + s, phase(i // self.stages))
+        acc.fill(0.0)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(self.D // 16):
+            cute.gemm(mma, acc, tSrK[None, None, k, s], tSrQ[None, None, k], acc)
+        warpgroup.commit_group()
+        for r in cutlass.range_constexpr(2):
+            mask[r] = cute.make_tensor(ok + (s * BN + row_lo + 8 * r), cute.make_layout((1,)))[0]
+        warpgroup.wait_group(0)
+        return s
 
     @cute.jit
     def block_logits(self, acc, wv, mask, lg):

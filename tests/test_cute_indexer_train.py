@@ -154,9 +154,10 @@ def test_auto_keeps_triton_on_a_gpu_not_measured(monkeypatch):
     monkeypatch.setattr(cit, "PLACEMENT", {})
     monkeypatch.setattr(cit, "device_name", lambda dev: "Some GPU")
     assert "no measurement" in cit.placement_reason(_args(), "indexer_kl_fwd")
-    monkeypatch.setattr(cit, "PLACEMENT", {"Some GPU": ("sparse_indexer_fwd", "indexer_kl_fwd")})
+    monkeypatch.setattr(cit, "PLACEMENT", {"Some GPU": (("sparse_indexer_fwd", "indexer_kl_fwd"), ((64, 128),))})
     assert cit.placement_reason(_args(), "indexer_kl_fwd") is None
     assert "Triton's measured faster" in cit.placement_reason(_args(), "indexer_kl_bwd")
+    assert "not measured" in cit.placement_reason(_args(H=32), "indexer_kl_fwd")
 
 
 # --------------------------------------------------------------------------
@@ -279,7 +280,7 @@ def test_gpu_public_path_auto_takes_cute_where_placed(monkeypatch):
 
     q, k, w, idx, length = _hostile(40, 500, 300, 64, 128, torch.bfloat16, torch.float32, seed=3)
     want = dsa.sparse_indexer_scores(q, k, w, idx, sm_scale=0.2, topk_length=length, backend="triton")
-    monkeypatch.setattr(cit, "PLACEMENT", {torch.cuda.get_device_name(): ("sparse_indexer_fwd", "indexer_kl_fwd")})
+    monkeypatch.setattr(cit, "PLACEMENT", {torch.cuda.get_device_name(): (cit.FORWARD, ((64, 128),))})
     selector.forget()
     got = dsa.sparse_indexer_scores(q, k, w, idx, sm_scale=0.2, topk_length=length)
     assert "cute" in dsa.explain("sparse_indexer_scores", q, k, w, idx, sm_scale=0.2, topk_length=length)

@@ -14,8 +14,9 @@ compiled kernels are cached per (config, device), and every launch runs
 under q's device and its current stream.
 
 Placement under ``backend="auto"``: ``PLACEMENT`` names, per GPU, the ops the
-same process measured ahead of Triton's (bench/training_peers.py --cute);
-elsewhere auto keeps Triton and ``explain()`` says so.
+same process measured ahead of Triton's (bench/training_peers.py --cute)
+and the (H_i, D_i) they were measured at; elsewhere auto keeps Triton and
+``explain()`` says so.
 """
 
 from __future__ import annotations
@@ -30,11 +31,14 @@ from dsa.cute.host import (address, compile_kernel, cutlass_dtype, device_name, 
 
 FORWARD = ("sparse_indexer_fwd", "indexer_kl_fwd")
 BACKWARD = ("sparse_indexer_bwd", "indexer_kl_bwd")
-# GPU name -> the ops measured faster than Triton's there.  H200, the V3.2
+# GPU name -> (the ops measured faster than Triton's there, the (H_i, D_i)
+# they were measured at).  H200, the V3.2
 # step (T 4096, N 8192, K 2048, H_i 64, D_i 128; bench/RESULTS.md C127,
 # C128), cute / Triton ms: logits 0.358 / 0.400, KL forward 0.429 / 0.460,
 # KL backward 1.597 / 2.113, logits backward 1.512 / 2.040.
-PLACEMENT: Dict[str, Tuple[str, ...]] = {"NVIDIA H200": FORWARD + BACKWARD}
+PLACEMENT: Dict[str, Tuple[Tuple[str, ...], Tuple[Tuple[int, int], ...]]] = {
+    "NVIDIA H200": (FORWARD + BACKWARD, ((64, 128),)),
+}
 NOTE = "the cute SM90 sparse indexer kernel (gathered k rows in a ring of stages, slots as wgmma rows)"
 _W_TYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -83,11 +87,14 @@ def supports(a: SparseIndexerArgs, op: str = "sparse_indexer_fwd") -> Optional[s
 
 def placement_reason(a: SparseIndexerArgs, op: str) -> Optional[str]:
     """Why auto leaves ``op`` on ``a`` to Triton (None where ``PLACEMENT`` names it on this GPU)."""
-    ops = PLACEMENT.get(device_name(a.q.device))
-    if ops is None:
+    placed = PLACEMENT.get(device_name(a.q.device))
+    if placed is None:
         return "no measurement of the cute indexer kernels on this GPU yet"
+    ops, shapes = placed
     if op not in ops:
         return f"{op}: Triton's measured faster on this GPU (cute leads at {list(ops)})"
+    if (a.H, a.D) not in shapes:
+        return f"H_i = {a.H}, D_i = {a.D}: not measured on this GPU (the cute kernels were at {list(shapes)})"
     return None
 
 

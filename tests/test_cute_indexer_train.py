@@ -352,3 +352,40 @@ def test_gpu_backward_against_float64(kl, T, N, K, D, dtype, w_dtype):
     named = torch.zeros(N, dtype=torch.bool)
     named[idx.long().cpu()[valid].unique()] = True
     assert torch.equal(dk.cpu()[~named], torch.zeros_like(dk.cpu()[~named]))
+
+
+@gpu
+@sm90
+@needs_dsl
+def test_gpu_kl_step_captures_in_a_cuda_graph():
+    """The cute forward and backward of the KL loss, captured once, replay
+    equal to an eager step on new inputs (dk to the atomics' rounding)."""
+    T, N, K = 64, 700, 384
+    q, k, w, idx, length = _hostile(T, N, K, 64, 128, torch.bfloat16, torch.float32, seed=9)
+    k = torch.where(torch.isnan(k), 0.0, k)
+    target = torch.rand(T, K, device="cuda")
+    leaves = [x.clone().requires_grad_() for x in (q, k, w)]
+
+    def step():
+        loss = dsa.indexer_kl_loss(*leaves, idx, target, sm_scale=0.3, topk_length=length, backend="cute")
+        return (loss, *torch.autograd.grad(loss, leaves))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    g = torch.Generator(device="cuda").manual_seed(10)
+    with torch.no_grad():
+        for x in leaves:
+            x.copy_(torch.randn(x.shape, device="cuda", generator=g, dtype=x.dtype))
+        target.copy_(torch.rand(T, K, device="cuda", generator=g))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = step()
+    assert torch.equal(captured[0], eager[0])
+    for name, a_, b_ in zip(("dq", "dk", "dw"), captured[1:], eager[1:]):
+        assert _rel(a_, b_) < 1e-5, name

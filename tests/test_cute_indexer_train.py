@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -158,6 +159,47 @@ def test_auto_keeps_triton_on_a_gpu_not_measured(monkeypatch):
     assert cit.placement_reason(_args(), "indexer_kl_fwd") is None
     assert "Triton's measured faster" in cit.placement_reason(_args(), "indexer_kl_bwd")
     assert "not measured" in cit.placement_reason(_args(H=32), "indexer_kl_fwd")
+
+
+def _fake_sm90(deterministic=False, H=64, D=128, q_ptr=1024):
+    """A stand-in for SparseIndexerArgs on an SM90 device (the V3.2 indexer's shape)."""
+    dev = torch.device("cuda", 0)
+    q = types.SimpleNamespace(dtype=torch.bfloat16, device=dev, data_ptr=lambda: q_ptr)
+    k = types.SimpleNamespace(dtype=torch.bfloat16, data_ptr=lambda: 2048)
+    w = types.SimpleNamespace(dtype=torch.float32)
+    return types.SimpleNamespace(q=q, k=k, weights=w, H=H, D=D, T=4096, N=8192, K=2048, topk_length=None,
+                                 deterministic=deterministic)
+
+
+@needs_dsl
+def test_routing_on_an_sm90_gpu(monkeypatch):
+    """backend="cute" takes every op the kernels serve; auto takes them only
+    where PLACEMENT names this GPU and shape; deterministic gradients and
+    other head counts are declined with their reasons."""
+    from dsa._args import Unsupported
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    from dsa.cute import host
+
+    monkeypatch.setattr(host, "_NAMES", {})
+    for op in cit.FORWARD + cit.BACKWARD:
+        assert dsa.cute.backend_op(op, _fake_sm90(), auto=False) is cit._OPS[op]
+        chosen = dsa.cute.backend_op(op, _fake_sm90(), auto=True)
+        assert chosen.fn is cit._OPS[op] and "measured faster" in chosen.note
+    with pytest.raises(Unsupported, match="deterministic"):
+        dsa.cute.backend_op("indexer_kl_bwd", _fake_sm90(deterministic=True), auto=False)
+    assert dsa.cute.backend_op("indexer_kl_fwd", _fake_sm90(deterministic=True), auto=False) is cit.indexer_kl_fwd
+    with pytest.raises(Unsupported, match="64 heads"):
+        dsa.cute.backend_op("sparse_indexer_bwd", _fake_sm90(H=32), auto=False)
+    with pytest.raises(Unsupported, match="not measured"):
+        dsa.cute.backend_op("sparse_indexer_fwd", _fake_sm90(H=32), auto=True)
+    with pytest.raises(Unsupported, match="16-byte aligned"):
+        dsa.cute.backend_op("sparse_indexer_fwd", _fake_sm90(q_ptr=1032), auto=False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(host, "_NAMES", {})
+    with pytest.raises(Unsupported, match="no measurement"):
+        dsa.cute.backend_op("indexer_kl_fwd", _fake_sm90(), auto=True)
 
 
 # --------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import dsa
-from cute_offline import HAVE_DSL, SM90, compile_reports
+from cute_offline import HAVE_DSL, SM90, compile_reports, fake_launch
 from dsa._args import SparseIndexerArgs
 from dsa.cute import indexer_train as cit
 
@@ -200,6 +200,36 @@ def test_routing_on_an_sm90_gpu(monkeypatch):
     monkeypatch.setattr(host, "_NAMES", {})
     with pytest.raises(Unsupported, match="no measurement"):
         dsa.cute.backend_op("indexer_kl_fwd", _fake_sm90(), auto=True)
+
+
+@needs_dsl
+def test_host_passes_each_kernel_its_buffers_in_order(monkeypatch):
+    """The four ops' host side, with the launch recorded instead of run:
+    every pointer in the kernel's order (``_ptr_types``), the zero row
+    last, the scalars and stream after it, all under q's device; dk comes
+    back from the fragment column order as k's dtype."""
+    events, launches, zero = fake_launch(monkeypatch, cit, 128)
+    monkeypatch.setattr(cit, "supports", lambda a, op="": None)
+    b = _args(T=3, N=40, K=70)
+    a = SparseIndexerArgs(b.q, b.k, b.weights, b.indices, torch.ones(3, dtype=torch.int32), 0.5)
+    out = cit.sparse_indexer_fwd(a)
+    target = torch.rand(3, 70)
+    stats = cit.indexer_kl_fwd(a, target)
+    scale = torch.tensor(0.25)
+    dq, dk, dw = cit.indexer_kl_bwd(a, target, stats, scale)
+    dl = torch.randn(3, 70)
+    cit.sparse_indexer_bwd(a, dl)
+    assert len(launches) == 4
+    for args in launches:
+        assert args[:5] == (a.q, a.k, a.weights, a.indices, a.topk_length)
+        assert args[-6] is zero and args[-5:] == (3, 40, 70, 0.5, "stream")
+    assert launches[0][5] is out and launches[0][6] is out
+    assert torch.equal(launches[1][5], target) and launches[1][6] is stats
+    g, st, sc, dq_, dk_, dw_ = launches[2][5:11]
+    assert torch.equal(g, target) and torch.equal(st, stats) and float(sc) == 0.25 and dq_ is dq and dw_ is dw
+    assert dk_.dtype == torch.float32 and dk_.shape == (40, 128) and dk.dtype == a.k.dtype
+    assert all(torch.equal(x, dl) for x in launches[3][5:8])
+    assert all(e[1] == a.q.device for e in events if e[0] in ("enter", "stream", "zero_row"))
 
 
 # --------------------------------------------------------------------------

@@ -114,12 +114,12 @@ def backend_op(op: str, a: SparseIndexerArgs, auto: bool) -> Callable:
     return _OPS[op]
 
 
-def kernel_config(a: SparseIndexerArgs, kl: bool):
-    """The ``IndexerSm90Config`` that serves ``a``."""
+def kernel_config(a: SparseIndexerArgs, kl: bool, backward: bool = False):
+    """The ``IndexerSm90Config`` that serves ``a`` (the forward's, or the backward's)."""
     from dsa.cute.indexer_train_sm90 import IndexerSm90Config
 
     return IndexerSm90Config(cutlass_dtype(a.q.dtype), _w_type(a.weights.dtype), a.H, a.D,
-                             a.topk_length is not None, kl)
+                             a.topk_length is not None, kl, backward=backward)
 
 
 def _w_type(dt: torch.dtype):
@@ -128,13 +128,17 @@ def _w_type(dt: torch.dtype):
     return cutlass_dtype(dt) or cutlass.Float32
 
 
-def _ptr_types(dt, wt):
+def _ptr_types(cfg):
     """(cutlass element type, assumed alignment) of each pointer, in order:
-    q, k, weights, indices, topk_length, target, out, zero row."""
+    q, k, weights, indices, topk_length, then the forward's target and out,
+    or the backward's gin, stats, scale, dq, dk, dweights; the zero row last."""
     import cutlass
 
     I32, F32 = cutlass.Int32, cutlass.Float32
-    return ((dt, 16), (dt, 16), (wt, wt.width // 8), (I32, 4), (I32, 4), (F32, 4), (F32, 4), (dt, 16))
+    dt, wt = cfg.dtype, cfg.w_dtype
+    w = (wt, wt.width // 8)
+    outs = ((F32, 4), (F32, 4), (F32, 4), (dt, 4), (F32, 16), w) if cfg.backward else ((F32, 4), (F32, 4))
+    return ((dt, 16), (dt, 16), w, (I32, 4), (I32, 4), *outs, (dt, 16))
 
 
 def _scalar_types():
@@ -144,23 +148,31 @@ def _scalar_types():
     return cutlass.Int32, cutlass.Int32, cutlass.Int32, cutlass.Float32
 
 
+def _compile(cfg, options: str = ""):
+    """The kernel of ``cfg`` (forward or backward) compiled for TVM-FFI calls."""
+    from dsa.cute.indexer_train_bwd_sm90 import SparseIndexerBwdSm90
+    from dsa.cute.indexer_train_sm90 import SparseIndexerSm90
+
+    cls = SparseIndexerBwdSm90 if cfg.backward else SparseIndexerSm90
+    return compile_kernel(cls.from_config(cfg), _ptr_types(cfg), _scalar_types(), options)
+
+
+def _launch(a: SparseIndexerArgs, cfg, *buffers: torch.Tensor) -> None:
+    """The kernel of ``cfg`` on ``a`` with its buffers (``_ptr_types``'
+    between topk_length and the zero row), under q's device and stream."""
+    length = a.topk_length if a.topk_length is not None else a.indices  # never read when absent
+    tensors = (a.q, a.k, a.weights, a.indices, length, *buffers, zero_row(a.q.device, a.q.dtype, a.D))
+    _compiled(cfg, a.q.device)(*(address(x) for x in tensors), a.T, a.N, a.K, float(a.sm_scale),
+                               stream_handle(a.q.device))
+
+
 def _compiled(cfg, device: torch.device):
+    """The compiled kernel of ``cfg`` on ``device`` (compiled at first use)."""
     key = (cfg, device.index)
     fn = _COMPILED.get(key)
     if fn is None:
-        from dsa.cute.indexer_train_sm90 import SparseIndexerSm90
-
-        fn = _COMPILED[key] = compile_kernel(SparseIndexerSm90.from_config(cfg), _ptr_types(cfg.dtype, cfg.w_dtype),
-                                             _scalar_types())
+        fn = _COMPILED[key] = _compile(cfg)
     return fn
-
-
-def _launch(a: SparseIndexerArgs, target: torch.Tensor, out: torch.Tensor, kl: bool) -> None:
-    length = a.topk_length if a.topk_length is not None else a.indices  # never read when absent
-    with torch.cuda.device(a.q.device):
-        tensors = (a.q, a.k, a.weights, a.indices, length, target, out, zero_row(a.q.device, a.q.dtype, a.D))
-        _compiled(kernel_config(a, kl), a.q.device)(*(address(x) for x in tensors), a.T, a.N, a.K,
-                                                    float(a.sm_scale), stream_handle(a.q.device))
 
 
 def _checked(a: SparseIndexerArgs, op: str) -> None:
@@ -172,8 +184,9 @@ def _checked(a: SparseIndexerArgs, op: str) -> None:
 def sparse_indexer_fwd(a: SparseIndexerArgs) -> torch.Tensor:
     """-> logits [T, K] fp32, -inf on invalid slots (every slot written)."""
     _checked(a, "sparse_indexer_fwd")
-    out = torch.empty((a.T, a.K), device=a.q.device, dtype=torch.float32)
-    _launch(a, out, out, kl=False)
+    with torch.cuda.device(a.q.device):
+        out = torch.empty((a.T, a.K), device=a.q.device, dtype=torch.float32)
+        _launch(a, kernel_config(a, kl=False), out, out)
     return out
 
 
@@ -181,47 +194,20 @@ def indexer_kl_fwd(a: SparseIndexerArgs, target: torch.Tensor) -> torch.Tensor:
     """-> stats [T, 4] fp32 (loss_t, lse of the logits, sum of valid target,
     has a valid slot); target [T, K] (fp32 read)."""
     _checked(a, "indexer_kl_fwd")
-    stats = torch.empty(a.T, 4, device=a.q.device, dtype=torch.float32)
-    _launch(a, target.float().contiguous(), stats, kl=True)
+    with torch.cuda.device(a.q.device):
+        stats = torch.empty(a.T, 4, device=a.q.device, dtype=torch.float32)
+        _launch(a, kernel_config(a, kl=True), target.float().contiguous(), stats)
     return stats
-
-
-def _bwd_compiled(a: SparseIndexerArgs, kl: bool):
-    from dsa.cute.indexer_train_bwd_sm90 import SparseIndexerBwdSm90
-    from dsa.cute.indexer_train_sm90 import IndexerSm90Config
-
-    cfg = IndexerSm90Config(cutlass_dtype(a.q.dtype), _w_type(a.weights.dtype), a.H, a.D,
-                            a.topk_length is not None, kl, backward=True)
-    key = (cfg, a.q.device.index)
-    fn = _COMPILED.get(key)
-    if fn is None:
-        fn = _COMPILED[key] = compile_kernel(SparseIndexerBwdSm90.from_config(cfg), _bwd_ptr_types(cfg),
-                                             _scalar_types())
-    return fn
-
-
-def _bwd_ptr_types(cfg):
-    """q, k, weights, indices, topk_length, gin, stats, scale, dq, dk, dweights, zero row."""
-    import cutlass
-
-    I32, F32 = cutlass.Int32, cutlass.Float32
-    dt, wt = cfg.dtype, cfg.w_dtype
-    return ((dt, 16), (dt, 16), (wt, wt.width // 8), (I32, 4), (I32, 4), (F32, 4), (F32, 4), (F32, 4),
-            (dt, 4), (F32, 16), (wt, wt.width // 8), (dt, 16))
 
 
 def _backward(a: SparseIndexerArgs, gin: torch.Tensor, stats: torch.Tensor, scale: torch.Tensor, kl: bool):
     from dsa.cute.sparse_attention_bwd import natural_columns
 
-    length = a.topk_length if a.topk_length is not None else a.indices  # never read when absent
     with torch.cuda.device(a.q.device):
         dq = torch.empty_like(a.q)
         dw = torch.empty_like(a.weights)
         dk = torch.zeros(a.N, a.D, device=a.q.device, dtype=torch.float32)
-        tensors = (a.q, a.k, a.weights, a.indices, length, gin, stats, scale, dq, dk, dw,
-                   zero_row(a.q.device, a.q.dtype, a.D))
-        _bwd_compiled(a, kl)(*(address(x) for x in tensors), a.T, a.N, a.K, float(a.sm_scale),
-                             stream_handle(a.q.device))
+        _launch(a, kernel_config(a, kl, backward=True), gin, stats, scale, dq, dk, dw)
         return dq, natural_columns(dk, a.k.dtype), dw
 
 
@@ -248,12 +234,7 @@ def compile_offline(dtype: torch.dtype, w_dtype: torch.dtype, H: int, D: int, ha
                     backward: bool = False, options: str = "--keep-ptx"):
     """Compile the forward (or the backward) without a GPU
     (``CUTE_DSL_ARCH=sm_90a``), for CI and inspection; returns the compiled object."""
-    from dsa.cute.indexer_train_bwd_sm90 import SparseIndexerBwdSm90
-    from dsa.cute.indexer_train_sm90 import IndexerSm90Config, SparseIndexerSm90
+    from dsa.cute.indexer_train_sm90 import IndexerSm90Config
 
-    if backward:
-        cfg = IndexerSm90Config(cutlass_dtype(dtype), _w_type(w_dtype), H, D, has_len, kl, backward=True)
-        return compile_kernel(SparseIndexerBwdSm90.from_config(cfg), _bwd_ptr_types(cfg), _scalar_types(), options)
-    cfg = IndexerSm90Config(cutlass_dtype(dtype), _w_type(w_dtype), H, D, has_len, kl)
-    return compile_kernel(SparseIndexerSm90.from_config(cfg), _ptr_types(cfg.dtype, cfg.w_dtype), _scalar_types(),
-                          options)
+    return _compile(IndexerSm90Config(cutlass_dtype(dtype), _w_type(w_dtype), H, D, has_len, kl, backward=backward),
+                    options)

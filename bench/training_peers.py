@@ -10,17 +10,19 @@ Timed (triton.testing.do_bench, warmup 25 ms, rep 100 ms, median, ms):
 * ``sparse_indexer_scores`` against ``sparse_indexer_score_recompute_wrapper``
   (which also takes the softmax);
 * the KL step (loss forward + backward to q_i, k_i, weights): dsa by default,
-  dsa ``deterministic=True`` (dsa/triton/indexer_bwd.py: fp32 dk rows
-  stored grouped by key by the main pass, summed per key in order), and
+  dsa ``deterministic=True`` (Triton's, dsa/triton/indexer_bwd.py: fp32 dk
+  rows stored grouped by key by the main pass, summed per key in order;
+  with ``--cute`` also the cute backward's, dsa/cute/indexer_train.py: bf16
+  rows, and auto's), and
   cuDNN's (softmax recompute + ``indexer_backward_wrapper``; its bf16
   weights cast outside the timing);
 * the deterministic step's floor, piece by piece: the dk rows' fp32 atomics
-  alone (the default's scatter), the one sort a step (grouped_positions),
-  the fp32 rows stored to the workspace and summed back;
+  alone (the default's scatter), the positions a step (slot_positions: one sort),
+  the fp32 or bf16 rows stored to the workspace and summed back, and the sum alone;
 * with ``--sweep``, the default backward's other tiles;
 * with ``--cute`` (the CuTe DSL importable, an SM90 GPU), the same ops and
   the KL step under ``backend="cute"`` (``dsa.cute.indexer_train``) and
-  ``"auto"``; the deterministic step stays Triton's backward under auto.
+  ``"auto"``.
 
 Checked: the deterministic step bitwise equal over ``--runs`` runs, and
 the gradients of every KL step against float64 (relative L2; for cuDNN also
@@ -137,19 +139,27 @@ def run_floor(table: Table, s, shape) -> None:
     idx32 = keys.to(torch.int32)
     guarded(table, "dk floor", "fp32 atomics of the rows", lambda: rows[(triton.cdiv(R, 64),)](
         dk, idx32, R, D=D, BK=64, ATOMIC=True, num_warps=4), gb=round(R * D * 4 / 1e9, 2))
-    per = ss.chunk_rows(T, K * D * 4) * K
-    guarded(table, "dk floor", f"sort (grouped_positions, chunks of {per} rows)",
-            lambda: ss.grouped_positions(keys, per, N))
-    pos, start = ss.grouped_positions(keys, per, N)
-    ws = torch.empty(per, D, device="cuda", dtype=torch.float32)
+    for dt, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        per = ss.chunk_rows(T, K * D * dt.itemsize) * K
+        guarded(table, "dk floor", f"positions (slot_positions, chunks of {per} rows)",
+                lambda per=per: ss.slot_positions(s["indices"], None, N, per // K))
+        pos, start = ss.slot_positions(s["indices"], None, N, per // K)
+        ws = torch.empty(per, D, device="cuda", dtype=dt)
 
-    def store_sum():
-        for c, r0 in enumerate(range(0, R, per)):
-            n = min(per, R - r0)
-            rows[(triton.cdiv(n, 64),)](ws, pos[r0:r0 + n], n, D=D, BK=64, ATOMIC=False, num_warps=4)
-            ss.grouped_segment_sum(ws, start[c], dk, block_d=D)
+        def store_sum(per=per, pos=pos, start=start, ws=ws):
+            for c, r0 in enumerate(range(0, R, per)):
+                n = min(per, R - r0)
+                rows[(triton.cdiv(n, 64),)](ws, pos[r0:r0 + n], n, D=D, BK=64, ATOMIC=False, num_warps=4)
+                ss.grouped_segment_sum(ws, start[c], dk, block_d=D)
 
-    guarded(table, "dk floor", "store + grouped sum, fp32 rows", store_sum, gb=round(2 * R * D * 4 / 1e9, 2))
+        def sum_only(per=per, start=start, ws=ws):
+            for c, r0 in enumerate(range(0, R, per)):
+                ss.grouped_segment_sum(ws, start[c], dk, block_d=D)
+
+        gb = R * D * dt.itemsize / 1e9
+        guarded(table, "dk floor", f"store + grouped sum, {name} rows", store_sum, gb=round(2 * gb, 2))
+        guarded(table, "dk floor", f"grouped sum alone, {name} rows", sum_only, gb=round(gb, 2))
+        del pos, start, ws
 
 
 def run_kl(table: Table, s, shape, args, ref) -> None:
@@ -178,13 +188,16 @@ def run_kl(table: Table, s, shape, args, ref) -> None:
         guarded(table, "sparse_indexer_scores backward alone", method,
                 lambda lg=lg, leaves=leaves, dl=dl: torch.autograd.grad(lg, leaves, dl, retain_graph=True))
         del loss, lg
-    name = "dsa deterministic"
-    det = kl_call(s, "triton", True)
-    if guarded(table, "KL step", name, det) is not None:
-        first = det()
-        same = all(all(torch.equal(a, b) for a, b in zip(first, det())) for _ in range(args.runs - 1))
-        table.add("KL step", f"{name} bitwise", None, runs=args.runs, equal=same)
-        results[name] = first
+    dets = [("triton", "dsa deterministic")]
+    if args.cute:
+        dets += [("cute", "dsa deterministic cute"), ("auto", "dsa deterministic auto")]
+    for backend, name in dets:
+        det = kl_call(s, backend, True)
+        if guarded(table, "KL step", name, det) is not None:
+            first = det()
+            same = all(all(torch.equal(a, b) for a, b in zip(first, det())) for _ in range(args.runs - 1))
+            table.add("KL step", f"{name} bitwise", None, runs=args.runs, equal=same)
+            results[name] = first
     why = cudnn_peer.unavailable()
     if why is None:
         # cuDNN takes bf16 weights (and the recompute sm_scale-scaled ones): cast once, outside the timing

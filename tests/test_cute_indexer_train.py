@@ -70,10 +70,12 @@ def test_compiles_offline_for_sm90_without_spills(tmp_path):
 
 
 _BWD_CONFIGS = [
-    # name, q dtype, weights dtype, D, topk_length, kl
-    ("v32_kl", "bfloat16", "float32", 128, False, True),
-    ("logits_len_fp16", "float16", "bfloat16", 128, True, False),
-    ("d64_kl_len", "bfloat16", "bfloat16", 64, True, True),
+    # name, q dtype, weights dtype, D, topk_length, kl, deterministic
+    ("v32_kl", "bfloat16", "float32", 128, False, True, False),
+    ("logits_len_fp16", "float16", "bfloat16", 128, True, False, False),
+    ("d64_kl_len", "bfloat16", "bfloat16", 64, True, True, False),
+    ("v32_kl_det", "bfloat16", "float32", 128, False, True, True),
+    ("logits_len_fp16_det", "float16", "bfloat16", 128, True, False, True),
 ]
 
 
@@ -82,18 +84,27 @@ def test_backward_compiles_offline_for_sm90_without_spills(tmp_path):
     from dsa.cute.indexer_train_bwd_sm90 import BWD_REGS
 
     calls = [(name, "dsa.cute.indexer_train:compile_offline", [f"torch.{dt}", f"torch.{wt}", 64, D, has_len, kl],
-              {"backward": True}) for name, dt, wt, D, has_len, kl in _BWD_CONFIGS]
-    needles = ("wgmma.mma_async", "red.relaxed.gpu.global.add.L2::cache_hint.v4.f32", "createpolicy",
-               "st.global.b32", "bar.sync")
+              {"backward": True, "deterministic": det}) for name, dt, wt, D, has_len, kl, det in _BWD_CONFIGS]
+    red = "red.relaxed.gpu.global.add.L2::cache_hint.v4.f32"
+    needles = ("wgmma.mma_async", red, "createpolicy", "st.global.b32", "bar.sync", "cvt.rn.bf16x2.f32",
+               "st.global.v2.b32")
     res = compile_reports(calls, needles, "sm_90a", tmp_path)
-    for name, dt, wt, D, has_len, kl in _BWD_CONFIGS:
+    for name, dt, wt, D, has_len, kl, det in _BWD_CONFIGS:
         r = res[name]
         n = r["needles"]
         # each consumer: S^T (D / 16 steps), dq (4: 64 slots), dk (4: 64 heads) per 64-column chunk
         assert n["wgmma.mma_async"] == 2 * (D // 16 + 4 + 4 * (D // 64)), (name, n)
-        # each consumer: 8 four-float adds a thread and chunk, under the evict-last policy
-        assert n["red.relaxed.gpu.global.add.L2::cache_hint.v4.f32"] == 2 * 8 * (D // 64), (name, n)
-        assert n["createpolicy"] >= 2, (name, n)
+        if det:
+            # each consumer: 8 four-value bf16 stores a thread and chunk, two
+            # conversions each (G's own, in a bf16 build, come on top), no add
+            assert n["st.global.v2.b32"] == 2 * 8 * (D // 64), (name, n)
+            assert n["cvt.rn.bf16x2.f32"] >= 2 * 2 * 8 * (D // 64), (name, n)
+            assert n[red] == 0, (name, n)
+        else:
+            # each consumer: 8 four-float adds a thread and chunk, under the evict-last policy
+            assert n[red] == 2 * 8 * (D // 64), (name, n)
+            assert n["createpolicy"] >= 2, (name, n)
+            assert n["st.global.v2.b32"] == 0, (name, n)
         assert n["st.global.b32"] >= (64 * D // 128) // 2, (name, n)  # dq, two columns a word
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
         assert r["registers"] == 168 and BWD_REGS[0] + 2 * BWD_REGS[1] <= 3 * r["registers"], (name, r)
@@ -173,9 +184,9 @@ def _fake_sm90(deterministic=False, H=64, D=128, q_ptr=1024):
 
 @needs_dsl
 def test_routing_on_an_sm90_gpu(monkeypatch):
-    """backend="cute" takes every op the kernels serve; auto takes them only
-    where PLACEMENT names this GPU and shape; deterministic gradients and
-    other head counts are declined with their reasons."""
+    """backend="cute" takes every op the kernels serve, deterministic
+    gradients included; auto takes them only where PLACEMENT names this GPU
+    and shape; other head counts are declined with their reasons."""
     from dsa._args import Unsupported
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
@@ -187,9 +198,8 @@ def test_routing_on_an_sm90_gpu(monkeypatch):
         assert dsa.cute.backend_op(op, _fake_sm90(), auto=False) is cit._OPS[op]
         chosen = dsa.cute.backend_op(op, _fake_sm90(), auto=True)
         assert chosen.fn is cit._OPS[op] and "measured faster" in chosen.note
-    with pytest.raises(Unsupported, match="deterministic"):
-        dsa.cute.backend_op("indexer_kl_bwd", _fake_sm90(deterministic=True), auto=False)
-    assert dsa.cute.backend_op("indexer_kl_fwd", _fake_sm90(deterministic=True), auto=False) is cit.indexer_kl_fwd
+    for op in cit.FORWARD + cit.BACKWARD:
+        assert dsa.cute.backend_op(op, _fake_sm90(deterministic=True), auto=False) is cit._OPS[op]
     with pytest.raises(Unsupported, match="64 heads"):
         dsa.cute.backend_op("sparse_indexer_bwd", _fake_sm90(H=32), auto=False)
     with pytest.raises(Unsupported, match="not measured"):
@@ -225,11 +235,60 @@ def test_host_passes_each_kernel_its_buffers_in_order(monkeypatch):
         assert args[-6] is zero and args[-5:] == (3, 40, 70, 0.5, "stream")
     assert launches[0][5] is out and launches[0][6] is out
     assert torch.equal(launches[1][5], target) and launches[1][6] is stats
-    g, st, sc, dq_, dk_, dw_ = launches[2][5:11]
+    g, st, sc, dq_, dk_, dw_, pos = launches[2][5:12]
     assert torch.equal(g, target) and torch.equal(st, stats) and float(sc) == 0.25 and dq_ is dq and dw_ is dw
     assert dk_.dtype == torch.float32 and dk_.shape == (40, 128) and dk.dtype == a.k.dtype
+    assert pos is dk_  # no positions without deterministic: never read
     assert all(torch.equal(x, dl) for x in launches[3][5:8])
     assert all(e[1] == a.q.device for e in events if e[0] in ("enter", "stream", "zero_row"))
+
+
+@needs_dsl
+@pytest.mark.parametrize("kl", [False, True])
+def test_deterministic_host_chunks_rows_and_sums_them_by_key(monkeypatch, kl):
+    """deterministic=True on the host: the rows are split into chunks of the
+    workspace, each launch gets its chunk's rows of every per-row tensor and
+    its positions, and the rows a stand-in kernel stores at those positions
+    come back summed by key (every valid slot once, no invalid one),
+    whatever the chunking."""
+    from dsa.triton import segment_sum
+
+    events, launches, zero = fake_launch(monkeypatch, cit, 64)
+    monkeypatch.setattr(cit, "supports", lambda a, op="": None)
+    T, N, K, D = 7, 9, 70, 64
+    g = torch.Generator().manual_seed(3)
+    b = _args(T=T, N=N, K=K, D=D)
+    idx = torch.randint(-2, N + 2, (T, K), generator=g, dtype=torch.int32)
+    length = torch.tensor([K, 0, 5, -1, K + 3, 64, 65], dtype=torch.int32)
+    a = SparseIndexerArgs(b.q, b.k, b.weights, idx, length, 0.5, deterministic=True)
+    value = lambda t, s: float((t * K + s) % 7 + 1)  # noqa: E731  exact in bf16, sums exact in fp32
+    full_q = a.q
+
+    def kernel(q, k, w, ix, ln, gin, st, sc, dq, ws, dw, pos, zero_, Tc, N_, K_, sm_scale, stream):
+        t0 = (q.data_ptr() - full_q.data_ptr()) // (q.shape[1] * q.shape[2] * q.element_size())
+        assert ws.dtype == torch.bfloat16 and pos.dtype == torch.int32 and pos.numel() == Tc * K_
+        assert torch.equal(ix, idx[t0:t0 + Tc]) and torch.equal(ln, length[t0:t0 + Tc]) and dq.shape[0] == Tc
+        assert gin.shape[0] == Tc and st.shape[0] == Tc and dw.shape[0] == Tc
+        L = ln.long().clamp(0, K_)
+        for t in range(Tc):
+            for s_ in range(K_):
+                if s_ < L[t] and 0 <= ix[t, s_] < N_:
+                    ws[pos[t * K_ + s_]] = value(t0 + t, s_)
+        launches.append(t0)
+
+    monkeypatch.setattr(cit, "_compiled", lambda *x: kernel)
+    monkeypatch.setattr(segment_sum, "WORKSPACE_BYTES", 3 * K * D * 2)  # chunks of rows 0-2, 3-5, 6
+    if kl:
+        _, dk, _ = cit.indexer_kl_bwd(a, torch.rand(T, K), torch.rand(T, 4), torch.tensor(0.5))
+    else:
+        _, dk, _ = cit.sparse_indexer_bwd(a, torch.randn(T, K))
+    assert launches == [0, 3, 6]
+    exp = torch.zeros(N, dtype=torch.float64)
+    for t in range(T):
+        for s_ in range(int(length[t].clamp(0, K))):
+            if 0 <= idx[t, s_] < N:
+                exp[idx[t, s_]] += value(t, s_)
+    assert torch.equal(dk.double(), exp[:, None].expand(N, D).to(dk.dtype).double())
 
 
 # --------------------------------------------------------------------------
@@ -386,15 +445,22 @@ def _f64_logits_grad(q, k, w, idx, length, sm_scale):
 @gpu
 @sm90
 @needs_dsl
+@pytest.mark.parametrize("det", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("kl", [True, False], ids=["kl", "logits"])
 @pytest.mark.parametrize("T, N, K, D, dtype, w_dtype", [
     (48, 300, 200, 128, torch.bfloat16, torch.float32),
     (21, 1000, 512, 64, torch.float16, torch.bfloat16),
 ])
-def test_gpu_backward_against_float64(kl, T, N, K, D, dtype, w_dtype):
+def test_gpu_backward_against_float64(monkeypatch, det, kl, T, N, K, D, dtype, w_dtype):
+    """dq, dk and dweights against float64 on hostile inputs, outputs and
+    workspace over NaN-filled memory; deterministic: in chunks of 7 rows,
+    bitwise equal on a second call."""
+    from dsa.triton import segment_sum
+
+    monkeypatch.setattr(segment_sum, "WORKSPACE_BYTES", 7 * K * D * 2)
     q, k, w, idx, length = _hostile(T, N, K, 64, D, dtype, w_dtype, seed=5 * T + K)
     k = torch.where(torch.isnan(k), 0.0, k)  # the float64 gradient of a NaN row is NaN; the kernel reads none
-    a = SparseIndexerArgs(q, k, w, idx, length, 0.4)
+    a = SparseIndexerArgs(q, k, w, idx, length, 0.4, deterministic=det)
     ql, kl_, wl = _f64_leaves(q, k, w)
     lg, valid = _f64_logits_grad(ql, kl_, wl, idx, length, 0.4)
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -409,17 +475,21 @@ def test_gpu_backward_against_float64(kl, T, N, K, D, dtype, w_dtype):
         nz = valid & (tg != 0)
         terms = torch.where(nz, tg * (torch.log(torch.where(nz, tg, 1.0)) - (lg - lse)), 0.0)
         (terms.sum() / R).backward()
-        _poisoned_pool(T * 64 * D * 2)
+        _poisoned_pool(T * 64 * D * 2 + 7 * K * D * 2)
         dq, dk, dw = cit.indexer_kl_bwd(a, target, stats, scale)
+        again = cit.indexer_kl_bwd(a, target, stats, scale)
     else:
         dl = torch.randn(T, K, device="cuda", generator=g)
         (torch.where(valid, lg, 0.0) * dl.double().cpu()).sum().backward()
         dl = torch.where(valid.cuda(), dl, float("nan"))  # an invalid slot's gradient is never read
-        _poisoned_pool(T * 64 * D * 2)
+        _poisoned_pool(T * 64 * D * 2 + 7 * K * D * 2)
         dq, dk, dw = cit.sparse_indexer_bwd(a, dl)
-    for name, got, leaf, x in (("dq", dq, ql, q), ("dk", dk, kl_, k), ("dw", dw, wl, w)):
+        again = cit.sparse_indexer_bwd(a, dl)
+    for name, got, leaf, x, y in zip(("dq", "dk", "dw"), (dq, dk, dw), (ql, kl_, wl), (q, k, w), again):
         assert got.dtype == x.dtype and got.shape == x.shape, name
         assert _rel(got, leaf.grad) < 1e-2, name
+        if det:
+            assert torch.equal(got, y), name
     # k rows no valid slot names get exactly zero
     named = torch.zeros(N, dtype=torch.bool)
     named[idx.long().cpu()[valid].unique()] = True

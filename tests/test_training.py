@@ -804,6 +804,28 @@ def test_grouped_positions():
         assert int(start[c, n_dst]) == int((keys[rows] < n_dst).sum())
 
 
+@pytest.mark.parametrize("T, K, N, rows, with_len", [(9, 37, 11, 4, True), (5, 70, 300, 5, False),
+                                                    (3, 16, 7, 1, True), (4, 0, 5, 2, False)])
+def test_slot_positions_match_grouped_positions(T, K, N, rows, with_len):
+    """The kernels' positions equal grouped_positions of dsa._rules.slot_keys,
+    chunk for chunk, on hostile indices and every kind of row length."""
+    from dsa._rules import slot_keys
+    from dsa.triton.segment_sum import grouped_positions, slot_positions
+
+    g = gen(T * K + N)
+    idx = torch.randint(-3, N + 3, (T, K), generator=g, dtype=torch.int32)
+    idx[0, : K // 2] = 2**31 - 1
+    idx[-1, ::3] = 1  # duplicates in a row
+    tl = torch.randint(-2, K + 3, (T,), generator=g, dtype=torch.int32) if with_len else None
+    pos, start = slot_positions(idx, tl, N, rows)
+    if K == 0:  # no slots: every chunk's segments empty
+        assert pos.numel() == 0 and torch.equal(start, torch.zeros(-(-T // rows), N + 1, dtype=torch.int64))
+        return
+    exp_pos, exp_start = grouped_positions(slot_keys(idx, tl, N), rows * K, N)
+    assert pos.dtype == torch.int32 and torch.equal(pos, exp_pos)
+    assert torch.equal(start, exp_start)
+
+
 def _det_dk_grads(case, q, k, w, idx, tl, dl, sm_scale=1.0):
     f = lambda a, b, c: dsa.sparse_indexer_scores(a, b, c, idx, topk_length=tl, sm_scale=sm_scale,  # noqa: E731
                                                   deterministic=True, backend=case.backend)

@@ -9,9 +9,18 @@ on :class:`dsa._args.SparseIndexerArgs`, with the Triton ops' results
 (``dsa.triton.training``, ``dsa.triton.indexer_bwd``).  The kernels are
 ``indexer_train_sm90.SparseIndexerSm90`` (forward) and
 ``indexer_train_bwd_sm90.SparseIndexerBwdSm90`` (backward: 64 heads, D_i up
-to 128, dk by fp32 atomics, so ``deterministic=True`` stays Triton's);
-compiled kernels are cached per (config, device), and every launch runs
-under q's device and its current stream.
+to 128, dk by fp32 atomics); compiled kernels are cached per (config,
+device), and every launch runs under q's device and its current stream.
+
+``deterministic=True``: the backward kernel stores each valid slot's dk
+row, rounded once to bf16, at the slot's position in its key's segment
+(``dsa.triton.segment_sum.slot_positions``: one stable sort of the slots
+by key a step), and ``grouped_segment_sum`` adds each key's rows in that
+fixed order in fp32, chunk of query rows by chunk
+(``segment_sum.workspace_bytes``): bitwise reproducible.  bf16 rows halve
+the bytes that cross HBM twice (2.1 GB at the V3.2 step) against fp32
+ones; the rounding adds about 2^-9 / sqrt(3) relative error per addend, far
+inside the gradients' tolerance.
 
 Placement under ``backend="auto"``: ``PLACEMENT`` names, per GPU, the ops the
 same process measured ahead of Triton's (bench/training_peers.py --cute)
@@ -21,6 +30,7 @@ and the (H_i, D_i) they were measured at; elsewhere auto keeps Triton and
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -77,8 +87,6 @@ def supports(a: SparseIndexerArgs, op: str = "sparse_indexer_fwd") -> Optional[s
         why = bwd_reason(cutlass_dtype(a.q.dtype), a.H, a.D)
         if why:
             return why
-        if a.deterministic:
-            return "deterministic=True: the cute indexer backward adds dk with fp32 atomics (order-free)"
     for name in ("q", "k"):
         if getattr(a, name).data_ptr() % 16:
             return f"{name} is not 16-byte aligned"
@@ -119,7 +127,8 @@ def kernel_config(a: SparseIndexerArgs, kl: bool, backward: bool = False):
     from dsa.cute.indexer_train_sm90 import IndexerSm90Config
 
     return IndexerSm90Config(cutlass_dtype(a.q.dtype), _w_type(a.weights.dtype), a.H, a.D,
-                             a.topk_length is not None, kl, backward=backward)
+                             a.topk_length is not None, kl, backward=backward,
+                             deterministic=backward and bool(a.deterministic))
 
 
 def _w_type(dt: torch.dtype):
@@ -131,13 +140,14 @@ def _w_type(dt: torch.dtype):
 def _ptr_types(cfg):
     """(cutlass element type, assumed alignment) of each pointer, in order:
     q, k, weights, indices, topk_length, then the forward's target and out,
-    or the backward's gin, stats, scale, dq, dk, dweights; the zero row last."""
+    or the backward's gin, stats, scale, dq, dk (or the bf16 rows), dweights,
+    positions; the zero row last."""
     import cutlass
 
     I32, F32 = cutlass.Int32, cutlass.Float32
     dt, wt = cfg.dtype, cfg.w_dtype
     w = (wt, wt.width // 8)
-    outs = ((F32, 4), (F32, 4), (F32, 4), (dt, 4), (F32, 16), w) if cfg.backward else ((F32, 4), (F32, 4))
+    outs = ((F32, 4), (F32, 4), (F32, 4), (dt, 4), (F32, 16), w, (I32, 4)) if cfg.backward else ((F32, 4), (F32, 4))
     return ((dt, 16), (dt, 16), w, (I32, 4), (I32, 4), *outs, (dt, 16))
 
 
@@ -207,12 +217,35 @@ def _backward(a: SparseIndexerArgs, gin: torch.Tensor, stats: torch.Tensor, scal
         dq = torch.empty_like(a.q)
         dw = torch.empty_like(a.weights)
         dk = torch.zeros(a.N, a.D, device=a.q.device, dtype=torch.float32)
-        _launch(a, kernel_config(a, kl, backward=True), gin, stats, scale, dq, dk, dw)
+        cfg = kernel_config(a, kl, backward=True)
+        if a.deterministic:
+            _placed_dk(a, cfg, gin, stats, scale, dq, dk, dw)
+        else:
+            _launch(a, cfg, gin, stats, scale, dq, dk, dw, dk)  # no positions: never read
         return dq, natural_columns(dk, a.k.dtype), dw
 
 
+def _placed_dk(a: SparseIndexerArgs, cfg, gin, stats, scale, dq, dk, dw) -> None:
+    """dq, dweights and, deterministic, dk (fp32 [N, D], fragment order): per
+    chunk of query rows the kernel stores bf16 rows at their grouped
+    positions, then each key's rows are summed in order (module header).
+    A chunk is a's rows [t0, t1): its per-row tensors sliced, k shared."""
+    from dsa.triton.segment_sum import chunk_rows, grouped_segment_sum, slot_positions
+
+    rows = chunk_rows(a.T, a.K * a.D * 2, device=a.q.device)
+    pos, start = slot_positions(a.indices, a.topk_length, a.N, rows)
+    ws = torch.empty(rows * a.K, a.D, device=a.q.device, dtype=torch.bfloat16)
+    for c, t0 in enumerate(range(0, a.T, rows)):
+        t1 = min(a.T, t0 + rows)
+        part = dataclasses.replace(a, q=a.q[t0:t1], weights=a.weights[t0:t1], indices=a.indices[t0:t1],
+                                   topk_length=None if a.topk_length is None else a.topk_length[t0:t1])
+        _launch(part, cfg, gin[t0:t1], stats[t0:t1], scale, dq[t0:t1], ws, dw[t0:t1], pos[t0 * a.K:t1 * a.K])
+        grouped_segment_sum(ws, start[c], dk, block_d=a.D)
+
+
 def sparse_indexer_bwd(a: SparseIndexerArgs, dlogits: torch.Tensor):
-    """-> dq, dk, dweights of the logits; dlogits [T, K] (fp32 read; never read at an invalid slot)."""
+    """-> dq, dk, dweights of the logits; dlogits [T, K] (fp32 read; never read at an invalid slot).
+    gin, stats and scale are all dlogits here: the kernel reads the first alone."""
     _checked(a, "sparse_indexer_bwd")
     g = dlogits.float().contiguous()
     return _backward(a, g, g, g, kl=False)
@@ -231,10 +264,10 @@ for _fn in _OPS.values():
 
 
 def compile_offline(dtype: torch.dtype, w_dtype: torch.dtype, H: int, D: int, has_len: bool, kl: bool,
-                    backward: bool = False, options: str = "--keep-ptx"):
-    """Compile the forward (or the backward) without a GPU
-    (``CUTE_DSL_ARCH=sm_90a``), for CI and inspection; returns the compiled object."""
+                    backward: bool = False, deterministic: bool = False, options: str = "--keep-ptx"):
+    """Compile the forward (or the backward, deterministic or not) without a
+    GPU (``CUTE_DSL_ARCH=sm_90a``), for CI and inspection; returns the compiled object."""
     from dsa.cute.indexer_train_sm90 import IndexerSm90Config
 
-    return _compile(IndexerSm90Config(cutlass_dtype(dtype), _w_type(w_dtype), H, D, has_len, kl, backward=backward),
-                    options)
+    return _compile(IndexerSm90Config(cutlass_dtype(dtype), _w_type(w_dtype), H, D, has_len, kl, backward=backward,
+                                      deterministic=deterministic), options)

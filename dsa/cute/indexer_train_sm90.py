@@ -75,8 +75,9 @@ class IndexerSm90Config:
     """The static configuration of one compiled kernel (its compile key):
     q / k dtype, weights dtype, heads H, head dim D, whether topk_length is
     given, kl (the KL loss's stats, or its gradient, instead of the logits
-    or theirs), the ring's stages, and backward (the gradients' kernel,
-    ``indexer_train_bwd_sm90``)."""
+    or theirs), the ring's stages, backward (the gradients' kernel,
+    ``indexer_train_bwd_sm90``) and, for it, deterministic (dk stored as
+    bf16 rows at positions the host gives, not added)."""
 
     dtype: object
     w_dtype: object
@@ -86,6 +87,7 @@ class IndexerSm90Config:
     kl: bool
     stages: int = 4
     backward: bool = False
+    deterministic: bool = False
 
 
 def indexer_reason(dtype, H: int, D: int) -> Optional[str]:
@@ -115,8 +117,10 @@ class SparseIndexerSm90:
 
     @classmethod
     def from_config(cls, config: IndexerSm90Config) -> "SparseIndexerSm90":
-        """The builder of ``config`` (whose ``backward`` names the class: this one's or its subclass's)."""
-        return cls(**{f.name: getattr(config, f.name) for f in fields(config) if f.name != "backward"})
+        """The builder of ``config`` (whose ``backward`` names the class: this
+        one's or its subclass's, which alone takes ``deterministic``)."""
+        skip = ("backward",) if config.backward else ("backward", "deterministic")
+        return cls(**{f.name: getattr(config, f.name) for f in fields(config) if f.name not in skip})
 
     # ------------------------------------------------------------------ host
     @cute.jit

@@ -32,7 +32,7 @@ the slot's position in its key's segment, and sums each key's rows in that
 fixed order (dsa/triton/segment_sum.py), chunk of query rows by chunk
 (segment_sum.workspace_bytes: 4 GiB, all 4096 rows at V3.2), the chunks in
 order: bitwise reproducible. One sort of all T*K keys a step (the
-narrowest integer keys, by chunk then key, stable: ``grouped_positions``)
+narrowest integer keys, by chunk then key, stable: ``slot_positions``)
 gives every slot its position, so each sum streams contiguous rows (no
 gather).
 
@@ -60,10 +60,10 @@ import triton
 import triton.language as tl
 
 from dsa._args import IndexerArgs, SparseIndexerArgs
-from dsa._rules import dense_rows, slot_validity
+from dsa._rules import dense_rows
 from dsa.triton import fit
 from dsa.triton.rules import input_precision, row_length, slot_rows
-from dsa.triton.segment_sum import chunk_rows, grouped_positions, grouped_segment_sum
+from dsa.triton.segment_sum import chunk_rows, grouped_segment_sum, slot_positions
 from dsa.triton.training import _pow2, indexer_reason
 
 # the source of the logits' gradient (the kernel's MODE)
@@ -285,20 +285,13 @@ def _launch(p: _Problem, dq, dw, dk, t_start: int, rows: int, dk_mode: int, pos=
     )
 
 
-def _slot_keys(p: _Problem) -> torch.Tensor:
-    """Key of every slot [T * K], N for an invalid one (sorted last, never summed)."""
-    N = p.k.shape[0]
-    valid, safe = slot_validity(p.indices, p.length, N)
-    return torch.where(valid, safe, N).view(-1)
-
-
 def _deterministic_dk(p: _Problem, dq, dw, dk) -> None:
     """``deterministic=True`` (see the module header): per chunk, the main pass
     stores each slot's fp32 dk row at its grouped position; contiguous sums per key."""
     T, _, D = p.q.shape
     N = p.k.shape[0]
     rows = chunk_rows(T, p.K * D * 4, device=dk.device)
-    pos, start = grouped_positions(_slot_keys(p), rows * p.K, N)
+    pos, start = slot_positions(p.indices, p.length, N, rows)
     ws = torch.empty(rows * p.K, D, device=p.q.device, dtype=torch.float32)
     for c, t0 in enumerate(range(0, T, rows)):
         t1 = min(T, t0 + rows)

@@ -32,11 +32,12 @@ import triton
 import triton.language as tl
 
 from dsa.triton import fit
+from dsa.triton.rules import load_slots, row_length
 
 
 @triton.jit
 def segment_sum_kernel(
-    SRC,  # [PARTS * part_rows, D] fp32 workspace rows
+    SRC,  # [PARTS * part_rows, D] fp32 (or bf16) workspace rows, summed in fp32
     ORDER,  # [M] int64: workspace rows sorted by destination (stable); unused without GATHER
     START,  # [n_dst + 1] int64: destination n owns ORDER[START[n]:START[n+1]] (SRC rows, without GATHER)
     DST,  # [n_dst, D] fp32, added to
@@ -64,7 +65,8 @@ def segment_sum_kernel(
             m = m_r[:, None] & m_d[None, :]
             for part in tl.static_range(PARTS):
                 p = SRC + (part * part_rows + ref)[:, None] * D + o_d[None, :]
-                b_acc += tl.sum(tl.load(p, mask=m, other=0.0), 0)  # a fixed tree: the same bits every run
+                # a fixed tree: the same bits every run
+                b_acc += tl.sum(tl.load(p, mask=m, other=0.0).to(tl.float32), 0)
         p_dst = DST + row * D + o_d
         tl.store(p_dst, tl.load(p_dst, mask=m_d, other=0.0) + b_acc, mask=m_d)
 
@@ -145,11 +147,62 @@ def grouped_positions(keys: torch.Tensor, chunk: int, n_dst: int) -> Tuple[torch
     return pos, start
 
 
-def spec(D: int, parts: int, block_d: int, gather: bool = True) -> fit.KernelSpec:
+@triton.jit
+def _slot_keys_kernel(IDX, LEN, OUT, K, N, rows, HAS_LEN: tl.constexpr, BK: tl.constexpr):
+    """OUT[t * K + j] = c * (N + 1) + key of slot j of row t, c = t // rows its
+    chunk, key its index where valid and N where not (``dsa._rules.slot_keys``)."""
+    t = tl.program_id(0)
+    o_n, m_n, idx, valid = load_slots(IDX, t, K, tl.program_id(1) * BK, row_length(LEN, t, K, HAS_LEN), N, BK)
+    key = (t // rows).to(tl.int64) * (N + 1) + tl.where(valid, idx, N).to(tl.int64)
+    tl.store(OUT + t.to(tl.int64) * K + o_n, key.to(OUT.dtype.element_ty), mask=o_n < K)
+
+
+@triton.jit
+def _place_kernel(ORDER, POS, M, chunk, BLOCK: tl.constexpr):
+    """POS[ORDER[i]] = i - c * chunk: workspace row ORDER[i], of chunk
+    c = ORDER[i] // chunk, ranks i-th in the sort, and chunk c's rows fill
+    ranks [c * chunk, (c + 1) * chunk)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < M
+    o = tl.load(ORDER + i, mask=m, other=0)
+    tl.store(POS + o, (i - (o // chunk) * chunk).to(tl.int32), mask=m)
+
+
+def slot_positions(indices: torch.Tensor, topk_length: Optional[torch.Tensor], n_dst: int,
+                   rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`grouped_positions` of the slots of indices [T, K] (int32) with
+    topk_length [T] int32 or None, keyed by ``dsa._rules.slot_keys``, in
+    chunks of ``rows`` query rows (rows * K workspace rows), without the
+    int64 passes: the keys are computed in one kernel in the narrowest
+    integer type, sorted once, and placed in another kernel.  Same results."""
+    T, K = indices.shape
+    M = T * K
+    C = max(1, -(-T // rows))
+    if M == 0:
+        return (torch.empty(0, device=indices.device, dtype=torch.int32),
+                torch.zeros(C, n_dst + 1, device=indices.device, dtype=torch.int64))
+    span = n_dst + 1
+    dt = sort_dtype(C * span)
+    keys = torch.empty(M, device=indices.device, dtype=dt)
+    length = topk_length if topk_length is not None else indices
+    BK = min(1024, triton.next_power_of_2(max(K, 1)))
+    _slot_keys_kernel[(T, triton.cdiv(K, BK))](indices, length, keys, K, n_dst, rows,
+                                               HAS_LEN=topk_length is not None, BK=BK, num_warps=4)
+    comp_sorted, order = torch.sort(keys, stable=True)
+    pos = torch.empty(M, device=indices.device, dtype=torch.int32)
+    _place_kernel[(triton.cdiv(M, 1024),)](order, pos, M, rows * K, BLOCK=1024, num_warps=4)
+    bounds = (torch.arange(C, device=indices.device)[:, None] * span
+              + torch.arange(span, device=indices.device)[None, :]).to(dt)
+    start = torch.searchsorted(comp_sorted, bounds.flatten()).view(C, span)
+    start -= torch.arange(C, device=indices.device)[:, None] * (rows * K)
+    return pos, start
+
+
+def spec(D: int, parts: int, block_d: int, gather: bool = True, src: str = "*fp32") -> fit.KernelSpec:
     """16 rows of BD <= block_d columns a step: a few KB of shared memory at
     most, on every target."""
     BD = min(block_d, triton.next_power_of_2(D))
-    types = dict(SRC="*fp32", ORDER="*i64", START="*i64", DST="*fp32")
+    types = dict(SRC=src, ORDER="*i64", START="*i64", DST="*fp32")
     return fit.KernelSpec(segment_sum_kernel, types, dict(D=D, PARTS=parts, BR=16, BD=BD, GATHER=gather),
                           2 if BD <= 64 else 4, 3)
 
@@ -168,10 +221,10 @@ def segment_sum(src: torch.Tensor, keys: torch.Tensor, dst: torch.Tensor, *, par
 
 
 def grouped_segment_sum(src: torch.Tensor, start: torch.Tensor, dst: torch.Tensor, *, block_d: int = 64) -> None:
-    """dst[n] += src[start[n]:start[n + 1]].sum(0), rows in order (one chunk of
-    :func:`grouped_positions`). src [M, D] fp32, start [n_dst + 1]
-    int64, dst [n_dst, D] fp32 contiguous."""
+    """dst[n] += src[start[n]:start[n + 1]].sum(0), rows in order, in fp32
+    (one chunk of :func:`grouped_positions`). src [M, D] fp32 or bf16,
+    start [n_dst + 1] int64, dst [n_dst, D] fp32 contiguous."""
     n_dst, D = dst.shape
-    s = spec(D, 1, block_d, gather=False)
+    s = spec(D, 1, block_d, gather=False, src="*bf16" if src.dtype == torch.bfloat16 else "*fp32")
     segment_sum_kernel[(n_dst, triton.cdiv(D, s.constexprs["BD"]))](
         src, start, start, dst, src.shape[0], **s.launch_kwargs())

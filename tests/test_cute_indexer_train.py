@@ -86,25 +86,18 @@ def test_backward_compiles_offline_for_sm90_without_spills(tmp_path):
     calls = [(name, "dsa.cute.indexer_train:compile_offline", [f"torch.{dt}", f"torch.{wt}", 64, D, has_len, kl],
               {"backward": True, "deterministic": det}) for name, dt, wt, D, has_len, kl, det in _BWD_CONFIGS]
     red = "red.relaxed.gpu.global.add.L2::cache_hint.v4.f32"
-    needles = ("wgmma.mma_async", red, "createpolicy", "st.global.b32", "bar.sync", "cvt.rn.bf16x2.f32",
-               "st.global.v2.b32")
+    needles = ("wgmma.mma_async", red, "createpolicy", "st.global.b32", "bar.sync", "cvt.rni.f32.f32")
     res = compile_reports(calls, needles, "sm_90a", tmp_path)
     for name, dt, wt, D, has_len, kl, det in _BWD_CONFIGS:
         r = res[name]
         n = r["needles"]
         # each consumer: S^T (D / 16 steps), dq (4: 64 slots), dk (4: 64 heads) per 64-column chunk
         assert n["wgmma.mma_async"] == 2 * (D // 16 + 4 + 4 * (D // 64)), (name, n)
-        if det:
-            # each consumer: 8 four-value bf16 stores a thread and chunk, two
-            # conversions each (G's own, in a bf16 build, come on top), no add
-            assert n["st.global.v2.b32"] == 2 * 8 * (D // 64), (name, n)
-            assert n["cvt.rn.bf16x2.f32"] >= 2 * 2 * 8 * (D // 64), (name, n)
-            assert n[red] == 0, (name, n)
-        else:
-            # each consumer: 8 four-float adds a thread and chunk, under the evict-last policy
-            assert n[red] == 2 * 8 * (D // 64), (name, n)
-            assert n["createpolicy"] >= 2, (name, n)
-            assert n["st.global.v2.b32"] == 0, (name, n)
+        # each consumer: 8 four-float adds a thread and chunk, under the evict-last policy
+        assert n[red] == 2 * 8 * (D // 64), (name, n)
+        assert n["createpolicy"] >= 2, (name, n)
+        # deterministic: each added value rounded to its key's quantum first
+        assert n["cvt.rni.f32.f32"] == (2 * 8 * 4 * (D // 64) if det else 0), (name, n)
         assert n["st.global.b32"] >= (64 * D // 128) // 2, (name, n)  # dq, two columns a word
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
         assert r["registers"] == 168 and BWD_REGS[0] + 2 * BWD_REGS[1] <= 3 * r["registers"], (name, r)
@@ -245,50 +238,37 @@ def test_host_passes_each_kernel_its_buffers_in_order(monkeypatch):
 
 @needs_dsl
 @pytest.mark.parametrize("kl", [False, True])
-def test_deterministic_host_chunks_rows_and_sums_them_by_key(monkeypatch, kl):
-    """deterministic=True on the host: the rows are split into chunks of the
-    workspace, each launch gets its chunk's rows of every per-row tensor and
-    its positions, and the rows a stand-in kernel stores at those positions
-    come back summed by key (every valid slot once, no invalid one),
-    whatever the chunking."""
-    from dsa.triton import segment_sum
+def test_deterministic_host_passes_the_keys_quanta(monkeypatch, kl):
+    """deterministic=True on the host: one backward launch whose last buffer
+    is the keys' quanta (``dsa.triton.dk_quanta``) from the gradient's
+    bound; for the KL loss from logits the forward kernel recomputes first."""
+    from dsa.triton.dk_quanta import dk_quanta
 
-    events, launches, zero = fake_launch(monkeypatch, cit, 64)
+    events, launches, zero = fake_launch(monkeypatch, cit, 128)
     monkeypatch.setattr(cit, "supports", lambda a, op="": None)
-    T, N, K, D = 7, 9, 70, 64
-    g = torch.Generator().manual_seed(3)
-    b = _args(T=T, N=N, K=K, D=D)
-    idx = torch.randint(-2, N + 2, (T, K), generator=g, dtype=torch.int32)
-    length = torch.tensor([K, 0, 5, -1, K + 3, 64, 65], dtype=torch.int32)
-    a = SparseIndexerArgs(b.q, b.k, b.weights, idx, length, 0.5, deterministic=True)
-    value = lambda t, s: float((t * K + s) % 7 + 1)  # noqa: E731  exact in bf16, sums exact in fp32
-    full_q = a.q
+    b = _args(T=5, N=40, K=70)
+    length = torch.tensor([70, 0, 5, -1, 64], dtype=torch.int32)
+    a = SparseIndexerArgs(b.q, b.k, b.weights, b.indices, length, 0.5, deterministic=True)
+    logits = torch.randn(5, 70)
+    calls = []
 
-    def kernel(q, k, w, ix, ln, gin, st, sc, dq, ws, dw, pos, zero_, Tc, N_, K_, sm_scale, stream):
-        t0 = (q.data_ptr() - full_q.data_ptr()) // (q.shape[1] * q.shape[2] * q.element_size())
-        assert ws.dtype == torch.bfloat16 and pos.dtype == torch.int32 and pos.numel() == Tc * K_
-        assert torch.equal(ix, idx[t0:t0 + Tc]) and torch.equal(ln, length[t0:t0 + Tc]) and dq.shape[0] == Tc
-        assert gin.shape[0] == Tc and st.shape[0] == Tc and dw.shape[0] == Tc
-        L = ln.long().clamp(0, K_)
-        for t in range(Tc):
-            for s_ in range(K_):
-                if s_ < L[t] and 0 <= ix[t, s_] < N_:
-                    ws[pos[t * K_ + s_]] = value(t0 + t, s_)
-        launches.append(t0)
+    def kernel(*args):
+        calls.append(args)
+        if len(args) == 13:  # the forward: (q, k, w, idx, len, target, out, zero, T, N, K, sm, stream)
+            args[6].copy_(logits)
 
     monkeypatch.setattr(cit, "_compiled", lambda *x: kernel)
-    monkeypatch.setattr(segment_sum, "WORKSPACE_BYTES", 3 * K * D * 2)  # chunks of rows 0-2, 3-5, 6
+    target, stats, scale = torch.rand(5, 70), torch.rand(5, 4), torch.tensor(0.25)
     if kl:
-        _, dk, _ = cit.indexer_kl_bwd(a, torch.rand(T, K), torch.rand(T, 4), torch.tensor(0.5))
+        cit.indexer_kl_bwd(a, target, stats, scale)
+        exp = dk_quanta(a.q, a.weights, a.indices, length, 40, 0.5, target, scale.reshape(1), logits, stats)
     else:
-        _, dk, _ = cit.sparse_indexer_bwd(a, torch.randn(T, K))
-    assert launches == [0, 3, 6]
-    exp = torch.zeros(N, dtype=torch.float64)
-    for t in range(T):
-        for s_ in range(int(length[t].clamp(0, K))):
-            if 0 <= idx[t, s_] < N:
-                exp[idx[t, s_]] += value(t, s_)
-    assert torch.equal(dk.double(), exp[:, None].expand(N, D).to(dk.dtype).double())
+        cit.sparse_indexer_bwd(a, target)
+        exp = dk_quanta(a.q, a.weights, a.indices, length, 40, 0.5, target, torch.ones(1))
+    assert [len(c) for c in calls] == ([13, 18] if kl else [18])
+    bwd = calls[-1]
+    assert bwd[-6] is zero and torch.equal(bwd[11], exp) and bwd[11].shape == (40, 2)
+    assert bwd[9].shape == (40, 128) and bwd[9].dtype == torch.float32  # dk's accumulator, added into
 
 
 # --------------------------------------------------------------------------
@@ -451,13 +431,9 @@ def _f64_logits_grad(q, k, w, idx, length, sm_scale):
     (48, 300, 200, 128, torch.bfloat16, torch.float32),
     (21, 1000, 512, 64, torch.float16, torch.bfloat16),
 ])
-def test_gpu_backward_against_float64(monkeypatch, det, kl, T, N, K, D, dtype, w_dtype):
-    """dq, dk and dweights against float64 on hostile inputs, outputs and
-    workspace over NaN-filled memory; deterministic: in chunks of 7 rows,
-    bitwise equal on a second call."""
-    from dsa.triton import segment_sum
-
-    monkeypatch.setattr(segment_sum, "WORKSPACE_BYTES", 7 * K * D * 2)
+def test_gpu_backward_against_float64(det, kl, T, N, K, D, dtype, w_dtype):
+    """dq, dk and dweights against float64 on hostile inputs, outputs over
+    NaN-filled memory; deterministic: bitwise equal on a second call."""
     q, k, w, idx, length = _hostile(T, N, K, 64, D, dtype, w_dtype, seed=5 * T + K)
     k = torch.where(torch.isnan(k), 0.0, k)  # the float64 gradient of a NaN row is NaN; the kernel reads none
     a = SparseIndexerArgs(q, k, w, idx, length, 0.4, deterministic=det)
@@ -475,14 +451,14 @@ def test_gpu_backward_against_float64(monkeypatch, det, kl, T, N, K, D, dtype, w
         nz = valid & (tg != 0)
         terms = torch.where(nz, tg * (torch.log(torch.where(nz, tg, 1.0)) - (lg - lse)), 0.0)
         (terms.sum() / R).backward()
-        _poisoned_pool(T * 64 * D * 2 + 7 * K * D * 2)
+        _poisoned_pool(T * 64 * D * 2)
         dq, dk, dw = cit.indexer_kl_bwd(a, target, stats, scale)
         again = cit.indexer_kl_bwd(a, target, stats, scale)
     else:
         dl = torch.randn(T, K, device="cuda", generator=g)
         (torch.where(valid, lg, 0.0) * dl.double().cpu()).sum().backward()
         dl = torch.where(valid.cuda(), dl, float("nan"))  # an invalid slot's gradient is never read
-        _poisoned_pool(T * 64 * D * 2 + 7 * K * D * 2)
+        _poisoned_pool(T * 64 * D * 2)
         dq, dk, dw = cit.sparse_indexer_bwd(a, dl)
         again = cit.sparse_indexer_bwd(a, dl)
     for name, got, leaf, x, y in zip(("dq", "dk", "dw"), (dq, dk, dw), (ql, kl_, wl), (q, k, w), again):

@@ -3,9 +3,10 @@
 A backward computes dKV of a block of 64 slots one [64 slots, 64 columns]
 chunk at a time, fp32, and adds each chunk into the rows of its slots'
 kv rows (``red.global.add.v4.f32``), or stores it per slot for the
-deterministic reduction (``st.global.v4.f32``), or stores it as bf16 at
-a position the host gave each slot (``placed``: the rows of one kv row
-contiguous, summed in order afterwards).  The chunk arrives in
+deterministic reduction (``st.global.v4.f32``); with per-row quanta
+(``dsa.triton.dk_quanta``: 1 / Q and Q of each destination row) each value
+is first rounded to a multiple of its row's Q, which makes the adds exact
+and so order-free.  The chunk arrives in
 registers in the MMA accumulator's fragment order (SM90's wgmma m64n64
 accumulator; on SM100 a ``tcgen05.ld.16x256b`` of the TMEM accumulator,
 which hands out the same fragment): thread i of warp w holds rows
@@ -22,9 +23,9 @@ each (``scatter``), so that every warp instruction covers four whole
 
 * ``dkv_row0`` / ``slot_rows``: where a thread's rows go (validity included);
 * ``scatter``: a chunk's registers into those rows;
-* ``global_f32`` / ``global_bf16x4`` / ``evict_last_policy``: the vector
-  add / store, the placed rows' rounded store, and the L2 policy that keeps
-  dkv resident while gathered kv rows stream through.
+* ``global_f32`` / ``evict_last_policy``: the vector add / store and the L2
+  policy that keeps dkv resident while gathered kv rows stream through;
+* ``quantize``: x rounded to the nearest multiple of Q (ties to even).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dsa.cute import rules
 from dsa.cute.gmem import EVICT_LAST, l2_policy, load
@@ -70,20 +71,13 @@ def global_f32(op: str, addr: Int64, *values: Float32, policy: Optional[Int64] =
 
 
 @dsl_user_op
-def global_bf16x4(addr: Int64, v0: Float32, v1: Float32, v2: Float32, v3: Float32, loc=None, ip=None) -> None:
-    """Four adjacent fp32 rounded to bf16 (nearest even) and stored as 8
-    bytes at global address addr (8-byte aligned), v0 at the lowest."""
-    operands = [Int64(addr).ir_value(loc=loc, ip=ip)] + [Float32(x).ir_value(loc=loc, ip=ip)
-                                                         for x in (v0, v1, v2, v3)]
-    llvm.inline_asm(
-        None, operands,
-        "{ .reg .b32 lo, hi; cvt.rn.bf16x2.f32 lo, $2, $1; cvt.rn.bf16x2.f32 hi, $4, $3; "
-        "st.global.v2.b32 [$0], {lo, hi}; }",
-        "l,f,f,f,f",
-        has_side_effects=True,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip,
-    )
+def quantize(x: Float32, inv_q: Float32, q: Float32, *, loc=None, ip=None) -> Float32:
+    """rint(x * inv_q) * q: x on the grid of q (inv_q = 1 / q, both powers
+    of two, so both products are exact); NaN and Inf stay."""
+    asm = "{ .reg .f32 r; mul.rn.f32 r, $1, $2; cvt.rni.f32.f32 r, r; mul.rn.f32 $0, r, $3; }"
+    operands = [Float32(v).ir_value(loc=loc, ip=ip) for v in (x, inv_q, q)]
+    return Float32(llvm.inline_asm(T.f32(), operands, asm, "=f,f,f,f", has_side_effects=False,
+                                   is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
 def evict_last_policy() -> Int64:
@@ -106,17 +100,16 @@ def dkv_row0(deterministic: cutlass.Constexpr, G: cutlass.Constexpr, tl, g, hb, 
 
 @cute.jit
 def slot_rows(rows, rok, i, row_lo, lane, L, row0, idx_row, dkv_ptr, N, G: cutlass.Constexpr,
-              D: cutlass.Constexpr, deterministic: cutlass.Constexpr, pos_row=None):
+              D: cutlass.Constexpr, deterministic: cutlass.Constexpr, quanta=None, qz=None):
     """For each slot row of block i this thread writes (rows of a dKV chunk):
     whether it is valid (``rok``, 0 / 1) and the byte address the thread
     writes at (``rows``, int64).  Entry 2 r + k is row 2 p + k + 8 r of its
     quad pair (p = row_lo // 2), at the offset of the half of each 128-byte
     line the thread writes for that row.  row0: ``dkv_row0`` of the tile;
     validity is ``rules.slot_index``'s (no index past L is read).  With
-    ``pos_row`` (int32, the row's slots' positions) a valid slot's row is
-    the bf16 row pos_row[slot] of dkv_ptr (``placed`` in ``scatter``)."""
+    ``quanta`` (fp32 [N, 2]: 1 / Q, Q of each kv row; G = 1) entries
+    2 s, 2 s + 1 of ``qz`` get those of entry s's row (0 where invalid)."""
     odd = row_lo % 2
-    ES = 4 if pos_row is None else 2
     for s_ in cutlass.range_constexpr(4):
         r, k = s_ // 2, s_ % 2
         row = row_lo - odd + k + 8 * r
@@ -129,19 +122,23 @@ def slot_rows(rows, rok, i, row_lo, lane, L, row0, idx_row, dkv_ptr, N, G: cutla
         off = Int64(0)
         if n >= 0 and n < N:
             v = Int32(1)
-            if const_expr(pos_row is not None):
-                off = Int64(load(pos_row, Int64(slot)))
-            elif const_expr(deterministic):
+            if const_expr(deterministic):
                 off = row0 + Int64(slot)
             else:
                 off = Int64(n) * Int64(G) + row0
+        if const_expr(quanta is not None):
+            iq, qq = Float32(0.0), Float32(0.0)
+            if v != 0:
+                iq = load(quanta, Int64(n) * Int64(2))
+                qq = load(quanta, Int64(n) * Int64(2) + Int64(1))
+            qz[2 * s_] = iq
+            qz[2 * s_ + 1] = qq
         rok[s_] = v
-        rows[s_] = dkv_ptr.toint() + off * Int64(D * ES) + Int64(col * ES)
+        rows[s_] = dkv_ptr.toint() + off * Int64(D * 4) + Int64(col * 4)
 
 
 @cute.jit
-def scatter(acc, ch: cutlass.Constexpr, rows, rok, pol, deterministic: cutlass.Constexpr,
-            placed: cutlass.Constexpr = False):
+def scatter(acc, ch: cutlass.Constexpr, rows, rok, pol, deterministic: cutlass.Constexpr, qz=None):
     """A [64 slots, 64 columns] dKV chunk (registers ``acc`` in fragment
     order) into column chunk ``ch`` of the slots' rows (valid slots only):
     added, or stored in the deterministic build.  Lanes l and l ^ 4 hold rows
@@ -151,9 +148,9 @@ def scatter(acc, ch: cutlass.Constexpr, rows, rok, pol, deterministic: cutlass.C
     the odd lane the received second) and the second row 2 p + 1, so a
     warp's instruction covers four whole lines.  A thread's floats of a
     group go out as they sit in its fragment, columns 8 h + 2 q + e at
-    4 q + 2 h + e.  pol: the L2 policy of the adds (None for none).  placed:
-    the rows are bf16 (``slot_rows`` with positions), each value rounded
-    once, stored without a policy."""
+    4 q + 2 h + e.  pol: the L2 policy of the adds (None for none).  qz:
+    ``slot_rows``' quanta of the rows, each value rounded to its row's
+    before the add (None: added as computed)."""
     odd = (cute.arch.lane_idx() // 4) % 2 == 1
     for r in cutlass.range_constexpr(2):
         for l_ in cutlass.range_constexpr(2):
@@ -166,12 +163,11 @@ def scatter(acc, ch: cutlass.Constexpr, rows, rok, pol, deterministic: cutlass.C
                 first[k] = Float32(cutlass.select_(odd, recv, mine))
                 second[k] = Float32(cutlass.select_(odd, mine, recv))
             for k2, vals in ((0, first), (1, second)):
-                if const_expr(placed):
-                    if rok[2 * r + k2] != 0:
-                        global_bf16x4(rows[2 * r + k2] + (ch * 64 + 32 * l_) * 2, vals[0], vals[1], vals[2], vals[3])
-                else:
-                    addr = rows[2 * r + k2] + (ch * 64 + 32 * l_) * 4
-                    write4(rok[2 * r + k2], addr, [vals[0], vals[1], vals[2], vals[3]], pol, deterministic)
+                if const_expr(qz is not None):
+                    for k in cutlass.range_constexpr(4):
+                        vals[k] = quantize(vals[k], qz[2 * (2 * r + k2)], qz[2 * (2 * r + k2) + 1])
+                addr = rows[2 * r + k2] + (ch * 64 + 32 * l_) * 4
+                write4(rok[2 * r + k2], addr, [vals[0], vals[1], vals[2], vals[3]], pol, deterministic)
 
 
 @cute.jit

@@ -12,15 +12,12 @@ on :class:`dsa._args.SparseIndexerArgs`, with the Triton ops' results
 to 128, dk by fp32 atomics); compiled kernels are cached per (config,
 device), and every launch runs under q's device and its current stream.
 
-``deterministic=True``: the backward kernel stores each valid slot's dk
-row, rounded once to bf16, at the slot's position in its key's segment
-(``dsa.triton.segment_sum.slot_positions``: one stable sort of the slots
-by key a step), and ``grouped_segment_sum`` adds each key's rows in that
-fixed order in fp32, chunk of query rows by chunk
-(``segment_sum.workspace_bytes``): bitwise reproducible.  bf16 rows halve
-the bytes that cross HBM twice (2.1 GB at the V3.2 step) against fp32
-ones; the rounding adds about 2^-9 / sqrt(3) relative error per addend, far
-inside the gradients' tolerance.
+``deterministic=True``: the backward kernel rounds each dk value to a
+multiple of its key's quantum before the fp32 atomic add
+(``dsa.triton.dk_quanta``: powers of two from a bound on the key's sum),
+which makes every add exact and dk the same bits in any order.  The bound
+needs each slot's |gradient|: the logits' dlogits, or for the KL loss the
+recomputed logits (the forward kernel once more) with the forward's lse.
 
 Placement under ``backend="auto"``: ``PLACEMENT`` names, per GPU, the ops the
 same process measured ahead of Triton's (bench/training_peers.py --cute)
@@ -30,7 +27,6 @@ and the (H_i, D_i) they were measured at; elsewhere auto keeps Triton and
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -140,14 +136,14 @@ def _w_type(dt: torch.dtype):
 def _ptr_types(cfg):
     """(cutlass element type, assumed alignment) of each pointer, in order:
     q, k, weights, indices, topk_length, then the forward's target and out,
-    or the backward's gin, stats, scale, dq, dk (or the bf16 rows), dweights,
-    positions; the zero row last."""
+    or the backward's gin, stats, scale, dq, dk, dweights, quanta; the zero
+    row last."""
     import cutlass
 
     I32, F32 = cutlass.Int32, cutlass.Float32
     dt, wt = cfg.dtype, cfg.w_dtype
     w = (wt, wt.width // 8)
-    outs = ((F32, 4), (F32, 4), (F32, 4), (dt, 4), (F32, 16), w, (I32, 4)) if cfg.backward else ((F32, 4), (F32, 4))
+    outs = ((F32, 4), (F32, 4), (F32, 4), (dt, 4), (F32, 16), w, (F32, 8)) if cfg.backward else ((F32, 4), (F32, 4))
     return ((dt, 16), (dt, 16), w, (I32, 4), (I32, 4), *outs, (dt, 16))
 
 
@@ -217,30 +213,22 @@ def _backward(a: SparseIndexerArgs, gin: torch.Tensor, stats: torch.Tensor, scal
         dq = torch.empty_like(a.q)
         dw = torch.empty_like(a.weights)
         dk = torch.zeros(a.N, a.D, device=a.q.device, dtype=torch.float32)
-        cfg = kernel_config(a, kl, backward=True)
-        if a.deterministic:
-            _placed_dk(a, cfg, gin, stats, scale, dq, dk, dw)
-        else:
-            _launch(a, cfg, gin, stats, scale, dq, dk, dw, dk)  # no positions: never read
+        quanta = _quanta(a, gin, stats, scale, kl) if a.deterministic else dk  # dk: never read
+        _launch(a, kernel_config(a, kl, backward=True), gin, stats, scale, dq, dk, dw, quanta)
         return dq, natural_columns(dk, a.k.dtype), dw
 
 
-def _placed_dk(a: SparseIndexerArgs, cfg, gin, stats, scale, dq, dk, dw) -> None:
-    """dq, dweights and, deterministic, dk (fp32 [N, D], fragment order): per
-    chunk of query rows the kernel stores bf16 rows at their grouped
-    positions, then each key's rows are summed in order (module header).
-    A chunk is a's rows [t0, t1): its per-row tensors sliced, k shared."""
-    from dsa.triton.segment_sum import chunk_rows, grouped_segment_sum, slot_positions
+def _quanta(a: SparseIndexerArgs, gin, stats, scale, kl: bool) -> torch.Tensor:
+    """The keys' quanta [N, 2] of a deterministic backward (``dsa.triton.dk_quanta``);
+    the KL loss's bound reads the logits, recomputed by the forward kernel."""
+    from dsa.triton.dk_quanta import dk_quanta
 
-    rows = chunk_rows(a.T, a.K * a.D * 2, device=a.q.device)
-    pos, start = slot_positions(a.indices, a.topk_length, a.N, rows)
-    ws = torch.empty(rows * a.K, a.D, device=a.q.device, dtype=torch.bfloat16)
-    for c, t0 in enumerate(range(0, a.T, rows)):
-        t1 = min(a.T, t0 + rows)
-        part = dataclasses.replace(a, q=a.q[t0:t1], weights=a.weights[t0:t1], indices=a.indices[t0:t1],
-                                   topk_length=None if a.topk_length is None else a.topk_length[t0:t1])
-        _launch(part, cfg, gin[t0:t1], stats[t0:t1], scale, dq[t0:t1], ws, dw[t0:t1], pos[t0 * a.K:t1 * a.K])
-        grouped_segment_sum(ws, start[c], dk, block_d=a.D)
+    if not kl:
+        return dk_quanta(a.q, a.weights, a.indices, a.topk_length, a.N, a.sm_scale, gin,
+                         torch.ones(1, device=a.q.device))
+    logits = torch.empty((a.T, a.K), device=a.q.device, dtype=torch.float32)
+    _launch(a, kernel_config(a, kl=False), logits, logits)
+    return dk_quanta(a.q, a.weights, a.indices, a.topk_length, a.N, a.sm_scale, gin, scale, logits, stats)
 
 
 def sparse_indexer_bwd(a: SparseIndexerArgs, dlogits: torch.Tensor):

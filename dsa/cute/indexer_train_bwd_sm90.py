@@ -21,9 +21,9 @@ taking the blocks in turn, one CTA an SM.  A consumer, for its block:
 * dk of the block, one [64 slots, 64 columns] chunk at a time, G Q_c (Q's
   columns read MN-major), added into dk's fp32 rows with 16-byte vector
   atomics in the accumulator's column order (``dsa.cute.dkv``; the host
-  puts the columns back), or, ``deterministic``, stored as one bf16 row a
-  slot at the slot's position in its key's segment (``pos``, given by the
-  host), which the host sums in a fixed order.
+  puts the columns back); ``deterministic``, each value rounded first to a
+  multiple of its key's quantum (``quanta``, from ``dsa.triton.dk_quanta``),
+  which makes every add exact, so dk is the same whatever their order.
 
 After the loop consumer 1 hands its dq and dweights sums to consumer 0
 through the ring's shared memory, which adds them in a fixed order and
@@ -88,7 +88,7 @@ class SparseIndexerBwdSm90(SparseIndexerSm90):
         self,
         q_ptr: cute.Pointer, k_ptr: cute.Pointer, w_ptr: cute.Pointer, idx_ptr: cute.Pointer,
         len_ptr: cute.Pointer, gin_ptr: cute.Pointer, stats_ptr: cute.Pointer, scale_ptr: cute.Pointer,
-        dq_ptr: cute.Pointer, dk_ptr: cute.Pointer, dw_ptr: cute.Pointer, pos_ptr: cute.Pointer,
+        dq_ptr: cute.Pointer, dk_ptr: cute.Pointer, dw_ptr: cute.Pointer, quanta_ptr: cute.Pointer,
         zero_ptr: cute.Pointer, T: Int32, N: Int32, K: Int32, sm_scale: Float32, stream,
     ):
         dt = self.dtype
@@ -127,7 +127,7 @@ class SparseIndexerBwdSm90(SparseIndexerSm90):
         self.smem = Smem
         self.kernel(s_mma, dq_mma, dk_mma, sq_layout, sk_layout, kt_layout, sg_layout, gt_layout, qc_layout,
                     q_ptr, k_ptr, w_ptr, idx_ptr, len_ptr, gin_ptr, stats_ptr, scale_ptr, dq_ptr, dk_ptr, dw_ptr,
-                    pos_ptr, zero_ptr, N, K, sm_scale).launch(grid=[T, 1, 1], block=[THREADS, 1, 1], stream=stream,
+                    quanta_ptr, zero_ptr, N, K, sm_scale).launch(grid=[T, 1, 1], block=[THREADS, 1, 1], stream=stream,
                                                      min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device
@@ -138,20 +138,20 @@ class SparseIndexerBwdSm90(SparseIndexerSm90):
         sg_layout: cute.ComposedLayout, gt_layout: cute.ComposedLayout, qc_layout: cute.ComposedLayout,
         q_ptr: cute.Pointer, k_ptr: cute.Pointer, w_ptr: cute.Pointer, idx_ptr: cute.Pointer,
         len_ptr: cute.Pointer, gin_ptr: cute.Pointer, stats_ptr: cute.Pointer, scale_ptr: cute.Pointer,
-        dq_ptr: cute.Pointer, dk_ptr: cute.Pointer, dw_ptr: cute.Pointer, pos_ptr: cute.Pointer,
+        dq_ptr: cute.Pointer, dk_ptr: cute.Pointer, dw_ptr: cute.Pointer, quanta_ptr: cute.Pointer,
         zero_ptr: cute.Pointer, N: Int32, K: Int32, sm_scale: Float32,
     ):
         self.run(sq_layout, sk_layout, q_ptr, k_ptr, idx_ptr, len_ptr, zero_ptr, N, K,
                  ((s_mma, dq_mma, dk_mma), (kt_layout, sg_layout, gt_layout, qc_layout),
-                  (w_ptr, gin_ptr, stats_ptr, scale_ptr, dq_ptr, dk_ptr, dw_ptr, pos_ptr), sm_scale))
+                  (w_ptr, gin_ptr, stats_ptr, scale_ptr, dq_ptr, dk_ptr, dw_ptr, quanta_ptr), sm_scale))
 
     @cute.jit
     def consumers(self, tidx, row, st, sQ, sK, bars, N, K, extra):
         """Warpgroups 1 and 2: the gradients (``consumer_bwd``)."""
         (s_mma, dq_mma, dk_mma), (kt_layout, sg_layout, gt_layout, qc_layout), ptrs, sm_scale = extra
-        w_ptr, gin_ptr, stats_ptr, scale_ptr, dq_ptr, dk_ptr, dw_ptr, pos_ptr = ptrs
+        w_ptr, gin_ptr, stats_ptr, scale_ptr, dq_ptr, dk_ptr, dw_ptr, quanta_ptr = ptrs
         t, L, n_blocks, idx_row = row
-        pos_row = pos_ptr + Int64(t) * Int64(K) if self.deterministic else None
+        quanta = quanta_ptr if self.deterministic else None
         q_full, full, empty = bars
         for m_ in (s_mma, dq_mma, dk_mma):
             m_.set(warpgroup.Field.ACCUMULATE, True)
@@ -160,7 +160,7 @@ class SparseIndexerBwdSm90(SparseIndexerSm90):
         views = (sQ, sK, cute.make_tensor(cute.recast_ptr(raw_k, kt_layout.inner), kt_layout.outer), raw_g,
                  sg_layout, gt_layout, qc_layout)
         args = (s_mma, dq_mma, dk_mma, tidx % 128, views, st.sOk.data_ptr(), q_full, full, empty, w_ptr, idx_row,
-                gin_ptr, stats_ptr, scale_ptr, dq_ptr, dk_ptr, dw_ptr, pos_row, t, L, n_blocks, N, K, sm_scale)
+                gin_ptr, stats_ptr, scale_ptr, dq_ptr, dk_ptr, dw_ptr, quanta, t, L, n_blocks, N, K, sm_scale)
         if cute.arch.make_warp_uniform(tidx // 128) == 1:
             self.consumer_bwd(0, *args)
         else:
@@ -168,11 +168,11 @@ class SparseIndexerBwdSm90(SparseIndexerSm90):
 
     @cute.jit
     def consumer_bwd(self, c: cutlass.Constexpr, s_mma, dq_mma, dk_mma, wtid, views, ok, q_full, full, empty, w_ptr,
-                     idx_row, gin_ptr, stats_ptr, scale_ptr, dq_ptr, dk_ptr, dw_ptr, pos_row, t, L, n_blocks, N, K,
+                     idx_row, gin_ptr, stats_ptr, scale_ptr, dq_ptr, dk_ptr, dw_ptr, quanta, t, L, n_blocks, N, K,
                      sm_scale):
         """Blocks c, c + 2, ...: S^T, g, G, dq, dk (see the module header);
-        then the row's dq and dweights (``finish``).  pos_row: the row's
-        slots' positions (deterministic), else None."""
+        then the row's dq and dweights (``finish``).  quanta: the keys' quanta
+        (deterministic), else None."""
         sQ, sK, sKt, raw_g, sg_layout, gt_layout, qc_layout = views
         sc = self.scores_setup(s_mma, wtid, sQ, sK, w_ptr, t, sm_scale)
         lane, row_lo, col_lane, thr_s, acc_s, wv, mask = sc[0], sc[1], sc[2], sc[3], sc[4], sc[6], sc[7]
@@ -195,6 +195,7 @@ class SparseIndexerBwdSm90(SparseIndexerSm90):
         acc_k = cute.make_rmem_tensor(thr_k.partition_shape_C((BN, 64)), Float32)
         rows = cute.make_rmem_tensor((4,), Int64)
         rok = cute.make_rmem_tensor((4,), Int32)
+        qz = cute.make_rmem_tensor((8,), Float32) if self.deterministic else None
         pol = dk_reduce.evict_last_policy()
         dwv = cute.make_rmem_tensor((NS // 2,), Float32)
         dwv.fill(0.0)
@@ -212,7 +213,7 @@ class SparseIndexerBwdSm90(SparseIndexerSm90):
         cute.arch.mbarrier_wait(q_full, 0)
         for i in cutlass.range(c, n_blocks, 2, unroll=1):
             dk_reduce.slot_rows(rows, rok, i, row_lo, lane, L, Int64(0), idx_row, dk_ptr, N, 1, self.D, False,
-                                pos_row)
+                                quanta, qz)
             s = self.block_scores(sc, ok, full, i)
             self.block_logits(acc_s, wv, mask, lg)
             for r in cutlass.range_constexpr(2):
@@ -253,7 +254,7 @@ class SparseIndexerBwdSm90(SparseIndexerSm90):
                 if const_expr(self.kl):
                     for i_ in cutlass.range_constexpr(cute.size(acc_k)):
                         acc_k[i_] = acc_k[i_] * scale
-                dk_reduce.scatter(acc_k, ch, rows, rok, pol, False, self.deterministic)
+                dk_reduce.scatter(acc_k, ch, rows, rok, pol, False, qz)
         self.finish(c, acc_dq, dwv, wtid, lane, row_lo, col_lane, raw_g, sK, dq_ptr, dw_ptr, t, scale, sm_scale)
 
     @cute.jit

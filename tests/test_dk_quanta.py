@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+from dsa.triton import dk_quanta as dk_quanta_module
 from dsa.triton.dk_quanta import MARGIN, dk_quanta
 
 H, D = 8, 32
@@ -84,7 +85,10 @@ def _check(quanta, B, c, idx, valid, N):
 
 
 @pytest.mark.parametrize("w_scale", [1e-20, 1.0, 1e20])
-def test_logits_quanta_make_any_order_exact(w_scale):
+@pytest.mark.parametrize("packed", [True, False], ids=["count packed", "count apart"])
+def test_logits_quanta_make_any_order_exact(monkeypatch, w_scale, packed):
+    if not packed:  # the count's own array, as for T * K past 2^26
+        monkeypatch.setattr(dk_quanta_module, "MIN_UNIT_BITS", 63)
     q, k, w, idx, length = _inputs(1, w_scale=w_scale)
     N, sm = k.shape[0], 0.6
     valid = _valid(idx, length, N)

@@ -21,8 +21,10 @@ two with 2^24 Q_n >= B_n + c_n Q_n / 2 (c_n the key's valid slots): every
 partial sum, each addend rounded to Q_n (by at most Q_n / 2), stays within
 2^24 Q_n.  B_n itself must be the
 same on every run: the b are added as integers (int64 atomics, exact) in
-units of U = 2^(ceil(log2 max b) - bits), bits = 62 - ceil(log2(T K)) so no
-key's sum can overflow; each b rounds up, so B_n stays a bound.
+units of U = 2^(ceil(log2 max b) - bits), each rounded up (so B_n stays a
+bound), with bits small enough that no key's sum can overflow; the key's
+count c_n shares the same atomic in its low bits where that leaves U at
+least ``MIN_UNIT_BITS`` (14 bits at T K = 2^23), else has its own.
 
 |g_j| comes from the loss: the KL loss's |softmax_j S - target_j| <=
 softmax_j S + target_j (from the recomputed logits and the forward's lse
@@ -97,9 +99,10 @@ def _row_bound_kernel(Q, W, IDX, LEN, LG, GIN, STATS, SCALE, A, R, K, N, sm_scal
 
 @triton.jit
 def _key_sum_kernel(IDX, LEN, LG, GIN, STATS, A, UNIT, B, C, K, N, BK: tl.constexpr, HAS_LEN: tl.constexpr,
-                    KL: tl.constexpr):
-    """B[key] += ceil(b / U) and C[key] += 1 over the valid slots [k0, k0 + BK)
-    of row t (integer atomics)."""
+                    KL: tl.constexpr, CB: tl.constexpr):
+    """Over the valid slots [k0, k0 + BK) of row t (integer atomics): B[key]
+    += ceil(b / U) and C[key] += 1, or with CB > 0 both in B, as
+    ceil(b / U) * 2^CB + 1 (the count in the low CB bits)."""
     t = tl.program_id(0).to(tl.int64)
     k0 = tl.program_id(1) * BK
     L = row_length(LEN, t, K, HAS_LEN)
@@ -107,24 +110,45 @@ def _key_sum_kernel(IDX, LEN, LG, GIN, STATS, A, UNIT, B, C, K, N, BK: tl.conste
         o_n, m_n, idx, valid = load_slots(IDX, t, K, k0, L, N, BK)
         b = _g_bound(LG, GIN, STATS, t, K, o_n, valid, KL) * tl.load(A + t)
         units = tl.ceil(b / tl.load(UNIT))
-        ok = valid & (units > 0) & (units < float("inf"))
-        tl.atomic_add(B + tl.where(ok, idx, 0), units.to(tl.int64), mask=ok, sem="relaxed")
-        tl.atomic_add(C + tl.where(valid, idx, 0), tl.full([BK], 1, tl.int32), mask=valid, sem="relaxed")
+        units = tl.where((units > 0) & (units < float("inf")), units, 0.0).to(tl.int64)
+        key = tl.where(valid, idx, 0)
+        if CB > 0:
+            tl.atomic_add(B + key, units * (1 << CB) + 1, mask=valid, sem="relaxed")
+        else:
+            tl.atomic_add(B + key, units, mask=valid & (units > 0), sem="relaxed")
+            tl.atomic_add(C + key, tl.full([BK], 1, tl.int32), mask=valid, sem="relaxed")
 
 
 @triton.jit
-def _quanta_kernel(B, C, UNIT, OUT, N, BLOCK: tl.constexpr):
-    """OUT[n] = (1 / Q_n, Q_n), Q_n = 2^ceil(log2(B_n / (2^24 - C_n / 2)))
+def _quanta_kernel(B, C, UNIT, OUT, N, BLOCK: tl.constexpr, CB: tl.constexpr):
+    """OUT[n] = (1 / Q_n, Q_n), Q_n = 2^ceil(log2(B_n / (2^24 - c_n / 2)))
     clamped to [2^-126, 2^127]; (0, 0) where B_n = 0."""
     n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = n < N
-    bn = tl.load(B + n, mask=m, other=0).to(tl.float32) * tl.load(UNIT)
-    room = 16777216.0 - 0.5 * tl.load(C + n, mask=m, other=0).to(tl.float32)
-    e = tl.minimum(tl.maximum(tl.ceil(tl.log2(tl.maximum(bn / room, 1e-45))), -126.0), 127.0)
+    raw = tl.load(B + n, mask=m, other=0)
+    if CB > 0:
+        count = (raw & ((1 << CB) - 1)).to(tl.float32)
+        raw = raw >> CB
+    else:
+        count = tl.load(C + n, mask=m, other=0).to(tl.float32)
+    bn = raw.to(tl.float32) * tl.load(UNIT)
+    e = tl.minimum(tl.maximum(tl.ceil(tl.log2(tl.maximum(bn / (16777216.0 - 0.5 * count), 1e-45))), -126.0), 127.0)
     q = tl.where(bn > 0, tl.exp2(e), 0.0)
     inv = tl.where(bn > 0, tl.exp2(-e), 0.0)
     tl.store(OUT + 2 * n, inv, mask=m)
     tl.store(OUT + 2 * n + 1, q, mask=m)
+
+
+# fewest bits of resolution U leaves each b for the count to share B's 63 (else a count array of its own)
+MIN_UNIT_BITS = 10
+
+
+def _unit_bits(slots: int) -> tuple:
+    """(bits of U's resolution under the largest b, CB: the count's bits in
+    B or 0) for ``slots`` = T * K: no key's sum can overflow int64."""
+    cb = max(1, slots).bit_length()  # a key's count < 2^cb
+    packed = 62 - 2 * cb
+    return (packed, cb) if packed >= MIN_UNIT_BITS else (62 - cb, 0)
 
 
 def dk_quanta(q: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, topk_length: Optional[torch.Tensor],
@@ -151,16 +175,16 @@ def dk_quanta(q: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, top
         _row_bound_kernel[(T,)](q, weights, indices, length, lg, gin, st, scale, A, R, K, N, float(sm_scale),
                                 H=H, D=D, BH=triton.next_power_of_2(H), BD=triton.next_power_of_2(D), BK=BK,
                                 HAS_LEN=topk_length is not None, KL=kl, MARGIN=MARGIN, num_warps=8)
-    bits = 62 - max(1, T * K).bit_length()
+    bits, cb = _unit_bits(T * K)
     top = R.max() if T else torch.zeros((), device=dev)
     unit = torch.where(top > 0, torch.exp2(torch.ceil(torch.log2(top.clamp_min(1e-38))) - bits),
                        torch.ones((), device=dev)).float().reshape(1)
     B = torch.zeros(N, device=dev, dtype=torch.int64)
-    C = torch.zeros(N, device=dev, dtype=torch.int32)
+    C = B if cb else torch.zeros(N, device=dev, dtype=torch.int32)
     if T and K:
         _key_sum_kernel[(T, triton.cdiv(K, BK))](indices, length, lg, gin, st, A, unit, B, C, K, N, BK=BK,
-                                                 HAS_LEN=topk_length is not None, KL=kl, num_warps=4)
+                                                 HAS_LEN=topk_length is not None, KL=kl, CB=cb, num_warps=4)
     out = torch.empty(N, 2, device=dev, dtype=torch.float32)
     if N:
-        _quanta_kernel[(triton.cdiv(N, 1024),)](B, C, unit, out, N, BLOCK=1024, num_warps=4)
+        _quanta_kernel[(triton.cdiv(N, 1024),)](B, C, unit, out, N, BLOCK=1024, CB=cb, num_warps=4)
     return out

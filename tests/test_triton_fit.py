@@ -132,7 +132,7 @@ def _rows(caps):
                 [training.target_spec(torch.bfloat16, H, 1, D, cfg, implicit=imp, lse_pass=imp)
                  for imp in (False, True)] if cfg else [])
         seg = [segment_sum.spec(D, parts, bd) for D, parts, bd in ((576, 2, 64), (128, 1, 128))]
-        seg.append(segment_sum.spec(128, 1, 128, gather=False, src="*bf16"))  # the cute indexer's bf16 rows
+        seg.append(segment_sum.spec(128, 1, 128, gather=False, src="*bf16"))  # bf16 rows (the bench's floor)
         add("segment_sum", "dkv D576 / dk D128 (fp32, bf16 rows)", "fixed", "", seg)
         for what, S in TOPK.items():  # every kernel of the route, fp32 scores
             route, why = topk.pick(S, TOPK_K, torch.float32, tgt)

@@ -33,7 +33,7 @@ Dense attention target (the indexer's visibility rule, MQA kv [T_k, D]):
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -185,28 +185,47 @@ def sparse_indexer_bwd(a: SparseIndexerArgs, dlogits: torch.Tensor):
     return _sparse_bwd(a, lambda sl, t0, t1: dlogits[t0:t1].to(sl.q.dtype))
 
 
+def kl_stats(logits: torch.Tensor, valid: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """stats [C, 4] (loss_t, logsumexp of the logits, sum of valid target, has
+    a valid slot) of rows of logits [C, K] (-inf on invalid slots), their
+    slots' validity [C, K] and target [C, K], in the logits' dtype."""
+    t = target.to(logits.dtype)
+    lse = torch.logsumexp(logits, -1)  # -inf on an empty row
+    live = valid & (t != 0)
+    term = torch.where(live, t * (torch.log(torch.where(live, t, 1.0)) - (logits - lse[:, None])), 0.0)
+    has = valid.any(-1)
+    return torch.stack([torch.where(has, term.sum(-1), 0.0), lse, torch.where(valid, t, 0.0).sum(-1),
+                        has.to(logits.dtype)], -1)
+
+
 def indexer_kl_fwd(a: SparseIndexerArgs, target: torch.Tensor) -> torch.Tensor:
     """-> stats [T, 4] (loss_t, logsumexp of the logits, sum of valid target, has a valid slot)."""
-    acc = acc_dtype(a.q)
-    stats = torch.empty(a.T, 4, device=a.q.device, dtype=acc)
+    stats = torch.empty(a.T, 4, device=a.q.device, dtype=acc_dtype(a.q))
     step = _row_chunk(a.K * (a.D + 2 * a.H))
     for t0 in range(0, a.T, step):
         t1 = min(a.T, t0 + step)
         sl = _IndexerSlots(a, t0, t1)
-        t = target[t0:t1].to(acc)
-        lse = torch.logsumexp(sl.logits, -1)  # -inf on an empty row
-        live = sl.valid & (t != 0)
-        term = torch.where(live, t * (torch.log(torch.where(live, t, 1.0)) - (sl.logits - lse[:, None])), 0.0)
-        has = sl.valid.any(-1)
-        stats[t0:t1, STAT_LOSS] = torch.where(has, term.sum(-1), 0.0)
-        stats[t0:t1, STAT_LSE] = lse
-        stats[t0:t1, STAT_TSUM] = torch.where(sl.valid, t, 0.0).sum(-1)
-        stats[t0:t1, STAT_VALID] = has.to(acc)
+        stats[t0:t1] = kl_stats(sl.logits, sl.valid, target[t0:t1])
     return stats
 
 
-def indexer_kl_bwd(a: SparseIndexerArgs, target: torch.Tensor, stats: torch.Tensor, scale: torch.Tensor):
-    """-> dq, dk, dweights of scale * sum_t loss_t (scale = dloss / max(R, 1), a 0-dim tensor)."""
+def kl_stats_of_logits(a: SparseIndexerArgs, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """indexer_kl_fwd's stats [T, 4] from logits [T, K] already computed (any
+    backend's ``sparse_indexer_fwd``), the rows in chunks."""
+    stats = torch.empty(a.T, 4, device=logits.device, dtype=logits.dtype)
+    step = _row_chunk(a.K * 6)
+    for t0 in range(0, a.T, step):
+        t1 = min(a.T, t0 + step)
+        length = None if a.topk_length is None else a.topk_length[t0:t1]
+        valid, _ = slot_validity(a.indices[t0:t1], length, a.N)
+        stats[t0:t1] = kl_stats(logits[t0:t1], valid, target[t0:t1])
+    return stats
+
+
+def indexer_kl_bwd(a: SparseIndexerArgs, target: torch.Tensor, stats: torch.Tensor, scale: torch.Tensor,
+                   logits: Optional[torch.Tensor] = None):
+    """-> dq, dk, dweights of scale * sum_t loss_t (scale = dloss / max(R, 1), a 0-dim tensor);
+    logits (the deterministic forward's) are not needed: the chunks recompute theirs."""
 
     def grad(sl, t0, t1):
         lse = stats[t0:t1, STAT_LSE, None]

@@ -166,7 +166,7 @@ def indexer_kl_loss(
     gradients bitwise reproducible.
     """
     a, tgt = _kl(q_i, k_i, weights, indices, target, sm_scale, topk_length, deterministic, backend)
-    loss, _ = ops.call(ops.indexer_kl_fwd, a, tgt, backend)
+    loss, _, _ = ops.call(ops.indexer_kl_fwd, a, tgt, backend)
     return loss
 
 

@@ -237,11 +237,12 @@ def test_host_passes_each_kernel_its_buffers_in_order(monkeypatch):
 
 
 @needs_dsl
-@pytest.mark.parametrize("kl", [False, True])
-def test_deterministic_host_passes_the_keys_quanta(monkeypatch, kl):
+@pytest.mark.parametrize("kl, given", [(False, False), (True, False), (True, True)])
+def test_deterministic_host_passes_the_keys_quanta(monkeypatch, kl, given):
     """deterministic=True on the host: one backward launch whose last buffer
     is the keys' quanta (``dsa.triton.dk_quanta``) from the gradient's
-    bound; for the KL loss from logits the forward kernel recomputes first."""
+    bound; for the KL loss from the forward's logits, or where none are
+    given from logits the forward kernel recomputes first."""
     from dsa.triton.dk_quanta import dk_quanta
 
     events, launches, zero = fake_launch(monkeypatch, cit, 128)
@@ -260,12 +261,12 @@ def test_deterministic_host_passes_the_keys_quanta(monkeypatch, kl):
     monkeypatch.setattr(cit, "_compiled", lambda *x: kernel)
     target, stats, scale = torch.rand(5, 70), torch.rand(5, 4), torch.tensor(0.25)
     if kl:
-        cit.indexer_kl_bwd(a, target, stats, scale)
+        cit.indexer_kl_bwd(a, target, stats, scale, logits if given else None)
         exp = dk_quanta(a.q, a.weights, a.indices, length, 40, 0.5, target, scale.reshape(1), logits, stats)
     else:
         cit.sparse_indexer_bwd(a, target)
         exp = dk_quanta(a.q, a.weights, a.indices, length, 40, 0.5, target, torch.ones(1))
-    assert [len(c) for c in calls] == ([13, 18] if kl else [18])
+    assert [len(c) for c in calls] == ([13, 18] if kl and not given else [18])
     bwd = calls[-1]
     assert bwd[-6] is zero and torch.equal(bwd[11], exp) and bwd[11].shape == (40, 2)
     assert bwd[9].shape == (40, 128) and bwd[9].dtype == torch.float32  # dk's accumulator, added into

@@ -3,7 +3,7 @@
     sparse_indexer_fwd(a) -> logits [T, K] fp32, -inf on invalid slots
     indexer_kl_fwd(a, target) -> stats [T, 4] fp32 (loss_t, lse, sum of valid target, has a valid slot)
     sparse_indexer_bwd(a, dlogits) -> dq, dk, dweights
-    indexer_kl_bwd(a, target, stats, scale) -> dq, dk, dweights
+    indexer_kl_bwd(a, target, stats, scale, logits=None) -> dq, dk, dweights
 
 on :class:`dsa._args.SparseIndexerArgs`, with the Triton ops' results
 (``dsa.triton.training``, ``dsa.triton.indexer_bwd``).  The kernels are
@@ -206,28 +206,31 @@ def indexer_kl_fwd(a: SparseIndexerArgs, target: torch.Tensor) -> torch.Tensor:
     return stats
 
 
-def _backward(a: SparseIndexerArgs, gin: torch.Tensor, stats: torch.Tensor, scale: torch.Tensor, kl: bool):
+def _backward(a: SparseIndexerArgs, gin: torch.Tensor, stats: torch.Tensor, scale: torch.Tensor, kl: bool,
+              logits: Optional[torch.Tensor] = None):
     from dsa.cute.sparse_attention_bwd import natural_columns
 
     with torch.cuda.device(a.q.device):
         dq = torch.empty_like(a.q)
         dw = torch.empty_like(a.weights)
         dk = torch.zeros(a.N, a.D, device=a.q.device, dtype=torch.float32)
-        quanta = _quanta(a, gin, stats, scale, kl) if a.deterministic else dk  # dk: never read
+        quanta = _quanta(a, gin, stats, scale, kl, logits) if a.deterministic else dk  # dk: never read
         _launch(a, kernel_config(a, kl, backward=True), gin, stats, scale, dq, dk, dw, quanta)
         return dq, natural_columns(dk, a.k.dtype), dw
 
 
-def _quanta(a: SparseIndexerArgs, gin, stats, scale, kl: bool) -> torch.Tensor:
+def _quanta(a: SparseIndexerArgs, gin, stats, scale, kl: bool, logits=None) -> torch.Tensor:
     """The keys' quanta [N, 2] of a deterministic backward (``dsa.triton.dk_quanta``);
-    the KL loss's bound reads the logits, recomputed by the forward kernel."""
+    the KL loss's bound reads the logits: the deterministic forward's, or
+    recomputed by the forward kernel where none are given."""
     from dsa.triton.dk_quanta import dk_quanta
 
     if not kl:
         return dk_quanta(a.q, a.weights, a.indices, a.topk_length, a.N, a.sm_scale, gin,
                          torch.ones(1, device=a.q.device))
-    logits = torch.empty((a.T, a.K), device=a.q.device, dtype=torch.float32)
-    _launch(a, kernel_config(a, kl=False), logits, logits)
+    if logits is None:
+        logits = torch.empty((a.T, a.K), device=a.q.device, dtype=torch.float32)
+        _launch(a, kernel_config(a, kl=False), logits, logits)
     return dk_quanta(a.q, a.weights, a.indices, a.topk_length, a.N, a.sm_scale, gin, scale, logits, stats)
 
 
@@ -239,10 +242,14 @@ def sparse_indexer_bwd(a: SparseIndexerArgs, dlogits: torch.Tensor):
     return _backward(a, g, g, g, kl=False)
 
 
-def indexer_kl_bwd(a: SparseIndexerArgs, target: torch.Tensor, stats: torch.Tensor, scale: torch.Tensor):
-    """-> dq, dk, dweights of the KL loss; stats [T, 4] of the forward, scale = dloss / max(R, 1) (0-dim)."""
+def indexer_kl_bwd(a: SparseIndexerArgs, target: torch.Tensor, stats: torch.Tensor, scale: torch.Tensor,
+                   logits: Optional[torch.Tensor] = None):
+    """-> dq, dk, dweights of the KL loss; stats [T, 4] of the forward, scale = dloss / max(R, 1) (0-dim);
+    logits [T, K]: the deterministic forward's (the dk bound reads them; recomputed when None)."""
     _checked(a, "indexer_kl_bwd")
-    return _backward(a, target.float().contiguous(), stats.float().contiguous(), scale.float().reshape(1), kl=True)
+    lg = None if logits is None else logits.float().contiguous()
+    return _backward(a, target.float().contiguous(), stats.float().contiguous(), scale.float().reshape(1), kl=True,
+                     logits=lg)
 
 
 _OPS = {"sparse_indexer_fwd": sparse_indexer_fwd, "indexer_kl_fwd": indexer_kl_fwd,

@@ -96,46 +96,64 @@ sparse_indexer_fwd.autograd(_logits_backward)
 # KL loss
 
 
-@op("indexer_kl_fwd", SparseIndexerArgs, extra="Tensor target", returns="(Tensor, Tensor)")
+@op("indexer_kl_fwd", SparseIndexerArgs, extra="Tensor target", returns="(Tensor, Tensor, Tensor)")
 def indexer_kl_fwd(a: SparseIndexerArgs, target, backend: str):
-    """-> loss [] and per-row stats [T, 4] (loss_t, lse of the logits, sum of valid target, has a valid slot)."""
+    """-> loss [], per-row stats [T, 4] (loss_t, lse of the logits, sum of
+    valid target, has a valid slot) and, deterministic, the logits [T, K]
+    the backward may bound its dk sums with ([0, K] otherwise).  The
+    deterministic forward is the chosen backend's logits kernel, the stats
+    taken from its logits (``reference_training.kl_stats_of_logits``)."""
     acc = acc_dtype(a.q)
     if a.empty:
         stats = torch.zeros(a.T, 4, device=a.q.device, dtype=acc)
         stats[:, 1] = float("-inf")
-        return a.q.new_zeros((), dtype=acc), stats
-    stats = select_kept("indexer_kl_fwd", a, backend).fn(a, target)
+        return a.q.new_zeros((), dtype=acc), stats, a.q.new_empty(_logits_rows(a), a.K, dtype=acc)
+    choice = select_kept("indexer_kl_fwd", a, backend)
+    if a.deterministic:
+        from dsa.reference_training import kl_stats_of_logits
+
+        logits = select_kept("sparse_indexer_fwd", a, choice.backend).fn(a)
+        stats = kl_stats_of_logits(a, logits, target)
+    else:
+        logits = a.q.new_empty(0, a.K, dtype=acc)
+        stats = choice.fn(a, target)
     # rows with no valid slot are out of the mean; with no valid row at all the loss is 0
     loss = stats[:, STAT_LOSS].sum() / stats[:, STAT_VALID].sum().clamp(min=1.0)
-    return loss, stats
+    return loss, stats, logits
+
+
+def _logits_rows(a: SparseIndexerArgs) -> int:
+    return a.T if a.deterministic else 0
 
 
 @indexer_kl_fwd.fake
 def _(a: SparseIndexerArgs, target, backend):
     acc = acc_dtype(a.q)
-    return a.q.new_empty((), dtype=acc), a.q.new_empty(a.T, 4, dtype=acc)
+    return a.q.new_empty((), dtype=acc), a.q.new_empty(a.T, 4, dtype=acc), a.q.new_empty(_logits_rows(a), a.K,
+                                                                                         dtype=acc)
 
 
-@op("indexer_kl_bwd", SparseIndexerArgs, extra="Tensor target, Tensor stats, Tensor scale",
+@op("indexer_kl_bwd", SparseIndexerArgs, extra="Tensor target, Tensor stats, Tensor scale, Tensor logits",
     returns="(Tensor, Tensor, Tensor)")
-def indexer_kl_bwd(a: SparseIndexerArgs, target, stats, scale, backend: str):
-    """scale: 0-dim, dloss / max(R, 1) (kept on the device: no host sync)."""
+def indexer_kl_bwd(a: SparseIndexerArgs, target, stats, scale, logits, backend: str):
+    """scale: 0-dim, dloss / max(R, 1) (kept on the device: no host sync);
+    logits: the forward's third output."""
     if a.empty:
         return _zero_grads(a)
-    return select_kept("indexer_kl_bwd", a, backend).fn(a, target, stats, scale)
+    return select_kept("indexer_kl_bwd", a, backend).fn(a, target, stats, scale, logits if logits.numel() else None)
 
 
 @indexer_kl_bwd.fake
-def _(a: SparseIndexerArgs, target, stats, scale, backend):
+def _(a: SparseIndexerArgs, target, stats, scale, logits, backend):
     return _empty_grads(a)
 
 
-def _kl_backward(ctx, a: SparseIndexerArgs, rest, outputs, dloss, _dstats):
+def _kl_backward(ctx, a: SparseIndexerArgs, rest, outputs, dloss, _dstats, _dlogits):
     target, backend = rest
-    (stats,) = outputs
+    stats, logits = outputs
     scale = (dloss / stats[:, STAT_VALID].sum().clamp(min=1.0)).to(stats.dtype)
     # the target is not differentiated (it comes from the detached main attention)
-    return dict(zip(("q", "k", "weights"), indexer_kl_bwd(a, target, stats, scale, backend)))
+    return dict(zip(("q", "k", "weights"), indexer_kl_bwd(a, target, stats, scale, logits, backend)))
 
 
-indexer_kl_fwd.autograd(_kl_backward, saved_outputs=lambda output: output[1:], non_differentiable=(1,))
+indexer_kl_fwd.autograd(_kl_backward, saved_outputs=lambda output: output[1:], non_differentiable=(1, 2))

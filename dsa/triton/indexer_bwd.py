@@ -324,8 +324,10 @@ def sparse_indexer_bwd(a: SparseIndexerArgs, dlogits: torch.Tensor):
     return _backward(p, a.deterministic)
 
 
-def indexer_kl_bwd(a: SparseIndexerArgs, target: torch.Tensor, stats: torch.Tensor, scale: torch.Tensor):
-    """-> dq, dk, dweights of the KL loss; stats [T, 4] of the forward, scale = dloss / max(R, 1)."""
+def indexer_kl_bwd(a: SparseIndexerArgs, target: torch.Tensor, stats: torch.Tensor, scale: torch.Tensor,
+                   logits: Optional[torch.Tensor] = None):
+    """-> dq, dk, dweights of the KL loss; stats [T, 4] of the forward, scale = dloss / max(R, 1);
+    logits (the deterministic forward's) are not needed: the kernel recomputes its own."""
     p = _sparse_problem(
         a, target.float().contiguous(), stats.float().contiguous(), scale.float().reshape(()), MODE_KL
     )

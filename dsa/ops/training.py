@@ -102,7 +102,8 @@ def indexer_kl_fwd(a: SparseIndexerArgs, target, backend: str):
     valid target, has a valid slot) and, deterministic, the logits [T, K]
     the backward may bound its dk sums with ([0, K] otherwise).  The
     deterministic forward is the chosen backend's logits kernel, the stats
-    taken from its logits (``reference_training.kl_stats_of_logits``)."""
+    taken from its logits (``kl_stats_of_logits``: the reference's in
+    PyTorch, the kernels' by a Triton pass)."""
     acc = acc_dtype(a.q)
     if a.empty:
         stats = torch.zeros(a.T, 4, device=a.q.device, dtype=acc)
@@ -110,8 +111,10 @@ def indexer_kl_fwd(a: SparseIndexerArgs, target, backend: str):
         return a.q.new_zeros((), dtype=acc), stats, a.q.new_empty(_logits_rows(a), a.K, dtype=acc)
     choice = select_kept("indexer_kl_fwd", a, backend)
     if a.deterministic:
-        from dsa.reference_training import kl_stats_of_logits
-
+        if choice.backend == "reference":
+            from dsa.reference_training import kl_stats_of_logits
+        else:
+            from dsa.triton.training import kl_stats_of_logits
         logits = select_kept("sparse_indexer_fwd", a, choice.backend).fn(a)
         stats = kl_stats_of_logits(a, logits, target)
     else:

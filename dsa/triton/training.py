@@ -201,6 +201,25 @@ def _kl_lanes_store(STATS, t, v_m, v_l, v_a, v_b, v_ts, v_n):
 
 
 @triton.jit
+def _kl_stats_kernel(LG, IDX, LEN, TGT, STATS, N, K, BK: tl.constexpr, HAS_LEN: tl.constexpr):
+    """Row t's KL stats from its logits LG [T, K] (the forward kernel's lanes, reading the logits)."""
+    t = tl.program_id(0).to(tl.int64)
+    length = row_length(LEN, t, K, HAS_LEN)
+    v_m = tl.full([BK], float("-inf"), tl.float32)
+    v_l = tl.zeros([BK], tl.float32)
+    v_a = tl.zeros([BK], tl.float32)
+    v_b = tl.zeros([BK], tl.float32)
+    v_ts = tl.zeros([BK], tl.float32)
+    v_n = tl.zeros([BK], tl.int32)
+    for k0 in range(0, length, BK):
+        o_k, _, idx, valid = load_slots(IDX, t, K, k0, length, N, BK)
+        b_lg = tl.load(LG + t * K + o_k, mask=valid, other=float("-inf"))
+        b_t = tl.load(TGT + t * K + o_k, mask=valid, other=0.0)
+        v_m, v_l, v_a, v_b, v_ts, v_n = _kl_lanes_step(v_m, v_l, v_a, v_b, v_ts, v_n, b_lg, b_t, valid)
+    _kl_lanes_store(STATS, t, v_m, v_l, v_a, v_b, v_ts, v_n)
+
+
+@triton.jit
 def _sparse_indexer_fwd_kernel(
     Q,  # [T, H, D]
     Kp,  # [N, D]
@@ -475,6 +494,17 @@ def sparse_indexer_fwd(a: SparseIndexerArgs) -> torch.Tensor:
     out = torch.empty((a.T, a.K), device=a.q.device, dtype=torch.float32)
     _launch_indexer_fwd(a, out, out, out, kl=False)
     return out
+
+
+def kl_stats_of_logits(a: SparseIndexerArgs, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """indexer_kl_fwd's stats [T, 4] fp32 from the logits [T, K] fp32 of a's
+    ``sparse_indexer_fwd`` (one pass over them and the target)."""
+    stats = torch.empty(a.T, 4, device=logits.device, dtype=torch.float32)
+    length = a.indices if a.topk_length is None else a.topk_length
+    BK = min(1024, triton.next_power_of_2(max(a.K, 16)))
+    _kl_stats_kernel[(a.T,)](logits.contiguous(), a.indices, length, target.float().contiguous(), stats, a.N, a.K,
+                             BK=BK, HAS_LEN=a.topk_length is not None, num_warps=4)
+    return stats
 
 
 def indexer_kl_fwd(a: SparseIndexerArgs, target: torch.Tensor) -> torch.Tensor:

@@ -39,8 +39,9 @@ rounding costs at most Q_n / 2 an addend, about 2^-24 sqrt(c_n / 12) B_n
 on a key's sum: relative to the sum itself that is the bound's looseness
 (the head sum's and the slots' cancellation, roughly sqrt(c_n) for slots
 of random sign) times 2^-24 sqrt(c_n / 12), so it grows with the slots a
-key gathers (2.4e-3 of dk at the V3.2 step's 1024 a key with the factor
-of 2 this rule halves; bench/notes_indexer.md).
+key gathers: 1.6e-3 of dk from the atomics' result at the V3.2 step's
+1024 a key, dk 2.0e-3 from float64 against their 1.8e-3
+(bench/notes_indexer.md).
 """
 
 from __future__ import annotations

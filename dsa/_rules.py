@@ -59,13 +59,6 @@ def slot_validity(
     return valid, torch.where(valid, idx, 0)
 
 
-def slot_keys(indices: torch.Tensor, topk_length: Optional[torch.Tensor], n: int) -> torch.Tensor:
-    """The destination of every slot of indices [R, K], flat [R * K] int64:
-    its index, or n (a key past every destination) for an invalid slot."""
-    valid, safe = slot_validity(indices, topk_length, n)
-    return torch.where(valid, safe, n).view(-1)
-
-
 def decode_slots(a) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(valid [T, G, K] bool, page [T, G, K] int64, offset [T, G, K] int64) of
     a :class:`dsa._args.SparseDecodeArgs`; page and offset are 0 where invalid.

@@ -811,9 +811,10 @@ def test_grouped_positions():
 @pytest.mark.parametrize("T, K, N, rows, with_len", [(9, 37, 11, 4, True), (5, 70, 300, 5, False),
                                                     (3, 16, 7, 1, True), (4, 0, 5, 2, False)])
 def test_slot_positions_match_grouped_positions(T, K, N, rows, with_len):
-    """The kernels' positions equal grouped_positions of dsa._rules.slot_keys,
-    chunk for chunk, on hostile indices and every kind of row length."""
-    from dsa._rules import slot_keys
+    """The kernels' positions equal grouped_positions of the slots' keys (the
+    index where valid, N where not), chunk for chunk, on hostile indices and
+    every kind of row length."""
+    from dsa._rules import slot_validity
     from dsa.triton.segment_sum import grouped_positions, slot_positions
 
     g = gen(T * K + N)
@@ -825,7 +826,8 @@ def test_slot_positions_match_grouped_positions(T, K, N, rows, with_len):
     if K == 0:  # no slots: every chunk's segments empty
         assert pos.numel() == 0 and torch.equal(start, torch.zeros(-(-T // rows), N + 1, dtype=torch.int64))
         return
-    exp_pos, exp_start = grouped_positions(slot_keys(idx, tl, N), rows * K, N)
+    valid, safe = slot_validity(idx, tl, N)
+    exp_pos, exp_start = grouped_positions(torch.where(valid, safe, N).view(-1), rows * K, N)
     assert pos.dtype == torch.int32 and torch.equal(pos, exp_pos)
     assert torch.equal(start, exp_start)
 

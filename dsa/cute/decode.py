@@ -41,8 +41,8 @@ import torch
 from dsa._args import SparseDecodeArgs
 from dsa._kept import kept
 from dsa._rules import LOG2E
-from dsa.cute.host import (compile_kernel, cutlass_dtype, device_name, dsl_reason, sm90_reason, stream_handle,
-                           zero_row)
+from dsa.cute.host import (alignment_reason, compile_kernel, cutlass_dtype, device_name, dsl_reason, sm90_reason,
+                           stream_handle, zero_row)
 from dsa.kv_cache import FORMATS, NATIVE
 from dsa.ops.decode import run_fresh
 
@@ -113,10 +113,7 @@ def layout_reason(a: SparseDecodeArgs) -> Optional[str]:
         return f"kv_cache strides {tuple(kv.stride())}: the cute decode needs each page's tokens contiguous"
     if (kv.stride(0) * kv.element_size()) % 16:
         return f"kv_cache page stride of {kv.stride(0) * kv.element_size()} bytes is not a multiple of 16"
-    for name in ("q", "kv"):
-        if getattr(a, name).data_ptr() % 16:
-            return f"{name} is not 16-byte aligned"
-    return None
+    return alignment_reason(a, ("q", "kv"))
 
 
 def size_reason(a: SparseDecodeArgs) -> Optional[str]:

@@ -106,6 +106,15 @@ def sm90_reason(device: torch.device, what: str) -> Optional[str]:
     return arch_reason(device, what, "sm90")
 
 
+def alignment_reason(a, names: Sequence[str]) -> Optional[str]:
+    """Why a's tensors ``names`` cannot be read by 16-byte copies (None when
+    each starts 16-byte aligned)."""
+    for name in names:
+        if getattr(a, name).data_ptr() % 16:
+            return f"{name} is not 16-byte aligned"
+    return None
+
+
 def cutlass_dtype(dt: torch.dtype):
     """The CuTe DSL type of a 16-bit q dtype (None for any other dtype)."""
     import cutlass

@@ -17,7 +17,8 @@ multiple of its key's quantum before the fp32 atomic add
 (``dsa.triton.dk_quanta``: powers of two from a bound on the key's sum),
 which makes every add exact and dk the same bits in any order.  The bound
 needs each slot's |gradient|: the logits' dlogits, or for the KL loss the
-recomputed logits (the forward kernel once more) with the forward's lse.
+deterministic forward's logits (recomputed by the forward kernel where
+none are given) with its lse.
 
 Placement under ``backend="auto"``: ``PLACEMENT`` names, per GPU, the ops the
 same process measured ahead of Triton's (bench/training_peers.py --cute)
@@ -32,8 +33,8 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from dsa._args import SparseIndexerArgs, Unsupported
-from dsa.cute.host import (address, compile_kernel, cutlass_dtype, device_name, dsl_reason, sm90_reason,
-                           stream_handle, zero_row)
+from dsa.cute.host import (address, alignment_reason, compile_kernel, cutlass_dtype, device_name, dsl_reason,
+                           sm90_reason, stream_handle, zero_row)
 
 FORWARD = ("sparse_indexer_fwd", "indexer_kl_fwd")
 BACKWARD = ("sparse_indexer_bwd", "indexer_kl_bwd")
@@ -83,10 +84,7 @@ def supports(a: SparseIndexerArgs, op: str = "sparse_indexer_fwd") -> Optional[s
         why = bwd_reason(cutlass_dtype(a.q.dtype), a.H, a.D)
         if why:
             return why
-    for name in ("q", "k"):
-        if getattr(a, name).data_ptr() % 16:
-            return f"{name} is not 16-byte aligned"
-    return None
+    return alignment_reason(a, ("q", "k"))
 
 
 def placement_reason(a: SparseIndexerArgs, op: str) -> Optional[str]:

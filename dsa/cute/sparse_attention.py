@@ -17,8 +17,8 @@ import torch
 
 from dsa._args import SparseAttnArgs
 from dsa._rules import LOG2E
-from dsa.cute.host import (address, compile_kernel, cutlass_dtype, dsl_reason, int32_reason, sm90_reason,
-                           stream_handle, zero_row)
+from dsa.cute.host import (address, alignment_reason, compile_kernel, cutlass_dtype, dsl_reason, int32_reason,
+                           sm90_reason, stream_handle, zero_row)
 
 SERVED_DV = 512
 
@@ -85,10 +85,7 @@ def call_reason(a: SparseAttnArgs, can_implement: Callable[..., Optional[str]]) 
     why = int32_reason(a)
     if why:
         return why
-    for name in ("q", "kv"):
-        if getattr(a, name).data_ptr() % 16:
-            return f"{name} is not 16-byte aligned"
-    return None
+    return alignment_reason(a, ("q", "kv"))
 
 
 def kernel_config(a: SparseAttnArgs, profile: bool = False, refill: bool = True):

@@ -27,8 +27,8 @@ import torch
 
 from dsa._args import SparseAttnArgs
 from dsa._rules import LOG2E
-from dsa.cute.host import (HEADS_PER_CTA, address, compile_kernel, cutlass_dtype, dsl_reason, head_blocks,
-                           int32_reason, sm90_reason, stream_handle, zero_row)
+from dsa.cute.host import (HEADS_PER_CTA, address, alignment_reason, compile_kernel, cutlass_dtype, dsl_reason,
+                           head_blocks, int32_reason, sm90_reason, stream_handle, zero_row)
 
 SERVED_DV = 512
 
@@ -70,10 +70,7 @@ def supports_backward(a: SparseAttnArgs) -> Optional[str]:
     why = dsl_reason() or shape_reason(a) or a.kernel_dtype_reason()
     if why:
         return why
-    for name in ("q", "kv"):
-        if getattr(a, name).data_ptr() % 16:
-            return f"{name} is not 16-byte aligned"
-    return None
+    return alignment_reason(a, ("q", "kv"))
 
 
 def kernel_config(a: SparseAttnArgs, build: Optional[dict] = None):

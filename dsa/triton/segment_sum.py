@@ -140,17 +140,23 @@ def grouped_positions(keys: torch.Tensor, chunk: int, n_dst: int) -> Tuple[torch
     # chunk c's rows fill ranks [c * chunk, (c + 1) * chunk) of the sort
     pos = torch.empty(M, device=keys.device, dtype=torch.int32)
     pos[order] = (row - (order // chunk) * chunk).to(torch.int32)
-    bounds = (torch.arange(C, device=keys.device)[:, None] * span
-              + torch.arange(span, device=keys.device)[None, :]).to(dt)
-    start = torch.searchsorted(comp_sorted, bounds.flatten()).view(C, span)
-    start -= torch.arange(C, device=keys.device)[:, None] * chunk
-    return pos, start
+    return pos, _chunk_starts(comp_sorted, C, span, chunk)
+
+
+def _chunk_starts(comp_sorted: torch.Tensor, C: int, span: int, chunk: int) -> torch.Tensor:
+    """start [C, span] int64: where destination n of chunk c begins in that
+    chunk's workspace, from the sorted keys c * span + destination (chunk c
+    fills ranks [c * chunk, (c + 1) * chunk) of the sort)."""
+    dev = comp_sorted.device
+    bounds = (torch.arange(C, device=dev)[:, None] * span + torch.arange(span, device=dev)[None, :])
+    start = torch.searchsorted(comp_sorted, bounds.flatten().to(comp_sorted.dtype)).view(C, span)
+    return start - torch.arange(C, device=dev)[:, None] * chunk
 
 
 @triton.jit
 def _slot_keys_kernel(IDX, LEN, OUT, K, N, rows, HAS_LEN: tl.constexpr, BK: tl.constexpr):
     """OUT[t * K + j] = c * (N + 1) + key of slot j of row t, c = t // rows its
-    chunk, key its index where valid and N where not (``dsa._rules.slot_keys``)."""
+    chunk, key its index where valid and N where not."""
     t = tl.program_id(0)
     o_n, m_n, idx, valid = load_slots(IDX, t, K, tl.program_id(1) * BK, row_length(LEN, t, K, HAS_LEN), N, BK)
     key = (t // rows).to(tl.int64) * (N + 1) + tl.where(valid, idx, N).to(tl.int64)
@@ -171,8 +177,9 @@ def _place_kernel(ORDER, POS, M, chunk, BLOCK: tl.constexpr):
 def slot_positions(indices: torch.Tensor, topk_length: Optional[torch.Tensor], n_dst: int,
                    rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`grouped_positions` of the slots of indices [T, K] (int32) with
-    topk_length [T] int32 or None, keyed by ``dsa._rules.slot_keys``, in
-    chunks of ``rows`` query rows (rows * K workspace rows), without the
+    topk_length [T] int32 or None, each keyed by its index where valid and
+    by n_dst where not (``dsa._rules.slot_validity``), in chunks of ``rows``
+    query rows (rows * K workspace rows), without the
     int64 passes: the keys are computed in one kernel in the narrowest
     integer type, sorted once, and placed in another kernel.  Same results."""
     T, K = indices.shape
@@ -191,11 +198,7 @@ def slot_positions(indices: torch.Tensor, topk_length: Optional[torch.Tensor], n
     comp_sorted, order = torch.sort(keys, stable=True)
     pos = torch.empty(M, device=indices.device, dtype=torch.int32)
     _place_kernel[(triton.cdiv(M, 1024),)](order, pos, M, rows * K, BLOCK=1024, num_warps=4)
-    bounds = (torch.arange(C, device=indices.device)[:, None] * span
-              + torch.arange(span, device=indices.device)[None, :]).to(dt)
-    start = torch.searchsorted(comp_sorted, bounds.flatten()).view(C, span)
-    start -= torch.arange(C, device=indices.device)[:, None] * (rows * K)
-    return pos, start
+    return pos, _chunk_starts(comp_sorted, C, span, rows * K)
 
 
 def spec(D: int, parts: int, block_d: int, gather: bool = True, src: str = "*fp32") -> fit.KernelSpec:

@@ -61,7 +61,10 @@ for name, target, args, kwargs in calls:
     ptx = compiled.artifacts.PTX
     if len(ptx) < 4096 and os.path.exists(ptx):  # with a dump directory: the file's path
         ptx = open(ptx).read()
-    res[name] = dict(needles={k: ptx.count(k) for k in needles}, ptxas=ptxas,
+    # per kernel: the text from one .entry to the next
+    parts = ptx.split(".entry ")[1:]
+    entries = {p_.split("(", 1)[0].strip(): {k: p_.count(k) for k in needles} for p_ in parts}
+    res[name] = dict(needles={k: ptx.count(k) for k in needles}, entries=entries, ptxas=ptxas,
                      ir=str(compiled.ir_module) if report else "")
 print("RESULT" + json.dumps(res))
 """
@@ -90,33 +93,39 @@ def compile_reports(calls: Sequence[Tuple[str, str, list, dict]], needles: Itera
                     tmp_path) -> Dict[str, dict]:
     """Each call ``(name, "module:function", args, kwargs)`` compiled in one
     fresh process -> {name: {"needles": {needle: count in the PTX},
-    "spill_stores", "spill_loads", "registers": ptxas's figures, "smem": the
+    "entries": {kernel: {needle: count in its PTX}}, "spill_stores", "spill_loads", "registers": ptxas's figures, "smem": the
     launch's dynamic shared memory in bytes, "smem_limit": the most the DSL
-    lets the arch launch with}}.  A function takes an ``options`` keyword
-    (the DSL's compile options)."""
+    lets the arch launch with, "kernels": how many it compiled}}.  A host
+    function that launches several kernels reports the most registers and
+    shared memory any of them takes and the spills of all.  A function takes
+    an ``options`` keyword (the DSL's compile options)."""
     out = {}
     for name, r in _compile(calls, needles, arch, tmp_path, True).items():
-        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r["ptxas"])
-        regs = re.search(r"Used (\d+) registers", r["ptxas"])
-        assert spill and regs, f"{name}: no ptxas report in {r['ptxas'][-2000:]!r}"
+        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r["ptxas"])
+        regs = re.findall(r"Used (\d+) registers", r["ptxas"])
+        assert spills and regs, f"{name}: no ptxas report in {r['ptxas'][-2000:]!r}"
         limit = re.search(r"Max: (\d+) bytes", r["ir"])
         assert limit, f"{name}: the launch's shared-memory limit not found in the host IR"
-        out[name] = dict(needles=r["needles"], spill_stores=int(spill.group(1)), spill_loads=int(spill.group(2)),
-                         registers=int(regs.group(1)), smem=_launch_smem(name, r["ir"]),
-                         smem_limit=int(limit.group(1)))
+        out[name] = dict(needles=r["needles"], entries=r["entries"], spill_stores=sum(int(a) for a, _ in spills),
+                         spill_loads=sum(int(b) for _, b in spills), registers=max(int(x) for x in regs),
+                         kernels=len(regs), smem=max(_launch_smem(name, r["ir"])), smem_limit=int(limit.group(1)))
     return out
 
 
-def _launch_smem(name: str, ir: str) -> int:
-    """The dynamic shared memory the host launcher stores into the launch
-    config (field 2, i64, of the struct cudaLaunchKernelEx takes)."""
+def _launch_smem(name: str, ir: str) -> list:
+    """The dynamic shared memory each launch of the host function stores
+    into its launch config (field 2, i64, of the struct cudaLaunchKernelEx
+    takes)."""
     config = r"!llvm.struct<\(array<3 x i32>, array<3 x i32>, i64, ptr, ptr, i32\)>"
     fields = re.findall(r"(%\d+) = llvm.getelementptr %\d+\[0, 2\] : \(!llvm.ptr\) -> !llvm.ptr, " + config, ir)
-    assert len(fields) == 1, f"{name}: {len(fields)} launch configs in the host IR"
-    value = re.search(r"llvm.store (%\d+), " + fields[0] + r" : i64", ir)
-    const = value and re.search(re.escape(value.group(1)) + r" = llvm.mlir.constant\((\d+) : i64\)", ir)
-    assert const, f"{name}: the launch's shared memory is not a constant in the host IR"
-    return int(const.group(1))
+    assert fields, f"{name}: no launch config in the host IR"
+    sizes = []
+    for f in fields:
+        value = re.search(r"llvm.store (%\d+), " + f + r" : i64", ir)
+        const = value and re.search(re.escape(value.group(1)) + r" = llvm.mlir.constant\((\d+) : i64\)", ir)
+        assert const, f"{name}: a launch's shared memory is not a constant in the host IR"
+        sizes.append(int(const.group(1)))
+    return sizes
 
 
 def fake_launch(monkeypatch, module, D: int):

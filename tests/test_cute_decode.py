@@ -80,7 +80,15 @@ def test_decode_compiles_offline(build, tmp_path):
     name, kw = build
     r = compile_reports([(name, "dsa.cute.decode:compile_offline", ["torch.bfloat16"], kw)], NEEDLES, "sm_90a",
                         tmp_path)[name]
-    n = r["needles"]
+    # a split build's host function launches the decode and its merge, an unsplit one the decode alone
+    merges = [e for e in r["entries"] if "merge_kernel" in e]
+    decodes = [e for e in r["entries"] if "merge_kernel" not in e]
+    assert len(merges) == int(kw["split"]) and len(decodes) == 1 == r["kernels"] - len(merges), (name, r)
+    n = r["entries"][decodes[0]]
+    if merges:
+        # the merge: 16-byte loads of the parts, a few in flight (unrolled), one 8-byte store of 4 outputs
+        m = r["entries"][merges[0]]
+        assert m["ld.global.v4"] >= 4 and m["st.global.v2.b32"] == 1 and m["wgmma.mma_async"] == 0, (name, m)
     D = kw.get("D", 576)
     # S = Q K^T: D / 16 wgmma a block; O += P V: 4 a block and source of P
     assert n["wgmma.mma_async"] >= D // 16 + 4, (name, r)
@@ -156,13 +164,6 @@ def test_split_plan(B, H, splits, S, chunk):
     assert cdec.split_plan(a, 132, splits) == (S, chunk)
     # every split starts inside the row, the last one ends at K
     assert (S - 1) * chunk < a.K <= S * chunk and chunk % cdec.BLOCK == 0
-
-
-@pytest.mark.parametrize("B,H,blocks", [(1, 128, (4, 32)), (1, 64, (4, 32)), (32, 128, (16, 128)),
-                                         (128, 64, (16, 128))])
-def test_merge_blocks(B, H, blocks):
-    """The merge's blocks shrink until it has two programs an SM (the Triton decode's 16 x 128 otherwise)."""
-    assert cdec.merge_blocks(_args(T=B, H=H), 132) == blocks
 
 
 def test_split_plan_short_rows():
@@ -275,10 +276,12 @@ def test_backend_hook(monkeypatch):
 @pytest.mark.parametrize("B,H,split", [(1, 128, True), (128, 128, False)])
 @pytest.mark.parametrize("reuse", [False, True])
 def test_launch_arguments(monkeypatch, B, H, split, reuse):
-    """A prepared launch without a GPU: the kernel gets its pointers in
-    order (the workspace when split, the zero row last, stand-ins for absent
-    inputs), the plan's scalars and the stream; the merge gets the parts;
-    the plan is built once per key, a reused workspace once per prepare."""
+    """A prepared launch without a GPU: the compiled host function gets its
+    pointers in order (the workspace when split, the zero row, then the
+    merge's out and lse; stand-ins for absent inputs), the plan's scalars and
+    the stream, in one call: the merge is its second kernel, and no Triton
+    merge is launched; the plan is built once per key, a reused workspace
+    once per prepare."""
     import cutlass
 
     launches, merges, zero = [], [], torch.zeros(576, dtype=torch.bfloat16)
@@ -293,7 +296,7 @@ def test_launch_arguments(monkeypatch, B, H, split, reuse):
     monkeypatch.setattr(cdec, "_compiled", lambda p: lambda *x: launches.append((p, x)))
     from dsa.triton import decode as tdecode
 
-    monkeypatch.setattr(tdecode, "_COMBINE", Merge())  # the merge both decodes launch (tdecode.launch_merge)
+    monkeypatch.setattr(tdecode, "_COMBINE", Merge())  # the Triton decode's merge: never launched here
     monkeypatch.setattr(cdec, "_PLANS", {})
     a = _args(T=B, H=H, P=6, bt_w=3, sink=False)
     run = cdec.decode.prepare(a, reuse)
@@ -303,23 +306,22 @@ def test_launch_arguments(monkeypatch, B, H, split, reuse):
         run(a.q, a.kv, a.indices, a.topk_length, a.block_table, a.seq_lens, a.sink, out, lse)
     S, chunk = cdec.split_plan(a, 132)
     (p, x), (p2, x2) = launches
+    assert not merges
     assert p is p2 and p.splits == S and p.config.split == split == (S > 1)
-    ptrs, scalars, stream = x[:10], x[10:-1], x[-1]
+    ptrs, scalars, stream = x[:12], x[12:-1], x[-1]
     assert stream == 7 and all(type(v) is int for v in ptrs)  # TVM-FFI arguments: integer addresses
     types = cdec.pointer_types(p.config)
+    assert len(types) == 12 and types[10] == (cutlass.BFloat16, 8) and types[11][0] is cutlass.Float32
     addr = [t.data_ptr() for t in (a.q, a.kv, a.indices, a.topk_length, a.block_table, a.seq_lens)]
     assert list(ptrs[:6]) == addr and ptrs[9] == zero.data_ptr()
     assert types[1][0] is cutlass.BFloat16 and ptrs[6] == ptrs[8]  # no sink: the parts' lse stands in
     if split:
         assert types[7][0] is cutlass.Float32 and ptrs[7] != out.data_ptr() and ptrs[8] != lse.data_ptr()
         assert (ptrs[7] == x2[7]) == reuse  # one workspace for every call of a prepare with reuse
-        (grid, margs, _, _, raw, handle), _ = merges
-        assert margs[2] is None and margs[3] is out and margs[4] is lse and margs[5] == S and handle == 7
-        assert raw == (ptrs[7], ptrs[8], None, out.data_ptr(), lse.data_ptr(), S)
-        assert grid[0] == B and grid[0] * grid[1] * grid[2] >= 2 * 132  # B1's merge spread over the GPU
+        assert (ptrs[10], ptrs[11]) == (out.data_ptr(), lse.data_ptr())  # what the merge writes
     else:
         assert types[7][0] is cutlass.BFloat16 and ptrs[7] == out.data_ptr() and ptrs[8] == lse.data_ptr()
-        assert not merges
+        assert (ptrs[10], ptrs[11]) == (ptrs[7], ptrs[8])  # no merge: stand-ins
     T, K, P, stride, bt_w, ch, n_split, len_div, rps, scale, sms = scalars
     assert (int(T), int(K), int(P), int(stride), int(bt_w), int(ch), int(n_split)) == (B, 2048, 6, 64 * 576 * 2,
                                                                                         3, chunk, S)

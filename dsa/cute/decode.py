@@ -6,9 +6,8 @@
 on the canonical :class:`dsa._args.SparseDecodeArgs`.  The kernel is
 ``decode_sm90.SparseDecodeSm90`` (the SM90 forward over a paged cache, split
 over the slots); with several splits its parts are merged, and the sink
-folded in, by the Triton merge kernel that the Triton decode uses
-(``dsa.triton.decode_kernels.decode_combine_kernel``), launched the same way
-but with smaller blocks when the rows are few (``merge_blocks``).
+folded in, by its ``merge_kernel``, which the same compiled host function
+launches right after it: a call is one launch from Python either way.
 
 Splits: ``split_plan`` is the Triton decode's rule (``dsa.triton.decode.
 split_plan``) at 64-slot blocks, a split at least a pair of them: S =
@@ -18,8 +17,7 @@ sized by shapes alone and nothing is read back: a call captures in a CUDA
 graph.
 
 Host time: everything but the tensors' addresses is built once per shape
-key (``plan``): the compile key, the split count, the scalars, the merge's
-launch; ``prepare`` (the protocol of :mod:`dsa.ops.decode`, which
+key (``plan``): the compile key, the split count, the scalars; ``prepare`` (the protocol of :mod:`dsa.ops.decode`, which
 ``dsa.sparse_decode_plan`` uses) binds the rest once more, and a call
 reads its tensors' addresses, looks their pointer arguments up and
 launches.
@@ -123,6 +121,8 @@ def size_reason(a: SparseDecodeArgs) -> Optional[str]:
         return "the slots a cache or a block table addresses (pages * page_size) must fit in int32"
     if a.K >= 2**31 or a.T * a.H // HEADS_PER_CTA * a.K // BLOCK >= 2**31:
         return "K and the tiles of a call (T * H / 64 * K / 64) must fit in int32"
+    if a.T * a.H * (a.d_v // 4) >= 2**31:
+        return "the merge's units (T * H * d_v / 4) must fit in int32"
     return None
 
 
@@ -192,9 +192,6 @@ class _Plan:
     device: int
     splits: int
     scalars: Tuple    # the kernel's scalar arguments, in its order
-    combine_grid: Tuple[int, int, int]
-    combine: Dict[str, Any]
-    combine_key: Tuple
 
 
 _PLANS: Dict[Tuple, _Plan] = {}
@@ -217,33 +214,13 @@ def plan(a: SparseDecodeArgs, splits: Optional[int] = None) -> _Plan:
     return kept(_PLANS, key, lambda: _build(a, splits))
 
 
-def merge_blocks(a: SparseDecodeArgs, sms: int) -> Tuple[int, int]:
-    """(heads, columns) a merge program takes: the Triton decode's 16 x 128,
-    halved (columns first, down to 32 x 4) until the merge has two programs
-    an SM, so that B1's parts ([H, S, d_v] fp32: 8 MB at H 128 and 32
-    splits) are read by the whole GPU, not by 32 programs."""
-    bh, bv = 16, 128
-    while a.T * -(-a.H // bh) * -(-a.d_v // bv) < 2 * sms and (bv > 32 or bh > 4):
-        if bv > 32:
-            bv //= 2
-        else:
-            bh //= 2
-    return bh, bv
-
-
 def _build(a: SparseDecodeArgs, splits: Optional[int]) -> _Plan:
     sms = _sm_count(a.q.device)
     S, chunk = split_plan(a, sms, splits)
     bt_w = a.block_table.shape[1] if a.block_table is not None else 0
     scalars = (a.T, a.K, a.num_pages, a.kv.stride(0) * a.kv.element_size(), bt_w, chunk, S, a.len_div,
                a.rows_per_seq, float(a.sm_scale * LOG2E), sms)
-    from dsa.triton.decode import combine_spec
-
-    comb = combine_spec(a, S, merge_blocks(a, sms))
-    c = comb.constexprs
-    grid = (a.T, -(-a.H // c["BHC"]), -(-a.d_v // c["BV"]))
-    return _Plan(kernel_config(a, S > 1), a.q.device.index, S, scalars, grid, comb.launch_kwargs(),
-                 ("cute_decode_combine",) + comb.key())
+    return _Plan(kernel_config(a, S > 1), a.q.device.index, S, scalars)
 
 
 def scalar_types() -> Tuple:
@@ -259,14 +236,14 @@ def scalar_types() -> Tuple:
 def pointer_types(config) -> Tuple:
     """(element type, alignment) of the kernel's pointers, in order: q, kv,
     indices, topk_length, block table, seq_lens, sink, the (parts') out, the
-    (parts') lse, the zero row."""
+    (parts') lse, the zero row, the merge's out and lse (split builds)."""
     import cutlass
 
     dt = config.dtype
     kv_t = dt if config.cache == NATIVE else cutlass.Uint8
     part_t = cutlass.Float32 if config.split else dt
     I32, F32 = (cutlass.Int32, 4), (cutlass.Float32, 4)
-    return (dt, 16), (kv_t, 16), I32, I32, I32, I32, F32, (part_t, 16), F32, (kv_t, 16)
+    return (dt, 16), (kv_t, 16), I32, I32, I32, I32, F32, (part_t, 16), F32, (kv_t, 16), (dt, 8), F32
 
 
 def _compiled(p: _Plan):
@@ -283,8 +260,8 @@ def _compiled(p: _Plan):
 
 class Prepared:
     """The launches of every call with ``a``'s metadata, all but the tensors
-    bound once: the plan (compile key, split count, scalars, the merge's
-    launch), the compiled kernel, the zero row and (``reuse_workspace``) the
+    bound once: the plan (compile key, split count, scalars), the compiled
+    kernel (with splits, the decode and its merge), the zero row and (``reuse_workspace``) the
     split workspace, which its calls then share (ordered on one stream).
     ``run(q, kv, indices, topk_length, block_table, seq_lens, sink, out,
     lse)`` takes the canonical tensors (any shape of their elements) and
@@ -322,17 +299,13 @@ class Prepared:
         if (a_q | a_kv | a_pout) & 15:
             raise ValueError("the cute decode gathers by 16-byte copies: q, kv_cache and out must be 16-byte aligned")
         a_sink = a_plse if sink is None else sink.data_ptr()
-        raw_stream = stream_handle(self._device)
+        a_out, a_lse = (a_pout, a_plse) if S == 1 else (out.data_ptr(), lse.data_ptr())
+        if a_out & 7:
+            raise ValueError("the cute decode's merge stores 8-byte units: out must be 8-byte aligned")
         self._fn(a_q, a_kv, a_idx, a_idx if topk_length is None else topk_length.data_ptr(),
                  a_idx if block_table is None else block_table.data_ptr(),
-                 a_idx if seq_lens is None else seq_lens.data_ptr(), a_sink, a_pout, a_plse, self._zero, *p.scalars,
-                 raw_stream)
-        if S > 1:
-            from dsa.triton.decode import launch_merge
-
-            launch_merge(p.combine_grid, p.combine, p.combine_key, part_out, part_lse, sink, out, lse, S,
-                         (a_pout, a_plse, None if sink is None else a_sink, out.data_ptr(), lse.data_ptr()),
-                         raw_stream)
+                 a_idx if seq_lens is None else seq_lens.data_ptr(), a_sink, a_pout, a_plse, self._zero, a_out,
+                 a_lse, *p.scalars, stream_handle(self._device))
 
 
 def prepare(a: SparseDecodeArgs, reuse_workspace: bool = False) -> Prepared:

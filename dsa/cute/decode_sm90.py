@@ -17,9 +17,10 @@ each one of its hooks:
 * **Epilogue**: with one split the tile finishes the row as the forward does
   (sink, lse).  With several it writes its normalised fp32 part to
   ``[T, H, S, d_v]`` and its log2-domain lse to ``[T, H, S]`` (-inf, and no
-  part, when it saw no valid slot): the parts the Triton merge
-  (``dsa.triton.decode_kernels.decode_combine_kernel``) combines and folds
-  the sink into.
+  part, when it saw no valid slot), and the same host function then
+  launches ``merge_kernel``, which combines the parts and folds the sink
+  in: one call from Python launches both kernels, so a split decode costs
+  the host no more than an unsplit one.
 
 FP8 caches (``fp8_v32`` and ``fp8_model1``, laid out in ``dsa.kv_cache``):
 the producer dequantises while it gathers (``convert_half``): 16-byte
@@ -50,8 +51,8 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dsa.cute import rules, scheduler
-from dsa.cute.gmem import aligned
-from dsa.cute.rules import finite_shift
+from dsa.cute.gmem import aligned, load
+from dsa.cute.rules import LN2, LOG2E, finite_shift
 from dsa.cute.sparse_attention_sm90 import (
     BLOCK_H,
     BN,
@@ -68,6 +69,9 @@ NATIVE = "native"
 FP8_V32 = "fp8_v32"
 FP8_MODEL1 = "fp8_model1"
 CACHES = (NATIVE, FP8_V32, FP8_MODEL1)
+MERGE_THREADS = 128  # a merge CTA: one thread a (token, head, 4 value columns)
+MERGE_VEC = 4
+MERGE_UNROLL = 4  # parts a merge thread loads before using them
 GROUP = 128    # NoPE columns a row's 8 gathering threads load at once: 16 e4m3 bytes each
 L2_LINE = 128
 
@@ -214,10 +218,13 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         self,
         q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, len_ptr: cute.Pointer,
         bt_ptr: cute.Pointer, seqlen_ptr: cute.Pointer, sink_ptr: cute.Pointer, out_ptr: cute.Pointer,
-        lse_ptr: cute.Pointer, zero_ptr: cute.Pointer,
+        lse_ptr: cute.Pointer, zero_ptr: cute.Pointer, fin_out_ptr: cute.Pointer, fin_lse_ptr: cute.Pointer,
         T: Int32, K: Int32, n_pages: Int32, page_stride: Int64, bt_w: Int32, chunk: Int32, n_split: Int32,
         len_div: Int32, rows_per_seq: Int32, scale_log2: Float32, n_cta: Int32, stream,
     ):
+        """The decode; split, out_ptr and lse_ptr are the parts' workspace and
+        the merge writes fin_out_ptr [T, H, d_v] and fin_lse_ptr [T, H] (without
+        splits they go unused)."""
         mmas, layouts = self.operands()
         n_tiles = scheduler.tile_count(T, self.G, self.HG // BLOCK_H) * n_split
         self.kernel(
@@ -226,6 +233,11 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
             K, n_pages, page_stride, bt_w, chunk, n_split, len_div, rows_per_seq, n_tiles, scale_log2,
         ).launch(grid=[scheduler.grid_size(n_cta, n_tiles), 1, 1], block=[THREADS, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
+        if const_expr(self.split):
+            n_units = T * (self.H * (self.d_v // MERGE_VEC))
+            self.merge_kernel(out_ptr, lse_ptr, sink_ptr, fin_out_ptr, fin_lse_ptr, n_units, n_split).launch(
+                grid=[(n_units + MERGE_THREADS - 1) // MERGE_THREADS, 1, 1], block=[MERGE_THREADS, 1, 1],
+                stream=stream)
 
     # ---------------------------------------------------------------- device
     @cute.kernel
@@ -245,6 +257,64 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         self.run((qk_mma, pv_mma, pv_mma_ss), (sv_layout, sp_layout), sq_layout, sk_layout, n_tiles,
                  (idx_ptr, len_ptr, K, chunk, n_split, len_div, rows_per_seq), (cache, zero_ptr, n_split),
                  q_ptr, sink_ptr, out_ptr, lse_ptr, lse_ptr, scale_log2)
+
+    @cute.kernel
+    def merge_kernel(self, part_ptr: cute.Pointer, part_lse_ptr: cute.Pointer, sink_ptr: cute.Pointer,
+                     out_ptr: cute.Pointer, lse_ptr: cute.Pointer, n_units: Int32, n_split: Int32):
+        """out[t, h, c:c + 4] (q.dtype) and lse[t, h] (natural log, sink
+        excluded, +inf on an empty row) from the n_split parts of (t, h): a
+        thread a unit (t, h, c).  The parts are weighted by exp2(lse2_s - m),
+        m their largest lse2; a part with lse2 = -inf was never written and is
+        not read; the sink scales the row by exp(lse) / (exp(lse) + exp(sink)).
+        A NaN part or lse makes the row NaN."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        u = bidx * MERGE_THREADS + tidx
+        if u < n_units:
+            per_row = self.d_v // MERGE_VEC
+            th = u // per_row          # t * H + h
+            c = (u - th * per_row) * MERGE_VEC
+            rows = Int64(th) * Int64(n_split)
+            plse = cute.make_tensor(part_lse_ptr + rows, cute.make_layout((n_split,)))
+            # unrolled and branch-free, so that the loads of several parts are in flight at once
+            m = -Float32.inf
+            for s in cutlass.range(n_split, unroll=MERGE_UNROLL):
+                m = cute.arch.fmax(m, plse[s])
+            m = finite_shift(m)
+            acc = cute.make_rmem_tensor((MERGE_VEC,), Float32)
+            acc.fill(0.0)
+            part = cute.make_rmem_tensor((MERGE_VEC,), Float32)
+            l = Float32(0.0)
+            for s in cutlass.range(n_split, unroll=MERGE_UNROLL):
+                ls = plse[s]
+                w = cute.math.exp2(ls - m, fastmath=False)  # 0 for a part with lse2 = -inf
+                l = l + w
+                # an unwritten part is loaded but never used: a select, not a product, drops it
+                src = aligned(Float32, (part_ptr + ((rows + s) * Int64(self.d_v) + c)).toint())
+                cute.autovec_copy(cute.make_tensor(src, cute.make_layout((MERGE_VEC,))), part)
+                written = ls != -Float32.inf
+                for i in cutlass.range_constexpr(MERGE_VEC):
+                    acc[i] = Float32(cutlass.select_(written, acc[i] + w * part[i], acc[i]))
+            lse2 = -Float32.inf
+            f = Float32(0.0)
+            if l != 0.0:
+                lse2 = m + cute.math.log2(l, fastmath=False)
+                f = 1.0 / l
+                if const_expr(self.has_sink):
+                    # sink * log2(e) above the float range is +inf: the row is then 0
+                    s2 = load(sink_ptr, Int64(th % self.H)) * LOG2E
+                    f = f / (1.0 + cute.math.exp2(s2 - lse2, fastmath=False))
+            res = cute.make_rmem_tensor((MERGE_VEC,), self.dtype)
+            for i in cutlass.range_constexpr(MERGE_VEC):
+                res[i] = (acc[i] * f).to(self.dtype)
+            dst = cute.make_ptr(self.dtype, (out_ptr + (Int64(th) * Int64(self.d_v) + c)).toint(),
+                                cute.AddressSpace.gmem, assumed_align=8)
+            cute.autovec_copy(res, cute.make_tensor(dst, cute.make_layout((MERGE_VEC,))))
+            if c == 0:
+                lse = Float32.inf
+                if lse2 != -Float32.inf:
+                    lse = lse2 * LN2
+                cute.make_tensor(lse_ptr + Int64(th), cute.make_layout((1,)))[0] = lse
 
     # ------------------------------------------------------------- the hooks
     def slot_tiles(self, sched, idx_ptr, len_ptr, K, chunk, n_split, len_div, rows_per_seq):

@@ -93,9 +93,10 @@ def compile_reports(calls: Sequence[Tuple[str, str, list, dict]], needles: Itera
                     tmp_path) -> Dict[str, dict]:
     """Each call ``(name, "module:function", args, kwargs)`` compiled in one
     fresh process -> {name: {"needles": {needle: count in the PTX},
-    "entries": {kernel: {needle: count in its PTX}}, "spill_stores", "spill_loads", "registers": ptxas's figures, "smem": the
-    launch's dynamic shared memory in bytes, "smem_limit": the most the DSL
-    lets the arch launch with, "kernels": how many it compiled}}.  A host
+    "entries": {kernel: {needle: count in its PTX}}, "spill_stores",
+    "spill_loads", "registers": ptxas's figures, "smem": the launch's
+    dynamic shared memory in bytes, "smem_limit": the most the DSL lets the
+    arch launch with, "kernels": how many it compiled}}.  A host
     function that launches several kernels reports the most registers and
     shared memory any of them takes and the spills of all.  A function takes
     an ``options`` keyword (the DSL's compile options)."""

@@ -64,7 +64,8 @@ CI_BUILDS = 2
 NEEDLES = ("wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc", "setmaxnreg.inc",
            "setmaxnreg.dec", "mbarrier.try_wait", "st.global.v2.b32", "st.local", "ld.local",
            "cvt.rn.f16x2.e4m3x2", "cvt.rn.bf16x2.f32", "mul.rn.f32", "fence.proxy.async.shared::cta",
-           "ld.global.v4", "st.shared.v4", "prefetch.global.L2")
+           "ld.global.v4", "st.shared.v4", "prefetch.global.L2", "griddepcontrol.wait",
+           "griddepcontrol.launch_dependents")
 
 
 def _builds():
@@ -89,6 +90,10 @@ def test_decode_compiles_offline(build, tmp_path):
         # the merge: 16-byte loads of the parts, a few in flight (unrolled), one 8-byte store of 4 outputs
         m = r["entries"][merges[0]]
         assert m["ld.global.v4"] >= 4 and m["st.global.v2.b32"] == 1 and m["wgmma.mma_async"] == 0, (name, m)
+        # a programmatic dependent launch: the decode lets it start, the merge waits for the decode's end
+        assert m["griddepcontrol.wait"] == 1 and r["entries"][decodes[0]]["griddepcontrol.launch_dependents"] == 1
+    else:
+        assert r["needles"]["griddepcontrol.launch_dependents"] == 0, (name, r)
     D = kw.get("D", 576)
     # S = Q K^T: D / 16 wgmma a block; O += P V: 4 a block and source of P
     assert n["wgmma.mma_async"] >= D // 16 + 4, (name, r)

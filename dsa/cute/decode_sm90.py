@@ -235,9 +235,11 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                  min_blocks_per_mp=1)
         if const_expr(self.split):
             n_units = T * (self.H * (self.d_v // MERGE_VEC))
+            # a programmatic dependent launch: the merge's CTAs start on the SMs the decode leaves free
+            # and wait (griddepcontrol.wait) for its end, so its launch latency hides behind the decode
             self.merge_kernel(out_ptr, lse_ptr, sink_ptr, fin_out_ptr, fin_lse_ptr, n_units, n_split).launch(
                 grid=[(n_units + MERGE_THREADS - 1) // MERGE_THREADS, 1, 1], block=[MERGE_THREADS, 1, 1],
-                stream=stream)
+                stream=stream, use_pdl=True)
 
     # ---------------------------------------------------------------- device
     @cute.kernel
@@ -251,6 +253,9 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         K: Int32, n_pages: Int32, page_stride: Int64, bt_w: Int32, chunk: Int32, n_split: Int32,
         len_div: Int32, rows_per_seq: Int32, n_tiles: Int32, scale_log2: Float32,
     ):
+        if const_expr(self.split):
+            # the merge (a programmatic dependent launch) may start now: it waits for this grid's end itself
+            cute.arch.griddepcontrol_launch_dependents()
         cache = rules.PagedCache(kv_ptr, zero_ptr, n_pages, page_stride, bt_ptr, bt_w, seqlen_ptr,
                                  self.page_size, self.G, self.row_bytes(), self.has_bt, self.has_seqlen)
         # the profiling counters are the forward's alone: lse_ptr stands in for prof_ptr, never written
@@ -267,6 +272,8 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         m their largest lse2; a part with lse2 = -inf was never written and is
         not read; the sink scales the row by exp(lse) / (exp(lse) + exp(sink)).
         A NaN part or lse makes the row NaN."""
+        # launched as the decode's programmatic dependent: its parts are complete and visible past this
+        cute.arch.griddepcontrol_wait()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         u = bidx * MERGE_THREADS + tidx

@@ -17,10 +17,10 @@ sized by shapes alone and nothing is read back: a call captures in a CUDA
 graph.
 
 Host time: everything but the tensors' addresses is built once per shape
-key (``plan``): the compile key, the split count, the scalars; ``prepare`` (the protocol of :mod:`dsa.ops.decode`, which
-``dsa.sparse_decode_plan`` uses) binds the rest once more, and a call
-reads its tensors' addresses, looks their pointer arguments up and
-launches.
+key (``plan``): the compile key, the split count, the scalars; ``prepare``
+(the protocol of :mod:`dsa.ops.decode`, which ``dsa.sparse_decode_plan``
+uses) binds the rest once more, and a call reads its tensors' addresses,
+looks their pointer arguments up and launches.
 
 Placement under ``backend="auto"``: ``PLACEMENT`` lists, per GPU name, the
 (cache format, H, batch range) where bench/decode_peers.py measured the
@@ -261,8 +261,9 @@ def _compiled(p: _Plan):
 class Prepared:
     """The launches of every call with ``a``'s metadata, all but the tensors
     bound once: the plan (compile key, split count, scalars), the compiled
-    kernel (with splits, the decode and its merge), the zero row and (``reuse_workspace``) the
-    split workspace, which its calls then share (ordered on one stream).
+    kernel (with splits, the decode and its merge), the zero row and
+    (``reuse_workspace``) the split workspace, which its calls then share
+    (ordered on one stream).
     ``run(q, kv, indices, topk_length, block_table, seq_lens, sink, out,
     lse)`` takes the canonical tensors (any shape of their elements) and
     writes out and lse: the protocol of ``prepare`` in :mod:`dsa.ops.decode`.

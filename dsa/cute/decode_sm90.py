@@ -222,9 +222,9 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         T: Int32, K: Int32, n_pages: Int32, page_stride: Int64, bt_w: Int32, chunk: Int32, n_split: Int32,
         len_div: Int32, rows_per_seq: Int32, scale_log2: Float32, n_cta: Int32, stream,
     ):
-        """The decode; split, out_ptr and lse_ptr are the parts' workspace and
-        the merge writes fin_out_ptr [T, H, d_v] and fin_lse_ptr [T, H] (without
-        splits they go unused)."""
+        """The decode, and with splits its merge: out_ptr and lse_ptr are then
+        the parts' workspace, and the merge writes fin_out_ptr [T, H, d_v] and
+        fin_lse_ptr [T, H] (unused without splits)."""
         mmas, layouts = self.operands()
         n_tiles = scheduler.tile_count(T, self.G, self.HG // BLOCK_H) * n_split
         self.kernel(
@@ -269,9 +269,9 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         """out[t, h, c:c + 4] (q.dtype) and lse[t, h] (natural log, sink
         excluded, +inf on an empty row) from the n_split parts of (t, h): a
         thread a unit (t, h, c).  The parts are weighted by exp2(lse2_s - m),
-        m their largest lse2; a part with lse2 = -inf was never written and is
-        not read; the sink scales the row by exp(lse) / (exp(lse) + exp(sink)).
-        A NaN part or lse makes the row NaN."""
+        m their largest lse2; a part with lse2 = -inf was never written and
+        does not count (it is loaded and dropped); the sink scales the row by
+        exp(lse) / (exp(lse) + exp(sink)).  A NaN part or lse makes the row NaN."""
         # launched as the decode's programmatic dependent: its parts are complete and visible past this
         cute.arch.griddepcontrol_wait()
         tidx, _, _ = cute.arch.thread_idx()

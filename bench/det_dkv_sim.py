@@ -29,7 +29,8 @@ the error falls as 1 / copies.  One 64-head block of V3.2's shapes by
 default (D 576, d_v 512), c = T K / N adds a row (2048 by default, as V3.2's
 two head blocks give).  Prints, per bound and copy count, dkv's relative L2
 error against the float64 sum and the bound's looseness (the median of
-bound / max |contribution| over (token, slot)).  No GPU: float64 torch, the
+bound / max |contribution| over (token, slot)); ``--hot`` adds rows that
+every token reads, whose error is printed apart.  No GPU: float64 torch, the
 quantisation in fp32 as the kernel does it.
 """
 
@@ -42,13 +43,16 @@ import torch
 F64 = torch.float64
 
 
-def problem(T: int, K: int, N: int, H: int, D: int, d_v: int, seed: int):
-    """q, kv, dO and indices (each token's K distinct rows), float64."""
+def problem(T: int, K: int, N: int, H: int, D: int, d_v: int, seed: int, hot: int = 0):
+    """q, kv, dO and indices (each token's K distinct rows; with ``hot``, rows
+    0 .. hot - 1 in every token's first slots, the rows every token reads),
+    float64."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(T, H, D, generator=g, dtype=F64)
     kv = torch.randn(N, D, generator=g, dtype=F64)
     dO = torch.randn(T, H, d_v, generator=g, dtype=F64)
-    idx = torch.rand(T, N, generator=g).argsort(dim=1)[:, :K]
+    idx = hot + torch.rand(T, N - hot, generator=g).argsort(dim=1)[:, :K - hot]
+    idx = torch.cat([torch.arange(hot).expand(T, hot), idx], dim=1)
     return q, kv, dO, idx
 
 
@@ -107,9 +111,10 @@ def main(argv=None) -> int:
     p.add_argument("--dim-v", type=int, default=512)
     p.add_argument("--copies", default="1,4,16,64")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hot", type=int, default=0, help="rows every token reads (their error is printed apart)")
     args = p.parse_args(argv)
     T, K, N = args.tokens, args.slots, args.rows
-    q, kv, dO, idx = problem(T, K, N, args.heads, args.dim, args.dim_v, args.seed)
+    q, kv, dO, idx = problem(T, K, N, args.heads, args.dim, args.dim_v, args.seed, args.hot)
     c, exact, cs, fwd = contributions(q, kv, dO, idx, args.dim_v)
     ref = torch.zeros(N, args.dim, dtype=F64).index_add_(0, idx.reshape(-1), c.reshape(-1, args.dim))
     cmax = c.abs().amax(-1)
@@ -122,7 +127,11 @@ def main(argv=None) -> int:
         errs = []
         for copies in [int(x) for x in args.copies.split(",")]:
             got = quantized_sum(c, bound, idx, N, copies)
-            errs.append(f"{copies} copies {((got - ref).norm() / ref.norm()).item():.2e}")
+            err = f"{copies} copies {((got - ref).norm() / ref.norm()).item():.2e}"
+            if args.hot:
+                h = slice(0, args.hot)
+                err += f" (hot rows {((got[h] - ref[h]).norm() / ref[h].norm()).item():.2e})"
+            errs.append(err)
         print(f"bound {name:5s} looseness {loose:8.1f}: " + ", ".join(errs))
     return 0
 

@@ -786,12 +786,28 @@ def test_deterministic_chunked_against_float64(fast_case, call, fn_name, monkeyp
             rel_close(x, y, GRAD_TOL[case.dtype] if case.low_precision else 1e-6, f"{name} vs atomic")
 
 
-def test_grouped_positions():
-    """Each chunk's rows land on a permutation of its positions, grouped by
-    key in ascending row order, with start bounding every key's run; keys
-    >= n_dst (invalid) last, in no run."""
-    from dsa.triton.segment_sum import grouped_positions
+def grouped_positions(keys: torch.Tensor, chunk: int, n_dst: int):
+    """The oracle of ``segment_sum.slot_positions``, in torch: (pos [M] int32,
+    start [C, n_dst + 1] int64) for M workspace rows with destination
+    ``keys`` (>= n_dst: never summed) written in chunks of ``chunk`` rows;
+    row i goes to position pos[i] of its chunk's workspace, where the rows of
+    destination n are start[c, n] .. start[c, n + 1], in ascending i."""
+    M = keys.numel()
+    C = max(1, -(-M // chunk))
+    span = n_dst + 1
+    row = torch.arange(M, device=keys.device)
+    comp_sorted, order = torch.sort((row // chunk) * span + keys.clamp(0, n_dst), stable=True)
+    pos = torch.empty(M, device=keys.device, dtype=torch.int32)
+    pos[order] = (row - (order // chunk) * chunk).to(torch.int32)  # chunk c fills ranks [c chunk, (c + 1) chunk)
+    bounds = torch.arange(C, device=keys.device)[:, None] * span + torch.arange(span, device=keys.device)[None, :]
+    start = torch.searchsorted(comp_sorted, bounds.flatten()).view(C, span)
+    return pos, start - torch.arange(C, device=keys.device)[:, None] * chunk
 
+
+def test_grouped_positions():
+    """The oracle: each chunk's rows land on a permutation of its positions,
+    grouped by key in ascending row order, with start bounding every key's
+    run; keys >= n_dst (invalid) last, in no run."""
     g = gen(27)
     n_dst, chunk, M = 5, 7, 26
     keys = torch.randint(0, n_dst + 3, (M,), generator=g)
@@ -815,7 +831,7 @@ def test_slot_positions_match_grouped_positions(T, K, N, rows, with_len):
     index where valid, N where not), chunk for chunk, on hostile indices and
     every kind of row length."""
     from dsa._rules import slot_validity
-    from dsa.triton.segment_sum import grouped_positions, slot_positions
+    from dsa.triton.segment_sum import slot_positions
 
     g = gen(T * K + N)
     idx = torch.randint(-3, N + 3, (T, K), generator=g, dtype=torch.int32)

@@ -76,8 +76,8 @@ class IndexerSm90Config:
     q / k dtype, weights dtype, heads H, head dim D, whether topk_length is
     given, kl (the KL loss's stats, or its gradient, instead of the logits
     or theirs), the ring's stages, backward (the gradients' kernel,
-    ``indexer_train_bwd_sm90``) and, for it, deterministic (dk stored as
-    bf16 rows at positions the host gives, not added)."""
+    ``indexer_train_bwd_sm90``) and, for it, deterministic (each dk value
+    rounded to its key's quantum before the add, ``dsa.triton.dk_quanta``)."""
 
     dtype: object
     w_dtype: object

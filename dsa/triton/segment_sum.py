@@ -16,11 +16,12 @@ contribution to a workspace row and sum them here:
 Every sum has a fixed order, so the result is bitwise reproducible.
 
 A backward that can write each contribution straight to its destination's
-segment (the indexer's dk) skips the gather: :func:`grouped_positions` sorts the keys of every
-chunk of workspace rows once (one sort a step), giving each row its position
-within its chunk's workspace and each chunk's ``start``; the writer stores
-row i at ``pos[i]``, and :func:`grouped_segment_sum` sums contiguous rows
-(the same kernel without ``ORDER``: whole 512-byte lines streamed in order).
+segment (the indexer's dk) skips the gather: :func:`slot_positions` sorts the
+keys of every chunk of workspace rows once (one sort a step), giving each row
+its position within its chunk's workspace and each chunk's ``start``; the
+writer stores row i at ``pos[i]``, and :func:`grouped_segment_sum` sums
+contiguous rows (the same kernel without ``ORDER``: whole 512-byte lines
+streamed in order).
 """
 
 from __future__ import annotations
@@ -121,38 +122,6 @@ def sort_dtype(span: int) -> torch.dtype:
     return torch.int32 if span <= 2**31 else torch.int64
 
 
-def grouped_positions(keys: torch.Tensor, chunk: int, n_dst: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(pos [M] int32, start [C, n_dst + 1] int64) for M workspace rows with
-    destination ``keys`` [M] (any key >= n_dst: never summed), written in
-    chunks of ``chunk`` consecutive rows (C = ceil(M / chunk)): row i goes to
-    position pos[i] of its chunk's workspace, where the rows of destination n
-    are start[c, n] .. start[c, n + 1], in ascending i.
-
-    One stable sort for every chunk: the key c * (n_dst + 1) + min(key, n_dst)
-    orders by chunk, then destination, then row."""
-    M = keys.numel()
-    C = max(1, -(-M // chunk))
-    span = n_dst + 1
-    dt = sort_dtype(C * span)
-    row = torch.arange(M, device=keys.device)
-    comp = ((row // chunk) * span + keys.clamp(0, n_dst)).to(dt)
-    comp_sorted, order = torch.sort(comp, stable=True)
-    # chunk c's rows fill ranks [c * chunk, (c + 1) * chunk) of the sort
-    pos = torch.empty(M, device=keys.device, dtype=torch.int32)
-    pos[order] = (row - (order // chunk) * chunk).to(torch.int32)
-    return pos, _chunk_starts(comp_sorted, C, span, chunk)
-
-
-def _chunk_starts(comp_sorted: torch.Tensor, C: int, span: int, chunk: int) -> torch.Tensor:
-    """start [C, span] int64: where destination n of chunk c begins in that
-    chunk's workspace, from the sorted keys c * span + destination (chunk c
-    fills ranks [c * chunk, (c + 1) * chunk) of the sort)."""
-    dev = comp_sorted.device
-    bounds = (torch.arange(C, device=dev)[:, None] * span + torch.arange(span, device=dev)[None, :])
-    start = torch.searchsorted(comp_sorted, bounds.flatten().to(comp_sorted.dtype)).view(C, span)
-    return start - torch.arange(C, device=dev)[:, None] * chunk
-
-
 @triton.jit
 def _slot_keys_kernel(IDX, LEN, OUT, K, N, rows, HAS_LEN: tl.constexpr, BK: tl.constexpr):
     """OUT[t * K + j] = c * (N + 1) + key of slot j of row t, c = t // rows its
@@ -176,12 +145,15 @@ def _place_kernel(ORDER, POS, M, chunk, BLOCK: tl.constexpr):
 
 def slot_positions(indices: torch.Tensor, topk_length: Optional[torch.Tensor], n_dst: int,
                    rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """:func:`grouped_positions` of the slots of indices [T, K] (int32) with
-    topk_length [T] int32 or None, each keyed by its index where valid and
-    by n_dst where not (``dsa._rules.slot_validity``), in chunks of ``rows``
-    query rows (rows * K workspace rows), without the
-    int64 passes: the keys are computed in one kernel in the narrowest
-    integer type, sorted once, and placed in another kernel.  Same results."""
+    """(pos [T * K] int32, start [C, n_dst + 1] int64) for the slots of
+    indices [T, K] (int32) with topk_length [T] int32 or None, each keyed by
+    its index where valid and by n_dst where not (never summed;
+    ``dsa._rules.slot_validity``), written in chunks of ``rows`` query rows
+    (rows * K workspace rows, C chunks): slot i goes to position pos[i] of
+    its chunk's workspace, where the rows of destination n are start[c, n]
+    .. start[c, n + 1], in ascending i.  One stable sort of the keys
+    c * (n_dst + 1) + key (computed in one kernel, in the narrowest integer
+    type) orders them by chunk, destination, slot; another kernel places them."""
     T, K = indices.shape
     M = T * K
     C = max(1, -(-T // rows))
@@ -198,7 +170,11 @@ def slot_positions(indices: torch.Tensor, topk_length: Optional[torch.Tensor], n
     comp_sorted, order = torch.sort(keys, stable=True)
     pos = torch.empty(M, device=indices.device, dtype=torch.int32)
     _place_kernel[(triton.cdiv(M, 1024),)](order, pos, M, rows * K, BLOCK=1024, num_warps=4)
-    return pos, _chunk_starts(comp_sorted, C, span, rows * K)
+    # destination n of chunk c begins where key c * span + n would sort, less the chunk's first rank
+    dev = indices.device
+    bounds = torch.arange(C, device=dev)[:, None] * span + torch.arange(span, device=dev)[None, :]
+    start = torch.searchsorted(comp_sorted, bounds.flatten().to(dt)).view(C, span)
+    return pos, start - torch.arange(C, device=dev)[:, None] * (rows * K)
 
 
 def spec(D: int, parts: int, block_d: int, gather: bool = True, src: str = "*fp32") -> fit.KernelSpec:
@@ -225,7 +201,7 @@ def segment_sum(src: torch.Tensor, keys: torch.Tensor, dst: torch.Tensor, *, par
 
 def grouped_segment_sum(src: torch.Tensor, start: torch.Tensor, dst: torch.Tensor, *, block_d: int = 64) -> None:
     """dst[n] += src[start[n]:start[n + 1]].sum(0), rows in order, in fp32
-    (one chunk of :func:`grouped_positions`). src [M, D] fp32 or bf16,
+    (one chunk of :func:`slot_positions`). src [M, D] fp32 or bf16,
     start [n_dst + 1] int64, dst [n_dst, D] fp32 contiguous."""
     n_dst, D = dst.shape
     s = spec(D, 1, block_d, gather=False, src="*bf16" if src.dtype == torch.bfloat16 else "*fp32")

@@ -94,12 +94,12 @@ def _setup(name: str):
     return SHAPES[shape], a, out, lse, dout
 
 
-def run(name: str) -> None:
+def run(name: str, triton_too: bool = True) -> None:
     (T, N, H, D, K, half, det), a, out, lse, dout = _setup(name)
     flop = 2 * T * H * K * (3 * D + 2 * 512)
     res = {}
     grads = {}
-    backends = (("cute", cbwd.backward),) + ((("triton", tsa.backward),) if name in SHAPES else ())
+    backends = (("cute", cbwd.backward),) + ((("triton", tsa.backward),) if name in SHAPES and triton_too else ())
     for backend, fn in backends:
         grads[backend] = fn(a, out, lse, dout)
         torch.cuda.synchronize()
@@ -129,7 +129,8 @@ def run(name: str) -> None:
 def parts(name: str) -> None:
     """The cute backward's pieces timed apart at a shape: the whole call, the
     per-row preprocess (one pass over out and dO), the fp32 dkv zero fill,
-    the kernel alone and the column-order cast of dkv, ms."""
+    the kernel alone and the column-order cast of dkv, ms; at a
+    deterministic shape also the pieces of its exact adds."""
     from dsa.triton.sparse_attention import preprocess
 
     (T, N, H, D, K, half, det), a, out, lse, dout = _setup(name)
@@ -137,13 +138,37 @@ def parts(name: str) -> None:
     dq = torch.empty_like(a.q)
     dkv = torch.zeros((N, 1, D), dtype=torch.float32, device="cuda")
     cbwd.backward(a, out, lse, dout)
+    nd = dataclasses.replace(a, deterministic=False)
     steps = {
         "whole": lambda: cbwd.backward(a, out, lse, dout),
         "preprocess": lambda: preprocess(a, out, lse, dout),
         "zero": lambda: dkv.zero_(),
-        "kernel": lambda: cbwd._launch(a, dout, lg2den, delta, dq, dkv, 0, T),
+        "kernel": lambda: cbwd._launch(nd, dout, lg2den, delta, dq, dkv, 0, T),
         "columns": lambda: cbwd.natural_columns(dkv, torch.bfloat16),
     }
+    if det:
+        # the deterministic mode's pieces: the bounds' weights, the slot
+        # bounds, the value norms, the rows' grids, the copies' zero fill,
+        # the kernel with rounded adds, the copies' sum
+        from dsa.triton.dkv_quanta import bound_weights, copies_sum, dkv_quanta, value_norms
+
+        w = bound_weights(a.q, dout, delta, a.sm_scale)
+        xy = cbwd.slot_bounds(a, lg2den, w)
+        copies, tpc = cbwd.dkv_copies(a)
+        vn = value_norms(a.kv, 512)
+        magic = dkv_quanta(xy, a.indices, a.topk_length, vn, N, copies, tpc)
+        buf = torch.zeros((copies, N, 1, D), dtype=torch.float32, device="cuda")
+
+        steps.update({
+            "weights": lambda: bound_weights(a.q, dout, delta, a.sm_scale),
+            "bounds": lambda: cbwd.slot_bounds(a, lg2den, w),
+            "vnorm": lambda: value_norms(a.kv, 512),
+            "quanta": lambda: dkv_quanta(xy, a.indices, a.topk_length, vn, N, copies, tpc),
+            "zero_copies": lambda: buf.zero_(),
+            "kernel_det": lambda: cbwd._launch(a, dout, lg2den, delta, dq, buf, 0, T, magic, tpc),
+            "copy_sum": lambda: copies_sum(buf, torch.bfloat16),
+        })
+        print(f"{name:11s} deterministic: {copies} dkv copies of {tpc} tokens", flush=True)
     ms = {k: triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median") for k, f in steps.items()}
     flop = 2 * T * H * K * (3 * D + 2 * 512)
     print(f"{name:11s} parts, ms: " + "  ".join(f"{k} {v:.4f}" for k, v in ms.items())
@@ -179,12 +204,16 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(list(SHAPES) + list(VARIANTS)))
     ap.add_argument("--sanitize", action="store_true", help="only the small hostile call (compute-sanitizer)")
     ap.add_argument("--parts", action="store_true", help="time the backward's pieces apart")
+    ap.add_argument("--no-triton", action="store_true", help="time the cute backward alone")
     args = ap.parse_args()
     if args.sanitize:
         sanitize()
         return
     for name in args.shapes.split(","):
-        (parts if args.parts else run)(name)
+        if args.parts:
+            parts(name)
+        else:
+            run(name, not args.no_triton)
         torch.cuda.empty_cache()
 
 

@@ -2,8 +2,9 @@
 
 * CPU (CI): the kernel compiles ahead of time for sm_90a with no GPU
   (``CUTE_DSL_ARCH=sm_90a``) in a subprocess, with wgmma, the cp.async
-  gather and the dkv reduction (fp32 vector atomics, or plain stores in the
-  deterministic build) in its PTX; the host logic (what it serves, the
+  gather and the dkv reduction (fp32 vector atomics, each value first
+  rounded to its row's grid in the deterministic build) in its PTX, and so
+  does the deterministic mode's slot-bound kernel; the host logic (what it serves, the
   per-row terms, the kv row of each slot) is checked against float64; the
   routing with a faked SM90 device: ``backend="cute"`` runs the backward,
   auto declines it with its reason, the compile cache's key, the launch
@@ -45,14 +46,14 @@ _NEEDLES = (
     "red.relaxed.gpu.global.add.v4.f32", "red.relaxed.gpu.global.add.L2::cache_hint.v4.f32", "createpolicy",
     "st.global.v4.f32", "st.global.L2::cache_hint.v4.f32", "shfl.sync", "cp.async.cg.shared.global.L2::cache_hint", "st.global.L2::cache_hint.b32",
     "setmaxnreg.inc", "setmaxnreg.dec", "mbarrier.try_wait", "bar.sync",
-    "bar.arrive")
+    "bar.arrive", "add.rn.f32", "sub.rn.f32")
 
 _CONFIGS = [
     ("v32_bf16_len", "bfloat16", 576, 128, 1, True, False, {}),
     # the other build options: no L2 hint, every dkv chunk on warpgroup 1
     ("fp16_d512_h64_nohint", "float16", 512, 64, 1, False, False, {"evict_last": False, "c0_chunks": 0}),
-    # the deterministic build, its per-slot rows stored evict-first (l2_hints bit 8)
-    ("v32_bf16_det", "bfloat16", 576, 128, 1, True, True, {"l2_hints": 11}),
+    # the deterministic build: each value rounded to its row's grid before the add
+    ("v32_bf16_det", "bfloat16", 576, 128, 1, True, True, {}),
     # a tensor-parallel shard: 16 heads a kv head, one tile padded to 64 rows
     ("tp16_bf16_len", "bfloat16", 576, 16, 1, True, False, {}),
 ]
@@ -66,7 +67,7 @@ def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
                      tmp_path)
     for name, dt, D, H, G, has_len, det, build in _CONFIGS:
         r = res[name]
-        hint = build.get("evict_last", cbwd.BUILD["evict_last"]) and not det
+        hint = build.get("evict_last", cbwd.BUILD["evict_last"])
         # per block: S (D / 16) and dP (d_v / 16) on consumer 0, dQ (4 a
         # tile, one tile on each consumer and the RoPE one), dkv (2 per value
         # chunk, 1 per RoPE chunk, and step of 16 real heads of the tile)
@@ -75,14 +76,15 @@ def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
         assert r["wgmma.mma_async"] == n_wgmma, (name, r)
         assert r["cp.async.cg.shared.global"] >= D // 64 * 4, (name, r)  # the gather
         assert r["cp.async.mbarrier.arrive.noinc"] >= 2, (name, r)       # Q and dO; each block
-        # per thread and 64-column chunk: 8 four-float adds (or stores), two
-        # rows of 16 floats; under the L2 policy made once a thread
+        # per thread and 64-column chunk: 8 four-float adds, two rows of 16
+        # floats; under the L2 policy made once a thread
         n_out = 8 * (D // 64)
         hints = build.get("l2_hints", cbwd.BUILD["l2_hints"])
-        stored = "st.global.L2::cache_hint.v4.f32" if hints & 8 else "st.global.v4.f32"
-        assert r[stored] == (n_out if det else 0), (name, r)
+        assert r["st.global.v4.f32"] == 0 and r["st.global.L2::cache_hint.v4.f32"] == 0, (name, r)
         assert r["red.relaxed.gpu.global.add.L2::cache_hint.v4.f32"] == (n_out if hint else 0), (name, r)
-        assert r["red.relaxed.gpu.global.add.v4.f32"] == (0 if det or hint else n_out), (name, r)
+        assert r["red.relaxed.gpu.global.add.v4.f32"] == (0 if hint else n_out), (name, r)
+        # deterministic: every added value first put on its row's grid by two adds
+        assert r["add.rn.f32"] == r["sub.rn.f32"] == (4 * n_out if det else 0), (name, r)
         # evict-last for the adds (one in each consumer), evict-first for Q / dO and dq (l2_hints 3)
         assert r["createpolicy"] >= (2 if hint else 0) + bool(hints), (name, r)
         n_q = (D + 512) // 64 * 4   # Q's and dO's 16-byte copies a thread
@@ -96,6 +98,55 @@ def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
         assert r["mbarrier.try_wait"] >= 3, (name, r)
         # the dS / P hand-off between the consumers: written (READY), free again (FREE)
         assert r["bar.sync"] >= 2 and r["bar.arrive"] >= 2, (name, r)
+
+
+_BOUND_NEEDLES = ("wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc", "ex2.approx",
+                  "st.global.v2.b32", "shfl.sync", "mbarrier.try_wait", "red.relaxed", "red.global.add", "atom.global")
+
+# (name, dtype, D, H, G, has_len): heads a CTA, consumers
+_BOUND_CONFIGS = [
+    ("v32_bf16_len", "bfloat16", 576, 128, 1, True),   # 128 heads: two consumers, a ring of one block
+    ("fp16_d512_h64", "float16", 512, 64, 1, False),   # one consumer, two blocks in the ring
+    ("tp16_bf16", "bfloat16", 576, 16, 1, True),       # a shard: S^T's N is 16, no padding
+    ("gqa_256x2_d512", "bfloat16", 512, 512, 2, False),  # 256 heads a kv head: two parts of 128
+]
+
+
+@needs_dsl
+def test_slot_bound_kernel_compiles_offline_with_hopper_instructions(tmp_path):
+    """The deterministic mode's bound kernel (``slot_bound_sm90``) for sm_90a:
+    per consumer and block, D / 16 wgmma (S^T chunk by chunk, the chunk loop
+    unrolled), the gather's 16-byte cp.async (Q once, then 4 a chunk, the
+    producer's two-block step unrolled), one exp2 per accumulator element,
+    the head sums across the quad, one 8-byte store of (X, Y) per slot, no
+    atomics, no spill (the register split between producer and consumers
+    included), within the shared memory the launch may take: two CTAs an
+    SM for parts of up to 64 heads."""
+    from cute_offline import compile_reports
+
+    from dsa.cute.slot_bound_sm90 import SlotBoundSm90
+
+    calls = [(name, "dsa.cute.sparse_attention_bwd:compile_offline_bound", [f"torch.{dt}", D, H, G, has_len], {})
+             for name, dt, D, H, G, has_len in _BOUND_CONFIGS]
+    res = compile_reports(calls, _BOUND_NEEDLES, "sm_90a", tmp_path)
+    import cutlass
+
+    for name, dt, D, H, G, has_len in _BOUND_CONFIGS:
+        r, n = res[name], res[name]["needles"]
+        k = SlotBoundSm90(cutlass.BFloat16 if dt == "bfloat16" else cutlass.Float16, D, H, G, has_len)
+        # the block loop unrolled by two (two accumulators), each block's sums
+        # in the next block's first chunk or after the loop
+        assert n["wgmma.mma_async"] == 2 * k.consumers * D // 16, (name, n)
+        q_copies = k.consumers * (k.hc // 16) * (D // 64)
+        ring = 2 * 4 * (D // 64)
+        assert q_copies + ring <= n["cp.async.cg.shared.global"] <= 2 * q_copies + ring, (name, n)
+        assert n["ex2.approx"] == 4 * k.consumers * 64 * k.hc // 128, (name, n)
+        assert n["st.global.v2.b32"] == 8 * k.consumers, (name, n)
+        assert n["shfl.sync"] >= 8 * k.consumers, (name, n)
+        assert n["red.relaxed"] == n["red.global.add"] == n["atom.global"] == 0, (name, n)
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
+        assert r["smem"] * k.ctas <= r["smem_limit"], (name, r)
+    assert res["v32_bf16_len"]["smem"] > 200 * 1024  # Q [128, 576] and a ring of ten chunks
 
 
 # --------------------------------------------------------------------------
@@ -155,6 +206,27 @@ def test_natural_columns_undo_the_fragment_order(D):
     got = cbwd.natural_columns(frag, torch.bfloat16)
     assert got.dtype == torch.bfloat16 and got.is_contiguous() and torch.equal(got, nat.to(torch.bfloat16))
     assert torch.equal(cbwd.natural_columns(frag, torch.float32), nat)
+
+
+def test_dkv_copies_spread_the_adds_within_the_budget():
+    """The deterministic backward's dkv copies: about ADDS_PER_COPY adds a kv
+    row each (V3.2: 2048 adds a row over 16 copies of 256 tokens), never more
+    copies than tokens or than COPY_BUDGET bytes hold, and every token's copy
+    t // tokens-a-copy below the count."""
+    def copies(**kw):
+        return cbwd.dkv_copies(_fake_sm90_args(**kw))
+
+    assert copies(T=4096, N=8192, K=2048) == (16, 256)
+    assert copies(T=4096, N=8192, K=2048, H=64) == (8, 512)      # one head block: half the adds
+    assert copies(T=4, N=64, K=2048) == (2, 2)                    # 256 adds a row
+    assert copies(T=4, N=16, K=2048) == (4, 1)                    # at most one copy a token
+    assert copies(T=0, N=64, K=2048) == (1, 1)
+    assert copies(T=100, N=1 << 20, K=16) == (1, 100)             # few adds a row: one copy
+    big = copies(T=65536, N=1 << 17, K=2048)                      # 302 MB a copy: the budget caps them
+    assert big[0] == cbwd.COPY_BUDGET // ((1 << 17) * 576 * 4) == 3
+    for T in (1, 7, 100, 4097):
+        n, tpc = copies(T=T, N=64, K=2048)
+        assert (T - 1) // tpc == n - 1 if T else n == 1
 
 
 # --------------------------------------------------------------------------
@@ -492,14 +564,105 @@ def test_tp_shard_deterministic_bitwise():
 @pytest.mark.gpu
 @gpu
 def test_deterministic_bitwise_over_runs(monkeypatch):
-    # a small slot budget: several token chunks a call
-    from dsa.triton import segment_sum
-
-    monkeypatch.setattr(segment_sum, "WORKSPACE_BYTES", 5 * 2 * 2048 * 576 * 4)
+    # few adds a copy: twelve dkv copies of two tokens each
+    monkeypatch.setattr(cbwd, "ADDS_PER_COPY", 8)
+    assert cbwd.dkv_copies(_case(24, 1024, 128, 1, 576, 2048, torch.bfloat16)) == (12, 2)
     T, K = 24, 2048
     a = _case(T, 1024, 128, 1, 576, K, torch.bfloat16, sink=[1.0], lengths=_lengths(T, K, 7), hostile=True,
               deterministic=True)
     _check_bitwise_repeats(a, 10)
+
+
+def _slot_terms(a: SparseAttnArgs, seed=0):
+    """What the deterministic backward's bounds start from: (dout, the
+    preprocess's lg2den and delta, ``bound_weights``), with float64 out and
+    lse."""
+    from dsa.triton.dkv_quanta import bound_weights
+    from dsa.triton.sparse_attention import preprocess
+
+    out64, lse64 = ref.sparse_attention_fwd(_f64(a))
+    gen = torch.Generator().manual_seed(seed + 100)
+    dout = torch.randn(a.T, a.H, a.d_v, generator=gen).to(a.q.dtype).cuda()
+    delta, lg2den, _ = preprocess(a, out64.to(a.q.dtype), lse64.float(), dout)
+    return dout, lg2den, delta, bound_weights(a.q, dout, delta, a.sm_scale)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("H,G,D", [(128, 1, 576), (64, 1, 512), (16, 1, 576), (512, 2, 512)],
+                         ids=["h128", "h64-d512", "h16", "gqa-256x2"])
+def test_slot_bounds_against_float64_and_every_contribution(H, G, D):
+    """The deterministic mode's slot bounds (``slot_bound_sm90``), output
+    NaN-poisoned: X and Y of every valid slot equal the float64 head sums of
+    P times the weights (summed over the kernel's parts), and X + Y ||v_n||
+    covers every column of the slot's float64 dkv contribution (the sum
+    the backward adds), with sinks, topk_length, hostile indices and NaN in
+    the rows no valid slot reads."""
+    from dsa.triton.dkv_quanta import value_norms
+
+    T, K = 12, 640
+    a = _case(T, 1024, H, G, D, K, torch.bfloat16, sink=[1.0, -INF, INF], lengths=_lengths(T, K, 17),
+              hostile=True, nan_rows=True)
+    dout, lg2den, delta, w = _slot_terms(a)
+    _poison(4 * 8 * T * G * K * 2)
+    xy = cbwd.slot_bounds(a, lg2den, w)
+    torch.cuda.synchronize()
+    HG = H // G
+    L = a.topk_length.long().clamp(0, K)
+    idx = a.indices.long()
+    valid = (torch.arange(K, device="cuda")[None, None, :] < L[:, None, None]) & (idx >= 0) & (idx < a.N)
+    safe = torch.where(valid, idx, 0)
+    kvd = a.kv.double()
+    X = torch.zeros(T, G, K, dtype=torch.float64, device="cuda")
+    Y = torch.zeros_like(X)
+    most = torch.zeros_like(X)
+    for g in range(G):
+        k = kvd[safe[:, g], g]                                   # [T, K, D]
+        q = a.q[:, g * HG:(g + 1) * HG].double()                 # [T, HG, D]
+        do = dout[:, g * HG:(g + 1) * HG].double()
+        S = torch.einsum("thd,tkd->thk", q, k) * a.sm_scale
+        lg2 = lg2den[:, g * HG:(g + 1) * HG].double()
+        P = torch.where(valid[:, g, None, :], torch.exp2(S * math.log2(math.e) - lg2[..., None]), 0.0)
+        wg = w[:, g * HG:(g + 1) * HG].double()
+        X[:, g] = torch.einsum("thk,th->tk", P, wg[..., 0])
+        Y[:, g] = torch.einsum("thk,th->tk", P, wg[..., 1])
+        dP = torch.einsum("thv,tkv->thk", do, k[..., :a.d_v])
+        dS = P * (dP - delta[:, g * HG:(g + 1) * HG].double()[..., None]) * a.sm_scale
+        c = torch.einsum("thk,thd->tkd", dS, q)
+        c[..., :a.d_v] += torch.einsum("thk,thv->tkv", P, do)
+        most[:, g] = c.abs().amax(-1)
+    got = xy.double().sum(0)
+    assert not torch.isnan(got[valid]).any()
+    for name, x, e in (("X", got[..., 0], X), ("Y", got[..., 1], Y)):
+        err = bf.rel_l2(x[valid], e[valid])
+        assert err < 1e-4, (name, err)
+    vn = value_norms(a.kv, a.d_v).double()[safe, torch.arange(G, device="cuda")[None, :, None]]
+    bound = got[..., 0] + got[..., 1] * vn
+    assert (most[valid] <= bound[valid] * (1 + 1e-4)).all()
+    assert (bound[valid] > 0).any()
+
+
+@pytest.mark.gpu
+@gpu
+def test_deterministic_dkv_is_the_sum_of_its_rounded_adds():
+    """The deterministic dkv against the non-deterministic one on the same
+    call: within the rounding the rows' grids allow (each (copy, row) at most
+    2^-22 of its bound a value), and bitwise equal over runs while the
+    default's atomics are free to differ."""
+    T, K = 32, 2048
+    a = _case(T, 2048, 128, 1, 576, K, torch.bfloat16, sink=[1.0], lengths=_lengths(T, K, 23), hostile=True)
+    det = SparseAttnArgs(*[getattr(a, f) for f in ("q", "kv", "indices", "topk_length", "sink", "sm_scale",
+                                                   "d_v")], True)
+    out64, lse64 = ref.sparse_attention_fwd(_f64(a))
+    gen = torch.Generator().manual_seed(5)
+    dout = torch.randn(T, a.H, a.d_v, generator=gen).to(a.q.dtype).cuda()
+    out, lse = out64.to(a.q.dtype), lse64.float()
+    runs = [cbwd.backward(det, out, lse, dout) for _ in range(3)]
+    free = cbwd.backward(a, out, lse, dout)
+    for r in runs[1:]:
+        assert all(torch.equal(x, y) for x, y in zip(r[:2], runs[0][:2]))
+    assert torch.equal(runs[0][0], free[0])  # dq takes no atomics
+    assert bf.rel_l2(runs[0][1].double(), free[1].double()) < 5e-3
 
 
 @pytest.mark.gpu

@@ -4,9 +4,10 @@ A backward computes dKV of a block of 64 slots one [64 slots, 64 columns]
 chunk at a time, fp32, and adds each chunk into the rows of its slots'
 kv rows (``red.global.add.v4.f32``), or stores it per slot for the
 deterministic reduction (``st.global.v4.f32``); with per-row quanta
-(``dsa.triton.dk_quanta``: 1 / Q and Q of each destination row) each value
-is first rounded to a multiple of its row's Q, which makes the adds exact
-and so order-free.  The chunk arrives in
+(``dsa.triton.dk_quanta``: 1 / Q and Q of each destination row; or
+``dsa.triton.dkv_quanta``: one constant 1.5 2^23 Q a row) each value is
+first rounded to a multiple of its row's Q, which makes the adds exact and
+so order-free.  The chunk arrives in
 registers in the MMA accumulator's fragment order (SM90's wgmma m64n64
 accumulator; on SM100 a ``tcgen05.ld.16x256b`` of the TMEM accumulator,
 which hands out the same fragment): thread i of warp w holds rows
@@ -25,7 +26,8 @@ each (``scatter``), so that every warp instruction covers four whole
 * ``scatter``: a chunk's registers into those rows;
 * ``global_f32`` / ``evict_last_policy``: the vector add / store and the L2
   policy that keeps dkv resident while gathered kv rows stream through;
-* ``quantize``: x rounded to the nearest multiple of Q (ties to even).
+* ``quantize`` / ``round_to_grid``: x rounded to the nearest multiple of
+  Q (ties to even), by a conversion or by two adds.
 """
 
 from __future__ import annotations
@@ -80,6 +82,19 @@ def quantize(x: Float32, inv_q: Float32, q: Float32, *, loc=None, ip=None) -> Fl
                                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
+@dsl_user_op
+def round_to_grid(x: Float32, magic: Float32, *, loc=None, ip=None) -> Float32:
+    """(x + magic) - magic for magic = 1.5 2^23 Q (Q a power of two): x on
+    the grid of Q, exact for |x| <= 2^22 Q (x + magic then lies where fp32's
+    spacing is Q).  Two adds at the full fp32 rate, where ``quantize``'s
+    conversion issues at a fraction of it; magic 0 leaves x as it is.  The
+    adds are one asm block so that no compiler folds them away."""
+    asm = "{ .reg .f32 r; add.rn.f32 r, $1, $2; sub.rn.f32 $0, r, $2; }"
+    operands = [Float32(v).ir_value(loc=loc, ip=ip) for v in (x, magic)]
+    return Float32(llvm.inline_asm(T.f32(), operands, asm, "=f,f,f", has_side_effects=False,
+                                   is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
 def evict_last_policy() -> Int64:
     """An L2 cache policy that keeps the lines it touches ahead of normal ones."""
     return l2_policy(EVICT_LAST)
@@ -100,7 +115,7 @@ def dkv_row0(deterministic: cutlass.Constexpr, G: cutlass.Constexpr, tl, g, hb, 
 
 @cute.jit
 def slot_rows(rows, rok, i, row_lo, lane, L, row0, idx_row, dkv_ptr, N, G: cutlass.Constexpr,
-              D: cutlass.Constexpr, deterministic: cutlass.Constexpr, quanta=None, qz=None):
+              D: cutlass.Constexpr, deterministic: cutlass.Constexpr, quanta=None, qz=None, magic=None, mz=None):
     """For each slot row of block i this thread writes (rows of a dKV chunk):
     whether it is valid (``rok``, 0 / 1) and the byte address the thread
     writes at (``rows``, int64).  Entry 2 r + k is row 2 p + k + 8 r of its
@@ -108,7 +123,10 @@ def slot_rows(rows, rok, i, row_lo, lane, L, row0, idx_row, dkv_ptr, N, G: cutla
     line the thread writes for that row.  row0: ``dkv_row0`` of the tile;
     validity is ``rules.slot_index``'s (no index past L is read).  With
     ``quanta`` (fp32 [N, 2]: 1 / Q, Q of each kv row; G = 1) entries
-    2 s, 2 s + 1 of ``qz`` get those of entry s's row (0 where invalid)."""
+    2 s, 2 s + 1 of ``qz`` get those of entry s's row (0 where invalid).
+    With ``magic`` (fp32, one grid constant per accumulator row, indexed as
+    the rows: n G + row0) entry s of ``mz`` gets entry s's (0 where
+    invalid)."""
     odd = row_lo % 2
     for s_ in cutlass.range_constexpr(4):
         r, k = s_ // 2, s_ % 2
@@ -133,12 +151,17 @@ def slot_rows(rows, rok, i, row_lo, lane, L, row0, idx_row, dkv_ptr, N, G: cutla
                 qq = load(quanta, Int64(n) * Int64(2) + Int64(1))
             qz[2 * s_] = iq
             qz[2 * s_ + 1] = qq
+        if const_expr(magic is not None):
+            mg = Float32(0.0)
+            if v != 0:
+                mg = load(magic, off)
+            mz[s_] = mg
         rok[s_] = v
         rows[s_] = dkv_ptr.toint() + off * Int64(D * 4) + Int64(col * 4)
 
 
 @cute.jit
-def scatter(acc, ch: cutlass.Constexpr, rows, rok, pol, deterministic: cutlass.Constexpr, qz=None):
+def scatter(acc, ch: cutlass.Constexpr, rows, rok, pol, deterministic: cutlass.Constexpr, qz=None, mz=None):
     """A [64 slots, 64 columns] dKV chunk (registers ``acc`` in fragment
     order) into column chunk ``ch`` of the slots' rows (valid slots only):
     added, or stored in the deterministic build.  Lanes l and l ^ 4 hold rows
@@ -150,7 +173,8 @@ def scatter(acc, ch: cutlass.Constexpr, rows, rok, pol, deterministic: cutlass.C
     group go out as they sit in its fragment, columns 8 h + 2 q + e at
     4 q + 2 h + e.  pol: the L2 policy of the adds (None for none).  qz:
     ``slot_rows``' quanta of the rows, each value rounded to its row's
-    before the add (None: added as computed)."""
+    before the add (None: added as computed); mz: ``slot_rows``' grid
+    constants of the rows, the same rounding by ``round_to_grid``."""
     odd = (cute.arch.lane_idx() // 4) % 2 == 1
     for r in cutlass.range_constexpr(2):
         for l_ in cutlass.range_constexpr(2):
@@ -166,6 +190,9 @@ def scatter(acc, ch: cutlass.Constexpr, rows, rok, pol, deterministic: cutlass.C
                 if const_expr(qz is not None):
                     for k in cutlass.range_constexpr(4):
                         vals[k] = quantize(vals[k], qz[2 * (2 * r + k2)], qz[2 * (2 * r + k2) + 1])
+                if const_expr(mz is not None):
+                    for k in cutlass.range_constexpr(4):
+                        vals[k] = round_to_grid(vals[k], mz[2 * r + k2])
                 addr = rows[2 * r + k2] + (ch * 64 + 32 * l_) * 4
                 write4(rok[2 * r + k2], addr, [vals[0], vals[1], vals[2], vals[3]], pol, deterministic)
 

@@ -8,14 +8,24 @@ kernel is ``sparse_attention_bwd_sm90.SparseAttnBwdSm90``; what it can serve
 is its ``can_implement``.  The per-row terms it reads (Delta = dO . out and
 log2 of the softmax denominator, sink included) and dsink's parts come from
 the Triton backward's one-pass preprocess (``dsa.triton.sparse_attention.
-preprocess``).  ``deterministic`` runs the kernel storing one fp32 dkv row
-per (head block, token, slot) for a chunk of tokens, then the Triton
-``segment_sum`` (a stable sort by kv row, each row summed in that fixed
-order), so dkv is bitwise reproducible.  Compiled kernels are cached per
-(``BwdSm90Config``, device); every launch runs under the tensors' device and
-its current stream.  ``run_backward`` (all of this but the launch) and
-``natural_columns`` serve the SM100 backward too
-(``dsa.cute.sm100.sparse_attention``).
+preprocess``).
+
+``deterministic`` makes dkv bitwise reproducible with the same atomics:
+each value is rounded, before its add, to a power-of-two grid of its kv row
+fine enough that no partial sum of the row rounds, so the adds are exact and
+their order cannot matter.  The grids come from a bound on each row's sum of
+|contributions| known before the first add: ``slot_bound_sm90`` computes two
+head sums of P a slot (S = Q K^T again, the backward's first product) and
+``dsa.triton.dkv_quanta`` turns them into the rows' grids.  The rounding's
+error grows with the adds a row receives, so the tokens' adds go to
+``dkv_copies`` copies of the accumulator (a range of tokens each, each
+copy with its own grids), summed in a fixed order at the end.
+
+Compiled kernels are cached per (config, device); every launch runs under
+the tensors' device and its current stream.  ``run_backward`` (all of this
+but the launch; the SM100 backward's deterministic mode stores per-slot rows
+summed by ``segment_sum`` instead) and ``natural_columns`` serve the SM100
+backward too (``dsa.cute.sm100.sparse_attention``).
 """
 
 from __future__ import annotations
@@ -82,8 +92,9 @@ def kernel_config(a: SparseAttnArgs, build: Optional[dict] = None):
 
 
 def _ptr_types(dt):
-    """(cutlass element type, assumed alignment) of each kernel pointer, in order:
-    q, kv, indices, topk_length, dout, lg2den, delta, dq, dkv, zero row."""
+    """(cutlass element type, assumed alignment) of each backward kernel
+    pointer every arch's takes, in order: q, kv, indices, topk_length, dout,
+    lg2den, delta, dq, dkv, zero row."""
     import cutlass
 
     I32, F32 = cutlass.Int32, cutlass.Float32
@@ -91,12 +102,21 @@ def _ptr_types(dt):
             (dt, 16))
 
 
+def _sm90_ptr_types(dt):
+    """The SM90 kernel's pointers: ``_ptr_types``, then the deterministic
+    build's grids (magic)."""
+    import cutlass
+
+    return _ptr_types(dt) + ((cutlass.Float32, 4),)
+
+
 def scalar_types() -> Tuple:
-    """The types of the kernel's scalars: tc, t0, N, K, sm_scale * log2(e), sm_scale."""
+    """The types of the kernel's scalars: tc, t0, N, K, sm_scale * log2(e),
+    sm_scale, tokens per dkv copy."""
     import cutlass
 
     I32, F32 = cutlass.Int32, cutlass.Float32
-    return I32, I32, I32, I32, F32, F32
+    return I32, I32, I32, I32, F32, F32, I32
 
 
 def _compiled(a: SparseAttnArgs):
@@ -108,18 +128,22 @@ def _compiled(a: SparseAttnArgs):
     if fn is None:
         from dsa.cute.sparse_attention_bwd_sm90 import SparseAttnBwdSm90
 
-        fn = _COMPILED[key] = compile_kernel(SparseAttnBwdSm90.from_config(cfg), _ptr_types(cfg.dtype), scalar_types())
+        fn = _COMPILED[key] = compile_kernel(SparseAttnBwdSm90.from_config(cfg), _sm90_ptr_types(cfg.dtype),
+                                             scalar_types())
     return fn
 
 
-def _launch(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv_buf, t0: int, tc: int) -> None:
-    """The kernel over the tokens [t0, t0 + tc), under a's device."""
+def _launch(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv_buf, t0: int, tc: int,
+            magic: Optional[torch.Tensor] = None, tpc: int = 1) -> None:
+    """The kernel over the tokens [t0, t0 + tc), under a's device; the
+    deterministic build also takes the rows' grids and the tokens per dkv
+    copy (``dkv_copies``)."""
     length = a.topk_length if a.topk_length is not None else a.indices  # never read when absent
     with torch.cuda.device(a.q.device):
         tensors = (a.q, a.kv, a.indices, length, dout, lg2den, delta, dq, dkv_buf,
-                   zero_row(a.q.device, a.q.dtype, a.D))
+                   zero_row(a.q.device, a.q.dtype, a.D), magic if magic is not None else dkv_buf)
         _compiled(a)(*(address(x) for x in tensors), tc, t0, a.N, a.K, float(a.sm_scale * LOG2E),
-                     float(a.sm_scale), stream_handle(a.q.device))
+                     float(a.sm_scale), tpc, stream_handle(a.q.device))
 
 
 def natural_columns(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -140,7 +164,7 @@ def backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor,
     why = supports_backward(a)
     if why:
         raise ValueError(why)
-    return run_backward(a, out, lse, dout, _launch)
+    return run_backward(a, out, lse, dout, _launch, exact_dkv=_exact_dkv)
 
 
 # launch(a, dout, lg2den, delta, dq, dkv buffer, t0, tc): an arch's kernel over
@@ -149,8 +173,13 @@ Launch = Callable[[SparseAttnArgs, torch.Tensor, torch.Tensor, torch.Tensor, tor
                   None]
 
 
+# exact_dkv(a, dout, lg2den, delta, dq) -> dkv [N, G, D] in kv's dtype and
+# column order: a deterministic backward whose adds are exact (``_exact_dkv``)
+ExactDkv = Callable[[SparseAttnArgs, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def run_backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
-                 launch: Launch, heads_per_part: int = HEADS_PER_CTA
+                 launch: Launch, heads_per_part: int = HEADS_PER_CTA, exact_dkv: Optional[ExactDkv] = None
                  ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``backward``'s host side, shared by every arch's cute backward: the
     per-row terms and dsink's parts from the Triton preprocess (which folds
@@ -159,7 +188,8 @@ def run_backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: 
     allocation on a warm call), the kernel launches (``launch``), dkv put
     back in column order and dsink summed.  heads_per_part: the query heads
     whose sum one deterministic per-slot row holds (the kernel's heads per
-    dkv accumulator)."""
+    dkv accumulator).  exact_dkv: the arch's deterministic dkv by exact adds;
+    without it the deterministic mode stores per-slot rows."""
     # Under a's device: the torch work, the Triton reduction and the kernel
     # launches are that device's, whatever device is current.
     from dsa.triton.sparse_attention import preprocess
@@ -168,13 +198,88 @@ def run_backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: 
         dout = dout.contiguous()
         delta, lg2den, dsink_part = preprocess(a, out.contiguous(), lse.contiguous(), dout)
         dq = torch.empty_like(a.q)
-        dkv = torch.zeros((a.N, a.G, a.D), dtype=torch.float32, device=a.q.device)
-        if not a.deterministic:
-            launch(a, dout, lg2den, delta, dq, dkv, 0, a.T)
+        if a.deterministic and exact_dkv is not None:
+            dkv = exact_dkv(a, dout, lg2den, delta, dq)
         else:
-            _deterministic_dkv(a, dout, lg2den, delta, dq, dkv, launch, heads_per_part)
+            acc = torch.zeros((a.N, a.G, a.D), dtype=torch.float32, device=a.q.device)
+            if not a.deterministic:
+                launch(a, dout, lg2den, delta, dq, acc, 0, a.T)
+            else:
+                _deterministic_dkv(a, dout, lg2den, delta, dq, acc, launch, heads_per_part)
+            dkv = natural_columns(acc, a.kv.dtype)
         dsink = dsink_part.sum(0) if dsink_part is not None else None
-        return dq, natural_columns(dkv, a.kv.dtype), dsink
+        return dq, dkv, dsink
+
+
+# The deterministic backward's dkv copies: a (copy, kv row)'s rounding error
+# grows with the adds it receives, about 2^-24 times the adds times the
+# bound's looseness (bench/notes_cute.md), so the copies are chosen for
+# about ADDS_PER_COPY adds a row on average, within COPY_BUDGET bytes.
+ADDS_PER_COPY = 128
+COPY_BUDGET = 1 << 30
+
+
+def dkv_copies(a: SparseAttnArgs) -> Tuple[int, int]:
+    """(copies of the fp32 dkv accumulator, tokens a copy) of a deterministic
+    SM90 backward: token t adds to copy t // tokens a copy."""
+    parts = head_blocks(a.H // a.G)
+    adds = a.T * a.K * parts / max(a.N, 1)  # a kv row's adds, on average
+    cap = max(1, COPY_BUDGET // max(1, a.N * a.G * a.D * 4))
+    copies = max(1, min(math.ceil(adds / ADDS_PER_COPY), cap, a.T))
+    tpc = max(1, -(-a.T // copies))
+    return max(1, -(-a.T // tpc)), tpc
+
+
+def slot_bounds(a: SparseAttnArgs, lg2den: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """X and Y of every computed slot (``slot_bound_sm90``): fp32 [parts, T,
+    G, K, 2] (slots past a row's last block holding a valid slot are left
+    unwritten).  lg2den [T, H] fp32, weights [T, H, 2] fp32
+    (``dkv_quanta.bound_weights``)."""
+    from dsa.cute.slot_bound_sm90 import SlotBoundSm90, SlotBoundSm90Config
+
+    cfg = SlotBoundSm90Config(cutlass_dtype(a.q.dtype), a.D, a.H, a.G, a.topk_length is not None)
+    key = (cfg, a.q.device.index)
+    fn = _COMPILED.get(key)
+    kernel = SlotBoundSm90.from_config(cfg)
+    if fn is None:
+        fn = _COMPILED[key] = compile_kernel(kernel, _bound_ptr_types(cfg.dtype), _bound_scalar_types())
+    xy = torch.empty((kernel.parts * kernel.consumers, a.T, a.G, a.K, 2), dtype=torch.float32, device=a.q.device)
+    length = a.topk_length if a.topk_length is not None else a.indices  # never read when absent
+    tensors = (a.q, a.kv, a.indices, length, lg2den, weights, xy, zero_row(a.q.device, a.q.dtype, a.D))
+    with torch.cuda.device(a.q.device):
+        fn(*(address(x) for x in tensors), a.T, a.N, a.K, float(a.sm_scale * LOG2E), stream_handle(a.q.device))
+    return xy
+
+
+def _bound_ptr_types(dt):
+    """The bound kernel's pointers: q, kv, indices, topk_length, lg2den,
+    weights, xy, zero row."""
+    import cutlass
+
+    I32, F32 = cutlass.Int32, cutlass.Float32
+    return ((dt, 16), (dt, 16), (I32, 4), (I32, 4), (F32, 4), (F32, 8), (F32, 8), (dt, 16))
+
+
+def _bound_scalar_types() -> Tuple:
+    """The bound kernel's scalars: T, N, K, sm_scale * log2(e)."""
+    import cutlass
+
+    return cutlass.Int32, cutlass.Int32, cutlass.Int32, cutlass.Float32
+
+
+def _exact_dkv(a: SparseAttnArgs, dout, lg2den, delta, dq) -> torch.Tensor:
+    """dq, and dkv [N, G, D] (kv's dtype) by exact adds: the rows' grids
+    from the slots' bounds, the kernel adding into ``dkv_copies`` copies,
+    the copies summed in order (and put in column order) in one pass."""
+    from dsa.triton.dkv_quanta import bound_weights, copies_sum, dkv_quanta, value_norms
+
+    weights = bound_weights(a.q, dout, delta, a.sm_scale)
+    xy = slot_bounds(a, lg2den, weights)
+    copies, tpc = dkv_copies(a)
+    magic = dkv_quanta(xy, a.indices, a.topk_length, value_norms(a.kv, a.d_v), a.N, copies, tpc)
+    buf = torch.zeros((copies, a.N, a.G, a.D), dtype=torch.float32, device=a.q.device)
+    _launch(a, dout, lg2den, delta, dq, buf, 0, a.T, magic, tpc)
+    return copies_sum(buf, a.kv.dtype)
 
 
 def _deterministic_dkv(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv, launch: Launch,
@@ -200,6 +305,14 @@ def _deterministic_dkv(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv, launch: 
         segment_sum(slots, slot_keys(a, t0, tc), dkv.view(N * G, D), parts=HB)
 
 
+def compile_offline_bound(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, options: str = "--keep-ptx"):
+    """Compile the slot-bound kernel without a GPU (``CUTE_DSL_ARCH=sm_90a``)."""
+    from dsa.cute.slot_bound_sm90 import SlotBoundSm90
+
+    dt = cutlass_dtype(dtype)
+    return compile_kernel(SlotBoundSm90(dt, D, H, G, has_len), _bound_ptr_types(dt), _bound_scalar_types(), options)
+
+
 def compile_offline_backward(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool,
                              deterministic: bool = False, build: Optional[dict] = None,
                              options: str = "--keep-ptx"):
@@ -210,4 +323,4 @@ def compile_offline_backward(dtype: torch.dtype, D: int, H: int, G: int, has_len
 
     dt = cutlass_dtype(dtype)
     cfg = BwdSm90Config(dt, D, SERVED_DV, H, G, has_len, deterministic, **dict(BUILD, **(build or {})))
-    return compile_kernel(SparseAttnBwdSm90.from_config(cfg), _ptr_types(dt), scalar_types(), options)
+    return compile_kernel(SparseAttnBwdSm90.from_config(cfg), _sm90_ptr_types(dt), scalar_types(), options)

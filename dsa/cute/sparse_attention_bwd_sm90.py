@@ -22,9 +22,12 @@ warpgroup the consumers get 240 and ptxas spills and serialises their wgmma):
   after which the stage is free.  dKV of the block is computed per 64-column
   chunk c (warpgroup 0: the first ``c0_chunks``, warpgroup 1: the rest),
   dKV_c = dS^T Q[:, c] (+ P^T dO[:, c] for value columns) [64 slots, 64],
-  and added into dkv[idx] (fp32) with 16-byte ``red.global.add.v4.f32``, or
-  stored per (token, slot) for the deterministic reduction (``dsa.cute.dkv``,
-  shared with the SM100 backward).  The dkv buffer
+  and added into dkv[idx] (fp32) with 16-byte ``red.global.add.v4.f32``
+  (``dsa.cute.dkv``, shared with the SM100 backward).  The deterministic
+  build adds into one dkv copy per range of ``tpc`` tokens and first rounds
+  each value to its (copy, kv row)'s power-of-two grid (``magic``, from
+  ``dsa.triton.dkv_quanta``), which makes the adds exact and so their
+  order irrelevant.  The dkv buffer
   holds each row's columns in the order the accumulator fragments hold them
   (the host's ``natural_columns`` puts them back), so a thread's four floats
   of a 16-column group are adjacent, and the two quads of a row pair swap
@@ -79,13 +82,13 @@ class Barrier(NamedBarrier):
 @dataclass(frozen=True)
 class BwdSm90Config(scheduler.ProblemConfig):
     """The static configuration one compiled kernel serves (its compile key):
-    the problem (dtype of q, kv, dout and dq), then deterministic (dkv rows
-    stored per slot instead of added) and the build options: evict_last (the
+    the problem (dtype of q, kv, dout and dq), then deterministic (each
+    value rounded to its row's grid before the add, into per-token-range
+    dkv copies) and the build options: evict_last (the
     adds keep dkv's lines in L2 ahead of the gathered rows), c0_chunks (the
     64-column dkv chunks warpgroup 0 takes), scatter False (a timing build
     that adds none of dkv: its dkv is not the gradient), l2_hints (bits: 1
-    Q and dO loaded evict-first, 2 dq stored evict-first, 8 the deterministic
-    build's per-slot rows stored evict-first), index_ahead (a block's kv-row
+    Q and dO loaded evict-first, 2 dq stored evict-first), index_ahead (a block's kv-row
     indices loaded while the block before it is computed)."""
 
     deterministic: bool
@@ -102,10 +105,10 @@ class SparseAttnBwdSm90:
     """Host-side builder of the backward kernel for one static configuration.
 
     deterministic False: dkv_ptr is the fp32 [N, G, D] accumulator (atomics).
-    deterministic True: dkv_ptr is the fp32 slot buffer [HB, T_chunk, G, K, D]
-    (HB = max(1, H / G / 64)) of the tokens [t0, t0 + T_chunk); every valid slot's row
-    is stored, invalid ones are left untouched (the reduction never reads
-    them)."""
+    deterministic True: dkv_ptr is the fp32 [copies, N, G, D] accumulator, the
+    adds of token t going to copy t // tpc, each value first rounded to the
+    grid of its (copy, kv row) (magic_ptr: fp32 [copies, N, G], 1.5 2^23 Q,
+    0 for a row no bound reaches); magic_ptr and tpc are not read otherwise."""
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, deterministic: bool,
                  evict_last: bool = True, c0_chunks: int = 2, scatter: bool = True, l2_hints: int = 0,
@@ -127,9 +130,10 @@ class SparseAttnBwdSm90:
         self.rows = min(self.HG, BLOCK_H)
         self.HB = head_blocks(self.HG, BLOCK_H)
         self.has_len, self.deterministic = has_len, deterministic
-        # evict_last on the adds (non-deterministic only): dkv (N D fp32)
-        # stays in L2 while the gathered kv rows stream through
-        self.evict_last = evict_last and not deterministic
+        # evict_last on the adds: dkv (N D fp32; in the deterministic build
+        # the copy the running tokens add to) stays in L2 while the gathered
+        # kv rows stream through
+        self.evict_last = evict_last
         # scatter False: a timing build that computes dkv but adds none of
         # it (its dkv is not the gradient), the cost of everything else
         self.do_scatter = scatter
@@ -155,8 +159,8 @@ class SparseAttnBwdSm90:
         self,
         q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, len_ptr: cute.Pointer,
         dout_ptr: cute.Pointer, lg2den_ptr: cute.Pointer, delta_ptr: cute.Pointer,
-        dq_ptr: cute.Pointer, dkv_ptr: cute.Pointer, zero_ptr: cute.Pointer,
-        T: Int32, t0: Int32, N: Int32, K: Int32, scale_log2: Float32, sm_scale: Float32, stream,
+        dq_ptr: cute.Pointer, dkv_ptr: cute.Pointer, zero_ptr: cute.Pointer, magic_ptr: cute.Pointer,
+        T: Int32, t0: Int32, N: Int32, K: Int32, scale_log2: Float32, sm_scale: Float32, tpc: Int32, stream,
     ):
         dt = self.dtype
         K_ = warpgroup.OperandMajorMode.K
@@ -203,7 +207,7 @@ class SparseAttnBwdSm90:
             s_mma, dq_mma, dq1_mma, kv_mma,
             sq_layout, sdo_layout, sk_layout, sp_layout, kt0_layout, kt1_layout, t64_layout,
             q_ptr, kv_ptr, idx_ptr, len_ptr, dout_ptr, lg2den_ptr, delta_ptr, dq_ptr, dkv_ptr, zero_ptr,
-            T, t0, N, K, scale_log2, sm_scale,
+            magic_ptr, T, t0, N, K, scale_log2, sm_scale, tpc,
         ).launch(grid=[n_tiles, 1, 1], block=[PAIR_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device
@@ -215,8 +219,8 @@ class SparseAttnBwdSm90:
         t64_layout: cute.ComposedLayout,
         q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, len_ptr: cute.Pointer,
         dout_ptr: cute.Pointer, lg2den_ptr: cute.Pointer, delta_ptr: cute.Pointer,
-        dq_ptr: cute.Pointer, dkv_ptr: cute.Pointer, zero_ptr: cute.Pointer,
-        T: Int32, t0: Int32, N: Int32, K: Int32, scale_log2: Float32, sm_scale: Float32,
+        dq_ptr: cute.Pointer, dkv_ptr: cute.Pointer, zero_ptr: cute.Pointer, magic_ptr: cute.Pointer,
+        T: Int32, t0: Int32, N: Int32, K: Int32, scale_log2: Float32, sm_scale: Float32, tpc: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         tile_id, _, _ = cute.arch.block_idx()
@@ -241,7 +245,7 @@ class SparseAttnBwdSm90:
         gather = (sQ, sdO, sK, st.sOk.data_ptr(), q_ptr, dout_ptr, kv_ptr, zero_ptr)
         args = (s_mma, dq_mma, dq1_mma, kv_mma, sp_layout, kt0_layout, kt1_layout, t64_layout,
                 tidx % 128, sQ, sdO, sK, raw_ds, raw_p, st.sOk.data_ptr(), bars, tile,
-                idx_ptr, lg2den_ptr, delta_ptr, dq_ptr, dkv_ptr, T, t0, N, K, scale_log2, sm_scale)
+                idx_ptr, lg2den_ptr, delta_ptr, dq_ptr, dkv_ptr, magic_ptr, T, t0, N, K, scale_log2, sm_scale, tpc)
         if wg == 0:
             self.warpgroup_main(0, gather, *args)
         else:
@@ -343,7 +347,8 @@ class SparseAttnBwdSm90:
     @cute.jit
     def warpgroup_main(self, w: cutlass.Constexpr, gather, s_mma, dq_mma, dq1_mma, kv_mma, sp_layout, kt0_layout,
                  kt1_layout, t64_layout, wtid, sQ, sdO, sK, raw_ds, raw_p, sOk, bars, tile,
-                 idx_ptr, lg2den_ptr, delta_ptr, dq_ptr, dkv_ptr, T, t0, N, K, scale_log2, sm_scale):
+                 idx_ptr, lg2den_ptr, delta_ptr, dq_ptr, dkv_ptr, magic_ptr, T, t0, N, K, scale_log2, sm_scale,
+                 tpc):
         q_full, full, empty = bars
         tl, t, g, hb, head0, L, n_blocks, idx_row = tile
         lane = wtid % 32
@@ -372,11 +377,11 @@ class SparseAttnBwdSm90:
         # entry 2 r + k is row 2 p + k + 8 r of its quad pair
         rows = cute.make_rmem_tensor((4,), Int64)
         rok = cute.make_rmem_tensor((4,), Int32)
+        # the deterministic build's grid of each row (``dkv.slot_rows``)
+        mz = cute.make_rmem_tensor((4,), Float32) if const_expr(self.deterministic) else None
         pol = dkv_reduce.evict_last_policy() if const_expr(self.evict_last) else None
-        if const_expr(self.deterministic and self.l2_hints & 8):
-            pol = l2_policy(EVICT_FIRST)  # per-slot rows, read back only by the reduction
-        row0 = self.dkv_row0(tile, T, K)
-        dkv = (kv_mma, t64_layout, wtid, sQ, sdO, raw_ds, raw_p, (rows, rok, pol))
+        row0 = self.dkv_row0(tile, N, tpc)
+        dkv = (kv_mma, t64_layout, wtid, sQ, sdO, raw_ds, raw_p, (rows, rok, pol, mz))
 
         if const_expr(w == 0):
             ld = self.loader(wtid, gather, tile, q_full)
@@ -388,7 +393,7 @@ class SparseAttnBwdSm90:
             sc = self.scores_setup(s_mma, sp_layout, wtid, sQ, sdO, sK, raw_ds, raw_p, sOk, t, head0,
                                    row_lo, col_lane, lg2den_ptr, delta_ptr)
             for i in cutlass.range(n_blocks, unroll=1):
-                self.slot_rows(rows, rok, i, row_lo, lane, L, row0, idx_row, dkv_ptr, N)
+                self.slot_rows(rows, rok, i, row_lo, lane, L, row0, idx_row, dkv_ptr, N, magic_ptr, mz)
                 cute.arch.mbarrier_wait(full, phase(i))
                 self.scores(sc, i, scale_log2, sm_scale)
                 pipeline.arrive(Barrier.READY, PAIR_THREADS)
@@ -399,7 +404,7 @@ class SparseAttnBwdSm90:
         else:
             cute.arch.mbarrier_wait(q_full, 0)
             for i in cutlass.range(n_blocks, unroll=1):
-                self.slot_rows(rows, rok, i, row_lo, lane, L, row0, idx_row, dkv_ptr, N)
+                self.slot_rows(rows, rok, i, row_lo, lane, L, row0, idx_row, dkv_ptr, N, magic_ptr, mz)
                 cute.arch.barrier(barrier_id=Barrier.READY, number_of_threads=PAIR_THREADS)
                 self.dq_step(dq, empty)
                 self.dkv_block(1, dkv, i + 1 < n_blocks)
@@ -492,15 +497,21 @@ class SparseAttnBwdSm90:
         cute.arch.mbarrier_arrive(empty)
 
     @cute.jit
-    def dkv_row0(self, tile, T, K):
-        """``dsa.cute.dkv.dkv_row0`` of the tile."""
-        return dkv_reduce.dkv_row0(self.deterministic, self.G, tile[0], tile[2], tile[3], T, K)
+    def dkv_row0(self, tile, N, tpc):
+        """``dsa.cute.dkv.dkv_row0`` of the tile (kv row n at n G + row0 of the
+        accumulator); the deterministic build's copy t // tpc starts N G
+        rows further per copy."""
+        row0 = dkv_reduce.dkv_row0(False, self.G, tile[0], tile[2], tile[3], 0, 0)
+        if const_expr(self.deterministic):
+            row0 = row0 + Int64(tile[1] // tpc) * Int64(N) * Int64(self.G)
+        return row0
 
     @cute.jit
-    def slot_rows(self, rows, rok, i, row_lo, lane, L, row0, idx_row, dkv_ptr, N):
-        """``dsa.cute.dkv.slot_rows`` of block i."""
+    def slot_rows(self, rows, rok, i, row_lo, lane, L, row0, idx_row, dkv_ptr, N, magic_ptr, mz):
+        """``dsa.cute.dkv.slot_rows`` of block i (with the rows' grids in the
+        deterministic build)."""
         dkv_reduce.slot_rows(rows, rok, i, row_lo, lane, L, row0, idx_row, dkv_ptr, N, self.G, self.D,
-                             self.deterministic)
+                             False, magic=magic_ptr if const_expr(self.deterministic) else None, mz=mz)
 
     @cute.jit
     def dkv_block(self, w: cutlass.Constexpr, dkv, release):
@@ -548,9 +559,9 @@ class SparseAttnBwdSm90:
     @cute.jit
     def scatter(self, acc, ch: cutlass.Constexpr, dst):
         """``dsa.cute.dkv.scatter`` of a chunk (none in the timing build without scatter)."""
-        rows, rok, pol = dst
+        rows, rok, pol, mz = dst
         if const_expr(self.do_scatter):
-            dkv_reduce.scatter(acc, ch, rows, rok, pol, self.deterministic)
+            dkv_reduce.scatter(acc, ch, rows, rok, pol, False, mz=mz)
 
     @cute.jit
     def store_dq(self, acc_dq, c0: cutlass.Constexpr, t, head0, row_lo, col_lane, dq_ptr):

@@ -322,7 +322,8 @@ def test_launch_arguments(monkeypatch, B, H, split, reuse):
     assert types[1][0] is cutlass.BFloat16 and ptrs[6] == ptrs[8]  # no sink: the parts' lse stands in
     if split:
         assert types[7][0] is cutlass.Float32 and ptrs[7] != out.data_ptr() and ptrs[8] != lse.data_ptr()
-        assert (ptrs[7] == x2[7]) == reuse  # one workspace for every call of a prepare with reuse
+        if reuse:  # one workspace for every call (without reuse a freed one's address may come back)
+            assert ptrs[7] == x2[7]
         assert (ptrs[10], ptrs[11]) == (out.data_ptr(), lse.data_ptr())  # what the merge writes
     else:
         assert types[7][0] is cutlass.BFloat16 and ptrs[7] == out.data_ptr() and ptrs[8] == lse.data_ptr()

@@ -183,14 +183,19 @@ def _unit_exponent(TOP, BITS: tl.constexpr):
 
 
 @triton.jit
+def _program_slots(LEN, G, K, BK: tl.constexpr, HAS_LEN: tl.constexpr):
+    """The row (t, g) and first slot k0 of a program over slots [k0, k0 + BK)
+    of the [T, G, K] indices (grid (T G, K / BK)), and the row's length L."""
+    row = tl.program_id(0).to(tl.int64)
+    t = row // G
+    return row, t, row % G, tl.program_id(1) * BK, row_length(LEN, t, K, HAS_LEN)
+
+
+@triton.jit
 def _top_kernel(XY, IDX, LEN, VNORM, TOP, P, T, G, K, N, BK: tl.constexpr, HAS_LEN: tl.constexpr,
                 MARGIN: tl.constexpr):
     """TOP = max(TOP, the bits of the largest b of slots [k0, k0 + BK) of row (t, g))."""
-    row = tl.program_id(0).to(tl.int64)
-    t = row // G
-    g = row % G
-    k0 = tl.program_id(1) * BK
-    L = row_length(LEN, t, K, HAS_LEN)
+    row, t, g, k0, L = _program_slots(LEN, G, K, BK, HAS_LEN)
     if k0 < L:
         idx, valid, b = _slot_bounds(XY, IDX, VNORM, row, t, g, k0, L, P, T, G, K, N, BK, MARGIN)
         tl.atomic_max(TOP, tl.max(b, 0).to(tl.int32, bitcast=True), sem="relaxed")
@@ -202,11 +207,7 @@ def _key_sum_kernel(XY, IDX, LEN, VNORM, TOP, SUM, COUNT, BMAX, P, T, G, K, N, T
     """Over the valid slots [k0, k0 + BK) of row (t, g) (integer atomics):
     SUM[key] += ceil(b / U) and COUNT[key] += 1, or with CB > 0 both in SUM
     as ceil(b / U) 2^CB + 1; BMAX[key] = max(BMAX[key], bits of b)."""
-    row = tl.program_id(0).to(tl.int64)
-    t = row // G
-    g = row % G
-    k0 = tl.program_id(1) * BK
-    L = row_length(LEN, t, K, HAS_LEN)
+    row, t, g, k0, L = _program_slots(LEN, G, K, BK, HAS_LEN)
     if k0 < L:
         idx, valid, b = _slot_bounds(XY, IDX, VNORM, row, t, g, k0, L, P, T, G, K, N, BK, MARGIN)
         u = _unit_exponent(TOP, BITS)

@@ -147,21 +147,19 @@ def parts(name: str) -> None:
         "columns": lambda: cbwd.natural_columns(dkv, torch.bfloat16),
     }
     if det:
-        # the deterministic mode's pieces: the bounds' weights, the slot
-        # bounds, the value norms, the rows' grids, the copies' zero fill,
-        # the kernel with rounded adds, the copies' sum
-        from dsa.triton.dkv_quanta import bound_weights, copies_sum, dkv_quanta, value_norms
+        # the deterministic mode's pieces: the slot bounds, the value norms,
+        # the rows' grids, the copies' zero fill, the kernel with rounded
+        # adds, the copies' sum
+        from dsa.triton.dkv_quanta import copies_sum, dkv_quanta, value_norms
 
-        w = bound_weights(a.q, dout, delta, a.sm_scale)
-        xy = cbwd.slot_bounds(a, lg2den, w)
+        xy = cbwd.slot_bounds(a, lg2den, dout, delta)
         copies, tpc = cbwd.dkv_copies(a)
         vn = value_norms(a.kv, 512)
         magic = dkv_quanta(xy, a.indices, a.topk_length, vn, N, copies, tpc)
         buf = torch.zeros((copies, N, 1, D), dtype=torch.float32, device="cuda")
 
         steps.update({
-            "weights": lambda: bound_weights(a.q, dout, delta, a.sm_scale),
-            "bounds": lambda: cbwd.slot_bounds(a, lg2den, w),
+            "bounds": lambda: cbwd.slot_bounds(a, lg2den, dout, delta),
             "vnorm": lambda: value_norms(a.kv, 512),
             "quanta": lambda: dkv_quanta(xy, a.indices, a.topk_length, vn, N, copies, tpc),
             "zero_copies": lambda: buf.zero_(),

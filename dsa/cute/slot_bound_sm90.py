@@ -14,9 +14,10 @@ and with |dP[h, j]| <= ||dO_h|| ||v_n|| every column is within
 
     X_j + Y_j ||v_n||,   X_j = sum_h P[h, j] wa_h,   Y_j = sum_h P[h, j] wc_h
 
-(wa_h = max|dO_h| + sm_scale max|q_h| |Delta_h|, wc_h = sm_scale max|q_h|
-||dO_h||, ``dkv_quanta.bound_weights``).  This kernel computes X and Y; P
-needs S = Q K^T, the backward's first product, and nothing else of it.
+(wa_h = max|dO_h| + |sm_scale| max|q_h| |Delta_h|, wc_h = |sm_scale|
+max|q_h| ||dO_h||).  This kernel computes X and Y: P needs S = Q K^T, the
+backward's first product, and nothing else of it; the weights come from Q
+in shared memory and one read of dO's rows.
 
 One CTA per (token t, kv head g, part of up to 128 query heads), one
 producer warpgroup and one consumer warpgroup per 64 heads of the part:
@@ -38,9 +39,11 @@ producer warpgroup and one consumer warpgroup per 64 heads of the part:
   - log2 den) as the backward forms it, and X, Y of its two slots, stored at
   xy[part, t, g, j] (fp32 pairs; part = the CTA's part times the consumers
   plus the consumer).  Two accumulators alternate by block: a block's sums
-  run while the next block's first chunk is in the tensor cores.  Slots of
-  blocks past the last one holding a valid slot are not written; nothing
-  reads them.
+  run while the next block's first chunk is in the tensor cores.  Before
+  the first sums (Q is whole by then) the consumer forms its heads' weights:
+  max|q_h| from Q in shared memory, max|dO_h| and ||dO_h|| from dO, a few
+  threads a head, published through shared memory.  Slots of blocks past
+  the last one holding a valid slot are not written; nothing reads them.
 
 A part of up to 64 heads (Q at most 72 KB) runs two CTAs an SM, so that one
 CTA's start (Q's first chunk, the ring's first fill) and end overlap the
@@ -59,17 +62,26 @@ from cutlass.cute.nvgpu import warpgroup
 
 from dsa.cute import pipeline, rules
 from dsa.cute.gmem import aligned, gather_copier, load
-from dsa.cute.pipeline import freed_phase, phase
+from dsa.cute.pipeline import NamedBarrier, freed_phase, named_barriers, phase
 
 BN = 64            # slots per block: the M of one wgmma
 CHUNK = 64         # columns of a ring stage
 HC = 64            # query heads a consumer warpgroup takes at most
 MASK_WRITERS = 16  # producer threads that write a block's mask: one per row of a copy pass
 SMEM_LIMIT = 227 * 1024
+HEADER = 3072      # barriers, masks and the heads' weights, ahead of Q (1024-byte aligned)
 # setmaxnreg targets (producer, consumers) by (CTAs an SM, consumers): the
 # launch gives each thread 65536 / (CTAs x threads) registers, and p + c x
 # consumers must stay within (1 + consumers) times that
-REGS = {(1, 2): (64, 216), (2, 1): (56, 200)}
+REGS = {(1, 2): (56, 224), (2, 1): (56, 200)}
+
+
+@named_barriers
+class Barrier(NamedBarrier):
+    """Named barriers, one a consumer warpgroup (128 threads each)."""
+
+    WEIGHTS = 1          # consumer 0's heads' weights are in shared memory
+    WEIGHTS_SECOND = 2   # consumer 1's
 
 
 def part_heads(HG: int) -> int:
@@ -88,7 +100,7 @@ def ctas_per_sm(heads: int) -> int:
 def ring_stages(heads: int, D: int, elem_bytes: int) -> int:
     """Chunk stages of the ring: what a CTA's share of shared memory leaves
     beside Q, at most two blocks' worth."""
-    free = SMEM_LIMIT // ctas_per_sm(heads) - heads * D * elem_bytes - 2048  # barriers and masks
+    free = SMEM_LIMIT // ctas_per_sm(heads) - heads * D * elem_bytes - HEADER
     return max(2, min(2 * (D // CHUNK), free // (BN * CHUNK * elem_bytes)))
 
 
@@ -96,13 +108,14 @@ def ring_stages(heads: int, D: int, elem_bytes: int) -> int:
 class SlotBoundSm90Config:
     """The static configuration of one compiled kernel (its compile key):
     q / kv dtype, head dim D, query heads H, kv heads G, whether topk_length
-    is given."""
+    is given, the value dims d_v."""
 
     dtype: object
     D: int
     H: int
     G: int
     has_len: bool
+    d_v: int = 512
 
 
 class SlotBoundSm90:
@@ -110,16 +123,18 @@ class SlotBoundSm90:
 
     Pointers: q [T, H, D], kv [N, G, D], indices [T, G, K] int32, topk_length
     [T] int32 (read only with has_len), lg2den [T, H] fp32 (the backward's
-    log2 denominators, sink included), w [T, H, 2] fp32 (wa, wc), xy
-    [parts, T, G, K, 2] fp32 (out), the zero row [D]; scalars T, N, K,
-    sm_scale * log2(e)."""
+    log2 denominators, sink included), dout [T, H, d_v] (q's dtype), delta
+    [T, H] fp32, xy [parts, T, G, K, 2] fp32 (out), the zero row [D];
+    scalars T, N, K, sm_scale * log2(e), |sm_scale|."""
 
-    def __init__(self, dtype, D: int, H: int, G: int, has_len: bool):
+    def __init__(self, dtype, D: int, H: int, G: int, has_len: bool, d_v: int = 512):
         why = self.can_implement(dtype, D, H, G)
         if why is not None:
             raise ValueError(f"SlotBoundSm90: {why}")
-        self.config = SlotBoundSm90Config(dtype, D, H, G, has_len)
-        self.dtype, self.D, self.H, self.G, self.has_len = dtype, D, H, G, has_len
+        if d_v % 64 or not 0 < d_v <= D:
+            raise ValueError(f"SlotBoundSm90: d_v = {d_v} is not a multiple of 64 in (0, D]")
+        self.config = SlotBoundSm90Config(dtype, D, H, G, has_len, d_v)
+        self.dtype, self.D, self.H, self.G, self.has_len, self.d_v = dtype, D, H, G, has_len, d_v
         self.HG = H // G
         self.heads = part_heads(self.HG)
         self.parts = self.HG // self.heads
@@ -143,8 +158,8 @@ class SlotBoundSm90:
         if G < 1 or H % G:
             return f"H = {H} is not a multiple of G = {G}"
         HG = H // G
-        if HG % 16 or (HG > HC and HG % HC):
-            return f"{HG} query heads per kv head: the bound kernel takes 16, 32, 48 or a multiple of 64"
+        if HG not in (16, 32) and HG % HC:
+            return f"{HG} query heads per kv head: the bound kernel takes 16, 32 or a multiple of 64"
         return None
 
     @classmethod
@@ -157,8 +172,8 @@ class SlotBoundSm90:
     def __call__(
         self,
         q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, len_ptr: cute.Pointer,
-        lg2den_ptr: cute.Pointer, w_ptr: cute.Pointer, xy_ptr: cute.Pointer, zero_ptr: cute.Pointer,
-        T: Int32, N: Int32, K: Int32, scale_log2: Float32, stream,
+        lg2den_ptr: cute.Pointer, dout_ptr: cute.Pointer, delta_ptr: cute.Pointer, xy_ptr: cute.Pointer,
+        zero_ptr: cute.Pointer, T: Int32, N: Int32, K: Int32, scale_log2: Float32, abs_scale: Float32, stream,
     ):
         dt = self.dtype
         KM = warpgroup.OperandMajorMode.K
@@ -175,12 +190,13 @@ class SlotBoundSm90:
             full: cute.struct.MemRange[Int64, self.stages]
             empty: cute.struct.MemRange[Int64, self.stages]
             sOk: cute.struct.MemRange[Float32, BN * self.masks]  # blocks' masks by slot: 0 or -inf
+            sW: cute.struct.MemRange[Float32, 2 * self.consumers * self.hc]  # each consumer's heads' wa, wc
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sq_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sk_layout)], 1024]
 
         self.smem = Smem
-        self.kernel(mma, sq_layout, sk_layout, q_ptr, kv_ptr, idx_ptr, len_ptr, lg2den_ptr, w_ptr, xy_ptr,
-                    zero_ptr, T, N, K, scale_log2).launch(
+        self.kernel(mma, sq_layout, sk_layout, q_ptr, kv_ptr, idx_ptr, len_ptr, lg2den_ptr, dout_ptr, delta_ptr,
+                    xy_ptr, zero_ptr, T, N, K, scale_log2, abs_scale).launch(
             grid=[T * self.G * self.parts, 1, 1], block=[self.threads, 1, 1], stream=stream,
             min_blocks_per_mp=self.ctas, preferred_smem_carveout=100)
 
@@ -189,8 +205,8 @@ class SlotBoundSm90:
     def kernel(
         self, mma: cute.TiledMma, sq_layout: cute.ComposedLayout, sk_layout: cute.ComposedLayout,
         q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, len_ptr: cute.Pointer,
-        lg2den_ptr: cute.Pointer, w_ptr: cute.Pointer, xy_ptr: cute.Pointer, zero_ptr: cute.Pointer,
-        T: Int32, N: Int32, K: Int32, scale_log2: Float32,
+        lg2den_ptr: cute.Pointer, dout_ptr: cute.Pointer, delta_ptr: cute.Pointer, xy_ptr: cute.Pointer,
+        zero_ptr: cute.Pointer, T: Int32, N: Int32, K: Int32, scale_log2: Float32, abs_scale: Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -226,7 +242,8 @@ class SlotBoundSm90:
             mma.set(warpgroup.Field.ACCUMULATE, True)
             for w in cutlass.range_constexpr(self.consumers):
                 if wg == w + 1:
-                    self.consumer(w, mma, tidx % 128, sQ, sK, ok, q_full, full, empty, lg2den_ptr, w_ptr, xy_ptr,
+                    terms = (st.sQ.data_ptr(), st.sW.data_ptr(), dout_ptr, delta_ptr, abs_scale)
+                    self.consumer(w, mma, tidx % 128, sQ, sK, ok, q_full, full, empty, lg2den_ptr, terms, xy_ptr,
                                   t, tg, part, head0, n_blocks, T, K, scale_log2)
 
     @cute.jit
@@ -291,7 +308,7 @@ class SlotBoundSm90:
         cute.arch.cp_async_mbarrier_arrive_noinc(q_full + c)
 
     @cute.jit
-    def consumer(self, w: cutlass.Constexpr, mma, wtid, sQ, sK, ok, q_full, full, empty, lg2den_ptr, w_ptr,
+    def consumer(self, w: cutlass.Constexpr, mma, wtid, sQ, sK, ok, q_full, full, empty, lg2den_ptr, terms,
                  xy_ptr, t, tg, part, head0, n_blocks, T, K, scale_log2):
         """Consumer w (heads head0 + 64 w ...): S^T of each block chunk by
         chunk, each chunk released once its wgmma retires, then the block's
@@ -312,14 +329,14 @@ class SlotBoundSm90:
             for e in cutlass.range_constexpr(2):
                 h = Int64(t) * Int64(self.H) + Int64(head0 + w * HC + 8 * j + col_lane + e)
                 lg2[2 * j + e] = load(lg2den_ptr, h)
-                wa[2 * j + e] = load(w_ptr, h * 2)
-                wc[2 * j + e] = load(w_ptr, h * 2 + 1)
+        # wa, wc: ``weights``, before the first block's sums
+        wts = (w, wtid, col_lane, terms, t, head0 + w * HC, wa, wc)
         mask0 = cute.make_rmem_tensor((2,), Float32)
         mask1 = cute.make_rmem_tensor((2,), Float32)
         acc1 = cute.make_rmem_tensor(thr.partition_shape_C((BN, self.hc)), Float32)
         out_row = Int64(part * self.consumers + w) * Int64(T) * Int64(self.G) + Int64(tg)
         sums = (lg2, wa, wc, lane, row_lo, out_row, xy_ptr, K, scale_log2)
-        blk = (mma, tSrK, tSrQ, ok, q_full, full, empty, row_lo, sums)
+        blk = (mma, tSrK, tSrQ, ok, q_full, full, empty, row_lo, sums, wts)
         for i0 in cutlass.range(0, n_blocks, 2, unroll=1):
             self.block(i0, acc, mask0, acc1, mask1, blk)
             if i0 + 1 < n_blocks:
@@ -328,6 +345,8 @@ class SlotBoundSm90:
             warpgroup.wait_group(0)
             last = n_blocks - 1
             cute.arch.mbarrier_arrive(empty + (last * self.nch + self.nch - 1) % self.stages)
+            if n_blocks == 1:
+                self.weights(wts)
             if last % 2 == 0:
                 self.block_sums(acc, mask0, last, sums)
             else:
@@ -338,7 +357,7 @@ class SlotBoundSm90:
         """Block i's S^T into ``cur``, chunk by chunk, each chunk's stage
         released once its wgmma retires; with block i - 1's sums (``prev``)
         while block i's first chunk computes."""
-        mma, tSrK, tSrQ, ok, q_full, full, empty, row_lo, sums = blk
+        mma, tSrK, tSrQ, ok, q_full, full, empty, row_lo, sums, wts = blk
         cur.fill(0.0)
         for c in cutlass.range_constexpr(self.nch):
             u = i * self.nch + c
@@ -364,7 +383,71 @@ class SlotBoundSm90:
                     # while this chunk computes
                     warpgroup.wait_group(1)
                     cute.arch.mbarrier_arrive(empty + (u - 1) % self.stages)
+                    if i == 1:
+                        self.weights(wts)
                     self.block_sums(prev, prev_mask, i - 1, sums)
+
+    @cute.jit
+    def weights(self, wts):
+        """wa and wc of this thread's heads (its registers ``wa``, ``wc``, as
+        ``lg2``): 128 / hc threads a head take max|q| over Q's column chunks
+        in shared memory (each row's 64-column chunk is whole 128 bytes,
+        permuted by the swizzle), max|dO| and sum dO^2 over a share of dO's
+        row; the head's first thread publishes wa, wc in shared memory.  A
+        sum of squares that is not a normal number (its squares under- or
+        overflowed) gives way to sqrt(d_v) max|dO|, also an upper bound of
+        ||dO||; a weight that is not finite is 0 (its contributions are NaN
+        or Inf and propagate as they would without the grids).  All 128
+        threads of the consumer call it at the same point, Q whole in
+        shared memory."""
+        w, wtid, col_lane, terms, t, h0, wa, wc = wts
+        sq_ptr, sw_ptr, dout_ptr, delta_ptr, abs_scale = terms
+        dt = self.dtype
+        tph = 128 // self.hc
+        h = wtid // tph
+        p = wtid % tph
+        qm = Float32(0.0)
+        for k in cutlass.range_constexpr(self.nch):
+            if k % tph == p:
+                row = cute.make_tensor(sq_ptr + ((h // 8 + (self.hc // 8) * (k + self.nch * w)) * 512 + (h % 8) * 64),
+                                       cute.make_layout((64,)))
+                for e in cutlass.range(64, unroll=8):
+                    qm = cute.arch.fmax(qm, cute.math.absf(row[e].to(Float32)))
+        dm = Float32(0.0)
+        ss = Float32(0.0)
+        DV = self.d_v
+        share = DV // tph
+        base = dout_ptr.toint() + ((Int64(t) * Int64(self.H) + Int64(h0 + h)) * Int64(DV) + Int64(p * share)) * (
+            dt.width // 8)
+        for u in cutlass.range(share // 8, unroll=2):
+            v = cute.make_tensor(aligned(dt, base + Int64(u * 16)), cute.make_layout((8,)))
+            for e in cutlass.range_constexpr(8):
+                x = cute.math.absf(v[e].to(Float32))
+                dm = cute.arch.fmax(dm, x)
+                ss = ss + x * x
+        for d in cutlass.range_constexpr(tph.bit_length() - 1):
+            qm = cute.arch.fmax(qm, cute.arch.shuffle_sync_bfly(qm, 1 << d))
+            dm = cute.arch.fmax(dm, cute.arch.shuffle_sync_bfly(dm, 1 << d))
+            ss = ss + cute.arch.shuffle_sync_bfly(ss, 1 << d)
+        if p == 0:
+            norm = Float32(DV ** 0.5) * dm
+            if ss >= Float32(2.0 ** -126):
+                if ss < Float32.inf:
+                    norm = cute.math.sqrt(ss)
+            dl = cute.math.absf(load(delta_ptr, Int64(t) * Int64(self.H) + Int64(h0 + h)))
+            a = dm + abs_scale * qm * dl
+            c = abs_scale * qm * norm
+            a = Float32(cutlass.select_(a < Float32.inf, a, Float32(0.0)))  # NaN fails it too
+            c = Float32(cutlass.select_(c < Float32.inf, c, Float32(0.0)))
+            out = cute.make_tensor(sw_ptr + 2 * self.hc * w, cute.make_layout((2, self.hc), stride=(self.hc, 1)))
+            out[0, h] = a
+            out[1, h] = c
+        pipeline.sync(Barrier.WEIGHTS + w, 128)
+        mine = cute.make_tensor(sw_ptr + 2 * self.hc * w, cute.make_layout((2, self.hc), stride=(self.hc, 1)))
+        for j in cutlass.range_constexpr(cute.size(wa) // 2):
+            for e in cutlass.range_constexpr(2):
+                wa[2 * j + e] = mine[0, 8 * j + col_lane + e]
+                wc[2 * j + e] = mine[1, 8 * j + col_lane + e]
 
     @cute.jit
     def block_sums(self, acc, mask, i, sums):

@@ -215,7 +215,7 @@ def run_backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: 
 # grows with the adds it receives, about 2^-24 times the adds times the
 # bound's looseness (bench/notes_cute.md), so the copies are chosen for
 # about ADDS_PER_COPY adds a row on average, within COPY_BUDGET bytes.
-ADDS_PER_COPY = 128
+ADDS_PER_COPY = 256
 COPY_BUDGET = 1 << 30
 
 
@@ -230,14 +230,14 @@ def dkv_copies(a: SparseAttnArgs) -> Tuple[int, int]:
     return max(1, -(-a.T // tpc)), tpc
 
 
-def slot_bounds(a: SparseAttnArgs, lg2den: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def slot_bounds(a: SparseAttnArgs, lg2den: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """X and Y of every computed slot (``slot_bound_sm90``): fp32 [parts, T,
     G, K, 2] (slots past a row's last block holding a valid slot are left
-    unwritten).  lg2den [T, H] fp32, weights [T, H, 2] fp32
-    (``dkv_quanta.bound_weights``)."""
+    unwritten).  lg2den and delta [T, H] fp32 (the preprocess's), dout [T,
+    H, d_v] contiguous in q's dtype."""
     from dsa.cute.slot_bound_sm90 import SlotBoundSm90, SlotBoundSm90Config
 
-    cfg = SlotBoundSm90Config(cutlass_dtype(a.q.dtype), a.D, a.H, a.G, a.topk_length is not None)
+    cfg = SlotBoundSm90Config(cutlass_dtype(a.q.dtype), a.D, a.H, a.G, a.topk_length is not None, a.d_v)
     key = (cfg, a.q.device.index)
     fn = _COMPILED.get(key)
     kernel = SlotBoundSm90.from_config(cfg)
@@ -245,36 +245,36 @@ def slot_bounds(a: SparseAttnArgs, lg2den: torch.Tensor, weights: torch.Tensor) 
         fn = _COMPILED[key] = compile_kernel(kernel, _bound_ptr_types(cfg.dtype), _bound_scalar_types())
     xy = torch.empty((kernel.parts * kernel.consumers, a.T, a.G, a.K, 2), dtype=torch.float32, device=a.q.device)
     length = a.topk_length if a.topk_length is not None else a.indices  # never read when absent
-    tensors = (a.q, a.kv, a.indices, length, lg2den, weights, xy, zero_row(a.q.device, a.q.dtype, a.D))
+    tensors = (a.q, a.kv, a.indices, length, lg2den, dout, delta, xy, zero_row(a.q.device, a.q.dtype, a.D))
     with torch.cuda.device(a.q.device):
-        fn(*(address(x) for x in tensors), a.T, a.N, a.K, float(a.sm_scale * LOG2E), stream_handle(a.q.device))
+        fn(*(address(x) for x in tensors), a.T, a.N, a.K, float(a.sm_scale * LOG2E), abs(float(a.sm_scale)),
+           stream_handle(a.q.device))
     return xy
 
 
 def _bound_ptr_types(dt):
     """The bound kernel's pointers: q, kv, indices, topk_length, lg2den,
-    weights, xy, zero row."""
+    dout, delta, xy, zero row."""
     import cutlass
 
     I32, F32 = cutlass.Int32, cutlass.Float32
-    return ((dt, 16), (dt, 16), (I32, 4), (I32, 4), (F32, 4), (F32, 8), (F32, 8), (dt, 16))
+    return ((dt, 16), (dt, 16), (I32, 4), (I32, 4), (F32, 4), (dt, 16), (F32, 4), (F32, 8), (dt, 16))
 
 
 def _bound_scalar_types() -> Tuple:
-    """The bound kernel's scalars: T, N, K, sm_scale * log2(e)."""
+    """The bound kernel's scalars: T, N, K, sm_scale * log2(e), |sm_scale|."""
     import cutlass
 
-    return cutlass.Int32, cutlass.Int32, cutlass.Int32, cutlass.Float32
+    return cutlass.Int32, cutlass.Int32, cutlass.Int32, cutlass.Float32, cutlass.Float32
 
 
 def _exact_dkv(a: SparseAttnArgs, dout, lg2den, delta, dq) -> torch.Tensor:
     """dq, and dkv [N, G, D] (kv's dtype) by exact adds: the rows' grids
     from the slots' bounds, the kernel adding into ``dkv_copies`` copies,
     the copies summed in order (and put in column order) in one pass."""
-    from dsa.triton.dkv_quanta import bound_weights, copies_sum, dkv_quanta, value_norms
+    from dsa.triton.dkv_quanta import copies_sum, dkv_quanta, value_norms
 
-    weights = bound_weights(a.q, dout, delta, a.sm_scale)
-    xy = slot_bounds(a, lg2den, weights)
+    xy = slot_bounds(a, lg2den, dout, delta)
     copies, tpc = dkv_copies(a)
     magic = dkv_quanta(xy, a.indices, a.topk_length, value_norms(a.kv, a.d_v), a.N, copies, tpc)
     buf = torch.zeros((copies, a.N, a.G, a.D), dtype=torch.float32, device=a.q.device)

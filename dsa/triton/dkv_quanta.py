@@ -20,9 +20,9 @@ contribution's every column is at most
     w[t, h, 0] = max|dout_h| + |sm_scale| max|q_h| |Delta_h|    (dV, and dK's Delta term)
     w[t, h, 1] = |sm_scale| max|q_h| ||dout_h||                  (dK's dP term)
 
-:func:`bound_weights` computes w, :func:`value_norms` the ||v_n||, and
-another kernel the head sums xy[p, t, g, j, :] = sum_h P_h w[t, h, :] over
-the heads of part p; here b[t, g, j] = MARGIN sum_p (xy[p, .., 0] + xy[p, .., 1]
+the slot-bound kernel (``dsa.cute.slot_bound_sm90``) computes w and the
+head sums xy[p, t, g, j, :] = sum_h P_h w[t, h, :] over the heads of part
+p, :func:`value_norms` the ||v_n||; here b[t, g, j] = MARGIN sum_p (xy[p, .., 0] + xy[p, .., 1]
 ||v_n||) (MARGIN as in dk_quanta: the 16-bit MMAs and fp32 sums).  A b that
 is not finite (NaN or Inf in its inputs) counts as 0: those contributions
 are NaN or Inf and propagate through the adds as they would without quanta.
@@ -94,43 +94,6 @@ def _norm_step(ax, m, inv_s, acc):
     r = s_new * inv_s  # a power of two <= 1, or 0 where the old sum is negligible
     xs = ax * s_new[:, None]
     return m_new, inv_new, acc * (r * r) + tl.sum(xs * xs, 1)
-
-
-@triton.jit
-def _bound_weights_kernel(Q, DO, DELTA, W, stride_qt, stride_qh, stride_ot, stride_oh, sm_scale,
-                          H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BH: tl.constexpr,
-                          BD: tl.constexpr, BDV: tl.constexpr):
-    """W[t, h, :] (module header) for heads [BH p, BH (p + 1)) of token t, 0 where not finite."""
-    t = tl.program_id(0).to(tl.int64)
-    o_h = tl.program_id(1) * BH + tl.arange(0, BH)
-    m_h = o_h < H
-    # x * 0 summed is 0, or NaN where any x is not finite: the max alone may drop a NaN
-    nan_q = tl.zeros([BH], tl.float32)
-    qmax = tl.zeros([BH], tl.float32)
-    for d0 in range(0, D, BD):
-        o_d = d0 + tl.arange(0, BD)
-        p_q = Q + t * stride_qt + o_h[:, None] * stride_qh + o_d[None, :]
-        b_q = tl.abs(tl.load(p_q, mask=m_h[:, None] & (o_d[None, :] < D), other=0.0).to(tl.float32))
-        qmax = tl.maximum(qmax, tl.max(b_q, 1))
-        nan_q += tl.sum(b_q * 0.0, 1)
-    nan_o = tl.zeros([BH], tl.float32)
-    omax = tl.zeros([BH], tl.float32)
-    inv_s = _pow2_scale(omax)[1]
-    ssq = tl.zeros([BH], tl.float32)
-    for d0 in range(0, DV, BDV):
-        o_d = d0 + tl.arange(0, BDV)
-        p_o = DO + t * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
-        b_o = tl.abs(tl.load(p_o, mask=m_h[:, None] & (o_d[None, :] < DV), other=0.0).to(tl.float32))
-        omax, inv_s, ssq = _norm_step(b_o, omax, inv_s, ssq)
-        nan_o += tl.sum(b_o * 0.0, 1)
-    onorm = tl.sqrt_rn(ssq) * inv_s
-    delta = tl.abs(tl.load(DELTA + t * H + o_h, mask=m_h, other=0.0))
-    aq = tl.abs(sm_scale) * qmax
-    w0 = omax + aq * delta + (nan_q + nan_o)
-    w1 = aq * onorm + (nan_q + nan_o)
-    p_w = W + (t * H + o_h) * 2
-    tl.store(p_w, tl.where(tl.abs(w0) < float("inf"), w0, 0.0), mask=m_h)  # NaN fails the test too
-    tl.store(p_w + 1, tl.where(tl.abs(w1) < float("inf"), w1, 0.0), mask=m_h)
 
 
 @triton.jit
@@ -315,29 +278,6 @@ def copies_sum(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _last_dim_dense(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def bound_weights(q: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor, sm_scale: float) -> torch.Tensor:
-    """w [T, H, 2] fp32 (module header) from q [T, H, D] and dout [T, H, d_v]
-    (bf16, fp16 or fp32), delta [T, H] fp32 (rowsum(dout * out)):
-    w[..., 0] = max|dout| + |sm_scale| max|q| |delta|, w[..., 1] =
-    |sm_scale| max|q| ||dout||_2, computed in fp32 in one pass over q and
-    dout; a value that is not finite is 0."""
-    T, H, D = q.shape
-    if dout.shape[:2] != (T, H) or delta.shape != (T, H):
-        raise ValueError(f"bound_weights: dout {tuple(dout.shape)} and delta {tuple(delta.shape)} "
-                         f"do not match q {tuple(q.shape)}")
-    d_v = dout.shape[2]
-    q, dout = _last_dim_dense(q), _last_dim_dense(dout)
-    delta = delta.float().contiguous()
-    w = torch.empty(T, H, 2, device=q.device, dtype=torch.float32)
-    if T and H:
-        BH = min(16, triton.next_power_of_2(H))
-        _bound_weights_kernel[(T, triton.cdiv(H, BH))](
-            q, dout, delta, w, q.stride(0), q.stride(1), dout.stride(0), dout.stride(1), float(sm_scale),
-            H=H, D=D, DV=d_v, BH=BH, BD=min(128, triton.next_power_of_2(max(D, 1))),
-            BDV=min(128, triton.next_power_of_2(max(d_v, 1))), num_warps=4)
-    return w
 
 
 def value_norms(kv: torch.Tensor, d_v: int) -> torch.Tensor:

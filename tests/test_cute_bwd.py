@@ -230,6 +230,46 @@ def test_dkv_copies_spread_the_adds_within_the_budget():
         assert (T - 1) // tpc == n - 1 if T else n == 1
 
 
+def test_exact_dkv_host_steps(monkeypatch):
+    """The deterministic SM90 backward's host side, kernels faked: the slot
+    bounds from the preprocess's terms, the rows' grids for ``dkv_copies``
+    copies, one launch over every token into zeroed copies with those grids,
+    then the copies summed in order into kv's dtype (each fake launch adds
+    its copy's index + 1 to it, so the sum shows every copy counted once)."""
+    from dsa.triton import dkv_quanta
+
+    monkeypatch.setattr(cbwd, "ADDS_PER_COPY", 4)
+    a = _args(T=6, N=32, H=128, K=64, deterministic=True)
+    copies, tpc = cbwd.dkv_copies(a)
+    assert (copies, tpc) == (6, 1)
+    calls = []
+    dout, lg2den, delta = torch.randn(6, 128, 512), torch.randn(6, 128), torch.randn(6, 128)
+    xy = torch.rand(2, 6, 1, 64, 2)
+
+    def bounds(a_, lg2, do, dl):
+        calls.append("bounds")
+        assert a_ is a and lg2 is lg2den and do is dout and dl is delta
+        return xy
+
+    def quanta(xy_, idx, length, vn, N, c, t):
+        calls.append("quanta")
+        assert xy_ is xy and idx is a.indices and length is None and vn.shape == (32, 1) and (N, c, t) == (32, 6, 1)
+        return torch.full((c, N, 1), 3.0)
+
+    def launch(a_, do, lg2, dl, dq, buf, t0, tc, magic, t):
+        calls.append("launch")
+        assert (t0, tc, t) == (0, 6, 1) and magic.shape == (6, 32, 1) and buf.shape == (6, 32, 1, 576)
+        assert not buf.any()
+        buf += torch.arange(1.0, 7.0)[:, None, None, None]
+
+    monkeypatch.setattr(cbwd, "slot_bounds", bounds)
+    monkeypatch.setattr(dkv_quanta, "dkv_quanta", quanta)
+    monkeypatch.setattr(cbwd, "_launch", launch)
+    dkv = cbwd._exact_dkv(a, dout, lg2den, delta, torch.empty_like(a.q))
+    assert calls == ["bounds", "quanta", "launch"]
+    assert dkv.dtype == a.kv.dtype and dkv.shape == (32, 1, 576) and torch.equal(dkv, torch.full_like(dkv, 21.0))
+
+
 # --------------------------------------------------------------------------
 # backend routing (CPU, a faked SM90 device)
 

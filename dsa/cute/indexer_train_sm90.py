@@ -231,25 +231,13 @@ class SparseIndexerSm90:
                        row_in_pass, col0)
         cute.arch.cp_async_mbarrier_arrive_noinc(q_full)
         tK = thr.partition_D(sK)  # [copy, pass, 64-column chunk, stage]
-        R = BN // 16
-        # the indices of blocks 2p and 2p + 1 in two register sets, each
-        # refilled two blocks ahead of its use: a block's sources never wait
-        # out its index loads
-        ns = (cute.make_rmem_tensor((R,), Int32), cute.make_rmem_tensor((R,), Int32))
-        base = cute.make_rmem_tensor((R,), Int64)
-        mk = cute.make_rmem_tensor((R,), Float32)
         ES = self.dtype.width // 8
-        for h in cutlass.range_constexpr(2):
-            rules.fetch_indices(ns[h], idx_row, h, BN, row_in_pass, 16, L)
-        for i0 in cutlass.range(0, n_blocks, 2, unroll=1):
-            for h in cutlass.range_constexpr(2):
-                i = i0 + h
-                if i < n_blocks:
-                    rules.block_sources(base, mk, ns[h], i, L, N, k_ptr, zero_ptr, 0, 1, self.D * ES, col0 * ES, BN,
-                                        row_in_pass, 16)
-                    if i + 2 < n_blocks:
-                        rules.fetch_indices(ns[h], idx_row, i + 2, BN, row_in_pass, 16, L)
-                    self.fill_stage(atom, tK, ok, full, empty, base, mk, i, row_in_pass, col0)
+
+        def visit(i, base, mk):
+            self.fill_stage(atom, tK, ok, full, empty, base, mk, i, row_in_pass, col0)
+
+        rules.walk_blocks(visit, idx_row, n_blocks, L, N, k_ptr, zero_ptr, 0, 1, self.D * ES, col0 * ES, BN,
+                          row_in_pass, 16)
 
     @cute.jit
     def fill_stage(self, atom, tK, ok, full, empty, base, mk, i, row_in_pass, col0):

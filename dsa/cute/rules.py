@@ -111,6 +111,31 @@ def block_sources(base, mk, ns, block, L, N, kv_ptr: cute.Pointer, zero_ptr: cut
         mk[m] = mask
 
 
+@cute.jit
+def walk_blocks(visit, idx_row: cute.Pointer, n_blocks, L, N, kv_ptr: cute.Pointer, zero_ptr: cute.Pointer, g,
+                G: cutlass.Constexpr, row_bytes: cutlass.Constexpr, col_bytes, block_slots: cutlass.Constexpr,
+                row_in_pass, rows_per_pass: cutlass.Constexpr):
+    """A gathering thread's walk over a row's blocks in order: for block i,
+    ``visit(i, base, mk)`` with its ``block_sources``.  The indices of blocks
+    2 p and 2 p + 1 sit in two register sets, each refilled two blocks ahead
+    of its use, so a block's sources never wait out its index loads."""
+    R = block_slots // rows_per_pass
+    ns = (cute.make_rmem_tensor((R,), Int32), cute.make_rmem_tensor((R,), Int32))
+    base = cute.make_rmem_tensor((R,), Int64)
+    mk = cute.make_rmem_tensor((R,), Float32)
+    for h in cutlass.range_constexpr(2):
+        fetch_indices(ns[h], idx_row, h, block_slots, row_in_pass, rows_per_pass, L)
+    for i0 in cutlass.range(0, n_blocks, 2, unroll=1):
+        for h in cutlass.range_constexpr(2):
+            i = i0 + h
+            if i < n_blocks:
+                block_sources(base, mk, ns[h], i, L, N, kv_ptr, zero_ptr, g, G, row_bytes, col_bytes, block_slots,
+                              row_in_pass, rows_per_pass)
+                if i + 2 < n_blocks:
+                    fetch_indices(ns[h], idx_row, i + 2, block_slots, row_in_pass, rows_per_pass, L)
+                visit(i, base, mk)
+
+
 @dataclass(frozen=True)
 class PagedCache:
     """A decode kernel's KV cache (docs/semantics.md, "Sparse decode"): pages

@@ -262,39 +262,30 @@ class SlotBoundSm90:
                 q_rows[w * (self.hc // 16) + m] = q_ptr.toint() + (row * Int64(self.D) + Int64(col0)) * ES
         tK = thr.partition_D(sK)  # [copy, pass, 1, stage]
         R = BN // 16
-        # two index register sets, each refilled two blocks ahead of its use
-        ns = (cute.make_rmem_tensor((R,), Int32), cute.make_rmem_tensor((R,), Int32))
-        base = cute.make_rmem_tensor((R,), Int64)
-        mk = cute.make_rmem_tensor((R,), Float32)
-        for h in cutlass.range_constexpr(2):
-            rules.fetch_indices(ns[h], idx_row, h, BN, row_in_pass, 16, L)
-        for i0 in cutlass.range(0, n_blocks, 2, unroll=1):
-            for h in cutlass.range_constexpr(2):
-                i = i0 + h
-                if i < n_blocks:
-                    rules.block_sources(base, mk, ns[h], i, L, N, kv_ptr, zero_ptr, g, self.G, self.D * ES,
-                                        col0 * ES, BN, row_in_pass, 16)
-                    if i + 2 < n_blocks:
-                        rules.fetch_indices(ns[h], idx_row, i + 2, BN, row_in_pass, 16, L)
-                    for c in cutlass.range_constexpr(self.nch):
-                        u = i * self.nch + c
-                        s = u % self.stages
-                        use = u // self.stages
-                        if use > 0:
-                            cute.arch.mbarrier_wait(empty + s, freed_phase(use))
-                        if i == 0:
-                            self.copy_q(atom, tQ, q_rows, q_full, c)
+
+        def visit(i, base, mk):
+            for c in cutlass.range_constexpr(self.nch):
+                u = i * self.nch + c
+                s = u % self.stages
+                use = u // self.stages
+                if use > 0:
+                    cute.arch.mbarrier_wait(empty + s, freed_phase(use))
+                if i == 0:
+                    self.copy_q(atom, tQ, q_rows, q_full, c)
+                for m in cutlass.range_constexpr(R):
+                    src = cute.make_tensor(aligned(dt, base[m] + c * CHUNK * ES), cute.make_layout((8,)))
+                    cute.copy(atom, src, tK[None, m, 0, s])
+                cute.arch.cp_async_mbarrier_arrive_noinc(full + s)
+                if col0 == 0:
+                    if const_expr(c == 0):
+                        mb = (i % self.masks) * BN
                         for m in cutlass.range_constexpr(R):
-                            src = cute.make_tensor(aligned(dt, base[m] + c * CHUNK * ES), cute.make_layout((8,)))
-                            cute.copy(atom, src, tK[None, m, 0, s])
-                        cute.arch.cp_async_mbarrier_arrive_noinc(full + s)
-                        if col0 == 0:
-                            if const_expr(c == 0):
-                                mb = (i % self.masks) * BN
-                                for m in cutlass.range_constexpr(R):
-                                    dst = cute.make_tensor(ok + (mb + row_in_pass + 16 * m), cute.make_layout((1,)))
-                                    dst[0] = mk[m]
-                            cute.arch.mbarrier_arrive(full + s)
+                            dst = cute.make_tensor(ok + (mb + row_in_pass + 16 * m), cute.make_layout((1,)))
+                            dst[0] = mk[m]
+                    cute.arch.mbarrier_arrive(full + s)
+
+        rules.walk_blocks(visit, idx_row, n_blocks, L, N, kv_ptr, zero_ptr, g, self.G, self.D * ES, col0 * ES, BN,
+                          row_in_pass, 16)
 
     @cute.jit
     def copy_q(self, atom, tQ, q_rows, q_full, c: cutlass.Constexpr):

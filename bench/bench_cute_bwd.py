@@ -147,19 +147,23 @@ def parts(name: str) -> None:
         "columns": lambda: cbwd.natural_columns(dkv, torch.bfloat16),
     }
     if det:
-        # the deterministic mode's pieces: the slot bounds, the value norms,
+        # the deterministic mode's pieces: the preprocess with dO's stats,
+        # the slot bounds, the value norms,
         # the rows' grids, the copies' zero fill, the kernel with rounded
         # adds, the copies' sum
         from dsa.triton.dkv_quanta import copies_sum, dkv_quanta, value_norms
 
-        xy = cbwd.slot_bounds(a, lg2den, dout, delta)
+        stats = torch.empty((T, H, 2), dtype=torch.float32, device="cuda")
+        preprocess(a, out, lse, dout, stats)
+        xy = cbwd.slot_bounds(a, lg2den, stats, delta)
         copies, tpc = cbwd.dkv_copies(a)
         vn = value_norms(a.kv, 512)
         magic = dkv_quanta(xy, a.indices, a.topk_length, vn, N, copies, tpc)
         buf = torch.zeros((copies, N, 1, D), dtype=torch.float32, device="cuda")
 
         steps.update({
-            "bounds": lambda: cbwd.slot_bounds(a, lg2den, dout, delta),
+            "preprocess_stats": lambda: preprocess(a, out, lse, dout, stats),
+            "bounds": lambda: cbwd.slot_bounds(a, lg2den, stats, delta),
             "vnorm": lambda: value_norms(a.kv, 512),
             "quanta": lambda: dkv_quanta(xy, a.indices, a.topk_length, vn, N, copies, tpc),
             "zero_copies": lambda: buf.zero_(),

@@ -232,7 +232,7 @@ def test_dkv_copies_spread_the_adds_within_the_budget():
 
 def test_exact_dkv_host_steps(monkeypatch):
     """The deterministic SM90 backward's host side, kernels faked: the slot
-    bounds from the preprocess's terms, the rows' grids for ``dkv_copies``
+    bounds from the preprocess's terms (its dO stats, not dO), the rows' grids for ``dkv_copies``
     copies, one launch over every token into zeroed copies with those grids,
     then the copies summed in order into kv's dtype (each fake launch adds
     its copy's index + 1 to it, so the sum shows every copy counted once)."""
@@ -244,11 +244,12 @@ def test_exact_dkv_host_steps(monkeypatch):
     assert (copies, tpc) == (6, 1)
     calls = []
     dout, lg2den, delta = torch.randn(6, 128, 512), torch.randn(6, 128), torch.randn(6, 128)
+    stats = torch.rand(6, 128, 2)
     xy = torch.rand(2, 6, 1, 64, 2)
 
-    def bounds(a_, lg2, do, dl):
+    def bounds(a_, lg2, st, dl):
         calls.append("bounds")
-        assert a_ is a and lg2 is lg2den and do is dout and dl is delta
+        assert a_ is a and lg2 is lg2den and st is stats and dl is delta
         return xy
 
     def quanta(xy_, idx, length, vn, N, c, t):
@@ -258,14 +259,14 @@ def test_exact_dkv_host_steps(monkeypatch):
 
     def launch(a_, do, lg2, dl, dq, buf, t0, tc, magic, t):
         calls.append("launch")
-        assert (t0, tc, t) == (0, 6, 1) and magic.shape == (6, 32, 1) and buf.shape == (6, 32, 1, 576)
+        assert do is dout and (t0, tc, t) == (0, 6, 1) and magic.shape == (6, 32, 1) and buf.shape == (6, 32, 1, 576)
         assert not buf.any()
         buf += torch.arange(1.0, 7.0)[:, None, None, None]
 
     monkeypatch.setattr(cbwd, "slot_bounds", bounds)
     monkeypatch.setattr(dkv_quanta, "dkv_quanta", quanta)
     monkeypatch.setattr(cbwd, "_launch", launch)
-    dkv = cbwd._exact_dkv(a, dout, lg2den, delta, torch.empty_like(a.q))
+    dkv = cbwd._exact_dkv(a, dout, stats, lg2den, delta, torch.empty_like(a.q))
     assert calls == ["bounds", "quanta", "launch"]
     assert dkv.dtype == a.kv.dtype and dkv.shape == (32, 1, 576) and torch.equal(dkv, torch.full_like(dkv, 21.0))
 
@@ -616,19 +617,23 @@ def test_deterministic_bitwise_over_runs(monkeypatch):
 
 def _slot_terms(a: SparseAttnArgs, seed=0):
     """What the deterministic backward's bounds start from: (dout, the
-    preprocess's lg2den and delta), with float64 out and lse, and the
-    weights [T, H, 2] in float64: max|dO_h| + |sm_scale| max|q_h| |Delta_h|
-    and |sm_scale| max|q_h| ||dO_h||."""
+    preprocess's lg2den, delta and dO stats), with float64 out and lse, and
+    the weights [T, H, 2] in float64: max|dO_h| + |sm_scale| max|q_h|
+    |Delta_h| and |sm_scale| max|q_h| ||dO_h||.  The stats are checked here:
+    max|dO_h| exact, the norm within fp32 rounding of float64's."""
     from dsa.triton.sparse_attention import preprocess
 
     out64, lse64 = ref.sparse_attention_fwd(_f64(a))
     gen = torch.Generator().manual_seed(seed + 100)
     dout = torch.randn(a.T, a.H, a.d_v, generator=gen).to(a.q.dtype).cuda()
-    delta, lg2den, _ = preprocess(a, out64.to(a.q.dtype), lse64.float(), dout)
+    stats = torch.full((a.T, a.H, 2), float("nan"), device="cuda")
+    delta, lg2den, _ = preprocess(a, out64.to(a.q.dtype), lse64.float(), dout, stats)
     aq = abs(a.sm_scale) * a.q.double().abs().amax(-1)
     do = dout.double()
+    assert torch.equal(stats[..., 0].double(), do.abs().amax(-1))
+    assert torch.allclose(stats[..., 1].double(), do.norm(dim=-1), rtol=1e-5, atol=0)
     w = torch.stack([do.abs().amax(-1) + aq * delta.double().abs(), aq * do.norm(dim=-1)], -1)
-    return dout, lg2den, delta, w
+    return dout, stats, lg2den, delta, w
 
 
 @pytest.mark.gpu
@@ -638,8 +643,8 @@ def _slot_terms(a: SparseAttnArgs, seed=0):
 def test_slot_bounds_against_float64_and_every_contribution(H, G, D):
     """The deterministic mode's slot bounds (``slot_bound_sm90``), output
     NaN-poisoned: X and Y of every valid slot equal the float64 head sums of
-    P times the weights (the kernel's own, from Q in shared memory and dO;
-    summed over the kernel's parts), and X + Y ||v_n||
+    P times the weights (the kernel's own, from Q in shared memory and the
+    preprocess's dO stats; summed over the kernel's parts), and X + Y ||v_n||
     covers every column of the slot's float64 dkv contribution (the sum
     the backward adds), with sinks, topk_length, hostile indices and NaN in
     the rows no valid slot reads."""
@@ -648,9 +653,9 @@ def test_slot_bounds_against_float64_and_every_contribution(H, G, D):
     T, K = 12, 640
     a = _case(T, 1024, H, G, D, K, torch.bfloat16, sink=[1.0, -INF, INF], lengths=_lengths(T, K, 17),
               hostile=True, nan_rows=True)
-    dout, lg2den, delta, w = _slot_terms(a)
+    dout, stats, lg2den, delta, w = _slot_terms(a)
     _poison(4 * 8 * T * G * K * 2)
-    xy = cbwd.slot_bounds(a, lg2den, dout, delta)
+    xy = cbwd.slot_bounds(a, lg2den, stats, delta)
     torch.cuda.synchronize()
     HG = H // G
     L = a.topk_length.long().clamp(0, K)

@@ -106,7 +106,7 @@ def _rows(caps):
                     full, regs, spill = fit.register_use(sa.kernel_spec(a, cfg, bwd), tgt)
                     rows.append((cap, "full compile", name, repr(cfg), full, rows[-1][4], regs, spill))
             if name == "V3.2":
-                add("bwd_preprocess", name, "fixed", "", [sa.preprocess_spec(a)])
+                add("bwd_preprocess", name, "fixed", "", [sa.preprocess_spec(a), sa.preprocess_spec(a, True)])
         for name, shape in DECODE.items():  # both launch forms (one split, parts) and the merge
             d = dec(*shape)
             cfg, why = decode.pick(d, tgt)

@@ -640,3 +640,34 @@ def test_keys_as_rows_forward(nan_outputs, dtype):
     close(out, ref["out"], TOL[dtype], "out")
     close(lse, ref["lse"], TOL[dtype], "lse")
     assert not torch.isnan(out).any() and torch.all(lse[1:3] == math.inf)
+
+
+def test_preprocess_dout_stats():
+    """The preprocess's dO stats (the deterministic cute backward's bounds
+    read them): max|dO| of each row exactly, ||dO|| within fp32 rounding;
+    a row whose squares overflow (or hold NaN) gets sqrt(d_v) max|dO|, still
+    a bound of its norm; delta unchanged by the option."""
+    gen = torch.Generator().manual_seed(2)
+    a = SparseAttnArgs(torch.randn(5, 16, 576, generator=gen, device=DEV), torch.randn(8, 1, 576, device=DEV),
+                       torch.zeros(5, 1, 8, dtype=torch.int32, device=DEV), None, None, 576 ** -0.5, 512)
+    out = torch.randn(5, 16, 512, generator=gen)
+    dout = torch.randn(5, 16, 512, generator=gen) * torch.logspace(-3, 3, 16)[None, :, None]
+    dout[1, 2, 7] = 3e20    # its square overflows fp32
+    dout[2, 3, 9] = math.nan
+    lse = torch.randn(5, 16, generator=gen)
+    stats = torch.full((5, 16, 2), math.nan, device=DEV)
+    delta, _, _ = sa.preprocess(a, out.to(DEV), lse.to(DEV), dout.to(DEV), stats)
+    plain, _, _ = sa.preprocess(a, out.to(DEV), lse.to(DEV), dout.to(DEV))
+    torch.testing.assert_close(delta.cpu(), plain.cpu(), rtol=0, atol=0, equal_nan=True)
+    stats = stats.cpu().double()
+    d = dout.double()
+    finite = d.isfinite().all(-1)
+    assert torch.equal(stats[..., 0][finite], d.abs().amax(-1)[finite])
+    norm = d.norm(dim=-1)
+    ok = finite.clone()
+    ok[1, 2] = False
+    torch.testing.assert_close(stats[..., 1][ok], norm[ok], rtol=1e-6, atol=0)
+    # the fallback, in fp32: a row whose squares overflow, a row with NaN
+    for t, h in ((1, 2), (2, 3)):
+        assert math.isclose(stats[t, h, 1], 512 ** 0.5 * stats[t, h, 0], rel_tol=1e-6), (t, h)
+    assert stats[1, 2, 1] >= norm[1, 2] and stats[1, 2, 0] == d[1, 2, 7]

@@ -17,7 +17,8 @@ and with |dP[h, j]| <= ||dO_h|| ||v_n|| every column is within
 (wa_h = max|dO_h| + |sm_scale| max|q_h| |Delta_h|, wc_h = |sm_scale|
 max|q_h| ||dO_h||).  This kernel computes X and Y: P needs S = Q K^T, the
 backward's first product, and nothing else of it; the weights come from Q
-in shared memory and one read of dO's rows.
+in shared memory and the preprocess's max|dO_h| and ||dO_h|| bound
+(``dsa.triton.sparse_attention.preprocess`` with ``stats``).
 
 One CTA per (token t, kv head g, part of up to 128 query heads), one
 producer warpgroup and one consumer warpgroup per 64 heads of the part:
@@ -41,8 +42,8 @@ producer warpgroup and one consumer warpgroup per 64 heads of the part:
   plus the consumer).  Two accumulators alternate by block: a block's sums
   run while the next block's first chunk is in the tensor cores.  Before
   the first sums (Q is whole by then) the consumer forms its heads' weights:
-  max|q_h| from Q in shared memory, max|dO_h| and ||dO_h|| from dO, a few
-  threads a head, published through shared memory.  Slots of blocks past
+  max|q_h| from Q in shared memory, a few threads a head, max|dO_h| and
+  ||dO_h|| from ``stats``, published through shared memory.  Slots of blocks past
   the last one holding a valid slot are not written; nothing reads them.
 
 A part of up to 64 heads (Q at most 72 KB) runs two CTAs an SM, so that one
@@ -108,14 +109,13 @@ def ring_stages(heads: int, D: int, elem_bytes: int) -> int:
 class SlotBoundSm90Config:
     """The static configuration of one compiled kernel (its compile key):
     q / kv dtype, head dim D, query heads H, kv heads G, whether topk_length
-    is given, the value dims d_v."""
+    is given."""
 
     dtype: object
     D: int
     H: int
     G: int
     has_len: bool
-    d_v: int = 512
 
 
 class SlotBoundSm90:
@@ -123,18 +123,16 @@ class SlotBoundSm90:
 
     Pointers: q [T, H, D], kv [N, G, D], indices [T, G, K] int32, topk_length
     [T] int32 (read only with has_len), lg2den [T, H] fp32 (the backward's
-    log2 denominators, sink included), dout [T, H, d_v] (q's dtype), delta
-    [T, H] fp32, xy [parts, T, G, K, 2] fp32 (out), the zero row [D];
+    log2 denominators, sink included), stats [T, H, 2] fp32 (max|dO| and a
+    bound of ||dO|| a row: the preprocess's), delta [T, H] fp32, xy [parts, T, G, K, 2] fp32 (out), the zero row [D];
     scalars T, N, K, sm_scale * log2(e), |sm_scale|."""
 
-    def __init__(self, dtype, D: int, H: int, G: int, has_len: bool, d_v: int = 512):
+    def __init__(self, dtype, D: int, H: int, G: int, has_len: bool):
         why = self.can_implement(dtype, D, H, G)
         if why is not None:
             raise ValueError(f"SlotBoundSm90: {why}")
-        if d_v % 64 or not 0 < d_v <= D:
-            raise ValueError(f"SlotBoundSm90: d_v = {d_v} is not a multiple of 64 in (0, D]")
-        self.config = SlotBoundSm90Config(dtype, D, H, G, has_len, d_v)
-        self.dtype, self.D, self.H, self.G, self.has_len, self.d_v = dtype, D, H, G, has_len, d_v
+        self.config = SlotBoundSm90Config(dtype, D, H, G, has_len)
+        self.dtype, self.D, self.H, self.G, self.has_len = dtype, D, H, G, has_len
         self.HG = H // G
         self.heads = part_heads(self.HG)
         self.parts = self.HG // self.heads
@@ -172,7 +170,7 @@ class SlotBoundSm90:
     def __call__(
         self,
         q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, len_ptr: cute.Pointer,
-        lg2den_ptr: cute.Pointer, dout_ptr: cute.Pointer, delta_ptr: cute.Pointer, xy_ptr: cute.Pointer,
+        lg2den_ptr: cute.Pointer, stats_ptr: cute.Pointer, delta_ptr: cute.Pointer, xy_ptr: cute.Pointer,
         zero_ptr: cute.Pointer, T: Int32, N: Int32, K: Int32, scale_log2: Float32, abs_scale: Float32, stream,
     ):
         dt = self.dtype
@@ -195,7 +193,7 @@ class SlotBoundSm90:
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sk_layout)], 1024]
 
         self.smem = Smem
-        self.kernel(mma, sq_layout, sk_layout, q_ptr, kv_ptr, idx_ptr, len_ptr, lg2den_ptr, dout_ptr, delta_ptr,
+        self.kernel(mma, sq_layout, sk_layout, q_ptr, kv_ptr, idx_ptr, len_ptr, lg2den_ptr, stats_ptr, delta_ptr,
                     xy_ptr, zero_ptr, T, N, K, scale_log2, abs_scale).launch(
             grid=[T * self.G * self.parts, 1, 1], block=[self.threads, 1, 1], stream=stream,
             min_blocks_per_mp=self.ctas, preferred_smem_carveout=100)
@@ -205,7 +203,7 @@ class SlotBoundSm90:
     def kernel(
         self, mma: cute.TiledMma, sq_layout: cute.ComposedLayout, sk_layout: cute.ComposedLayout,
         q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, len_ptr: cute.Pointer,
-        lg2den_ptr: cute.Pointer, dout_ptr: cute.Pointer, delta_ptr: cute.Pointer, xy_ptr: cute.Pointer,
+        lg2den_ptr: cute.Pointer, stats_ptr: cute.Pointer, delta_ptr: cute.Pointer, xy_ptr: cute.Pointer,
         zero_ptr: cute.Pointer, T: Int32, N: Int32, K: Int32, scale_log2: Float32, abs_scale: Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -242,7 +240,7 @@ class SlotBoundSm90:
             mma.set(warpgroup.Field.ACCUMULATE, True)
             for w in cutlass.range_constexpr(self.consumers):
                 if wg == w + 1:
-                    terms = (st.sQ.data_ptr(), st.sW.data_ptr(), dout_ptr, delta_ptr, abs_scale)
+                    terms = (st.sQ.data_ptr(), st.sW.data_ptr(), stats_ptr, delta_ptr, abs_scale)
                     self.consumer(w, mma, tidx % 128, sQ, sK, ok, q_full, full, empty, lg2den_ptr, terms, xy_ptr,
                                   t, tg, part, head0, n_blocks, T, K, scale_log2)
 
@@ -383,17 +381,14 @@ class SlotBoundSm90:
         """wa and wc of this thread's heads (its registers ``wa``, ``wc``, as
         ``lg2``): 128 / hc threads a head take max|q| over Q's column chunks
         in shared memory (each row's 64-column chunk is whole 128 bytes,
-        permuted by the swizzle), max|dO| and sum dO^2 over a share of dO's
-        row; the head's first thread publishes wa, wc in shared memory.  A
-        sum of squares that is not a normal number (its squares under- or
-        overflowed) gives way to sqrt(d_v) max|dO|, also an upper bound of
-        ||dO||; a weight that is not finite is 0 (its contributions are NaN
-        or Inf and propagate as they would without the grids).  All 128
-        threads of the consumer call it at the same point, Q whole in
-        shared memory."""
+        permuted by the swizzle); the head's first thread reads max|dO| and
+        the bound of ||dO|| the preprocess wrote (``stats``) and publishes
+        wa, wc in shared memory.  A weight that is not finite is 0 (its
+        contributions are NaN or Inf and propagate as they would without the
+        grids).  All 128 threads of the consumer call it at the same point,
+        Q whole in shared memory."""
         w, wtid, col_lane, terms, t, h0, wa, wc = wts
-        sq_ptr, sw_ptr, dout_ptr, delta_ptr, abs_scale = terms
-        dt = self.dtype
+        sq_ptr, sw_ptr, stats_ptr, delta_ptr, abs_scale = terms
         tph = 128 // self.hc
         h = wtid // tph
         p = wtid % tph
@@ -404,28 +399,13 @@ class SlotBoundSm90:
                                        cute.make_layout((64,)))
                 for e in cutlass.range(64, unroll=8):
                     qm = cute.arch.fmax(qm, cute.math.absf(row[e].to(Float32)))
-        dm = Float32(0.0)
-        ss = Float32(0.0)
-        DV = self.d_v
-        share = DV // tph
-        base = dout_ptr.toint() + ((Int64(t) * Int64(self.H) + Int64(h0 + h)) * Int64(DV) + Int64(p * share)) * (
-            dt.width // 8)
-        for u in cutlass.range(share // 8, unroll=2):
-            v = cute.make_tensor(aligned(dt, base + Int64(u * 16)), cute.make_layout((8,)))
-            for e in cutlass.range_constexpr(8):
-                x = cute.math.absf(v[e].to(Float32))
-                dm = cute.arch.fmax(dm, x)
-                ss = ss + x * x
         for d in cutlass.range_constexpr(tph.bit_length() - 1):
             qm = cute.arch.fmax(qm, cute.arch.shuffle_sync_bfly(qm, 1 << d))
-            dm = cute.arch.fmax(dm, cute.arch.shuffle_sync_bfly(dm, 1 << d))
-            ss = ss + cute.arch.shuffle_sync_bfly(ss, 1 << d)
         if p == 0:
-            norm = Float32(DV ** 0.5) * dm
-            if ss >= Float32(2.0 ** -126):
-                if ss < Float32.inf:
-                    norm = cute.math.sqrt(ss)
-            dl = cute.math.absf(load(delta_ptr, Int64(t) * Int64(self.H) + Int64(h0 + h)))
+            r = Int64(t) * Int64(self.H) + Int64(h0 + h)
+            dm = load(stats_ptr, r * Int64(2))
+            norm = load(stats_ptr, r * Int64(2) + Int64(1))
+            dl = cute.math.absf(load(delta_ptr, r))
             a = dm + abs_scale * qm * dl
             c = abs_scale * qm * norm
             a = Float32(cutlass.select_(a < Float32.inf, a, Float32(0.0)))  # NaN fails it too

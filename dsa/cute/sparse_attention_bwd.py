@@ -173,9 +173,11 @@ Launch = Callable[[SparseAttnArgs, torch.Tensor, torch.Tensor, torch.Tensor, tor
                   None]
 
 
-# exact_dkv(a, dout, lg2den, delta, dq) -> dkv [N, G, D] in kv's dtype and
-# column order: a deterministic backward whose adds are exact (``_exact_dkv``)
-ExactDkv = Callable[[SparseAttnArgs, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# exact_dkv(a, dout, stats, lg2den, delta, dq) -> dkv [N, G, D] in kv's dtype and
+# column order: a deterministic backward whose adds are exact (``_exact_dkv``;
+# stats: the preprocess's max|dO| and ||dO|| bound a row, fp32 [T, H, 2])
+ExactDkv = Callable[[SparseAttnArgs, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                   torch.Tensor]
 
 
 def run_backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
@@ -196,10 +198,13 @@ def run_backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: 
 
     with torch.cuda.device(a.q.device):
         dout = dout.contiguous()
-        delta, lg2den, dsink_part = preprocess(a, out.contiguous(), lse.contiguous(), dout)
+        exact = a.deterministic and exact_dkv is not None
+        # the exact adds' bounds take max|dO| and ||dO|| of each row from the same pass
+        stats = torch.empty((a.T, a.H, 2), dtype=torch.float32, device=a.q.device) if exact else None
+        delta, lg2den, dsink_part = preprocess(a, out.contiguous(), lse.contiguous(), dout, stats)
         dq = torch.empty_like(a.q)
-        if a.deterministic and exact_dkv is not None:
-            dkv = exact_dkv(a, dout, lg2den, delta, dq)
+        if exact:
+            dkv = exact_dkv(a, dout, stats, lg2den, delta, dq)
         else:
             acc = torch.zeros((a.N, a.G, a.D), dtype=torch.float32, device=a.q.device)
             if not a.deterministic:
@@ -230,14 +235,14 @@ def dkv_copies(a: SparseAttnArgs) -> Tuple[int, int]:
     return max(1, -(-a.T // tpc)), tpc
 
 
-def slot_bounds(a: SparseAttnArgs, lg2den: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+def slot_bounds(a: SparseAttnArgs, lg2den: torch.Tensor, stats: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """X and Y of every computed slot (``slot_bound_sm90``): fp32 [parts, T,
     G, K, 2] (slots past a row's last block holding a valid slot are left
-    unwritten).  lg2den and delta [T, H] fp32 (the preprocess's), dout [T,
-    H, d_v] contiguous in q's dtype."""
+    unwritten).  lg2den and delta [T, H] fp32, stats [T, H, 2] fp32 (max|dO|
+    and a bound of ||dO|| a row): the preprocess's."""
     from dsa.cute.slot_bound_sm90 import SlotBoundSm90, SlotBoundSm90Config
 
-    cfg = SlotBoundSm90Config(cutlass_dtype(a.q.dtype), a.D, a.H, a.G, a.topk_length is not None, a.d_v)
+    cfg = SlotBoundSm90Config(cutlass_dtype(a.q.dtype), a.D, a.H, a.G, a.topk_length is not None)
     key = (cfg, a.q.device.index)
     fn = _COMPILED.get(key)
     kernel = SlotBoundSm90.from_config(cfg)
@@ -245,7 +250,7 @@ def slot_bounds(a: SparseAttnArgs, lg2den: torch.Tensor, dout: torch.Tensor, del
         fn = _COMPILED[key] = compile_kernel(kernel, _bound_ptr_types(cfg.dtype), _bound_scalar_types())
     xy = torch.empty((kernel.parts * kernel.consumers, a.T, a.G, a.K, 2), dtype=torch.float32, device=a.q.device)
     length = a.topk_length if a.topk_length is not None else a.indices  # never read when absent
-    tensors = (a.q, a.kv, a.indices, length, lg2den, dout, delta, xy, zero_row(a.q.device, a.q.dtype, a.D))
+    tensors = (a.q, a.kv, a.indices, length, lg2den, stats, delta, xy, zero_row(a.q.device, a.q.dtype, a.D))
     with torch.cuda.device(a.q.device):
         fn(*(address(x) for x in tensors), a.T, a.N, a.K, float(a.sm_scale * LOG2E), abs(float(a.sm_scale)),
            stream_handle(a.q.device))
@@ -254,11 +259,11 @@ def slot_bounds(a: SparseAttnArgs, lg2den: torch.Tensor, dout: torch.Tensor, del
 
 def _bound_ptr_types(dt):
     """The bound kernel's pointers: q, kv, indices, topk_length, lg2den,
-    dout, delta, xy, zero row."""
+    stats, delta, xy, zero row."""
     import cutlass
 
     I32, F32 = cutlass.Int32, cutlass.Float32
-    return ((dt, 16), (dt, 16), (I32, 4), (I32, 4), (F32, 4), (dt, 16), (F32, 4), (F32, 8), (dt, 16))
+    return ((dt, 16), (dt, 16), (I32, 4), (I32, 4), (F32, 4), (F32, 8), (F32, 4), (F32, 8), (dt, 16))
 
 
 def _bound_scalar_types() -> Tuple:
@@ -268,13 +273,13 @@ def _bound_scalar_types() -> Tuple:
     return cutlass.Int32, cutlass.Int32, cutlass.Int32, cutlass.Float32, cutlass.Float32
 
 
-def _exact_dkv(a: SparseAttnArgs, dout, lg2den, delta, dq) -> torch.Tensor:
+def _exact_dkv(a: SparseAttnArgs, dout, stats, lg2den, delta, dq) -> torch.Tensor:
     """dq, and dkv [N, G, D] (kv's dtype) by exact adds: the rows' grids
     from the slots' bounds, the kernel adding into ``dkv_copies`` copies,
     the copies summed in order (and put in column order) in one pass."""
     from dsa.triton.dkv_quanta import copies_sum, dkv_quanta, value_norms
 
-    xy = slot_bounds(a, lg2den, dout, delta)
+    xy = slot_bounds(a, lg2den, stats, delta)
     copies, tpc = dkv_copies(a)
     magic = dkv_quanta(xy, a.indices, a.topk_length, value_norms(a.kv, a.d_v), a.N, copies, tpc)
     buf = torch.zeros((copies, a.N, a.G, a.D), dtype=torch.float32, device=a.q.device)

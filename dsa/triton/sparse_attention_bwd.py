@@ -47,15 +47,18 @@ from dsa.triton.sparse_attention_fwd import scores
 
 @triton.jit
 def bwd_preprocess_kernel(
-    out_ptr, dout_ptr, lse_ptr, sink_ptr, delta_ptr, lg2den_ptr, dsink_part_ptr,
+    out_ptr, dout_ptr, lse_ptr, sink_ptr, delta_ptr, lg2den_ptr, dsink_part_ptr, stats_ptr,
     R, H: tl.constexpr, D_V: tl.constexpr,
-    BR: tl.constexpr, BV: tl.constexpr, HAS_SINK: tl.constexpr,
+    BR: tl.constexpr, BV: tl.constexpr, HAS_SINK: tl.constexpr, STATS: tl.constexpr,
 ):
-    """Over the flattened R = T * H rows (t, h)."""
+    """Over the flattened R = T * H rows (t, h).  STATS: also max|dO| and an
+    upper bound of ||dO|| a row, stats[r] = (max, norm) fp32."""
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
     m_r = o_r < R
     o_r = o_r.to(tl.int64)
     b_delta = tl.zeros([BR], tl.float32)
+    b_max = tl.zeros([BR], tl.float32)
+    b_ssq = tl.zeros([BR], tl.float32)
     for v0 in range(0, D_V, BV):
         o_v = v0 + tl.arange(0, BV)
         m = m_r[:, None] & (o_v[None, :] < D_V)
@@ -63,6 +66,16 @@ def bwd_preprocess_kernel(
         b_o = tl.load(out_ptr + p, mask=m, other=0.0).to(tl.float32)
         b_do = tl.load(dout_ptr + p, mask=m, other=0.0).to(tl.float32)
         b_delta += tl.sum(b_o * b_do, 1)
+        if STATS:
+            b_max = tl.maximum(b_max, tl.max(tl.abs(b_do), 1))
+            b_ssq += tl.sum(b_do * b_do, 1)
+    if STATS:
+        # a sum of squares that is not a normal number (its squares under- or
+        # overflowed, or NaN) gives way to sqrt(d_v) max|dO|, also a bound of ||dO||
+        ok = (b_ssq >= 2.0 ** -126) & (b_ssq < float("inf"))
+        b_norm = tl.where(ok, tl.sqrt_rn(tl.where(ok, b_ssq, 1.0)), D_V ** 0.5 * b_max)
+        tl.store(stats_ptr + 2 * o_r, b_max, mask=m_r)
+        tl.store(stats_ptr + 2 * o_r + 1, b_norm, mask=m_r)
     b_lse = tl.load(lse_ptr + o_r, mask=m_r, other=float("inf"))
     # The forward stores +inf for log(0) (empty rows); the math needs -inf.
     b_lse = tl.where(b_lse == float("inf"), float("-inf"), b_lse)

@@ -59,7 +59,9 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dsa.cute import pipeline, rules
 from dsa.cute.gmem import aligned, gather_copier, load
@@ -103,6 +105,29 @@ def ring_stages(heads: int, D: int, elem_bytes: int) -> int:
     beside Q, at most two blocks' worth."""
     free = SMEM_LIMIT // ctas_per_sm(heads) - heads * D * elem_bytes - HEADER
     return max(2, min(2 * (D // CHUNK), free // (BN * CHUNK * elem_bytes)))
+
+
+@dsl_user_op
+def abs_max2(word: Int32, acc: Int32, half2: str, *, loc=None, ip=None) -> Int32:
+    """max(|word|, acc) of two packed 16-bit floats (``half2`` bf16x2 or
+    f16x2); a NaN half gives way to the other operand's."""
+    asm = f"{{ .reg .b32 a; abs.{half2} a, $1; max.{half2} $0, $2, a; }}"
+    operands = [Int32(word).ir_value(loc=loc, ip=ip), Int32(acc).ir_value(loc=loc, ip=ip)]
+    return Int32(llvm.inline_asm(T.i32(), operands, asm, "=r,r,r", has_side_effects=False, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def halves_max(word: Int32, half2: str, *, loc=None, ip=None) -> Float32:
+    """The larger of a word's two packed 16-bit floats (``half2``), as fp32."""
+    if half2 == "bf16x2":
+        asm = "{ .reg .b32 lo, hi; shl.b32 lo, $1, 16; and.b32 hi, $1, 0xFFFF0000; max.f32 $0, lo, hi; }"
+    else:
+        asm = ("{ .reg .f16 l, h; .reg .f32 a, b; mov.b32 {l, h}, $1; cvt.f32.f16 a, l; cvt.f32.f16 b, h; "
+               "max.f32 $0, a, b; }")
+    return Float32(llvm.inline_asm(T.f32(), [Int32(word).ir_value(loc=loc, ip=ip)], asm, "=f,r",
+                                   has_side_effects=False, is_align_stack=False,
+                                   asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
 @dataclass(frozen=True)
@@ -392,13 +417,21 @@ class SlotBoundSm90:
         tph = 128 // self.hc
         h = wtid // tph
         p = wtid % tph
-        qm = Float32(0.0)
+        # max|q| two values a word: a 16-bit max is exact, and each row chunk
+        # is 128 aligned bytes (8 vector loads)
+        half2 = "bf16x2" if self.dtype == cutlass.BFloat16 else "f16x2"
+        qm2 = Int32(0)
+        sq_addr = Int32(sq_ptr.toint())
         for k in cutlass.range_constexpr(self.nch):
             if k % tph == p:
-                row = cute.make_tensor(sq_ptr + ((h // 8 + (self.hc // 8) * (k + self.nch * w)) * 512 + (h % 8) * 64),
-                                       cute.make_layout((64,)))
-                for e in cutlass.range(64, unroll=8):
-                    qm = cute.arch.fmax(qm, cute.math.absf(row[e].to(Float32)))
+                row = sq_addr + ((h // 8 + (self.hc // 8) * (k + self.nch * w)) * 512 + (h % 8) * 64) * 2
+                for v in cutlass.range(8, unroll=2):
+                    words = cute.make_rmem_tensor((4,), Int32)
+                    cute.autovec_copy(cute.make_tensor(cute.make_ptr(Int32, row + 16 * v, cute.AddressSpace.smem,
+                                                                     assumed_align=16), cute.make_layout((4,))), words)
+                    for e in cutlass.range_constexpr(4):
+                        qm2 = abs_max2(words[e], qm2, half2)
+        qm = halves_max(qm2, half2)
         for d in cutlass.range_constexpr(tph.bit_length() - 1):
             qm = cute.arch.fmax(qm, cute.arch.shuffle_sync_bfly(qm, 1 << d))
         if p == 0:

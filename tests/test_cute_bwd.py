@@ -638,9 +638,11 @@ def _slot_terms(a: SparseAttnArgs, seed=0):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("H,G,D", [(128, 1, 576), (64, 1, 512), (16, 1, 576), (512, 2, 512)],
-                         ids=["h128", "h64-d512", "h16", "gqa-256x2"])
-def test_slot_bounds_against_float64_and_every_contribution(H, G, D):
+@pytest.mark.parametrize("H,G,D,dtype", [(128, 1, 576, torch.bfloat16), (64, 1, 512, torch.bfloat16),
+                                          (64, 1, 512, torch.float16), (16, 1, 576, torch.bfloat16),
+                                          (512, 2, 512, torch.bfloat16)],
+                         ids=["h128", "h64-d512", "h64-d512-fp16", "h16", "gqa-256x2"])
+def test_slot_bounds_against_float64_and_every_contribution(H, G, D, dtype):
     """The deterministic mode's slot bounds (``slot_bound_sm90``), output
     NaN-poisoned: X and Y of every valid slot equal the float64 head sums of
     P times the weights (the kernel's own, from Q in shared memory and the
@@ -651,7 +653,7 @@ def test_slot_bounds_against_float64_and_every_contribution(H, G, D):
     from dsa.triton.dkv_quanta import value_norms
 
     T, K = 12, 640
-    a = _case(T, 1024, H, G, D, K, torch.bfloat16, sink=[1.0, -INF, INF], lengths=_lengths(T, K, 17),
+    a = _case(T, 1024, H, G, D, K, dtype, sink=[1.0, -INF, INF], lengths=_lengths(T, K, 17),
               hostile=True, nan_rows=True)
     dout, stats, lg2den, delta, w = _slot_terms(a)
     _poison(4 * 8 * T * G * K * 2)

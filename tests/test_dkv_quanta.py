@@ -345,7 +345,7 @@ specs = [
                    dict(BK=1024, HAS_LEN=False, MARGIN=MARGIN, BITS=26, CB=0), 4, 3),
     fit.KernelSpec(m._magic_kernel, dict(TOP=i32, SUM=i64, COUNT=i64, BMAX=i32, OUT=f32),
                    dict(BITS=20, CB=21, BLOCK=1024), 4, 3),
-    fit.KernelSpec(m._copies_sum_kernel, dict(BUF=f32, OUT=bf16), dict(D=576, BR=16), 4, 3),
+    fit.KernelSpec(m._copies_sum_kernel, dict(BUF=f32, OUT=bf16), dict(C=8, D=576, BR=16), 4, 3),
 ]
 out = {}
 for i, spec in enumerate(specs):

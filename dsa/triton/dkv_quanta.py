@@ -240,9 +240,10 @@ def _key_bits(slots: int) -> tuple:
 
 
 @triton.jit
-def _copies_sum_kernel(BUF, OUT, R, C, D: tl.constexpr, BR: tl.constexpr):
+def _copies_sum_kernel(BUF, OUT, R, C: tl.constexpr, D: tl.constexpr, BR: tl.constexpr):
     """OUT[r, :64 chunk] = the copies' rows summed in order, columns back in
-    their natural order, in OUT's dtype."""
+    their natural order, in OUT's dtype (C a compile-time count, so that
+    every copy's load is in flight at once)."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     o = tl.program_id(1) * 64 + tl.arange(0, 64)
     m = (r < R)[:, None] & (o < D)[None, :]
@@ -253,7 +254,7 @@ def _copies_sum_kernel(BUF, OUT, R, C, D: tl.constexpr, BR: tl.constexpr):
     acc = tl.zeros([BR, 64], tl.float32)
     p = BUF + rows + src[None, :]
     step = R.to(tl.int64) * D
-    for _ in range(C):
+    for _ in tl.static_range(C):
         acc += tl.load(p, mask=m, other=0.0)
         p += step
     tl.store(OUT + rows + o[None, :], acc.to(OUT.dtype.element_ty), mask=m)
@@ -271,7 +272,7 @@ def copies_sum(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty((N, G, D), dtype=dtype, device=buf.device)
     if N * G and D:
         BR = 16
-        _copies_sum_kernel[(triton.cdiv(N * G, BR), triton.cdiv(D, 64))](buf, out, N * G, C, D=D, BR=BR,
+        _copies_sum_kernel[(triton.cdiv(N * G, BR), triton.cdiv(D, 64))](buf, out, N * G, C=C, D=D, BR=BR,
                                                                           num_warps=4)
     return out
 

@@ -101,7 +101,8 @@ def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
 
 
 _BOUND_NEEDLES = ("wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc", "ex2.approx",
-                  "st.global.v2.b32", "shfl.sync", "mbarrier.try_wait", "red.relaxed", "red.global.add", "atom.global")
+                  "st.global.v2.b32", "shfl.sync", "mbarrier.try_wait", "red.relaxed", "red.global.add", "atom.global",
+                  "abs.bf16x2", "max.bf16x2", "abs.f16x2", "max.f16x2", "ld.shared.v4.b32")
 
 # (name, dtype, D, H, G, has_len): heads a CTA, consumers
 _BOUND_CONFIGS = [
@@ -117,7 +118,8 @@ def test_slot_bound_kernel_compiles_offline_with_hopper_instructions(tmp_path):
     """The deterministic mode's bound kernel (``slot_bound_sm90``) for sm_90a:
     per consumer and block, D / 16 wgmma (S^T chunk by chunk, the chunk loop
     unrolled), the gather's 16-byte cp.async (Q once, then 4 a chunk, the
-    producer's two-block step unrolled), one exp2 per accumulator element,
+    producer's two-block step unrolled), max|q| on packed halves from 16-byte
+    loads, one exp2 per accumulator element,
     the head sums across the quad, one 8-byte store of (X, Y) per slot, no
     atomics, no spill (the register split between producer and consumers
     included), within the shared memory the launch may take: two CTAs an
@@ -144,6 +146,10 @@ def test_slot_bound_kernel_compiles_offline_with_hopper_instructions(tmp_path):
         assert n["st.global.v2.b32"] == 8 * k.consumers, (name, n)
         assert n["shfl.sync"] >= 8 * k.consumers, (name, n)
         assert n["red.relaxed"] == n["red.global.add"] == n["atom.global"] == 0, (name, n)
+        # max|q| of the heads' weights: 16-byte loads of Q, abs and max on packed halves of its dtype
+        half, other = ("bf16x2", "f16x2") if dt == "bfloat16" else ("f16x2", "bf16x2")
+        assert n[f"abs.{half}"] == n[f"max.{half}"] > 0 and n[f"max.{other}"] == 0, (name, n)
+        assert n["ld.shared.v4.b32"] >= n[f"max.{half}"] // 4, (name, n)
         # the 256-head GQA build (two parts, two consumers, G 2) keeps one word in local memory
         assert r["spill_stores"] <= (4 if name == "gqa_256x2_d512" else 0), (name, r)
         assert r["smem"] * k.ctas <= r["smem_limit"], (name, r)

@@ -43,8 +43,9 @@ producer warpgroup and one consumer warpgroup per 64 heads of the part:
   run while the next block's first chunk is in the tensor cores.  Before
   the first sums (Q is whole by then) the consumer forms its heads' weights:
   max|q_h| from Q in shared memory, a few threads a head, max|dO_h| and
-  ||dO_h|| from ``stats``, published through shared memory.  Slots of blocks past
-  the last one holding a valid slot are not written; nothing reads them.
+  ||dO_h|| from ``stats``, published through shared memory.  Slots of
+  blocks past the last one holding a valid slot are not written; nothing
+  reads them.
 
 A part of up to 64 heads (Q at most 72 KB) runs two CTAs an SM, so that one
 CTA's start (Q's first chunk, the ring's first fill) and end overlap the
@@ -149,8 +150,9 @@ class SlotBoundSm90:
     Pointers: q [T, H, D], kv [N, G, D], indices [T, G, K] int32, topk_length
     [T] int32 (read only with has_len), lg2den [T, H] fp32 (the backward's
     log2 denominators, sink included), stats [T, H, 2] fp32 (max|dO| and a
-    bound of ||dO|| a row: the preprocess's), delta [T, H] fp32, xy [parts, T, G, K, 2] fp32 (out), the zero row [D];
-    scalars T, N, K, sm_scale * log2(e), |sm_scale|."""
+    bound of ||dO|| a row: the preprocess's), delta [T, H] fp32, xy [parts,
+    T, G, K, 2] fp32 (out), the zero row [D]; scalars T, N, K, sm_scale *
+    log2(e), |sm_scale|."""
 
     def __init__(self, dtype, D: int, H: int, G: int, has_len: bool):
         why = self.can_implement(dtype, D, H, G)

@@ -55,7 +55,7 @@ def sparse_attention(
     ``deterministic=True`` makes the gradients bitwise reproducible.
     """
     a, layout = _sparse(q, kv, indices, sm_scale, d_v, sink, topk_length, return_lse, deterministic, backend)
-    out, lse = ops.call(ops.sparse_attention_fwd, a, backend)
+    out, lse, _ = ops.call(ops.sparse_attention_fwd, a, backend)
     out = layout.unpack(out)
     return (out, layout.unpack(lse)) if return_lse else out
 

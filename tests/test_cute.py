@@ -64,6 +64,37 @@ def test_sm90_kernel_compiles_offline_with_hopper_instructions(tmp_path):
         assert r["mbarrier.try_wait"] >= 2, (name, r)
 
 
+_BOUND_NEEDLES = ("shfl.sync", "st.global.v2.b32", "lg2.approx", "wgmma.mma_async")
+
+
+@pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl is not installed")
+def test_sm90_bounds_build_offline(tmp_path):
+    """The deterministic mode's forward (``bounds``) for sm_90a against the
+    default build of the same problem: the same products and shared memory;
+    on top, at each of its three places (consumer 0 after the pair's P1 V1
+    and for a last block alone, consumer 1 after its P1), the row sums over
+    the quad and the reduce-scatter of the head sums (18 shuffles), one
+    8-byte store of a lane's two column sums and a log2 a row for the
+    levels; a spill of at most 16 bytes a thread (the consumers sit at
+    their register limit); a padded fp16 tile the same way."""
+    from cute_offline import compile_reports
+
+    target = "dsa.cute.sparse_attention:compile_offline"
+    calls = [("v32", target, ["torch.bfloat16", 576, 128, 1, True, True], dict(bounds=False)),
+             ("v32_bounds", target, ["torch.bfloat16", 576, 128, 1, True, True], dict(bounds=True)),
+             ("tp16_fp16_bounds", target, ["torch.float16", 576, 32, 2, True, False], dict(bounds=True))]
+    res = compile_reports(calls, _BOUND_NEEDLES, "sm_90a", tmp_path)
+    base, n = res["v32"], res["v32"]["needles"]
+    assert base["spill_stores"] == 0 and n["st.global.v2.b32"] == 0 and n["lg2.approx"] == 0, base
+    for name in ("v32_bounds", "tp16_fp16_bounds"):
+        r, b = res[name], res[name]["needles"]
+        assert b["wgmma.mma_async"] == n["wgmma.mma_async"], (name, b, n)
+        assert b["shfl.sync"] - n["shfl.sync"] == 3 * 18, (name, b, n)
+        assert b["st.global.v2.b32"] == 3 and b["lg2.approx"] == 3 * 2, (name, b)
+        assert r["smem"] == base["smem"] and r["kernels"] == 1, (name, r)
+        assert r["spill_stores"] <= 16, (name, r)
+
+
 # --------------------------------------------------------------------------
 # placement table lookup (CPU)
 

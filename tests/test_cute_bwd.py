@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -275,6 +276,41 @@ def test_exact_dkv_host_steps(monkeypatch):
     dkv = cbwd._exact_dkv(a, dout, stats, lg2den, delta, torch.empty_like(a.q))
     assert calls == ["bounds", "quanta", "launch"]
     assert dkv.dtype == a.kv.dtype and dkv.shape == (32, 1, 576) and torch.equal(dkv, torch.full_like(dkv, 21.0))
+
+
+def test_exact_dkv_takes_the_forward_bounds(monkeypatch):
+    """Given the forward's bounds, the deterministic backward's slot bounds
+    come from them (``forward_bounds`` on their two views, with the
+    preprocess's terms, q, topk_length and the scale) and the bound kernel
+    does not run; bounds of the wrong size or dtype are refused."""
+    from dsa.triton import dkv_quanta
+
+    a = _args(T=5, N=32, H=128, K=100, deterministic=True)
+    n = cute_sa.bound_numel(a)
+    hs_shape, lv_shape = cute_sa.bound_shapes(a)
+    assert hs_shape == (5, 1, 2, 2, 4, 64) and lv_shape == (5, 2, 128) and n == 5 * 2 * 2 * 256 + 5 * 2 * 128
+    bounds = torch.arange(n, dtype=torch.float32)
+    dout, lg2den, delta = torch.randn(5, 128, 512), torch.randn(5, 128), torch.randn(5, 128)
+    stats = torch.rand(5, 128, 2)
+    xy = torch.rand(2, 5, 1, 100, 2)
+    calls = []
+
+    def fwd_bounds(hs, lv, q, st, dl, lg2, length, K, scale):
+        calls.append("forward_bounds")
+        assert hs.shape == hs_shape and lv.shape == lv_shape and hs.data_ptr() == bounds.data_ptr()
+        assert lv[0, 0, 0] == hs.numel() and q is a.q and st is stats and dl is delta and lg2 is lg2den
+        assert length is None and K == 100 and scale == a.sm_scale
+        return xy
+
+    monkeypatch.setattr(cbwd, "slot_bounds", lambda *x: calls.append("bound kernel"))
+    monkeypatch.setattr(dkv_quanta, "forward_bounds", fwd_bounds)
+    monkeypatch.setattr(dkv_quanta, "dkv_quanta", lambda xy_, *rest: calls.append(xy_ is xy) or torch.ones(1, 32, 1))
+    monkeypatch.setattr(cbwd, "_launch", lambda *x: calls.append("launch"))
+    cbwd._exact_dkv(a, dout, stats, lg2den, delta, torch.empty_like(a.q), bounds)
+    assert calls == ["forward_bounds", True, "launch"]
+    for bad in (bounds[1:], bounds.double()):
+        with pytest.raises(ValueError, match="bounds"):
+            cbwd._exact_dkv(a, dout, stats, lg2den, delta, torch.empty_like(a.q), bad)
 
 
 # --------------------------------------------------------------------------
@@ -700,6 +736,135 @@ def test_slot_bounds_against_float64_and_every_contribution(H, G, D, dtype):
     assert (bound[valid] > 0).any()
 
 
+def _forward_levels(a: SparseAttnArgs, valid):
+    """float64 of what the bounds build writes (``cute_sa.bound_views``):
+    (head sums [T, G, HB, NB, 64], levels [T, NB, H]).  Block b is consumer
+    b % 2's, whose row sum at b covers its own blocks b' <= b (b' = b mod 2):
+    level = log2 of that sum of 2^(S scale log2(e)), p / l = 2^(S scale
+    log2(e) - level)."""
+    T, H, G, K = a.T, a.H, a.G, a.K
+    HG, nb = H // G, -(-K // 64)
+    HB = -(-HG // 64)
+    safe = torch.where(valid, a.indices.long(), 0)
+    s2 = torch.empty(T, H, K, dtype=torch.float64, device="cuda")
+    for g in range(G):
+        k = a.kv.double()[safe[:, g], g]
+        s = torch.einsum("thd,tkd->thk", a.q[:, g * HG:(g + 1) * HG].double(), k) * a.sm_scale * math.log2(math.e)
+        s2[:, g * HG:(g + 1) * HG] = torch.where(valid[:, g, None, :], s, -INF)
+    blk = torch.arange(K, device="cuda") // 64
+    levels = torch.full((T, nb, H), -INF, dtype=torch.float64, device="cuda")
+    pl = torch.zeros(T, H, K, dtype=torch.float64, device="cuda")
+    for b in range(nb):
+        own = (blk <= b) & (blk % 2 == b % 2)
+        lvl = torch.logsumexp(s2[..., own] * math.log(2), -1) / math.log(2)   # [T, H]
+        levels[:, b] = lvl
+        cols = blk == b
+        pl[..., cols] = torch.where(lvl[..., None] > -INF, torch.exp2(s2[..., cols] - lvl[..., None]), 0.0)
+    hs = torch.zeros(T, G, HB, nb * 64, dtype=torch.float64, device="cuda")
+    for g in range(G):
+        for hb in range(HB):
+            h0 = g * HG + hb * 64
+            hs[:, g, hb, :K] = pl[:, h0:min(h0 + 64, (g + 1) * HG)].sum(1)
+    return hs.view(T, G, HB, nb, 64), levels
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("H,G,D,dtype", [(128, 1, 576, torch.bfloat16), (64, 1, 512, torch.float16),
+                                          (16, 1, 576, torch.bfloat16), (256, 2, 512, torch.bfloat16)],
+                         ids=["h128", "h64-d512-fp16", "h16", "gqa-128x2"])
+def test_forward_bounds_against_float64_and_every_contribution(H, G, D, dtype):
+    """The deterministic cute forward's bounds (its head sums and levels,
+    NaN-poisoned before the call) against float64 on every block a row
+    computes, and the bounds ``forward_bounds`` makes of them covering every
+    column of each valid slot's float64 dkv contribution; out and lse equal
+    to the default build's; sinks, topk_length, hostile indices and NaN in
+    the rows no valid slot reads."""
+    from dsa.triton.dkv_quanta import forward_bounds, value_norms
+    from dsa.triton.sparse_attention import preprocess
+
+    T, K = 12, 640
+    a = _case(T, 1024, H, G, D, K, dtype, sink=[1.0, -INF, INF], lengths=_lengths(T, K, 17), hostile=True,
+              nan_rows=True, deterministic=True)
+    _poison(4 * cute_sa.bound_numel(a))
+    out, lse, bounds = cute_sa.forward(a)
+    out0, lse0 = cute_sa.forward(dataclasses.replace(a, deterministic=False))
+    torch.cuda.synchronize()
+    assert torch.equal(out, out0) and torch.equal(lse, lse0)
+    hs, levels = cute_sa.bound_views(a, bounds)
+    L = a.topk_length.long().clamp(0, K)
+    idx = a.indices.long()
+    valid = (torch.arange(K, device="cuda")[None, None, :] < L[:, None, None]) & (idx >= 0) & (idx < a.N)
+    hs64, lv64 = _forward_levels(a, valid)
+    done = torch.arange(hs.shape[3], device="cuda")[None, :] < (-(-L // 64))[:, None]   # [T, NB] blocks computed
+    got = hs.double().sum(4)                                                             # the warps' partials
+    sel = done[:, None, None, :, None].expand_as(got)
+    assert not torch.isnan(got[sel]).any()
+    assert bf.rel_l2(got[sel], hs64[sel]) < 1e-4
+    lsel = done[..., None].expand_as(levels)
+    fin = lsel & (lv64 > -INF)
+    assert torch.equal(levels.double()[lsel & ~fin], lv64[lsel & ~fin])
+    assert (levels.double()[fin] - lv64[fin]).abs().max() < 1e-3
+    # the contributions they bound
+    gen = torch.Generator().manual_seed(100)
+    dout = torch.randn(T, H, a.d_v, generator=gen).to(dtype).cuda()
+    stats = torch.empty((T, H, 2), device="cuda")
+    delta, lg2den, _ = preprocess(a, out, lse, dout, stats)
+    xy = forward_bounds(hs, levels, a.q, stats, delta, lg2den, a.topk_length, K, a.sm_scale)
+    HG = H // G
+    safe = torch.where(valid, idx, 0)
+    most = torch.zeros(T, G, K, dtype=torch.float64, device="cuda")
+    for g in range(G):
+        k = a.kv.double()[safe[:, g], g]
+        q = a.q[:, g * HG:(g + 1) * HG].double()
+        do = dout[:, g * HG:(g + 1) * HG].double()
+        S = torch.einsum("thd,tkd->thk", q, k) * a.sm_scale
+        lg2 = lg2den[:, g * HG:(g + 1) * HG].double()
+        P = torch.where(valid[:, g, None, :], torch.exp2(S * math.log2(math.e) - lg2[..., None]), 0.0)
+        dP = torch.einsum("thv,tkv->thk", do, k[..., :a.d_v])
+        dS = P * (dP - delta[:, g * HG:(g + 1) * HG].double()[..., None]) * a.sm_scale
+        c = torch.einsum("thk,thd->tkd", dS, q)
+        c[..., :a.d_v] += torch.einsum("thk,thv->tkv", P, do)
+        most[:, g] = c.abs().amax(-1)
+    b = xy.double().sum(0)
+    assert not torch.isnan(b[valid]).any()
+    vn = value_norms(a.kv, a.d_v).double()[safe, torch.arange(G, device="cuda")[None, :, None]]
+    bound = b[..., 0] + b[..., 1] * vn
+    assert (most[valid] <= bound[valid] * (1 + 1e-4)).all()
+    assert (bound[valid] > 0).any()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("H,D", [(128, 576), (64, 512)])
+def test_deterministic_from_forward_bounds_bitwise_and_float64(H, D):
+    """The deterministic backward given the cute forward's bounds: against
+    float64 (NaN-poisoned outputs), bitwise equal over 10 runs, within the
+    rounding of the default's dkv and of the bound kernel's."""
+    T, K = 24, 2048
+    a = _case(T, 1024, H, 1, D, K, torch.bfloat16, sink=[1.0, -INF], lengths=_lengths(T, K, 7), hostile=True,
+              nan_rows=True, deterministic=True)
+    out, lse, bounds = cute_sa.forward(a)
+    gen = torch.Generator().manual_seed(8)
+    dout = torch.randn(T, H, a.d_v, generator=gen).to(a.q.dtype).cuda()
+    _poison(4 * (T * H * D + a.N * D) * 8)
+    dq, dkv, dsink = cbwd.backward(a, out, lse, dout, bounds)
+    a64 = _f64(a)
+    out64, lse64 = ref.sparse_attention_fwd(a64)
+    exp = ref.sparse_attention_bwd(a64, out64, lse64, dout.double())
+    bf.assert_close(dq, exp[0], a.q.dtype, "dq")
+    bf.assert_close(dkv, exp[1], a.q.dtype, "dkv")
+    bf.assert_close(dsink, exp[2], a.q.dtype, "dsink")
+    for _ in range(9):
+        r = cbwd.backward(a, out, lse, dout, bounds)
+        assert torch.equal(r[0], dq) and torch.equal(r[1], dkv) and torch.equal(r[2], dsink)
+    free = cbwd.backward(dataclasses.replace(a, deterministic=False), out, lse, dout)
+    own = cbwd.backward(a, out, lse, dout)
+    assert torch.equal(free[0], dq)
+    assert bf.rel_l2(dkv.double(), free[1].double()) < 5e-3
+    assert bf.rel_l2(own[1].double(), free[1].double()) < 5e-3
+
+
 @pytest.mark.gpu
 @gpu
 def test_deterministic_dkv_is_the_sum_of_its_rounded_adds():
@@ -737,7 +902,13 @@ def test_public_path_backend_cute_forward_and_backward(monkeypatch, deterministi
               hostile=True, nan_rows=True, seed=4, deterministic=deterministic)
     ran = []
     backward = cbwd.backward
-    monkeypatch.setattr(cbwd, "backward", lambda *args: ran.append(1) or backward(*args))
+
+    def counted(*args):
+        ran.append(len(args))
+        return backward(*args)
+
+    counted.takes_bounds = True
+    monkeypatch.setattr(cbwd, "backward", counted)
     q = a.q.clone().requires_grad_(True)
     kv = a.kv[:, 0].clone().requires_grad_(True)
     sink = a.sink.clone().requires_grad_(True)
@@ -748,7 +919,7 @@ def test_public_path_backend_cute_forward_and_backward(monkeypatch, deterministi
                                deterministic=deterministic, backend="cute")
     out.backward(dout)
     torch.cuda.synchronize()
-    assert ran == [1]
+    assert ran == [5 if deterministic else 4]  # the deterministic forward's bounds reach the backward
     a64 = _f64(a)
     out64, lse64 = ref.sparse_attention_fwd(a64)
     dq64, dkv64, dsink64 = ref.sparse_attention_bwd(a64, out64, lse64, dout.double())

@@ -239,7 +239,7 @@ def _fake_cuda_args(device_index=0, **kw):
     q = types.SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda", device_index),
                               data_ptr=lambda: 1024)
     base = dict(q=q, kv=types.SimpleNamespace(dtype=torch.bfloat16, data_ptr=lambda: 2048), D=576, d_v=512,
-                H=128, G=1, T=4, N=64, K=2048, topk_length=None, sink=None,
+                H=128, G=1, T=4, N=64, K=2048, topk_length=None, sink=None, deterministic=False,
                 kernel_dtype_reason=lambda: None)
     base.update(kw)
     return types.SimpleNamespace(**base)

@@ -77,3 +77,53 @@ def test_uniform_offsets_cached():
     assert cu_q.dtype == cu_k.dtype == torch.int32 and off.dtype == torch.int64
     again = _checks._uniform_offsets(dev, 3, 5, 7)
     assert again[0] is cu_q and again[2] is off
+
+
+def test_forward_bounds_reach_a_backward_that_takes_them(monkeypatch):
+    """The forward op's third output (what a forward writes for its tier's
+    deterministic backward; empty from a forward that writes none) is saved
+    and given to the backward whose implementation says it takes it
+    (``takes_bounds``), eagerly and under torch.compile; a backward without
+    the attribute gets the four usual arguments."""
+    import importlib
+
+    from dsa import reference
+    from dsa.selector import Choice
+
+    mod = importlib.import_module("dsa.ops.sparse_attention")
+    marker = torch.arange(7.0)
+    seen = []
+
+    def fwd(a):
+        out, lse = reference.sparse_attention_fwd(a)
+        return (out, lse, marker.clone()) if a.deterministic else (out, lse)
+
+    def bwd(a, out, lse, dout, *extra):
+        seen.append([x.clone() for x in extra])
+        return reference.sparse_attention_bwd(a, out, lse, dout)
+
+    def select(op, a, backend):
+        return Choice("reference", fwd if op == "sparse_attention_fwd" else bwd)
+
+    monkeypatch.setattr(mod, "select_kept", select)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(3, 2, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(5, 16, generator=g, dtype=torch.float64)
+    idx = torch.tensor([[0, 1], [2, 3], [4, -1]], dtype=torch.int32)
+
+    def run(det, compiled=False):
+        seen.clear()
+        f = lambda q_: dsa.sparse_attention(q_, kv, idx, deterministic=det, backend="reference")  # noqa: E731
+        if compiled:
+            f = torch.compile(f, fullgraph=True, backend="aot_eager")
+        f(q).sum().backward()
+        q.grad = None
+        return seen[0]
+
+    bwd.takes_bounds = True
+    for compiled in (False, True):
+        got = run(True, compiled)
+        assert len(got) == 1 and torch.equal(got[0], marker), compiled
+    assert run(False) == []                   # no bounds written: none passed
+    del bwd.takes_bounds
+    assert run(True) == []                    # a backward that does not take them

@@ -346,6 +346,9 @@ specs = [
     fit.KernelSpec(m._magic_kernel, dict(TOP=i32, SUM=i64, COUNT=i64, BMAX=i32, OUT=f32),
                    dict(BITS=20, CB=21, BLOCK=1024), 4, 3),
     fit.KernelSpec(m._copies_sum_kernel, dict(BUF=f32, OUT=bf16), dict(C=8, D=576, BR=16), 4, 3),
+    fit.KernelSpec(m._forward_bounds_kernel, dict(HS=f32, LV=f32, Q=bf16, STATS=f32, DELTA=f32, LG=f32, LEN=i32,
+                                                  XY=f32, abs_scale="fp32"),
+                   dict(HG=128, BH=64, D=576, BD=64, HAS_LEN=True), 4, 3),
 ]
 out = {}
 for i, spec in enumerate(specs):
@@ -354,6 +357,73 @@ for i, spec in enumerate(specs):
                                           atomics=c.asm["ptx"].count("atom.global"))
 print(json.dumps(out))
 """
+
+
+def _forward_bounds_expected(hs, levels, q, stats, delta, lg2den, length, K, sm_scale):
+    """float64 xy [HB, T, G, K, 2] of ``forward_bounds`` (its docstring's
+    rule), NaN where the kernel writes nothing (blocks past a row's last)."""
+    T, G, HB, NB = hs.shape[:4]
+    H, D = q.shape[1:]
+    HG = H // G
+    s = abs(sm_scale)
+    qm = q.double().abs().amax(-1)
+    wa = stats[..., 0].double() + s * qm * delta.double().abs()
+    wc = s * qm * stats[..., 1].double()
+    wa = torch.where(wa < math.inf, wa, 0.0)   # NaN fails it too
+    wc = torch.where(wc < math.inf, wc, 0.0)
+    L = length.long().clamp(0, K) if length is not None else torch.full((T,), K)
+    xy = torch.full((HB, T, G, K, 2), math.nan, dtype=F64)
+    corr = torch.exp2(levels.double() - lg2den.double()[:, None, :])          # [T, NB, H]
+    sums = hs.double().sum(4).reshape(T, G, HB, NB * 64)[..., :K]
+    for g in range(G):
+        for hb in range(HB):
+            h = slice(g * HG + hb * 64, g * HG + min(HG, hb * 64 + 64))
+            c = corr[..., h].amax(-1).repeat_interleave(64, 1)[:, :K]        # [T, K]
+            a = sums[:, g, hb] * c
+            xy[hb, :, g, :, 0] = a * wa[:, h].amax(-1)[:, None]
+            xy[hb, :, g, :, 1] = a * wc[:, h].amax(-1)[:, None]
+    done = torch.arange(K)[None, :] < ((L + 63) // 64 * 64)[:, None]
+    return torch.where(done[None, :, None, :, None], xy, math.nan), done
+
+
+@pytest.mark.parametrize("H,G,K,dtype", [(128, 1, 150, torch.float32), (16, 2, 64, torch.float16),
+                                          (64, 1, 129, torch.float16)], ids=["h128", "gqa-2x8", "h64-k129"])
+def test_forward_bounds_is_its_rule(H, G, K, dtype):
+    """``forward_bounds`` against float64 of its rule, on the rows' computed
+    blocks only (topk_length 0, negative, past K, mid-block), with NaN and Inf dO
+    stats and an infinite lg2den (an empty row) among the heads, levels of
+    -inf (no valid slot yet), and NaN wherever the forward wrote nothing (it
+    must not be read)."""
+    from dsa.triton.dkv_quanta import forward_bounds
+
+    gen = torch.Generator().manual_seed(7)
+    T, D = 6, 40
+    HB, NB = -(-(H // G) // 64), -(-K // 64)
+    q = torch.randn(T, H, D, generator=gen).to(dtype)
+    stats = torch.rand(T, H, 2, generator=gen) * 3
+    stats[1, 3, 0] = math.nan
+    stats[4, 5, 1] = math.inf
+    delta = torch.randn(T, H, generator=gen)
+    lg2den = torch.randn(T, H, generator=gen) * 4 + 8
+    lg2den[2, :] = math.inf
+    length = torch.tensor([0, -4, K + 9, 1, 65, K - 1], dtype=torch.int32)
+    L = length.long().clamp(0, K)
+    hs = torch.rand(T, G, HB, NB, 4, 64, generator=gen) * 16
+    levels = lg2den.clamp(max=12.0)[:, None, :] - torch.rand(T, NB, H, generator=gen) * 6  # <= lg2den
+    levels[3, 0, :5] = -math.inf
+    # what the forward never writes: blocks past the row's last computed one
+    blocks = torch.arange(NB)[None, :] >= ((L + 63) // 64)[:, None]                  # [T, NB]
+    hs[blocks[:, None, None, :, None, None].expand_as(hs)] = math.nan
+    levels[blocks[..., None].expand_as(levels)] = math.nan
+    xy = forward_bounds(hs, levels, q, stats, delta, lg2den, length, K, 1.0 / math.sqrt(D))
+    exp, done = _forward_bounds_expected(hs, levels, q, stats, delta, lg2den, length, K, 1.0 / math.sqrt(D))
+    assert xy.shape == (HB, T, G, K, 2)
+    sel = done[None, :, None, :, None].expand_as(xy)
+    assert not xy[sel].isnan().any()
+    torch.testing.assert_close(xy.double()[sel], exp[sel], rtol=2e-6, atol=0)
+    assert (xy[:, 2][done[2][None, None, :, None].expand_as(xy[:, 2])] == 0).all()  # an empty row: no bound
+    with pytest.raises(ValueError, match="forward_bounds"):
+        forward_bounds(hs, levels[:, :-1] if NB > 1 else levels[:-1], q, stats, delta, lg2den, length, K, 1.0)
 
 
 @pytest.mark.parametrize("cap", [80, 90])
@@ -367,7 +437,7 @@ def test_kernels_compile_offline(cap):
     proc = subprocess.run([sys.executable, "-c", _AOT, str(cap)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(got) == 6, got
+    assert len(got) == 7, got
     for name, r in got.items():
         assert r["cubin"] > 0 and r["shared"] <= 4096, (name, r)
         if "_key_sum_" in name:

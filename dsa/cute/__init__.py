@@ -50,6 +50,8 @@ class _Chosen:
         prepare = getattr(fn, "prepare", None)
         if prepare is not None:  # the optional protocol of dsa.ops.decode: prepared launches
             self.prepare = prepare
+        if getattr(fn, "takes_bounds", False):  # dsa.ops.sparse_attention's: the forward's bounds
+            self.takes_bounds = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)

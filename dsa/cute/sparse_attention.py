@@ -1,15 +1,20 @@
 """CuTe DSL sparse attention forward: what it serves, compilation cache, launch.
 
     forward(a) -> out [T, H, d_v] (q.dtype), lse [T, H] fp32
+                  (+ bounds, fp32 [bound_numel(a)], with a.deterministic)
 
 on the canonical packed layout of :class:`dsa._args.SparseAttnArgs`.  The
 kernel is ``sparse_attention_sm90.SparseAttnFwdSm90``; what it can serve is
-its ``can_implement``.  Compiled kernels are cached per (``FwdSm90Config``,
-device); every launch runs under the tensors' device and its current stream.
+its ``can_implement``.  With ``deterministic`` the kernel's bounds build also
+writes what the deterministic cute backward needs to bound each slot's
+contributions (``bound_views``), which saves that backward a second S = Q K^T.
+Compiled kernels are cached per (``FwdSm90Config``, device); every launch
+runs under the tensors' device and its current stream.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
@@ -89,11 +94,41 @@ def call_reason(a: SparseAttnArgs, can_implement: Callable[..., Optional[str]]) 
 
 
 def kernel_config(a: SparseAttnArgs, profile: bool = False, refill: bool = True):
-    """The ``FwdSm90Config`` that serves ``a``."""
+    """The ``FwdSm90Config`` that serves ``a`` (the bounds build with a.deterministic)."""
     from dsa.cute.sparse_attention_sm90 import FwdSm90Config
 
     return FwdSm90Config(cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G, a.topk_length is not None,
-                         a.sink is not None, profile, refill)
+                         a.sink is not None, profile, refill, bool(a.deterministic))
+
+
+def bound_shapes(a: SparseAttnArgs) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """The shapes of the bounds build's two outputs: the head sums [T, G,
+    HB, NB, 4, 64] (HB head blocks of 64 a kv head, NB = ceil(K / 64) slot
+    blocks; one partial sum a warp of 16 heads) and the levels [T, NB, H]."""
+    from dsa.cute.host import head_blocks
+
+    nb = -(-a.K // 64)
+    return (a.T, a.G, head_blocks(a.H // a.G), nb, 4, 64), (a.T, nb, a.H)
+
+
+def bound_numel(a: SparseAttnArgs) -> int:
+    """Elements of the forward's flat fp32 ``bounds`` output."""
+    hs, lv = bound_shapes(a)
+    return math.prod(hs) + math.prod(lv)
+
+
+def bound_views(a: SparseAttnArgs, bounds: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(head sums, levels) of the flat ``bounds`` (``bound_shapes``).  Entries
+    of blocks past a row's last one holding a valid slot are never written.
+
+    head sums[t, g, hb, b, w, c]: sum over the heads 16 w .. 16 w + 15 of
+    head block hb of p_h / l_h for slot 64 b + c, where at block b the kernel
+    had p_h = exp2(S_h scale log2(e) - mu_h) and its running row sum l_h at
+    mu_h (0 for an invalid slot); levels[t, b, h] = mu_h + log2(l_h).  The
+    final P of slot j is at most p_h / l_h 2^(level_h - log2 den_h)."""
+    hs, lv = bound_shapes(a)
+    n = math.prod(hs)
+    return bounds[:n].view(hs), bounds[n:].view(lv)
 
 
 def _compiled(a: SparseAttnArgs, profile: bool = False, refill: bool = True):
@@ -111,8 +146,10 @@ def _compiled(a: SparseAttnArgs, profile: bool = False, refill: bool = True):
 
 
 def forward(a: SparseAttnArgs, config: Optional[GridConfig] = None,
-            profile: Optional[torch.Tensor] = None, refill: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
-    """out [T, H, d_v] in q.dtype and lse [T, H] fp32 (sink excluded, +inf on empty rows).
+            profile: Optional[torch.Tensor] = None, refill: bool = True) -> Tuple[torch.Tensor, ...]:
+    """out [T, H, d_v] in q.dtype and lse [T, H] fp32 (sink excluded, +inf on
+    empty rows); with a.deterministic also bounds, fp32 [bound_numel(a)]
+    (``bound_views``), for the deterministic cute backward.
 
     profile: an int64 tensor of at least CTAs x 12 x 8 elements runs the
     kernel built with cycle counters (``sparse_attention_sm90.PROF_*``) and
@@ -125,11 +162,17 @@ def forward(a: SparseAttnArgs, config: Optional[GridConfig] = None,
     with torch.cuda.device(a.q.device):
         out = torch.empty((a.T, a.H, a.d_v), dtype=a.q.dtype, device=a.q.device)
         lse = torch.empty((a.T, a.H), dtype=torch.float32, device=a.q.device)
-        # the cycle counters' pointer: written only by the profiling build
+        bounds = torch.empty(bound_numel(a), dtype=torch.float32, device=a.q.device) if a.deterministic else None
+        # the cycle counters' and the bounds' pointers: written only by the profiling and the bounds builds
         ptrs = kernel_pointers(a, out, lse) + (address(profile if profile is not None else lse),)
+        if bounds is not None:
+            hs, lv = bound_views(a, bounds)
+            ptrs += (address(hs), address(lv))
+        else:
+            ptrs += (address(lse), address(lse))
         scalars = kernel_scalars(a, cfg.grid(a.q.device))
         _compiled(a, profile is not None, refill)(*ptrs, *scalars, stream_handle(a.q.device))
-    return out, lse
+    return (out, lse) if bounds is None else (out, lse, bounds)
 
 
 def pointer_types(dt) -> Tuple:
@@ -141,10 +184,11 @@ def pointer_types(dt) -> Tuple:
 
 
 def _sm90_pointer_types(dt) -> Tuple:
-    """``pointer_types``, then the SM90 kernel's cycle counters (int64)."""
+    """``pointer_types``, then the SM90 kernel's cycle counters (int64), head
+    sums and levels (fp32, ``bound_views``)."""
     import cutlass
 
-    return pointer_types(dt) + ((cutlass.Int64, 4),)
+    return pointer_types(dt) + ((cutlass.Int64, 4), (cutlass.Float32, 8), (cutlass.Float32, 4))
 
 
 def kernel_pointers(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor) -> Tuple[int, ...]:
@@ -171,12 +215,12 @@ def kernel_scalars(a: SparseAttnArgs, n_cta: int) -> Tuple:
 
 
 def compile_offline(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, has_sink: bool,
-                    profile: bool = False, refill: bool = True, options: str = "--keep-ptx"):
+                    profile: bool = False, refill: bool = True, options: str = "--keep-ptx", bounds: bool = False):
     """Compile the kernel without a GPU (``CUTE_DSL_ARCH=sm_90a``), for CI and
     inspection; returns the compiled object (options: ``cute.compile``'s, the
     PTX kept by default)."""
     from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
 
     dt = cutlass_dtype(dtype) or dtype
-    kernel = SparseAttnFwdSm90(dt, D, SERVED_DV, H, G, has_len, has_sink, profile, refill)
+    kernel = SparseAttnFwdSm90(dt, D, SERVED_DV, H, G, has_len, has_sink, profile, refill, bounds)
     return compile_kernel(kernel, _sm90_pointer_types(dt), scalar_types(), options)

@@ -14,9 +14,11 @@ preprocess``).
 each value is rounded, before its add, to a power-of-two grid of its kv row
 fine enough that no partial sum of the row rounds, so the adds are exact and
 their order cannot matter.  The grids come from a bound on each row's sum of
-|contributions| known before the first add: ``slot_bound_sm90`` computes two
-head sums of P a slot (S = Q K^T again, the backward's first product) and
-``dsa.triton.dkv_quanta`` turns them into the rows' grids.  The rounding's
+|contributions| known before the first add: two weighted head sums of P a
+slot, from the deterministic cute forward's bounds output where the call has
+it (``dsa.triton.dkv_quanta.forward_bounds``), else from ``slot_bound_sm90``
+(S = Q K^T again, the backward's first product); ``dsa.triton.dkv_quanta``
+turns them into the rows' grids.  The rounding's
 error grows with the adds a row receives, so the tokens' adds go to
 ``dkv_copies`` copies of the accumulator (a range of tokens each, each
 copy with its own grids), summed in a fixed order at the end.
@@ -156,15 +158,21 @@ def natural_columns(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor,
-             dout: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+def backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+             bounds: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """dq [T, H, D] (q.dtype), dkv [N, G, D] (kv.dtype, accumulated in fp32),
     dsink [H] fp32 (None without a sink).  out [T, H, d_v], lse [T, H] fp32
-    (+inf on empty rows) and dout [T, H, d_v] as the forward's."""
+    (+inf on empty rows) and dout [T, H, d_v] as the forward's; bounds the
+    deterministic cute forward's third output (``dsa.cute.sparse_attention.
+    forward``), or None."""
     why = supports_backward(a)
     if why:
         raise ValueError(why)
-    return run_backward(a, out, lse, dout, _launch, exact_dkv=_exact_dkv)
+    return run_backward(a, out, lse, dout, _launch, exact_dkv=_exact_dkv, bounds=bounds)
+
+
+# the op's dispatch passes the forward's bounds output to a backward that says it takes it
+backward.takes_bounds = True
 
 
 # launch(a, dout, lg2den, delta, dq, dkv buffer, t0, tc): an arch's kernel over
@@ -173,16 +181,17 @@ Launch = Callable[[SparseAttnArgs, torch.Tensor, torch.Tensor, torch.Tensor, tor
                   None]
 
 
-# exact_dkv(a, dout, stats, lg2den, delta, dq) -> dkv [N, G, D] in kv's dtype and
-# column order: a deterministic backward whose adds are exact (``_exact_dkv``;
-# stats: the preprocess's max|dO| and ||dO|| bound a row, fp32 [T, H, 2])
-ExactDkv = Callable[[SparseAttnArgs, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                   torch.Tensor]
+# exact_dkv(a, dout, stats, lg2den, delta, dq, bounds) -> dkv [N, G, D] in kv's
+# dtype and column order: a deterministic backward whose adds are exact
+# (``_exact_dkv``; stats: the preprocess's max|dO| and ||dO|| bound a row, fp32
+# [T, H, 2]; bounds: the forward's, or None)
+ExactDkv = Callable[[SparseAttnArgs, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                     Optional[torch.Tensor]], torch.Tensor]
 
 
 def run_backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
-                 launch: Launch, heads_per_part: int = HEADS_PER_CTA, exact_dkv: Optional[ExactDkv] = None
-                 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+                 launch: Launch, heads_per_part: int = HEADS_PER_CTA, exact_dkv: Optional[ExactDkv] = None,
+                 bounds: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``backward``'s host side, shared by every arch's cute backward: the
     per-row terms and dsink's parts from the Triton preprocess (which folds
     the sink), dq, the fp32 dkv accumulator zeroed on the launch stream (the
@@ -191,7 +200,8 @@ def run_backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: 
     back in column order and dsink summed.  heads_per_part: the query heads
     whose sum one deterministic per-slot row holds (the kernel's heads per
     dkv accumulator).  exact_dkv: the arch's deterministic dkv by exact adds;
-    without it the deterministic mode stores per-slot rows."""
+    without it the deterministic mode stores per-slot rows.  bounds: the
+    forward's, passed to exact_dkv."""
     # Under a's device: the torch work, the Triton reduction and the kernel
     # launches are that device's, whatever device is current.
     from dsa.triton.sparse_attention import preprocess
@@ -204,7 +214,7 @@ def run_backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: 
         delta, lg2den, dsink_part = preprocess(a, out.contiguous(), lse.contiguous(), dout, stats)
         dq = torch.empty_like(a.q)
         if exact:
-            dkv = exact_dkv(a, dout, stats, lg2den, delta, dq)
+            dkv = exact_dkv(a, dout, stats, lg2den, delta, dq, bounds)
         else:
             acc = torch.zeros((a.N, a.G, a.D), dtype=torch.float32, device=a.q.device)
             if not a.deterministic:
@@ -273,13 +283,23 @@ def _bound_scalar_types() -> Tuple:
     return cutlass.Int32, cutlass.Int32, cutlass.Int32, cutlass.Float32, cutlass.Float32
 
 
-def _exact_dkv(a: SparseAttnArgs, dout, stats, lg2den, delta, dq) -> torch.Tensor:
+def _exact_dkv(a: SparseAttnArgs, dout, stats, lg2den, delta, dq, bounds=None) -> torch.Tensor:
     """dq, and dkv [N, G, D] (kv's dtype) by exact adds: the rows' grids
-    from the slots' bounds, the kernel adding into ``dkv_copies`` copies,
-    the copies summed in order (and put in column order) in one pass."""
-    from dsa.triton.dkv_quanta import copies_sum, dkv_quanta, value_norms
+    from the slots' bounds (the forward's ``bounds`` where given, else the
+    bound kernel's), the kernel adding into ``dkv_copies`` copies, the copies
+    summed in order (and put in column order) in one pass."""
+    from dsa.triton.dkv_quanta import copies_sum, dkv_quanta, forward_bounds, value_norms
 
-    xy = slot_bounds(a, lg2den, stats, delta)
+    if bounds is not None:
+        from dsa.cute.sparse_attention import bound_numel, bound_views
+
+        if bounds.numel() != bound_numel(a) or bounds.dtype != torch.float32:
+            raise ValueError(f"the forward's bounds must be fp32 [{bound_numel(a)}], got {bounds.dtype} "
+                             f"[{bounds.numel()}]")
+        hs, levels = bound_views(a, bounds)
+        xy = forward_bounds(hs, levels, a.q, stats, delta, lg2den, a.topk_length, a.K, a.sm_scale)
+    else:
+        xy = slot_bounds(a, lg2den, stats, delta)
     copies, tpc = dkv_copies(a)
     magic = dkv_quanta(xy, a.indices, a.topk_length, value_norms(a.kv, a.d_v), a.N, copies, tpc)
     buf = torch.zeros((copies, a.N, a.G, a.D), dtype=torch.float32, device=a.q.device)

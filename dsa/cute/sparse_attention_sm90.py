@@ -35,7 +35,9 @@ The validity rules (docs/semantics.md) are ``dsa.cute.rules``: row maxima
 are in the log2 domain; a row with no valid slot so far keeps -inf and is
 shifted by 0, so no (-inf) - (-inf) appears.  The loop stops after the last
 block holding a valid slot (topk_length), so a row of length L costs about
-L / K of a full row.  The barriers and timed waits are
+L / K of a full row.  The bounds build (``FwdSm90Config.bounds``, for the
+deterministic backward) also writes, for each block, a bound of every slot's
+P summed over the heads (``head_sums``).  The barriers and timed waits are
 ``dsa.cute.pipeline``, the persistent tile order ``dsa.cute.scheduler``.
 Compiled per ``FwdSm90Config`` and cached by ``dsa.cute.sparse_attention``.
 """
@@ -93,14 +95,16 @@ PAIR_THREADS = 256
 class FwdSm90Config(scheduler.ProblemConfig):
     """The static configuration one compiled kernel serves (its compile key):
     the problem, then has_sink (the call passes ``sink``), profile (per-warp
-    cycle counters into prof_ptr, ``PROF_*``) and refill (False: a timing
+    cycle counters into prof_ptr, ``PROF_*``), refill (False: a timing
     build whose producer gathers each stage on its first use only and
     afterwards just signals it, so the consumers never wait for a gather's
-    round trip; its out is not the attention)."""
+    round trip; its out is not the attention) and bounds (the deterministic
+    backward's slot bounds written beside out: ``SparseAttnFwdSm90.head_sums``)."""
 
     has_sink: bool
     profile: bool = False
     refill: bool = True
+    bounds: bool = False
 
 
 def smem_bytes(D: int, d_v: int, elem_bytes: int) -> int:
@@ -147,6 +151,8 @@ class ConsumerState:
     col_lane: Any
     lane: Any
     scale_log2: Any    # sm_scale * log2(e)
+    bnd: Any = None    # the bounds build: (head sums pointer, levels pointer, blocks a row, this
+    #                    tile's offsets into both, rmem Int64 (2,)), else None
 
 
 class SparseAttnFwdSm90:
@@ -154,13 +160,15 @@ class SparseAttnFwdSm90:
 
     producer_regs = PRODUCER_REGS
     consumer_regs = CONSUMER_REGS
+    bounds = False
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, has_sink: bool,
-                 profile: bool = False, refill: bool = True):
+                 profile: bool = False, refill: bool = True, bounds: bool = False):
         why = self.can_implement(dtype, D, d_v, H, G)
         if why is not None:
             raise ValueError(f"SparseAttnFwdSm90: {why}")
-        self.config = FwdSm90Config(dtype, D, d_v, H, G, has_len, has_sink, profile, refill)
+        self.config = FwdSm90Config(dtype, D, d_v, H, G, has_len, has_sink, profile, refill, bounds)
+        self.bounds = bounds
         self.dtype = dtype
         self.D, self.d_v, self.H, self.G = D, d_v, H, G
         self.HG = H // G
@@ -193,7 +201,7 @@ class SparseAttnFwdSm90:
         self,
         q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, len_ptr: cute.Pointer,
         sink_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer, zero_ptr: cute.Pointer,
-        prof_ptr: cute.Pointer,
+        prof_ptr: cute.Pointer, hs_ptr: cute.Pointer, lvl_ptr: cute.Pointer,
         T: Int32, N: Int32, K: Int32, scale_log2: Float32, n_cta: Int32, stream,
     ):
         mmas, layouts = self.operands()
@@ -201,7 +209,7 @@ class SparseAttnFwdSm90:
         n_tiles = scheduler.tile_count(T, self.G, self.HB)
         self.kernel(
             *mmas, *layouts,
-            q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr, zero_ptr, prof_ptr,
+            q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr, zero_ptr, prof_ptr, hs_ptr, lvl_ptr,
             N, K, n_tiles, scale_log2,
         ).launch(grid=[scheduler.grid_size(n_cta, n_tiles), 1, 1], block=[THREADS, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
@@ -264,20 +272,22 @@ class SparseAttnFwdSm90:
         sp_layout: cute.ComposedLayout,
         q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, len_ptr: cute.Pointer,
         sink_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer, zero_ptr: cute.Pointer,
-        prof_ptr: cute.Pointer,
+        prof_ptr: cute.Pointer, hs_ptr: cute.Pointer, lvl_ptr: cute.Pointer,
         N: Int32, K: Int32, n_tiles: Int32, scale_log2: Float32,
     ):
         self.run((qk_mma, pv_mma, pv_mma_ss), (sv_layout, sp_layout), sq_layout, sk_layout, n_tiles,
                  (idx_ptr, len_ptr, K), (kv_ptr, zero_ptr, N), q_ptr, sink_ptr, out_ptr, lse_ptr, prof_ptr,
-                 scale_log2)
+                 scale_log2, (hs_ptr, lvl_ptr, (K + BN - 1) // BN))
 
     @cute.jit
     def run(self, mmas, pv_layouts, sq_layout: cute.ComposedLayout, sk_layout: cute.ComposedLayout, n_tiles,
             tile_args, kv, q_ptr: cute.Pointer, sink_ptr: cute.Pointer, out_ptr: cute.Pointer,
-            lse_ptr: cute.Pointer, prof_ptr: cute.Pointer, scale_log2: Float32):
+            lse_ptr: cute.Pointer, prof_ptr: cute.Pointer, scale_log2: Float32, bound_args=None):
         """The kernel body: shared memory, barriers, then the producer or a
         consumer by warpgroup.  tile_args: what ``slot_tiles`` needs besides
-        the schedule; kv: where the producer reads rows from (``row_sources``)."""
+        the schedule; kv: where the producer reads rows from (``row_sources``);
+        bound_args: the bounds build's (head sums pointer, levels pointer,
+        blocks a row)."""
         qk_mma, pv_mma, pv_mma_ss = mmas
         sv_layout, sp_layout = pv_layouts
         tidx, _, _ = cute.arch.thread_idx()
@@ -312,7 +322,7 @@ class SparseAttnFwdSm90:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             args = (qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, tidx % 128, sQ, sK,
                     st.sP.data_ptr(), st.sM.data_ptr(), st.sL.data_ptr(), st.sOk.data_ptr(), bars, tiles,
-                    sink_ptr, out_ptr, lse_ptr, scale_log2)
+                    sink_ptr, out_ptr, lse_ptr, scale_log2, bound_args)
             self.timer.start()
             if wg == 1:
                 self.consumer(0, *args)
@@ -504,7 +514,7 @@ class SparseAttnFwdSm90:
     # ------------------------------------------------------------- consumers
     @cute.jit
     def consumer_state(self, w: cutlass.Constexpr, qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, wtid,
-                       sQ, sK, sP, sM, sOk, bars, scale_log2) -> ConsumerState:
+                       sQ, sK, sP, sM, sOk, bars, scale_log2, bound_args=None) -> ConsumerState:
         """Consumer w's fragments, accumulators and shared-memory views."""
         D, dvh = self.D, self.dv_half
         lane = wtid % 32
@@ -545,17 +555,21 @@ class SparseAttnFwdSm90:
         m_run = cute.make_rmem_tensor((2,), Float32)
         l_run = cute.make_rmem_tensor((2,), Float32)
         mask = cute.make_rmem_tensor((cute.size(acc_s) // 4, 2), Float32)
+        bnd = None
+        if const_expr(self.bounds):
+            bnd = tuple(bound_args) + (cute.make_rmem_tensor((2,), Int64),)
         return ConsumerState(qk_mma, pv_mma, pv_mma_ss, tSrQ, tSrK, acc_s, acc_o, r_p, mask, m_run, l_run,
                              m0, m1, tPs_own, tOrV_own, tOrV_oth, tOrP_oth, bars[2], bars[3], ok,
-                             row_lo, col_lane, lane, scale_log2)
+                             row_lo, col_lane, lane, scale_log2, bnd)
 
     @cute.jit
     def consumer(self, w: cutlass.Constexpr, qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, wtid,
-                 sQ, sK, sP, sM, sL, sOk, bars, tiles: scheduler.SlotTiles, sink_ptr, out_ptr, lse_ptr, scale_log2):
+                 sQ, sK, sP, sM, sL, sOk, bars, tiles: scheduler.SlotTiles, sink_ptr, out_ptr, lse_ptr, scale_log2,
+                 bound_args=None):
         q_full, q_empty, full, empty = bars
         sched = tiles.sched
         cs = self.consumer_state(w, qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, wtid,
-                                 sQ, sK, sP, sM, sOk, bars, scale_log2)
+                                 sQ, sK, sP, sM, sOk, bars, scale_log2, bound_args)
         u0 = Int32(0)  # uses of stage 0 / stage 1 by earlier tiles
         u1 = Int32(0)
         j = Int32(0)   # tiles done
@@ -564,6 +578,8 @@ class SparseAttnFwdSm90:
             cs.acc_o.fill(0.0)
             cs.m_run.fill(-Float32.inf)
             cs.l_run.fill(0.0)
+            if const_expr(self.bounds):
+                self.bound_offsets(cs, wtid, t, g, head0)
             n_full = n_blocks // 2
             self.timer.wait_mbarrier(q_full, phase(j), PROF_Q)
             if const_expr(w == 0):
@@ -725,6 +741,8 @@ class SparseAttnFwdSm90:
         pipeline.arrive(Barrier.MAX0, PAIR_THREADS)
         self.softmax(cs, mx)
         self.pv(cs.pv_mma, acc_o, r_p, cs.tOrV_own)
+        if const_expr(self.bounds and not has1):
+            self.head_sums(cs, 2 * i)  # the last block, alone: while P0 V0 runs
         self.timer.wait_wgmma(0, PROF_WGMMA)
         cute.arch.mbarrier_arrive(cs.empty + 0)  # stage 0's L: no one reads it again this pair
         if const_expr(has1):
@@ -743,6 +761,8 @@ class SparseAttnFwdSm90:
             self.rescale_o(acc_o, sc)
             self.timer.wait_barrier(Barrier.P1, PAIR_THREADS, PROF_BAR)
             self.pv(cs.pv_mma_ss, acc_o, cs.tOrP_oth, cs.tOrV_oth)
+            if const_expr(self.bounds):
+                self.head_sums(cs, 2 * i, sc)  # while P1 V1 runs (l and m rescaled by sc since P0)
             if 2 * i + 2 < n_blocks:
                 self.qk(cs, 0, i + 1, phase(u0 + i + 1), True)  # releases stage 1's L once P1 V1 retires
             else:
@@ -787,10 +807,94 @@ class SparseAttnFwdSm90:
         self.pv(cs.pv_mma_ss, acc_o, cs.tOrP_oth, cs.tOrV_oth)
         if const_expr(has1):
             pipeline.arrive(Barrier.P1, PAIR_THREADS)
+            if const_expr(self.bounds):
+                self.head_sums(cs, 2 * i + 1)  # while both P V run
             self.timer.wait_wgmma(1, PROF_WGMMA)
             cute.arch.mbarrier_arrive(cs.empty + 3)  # stage 1's R
         self.timer.wait_wgmma(0, PROF_WGMMA)
         cute.arch.mbarrier_arrive(cs.empty + 1)      # stage 0's R (and P0 with it)
+
+    # ------------------------------------------------ the bounds build
+    # For the deterministic backward (dsa.cute.sparse_attention_bwd), which
+    # needs, before its first add, a bound of every slot's P summed over the
+    # heads.  Right after a block's softmax a consumer holds p = exp2(s - mu)
+    # and the row sum l of its own blocks (this one and its earlier ones, at
+    # mu; each thread holds its columns' share, summed over the quad): the
+    # final P = exp2(s - lg2den) is at most p / l, since the whole row's
+    # denominator (both consumers' blocks and the sink) is at least 2^mu l.
+    # The kernel writes, a block, sum_h p_h / l_h a slot (one partial sum a
+    # warp, so that the order of the sums is fixed) and each head's level
+    # mu + log2 l; the backward tightens the sums by max_h 2^(level_h -
+    # lg2den_h), exact for one head (``dsa.triton.dkv_quanta.forward_bounds``).
+
+    @cute.jit
+    def bound_offsets(self, cs: ConsumerState, wtid, t, g, head0):
+        """This tile's offsets into the head sums [T, G, HB, NB, 4, 64] (this
+        thread's warp and column pair included) and the levels [T, NB, H]."""
+        _, _, nb, offs = cs.bnd
+        hb = (head0 - g * self.HG) // BLOCK_H
+        tile = (Int64(t) * Int64(self.G) + Int64(g)) * Int64(self.HB) + Int64(hb)
+        offs[0] = tile * Int64(nb) * Int64(4 * BN) + Int64((wtid // 32) * BN + 2 * cs.lane)
+        offs[1] = Int64(t) * Int64(nb) * Int64(self.H) + Int64(head0)
+
+    @cute.jit
+    def head_sums(self, cs: ConsumerState, blk, sc=None):
+        """Block blk's sum_h p_h / l_h of each slot over this warp's 16 rows
+        and its heads' levels (section comment above).  The 16 column sums
+        of a thread are reduced over its 8 row groups (lane bits 2-4) by
+        halving: each exchange keeps the half of the columns the lane's bit
+        selects, so lane l ends with columns 2l and 2l + 1 (14 shuffles, one
+        8-byte store a lane); the row sums first over the quad (4 shuffles).
+        sc: the factor l and m_run were rescaled by since the block's softmax
+        (consumer 0 after the pair's maxima), so that p / l is the
+        softmax-time ratio."""
+        hs_ptr, lvl_ptr, nb, offs = cs.bnd
+        acc_s, m_run, lane, row_lo = cs.acc_s, cs.m_run, cs.lane, cs.row_lo
+        NJ = cute.size(acc_s) // 4
+        # a thread's l_run holds its own columns' share: the row's sum is over the quad
+        l_row = cute.make_rmem_tensor((2,), Float32)
+        inv = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
+            lr = cs.l_run[r]
+            lr = lr + cute.arch.shuffle_sync_bfly(lr, 1)
+            lr = lr + cute.arch.shuffle_sync_bfly(lr, 2)
+            l_row[r] = lr
+            iv = Float32(0.0)
+            if lr > 0.0:
+                iv = 1.0 / lr
+            if const_expr(sc is not None):
+                iv = iv * sc[r]
+            if const_expr(self.rows < BLOCK_H):
+                # the zero rows past a padded tile's heads have p = 1: not heads
+                iv = Float32(cutlass.select_(row_lo + 8 * r < self.rows, iv, Float32(0.0)))
+            inv[r] = iv
+        # element 4j + 2r + e is row row_lo + 8r, column 8j + col_lane + e; vals[2j + e] its column's sum
+        vals = [acc_s[4 * j + e] * inv[0] + acc_s[4 * j + 2 + e] * inv[1] for j in range(NJ) for e in range(2)]
+        for s in cutlass.range_constexpr(3):
+            bit = 16 >> s
+            half = NJ >> (s + 1)
+            up = (lane & bit) != 0
+            kept = []
+            for j in cutlass.range_constexpr(half):
+                for e in cutlass.range_constexpr(2):
+                    lo_v, hi_v = vals[2 * j + e], vals[2 * (j + half) + e]
+                    send = Float32(cutlass.select_(up, lo_v, hi_v))
+                    keep = Float32(cutlass.select_(up, hi_v, lo_v))
+                    kept.append(keep + cute.arch.shuffle_sync_bfly(send, bit))
+            vals = kept
+        pair = cute.make_rmem_tensor((2,), Float32)
+        pair[0] = vals[0]
+        pair[1] = vals[1]
+        dst = cute.make_ptr(Float32, (hs_ptr + (offs[0] + Int64(blk) * Int64(4 * BN))).toint(),
+                            cute.AddressSpace.gmem, assumed_align=8)
+        cute.autovec_copy(pair, cute.make_tensor(dst, cute.make_layout((2,))))
+        if lane % 4 == 0:
+            for r in cutlass.range_constexpr(2):
+                row = row_lo + 8 * r
+                if self.real_row(row):
+                    lv = cute.make_tensor(lvl_ptr + (offs[1] + Int64(blk) * Int64(self.H) + Int64(row)),
+                                          cute.make_layout((1,)))
+                    lv[0] = finite_shift(m_run[r]) + cute.math.log2(l_row[r], fastmath=True)
 
     @cute.jit
     def epilogue(self, acc_o, m_run, l_run, half, lane, row_lo, col_lane, sink_ptr, out_ptr, lse_ptr,

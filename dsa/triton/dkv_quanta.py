@@ -277,6 +277,87 @@ def copies_sum(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+@triton.jit
+def _forward_bounds_kernel(HS, LV, Q, STATS, DELTA, LG, LEN, XY, T, G, HB, NB, K, abs_scale,
+                           HG: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                           HAS_LEN: tl.constexpr):
+    """XY[hb, t, g, slots of the row's blocks] from the forward's head sums
+    and levels (``forward_bounds``), for program (t, g, hb)."""
+    pid = tl.program_id(0).to(tl.int64)
+    t = pid // (G * HB)
+    g = (pid // HB) % G
+    hb = pid % HB
+    o_r = tl.arange(0, BH)
+    m_h = hb * BH + o_r < HG
+    head = g * HG + hb * BH + o_r
+    H = G * HG
+    # the heads' weights (slot_bound_sm90's wa, wc), at most over the block's heads
+    qmax = tl.zeros([BH], tl.float32)
+    for d0 in tl.static_range(0, D, BD):
+        o_d = d0 + tl.arange(0, BD)
+        q = tl.load(Q + (t * H + head)[:, None] * D + o_d[None, :], mask=m_h[:, None] & (o_d[None, :] < D),
+                    other=0.0)
+        qmax = tl.maximum(qmax, tl.max(tl.abs(q.to(tl.float32)), 1))
+    row = t * H + head
+    dm = tl.load(STATS + row * 2, mask=m_h, other=0.0)
+    norm = tl.load(STATS + row * 2 + 1, mask=m_h, other=0.0)
+    dl = tl.abs(tl.load(DELTA + row, mask=m_h, other=0.0))
+    wa = dm + abs_scale * qmax * dl
+    wc = abs_scale * qmax * norm
+    wa = tl.max(tl.where(wa < float("inf"), wa, 0.0), 0)  # NaN fails the test too
+    wc = tl.max(tl.where(wc < float("inf"), wc, 0.0), 0)
+    lg = tl.load(LG + row, mask=m_h, other=float("inf"))
+    L = row_length(LEN, t, K, HAS_LEN)
+    o_w = tl.arange(0, 4)
+    o_c = tl.arange(0, 64)
+    o_xy = tl.arange(0, 2)
+    w_xy = tl.where(o_xy == 0, wa, wc)
+    tile = (t * G + g) * HB + hb
+    for b in range(0, tl.cdiv(L, 64)):
+        lv = tl.load(LV + (t * NB + b) * H + head, mask=m_h, other=-float("inf"))
+        corr = tl.max(tl.exp2(lv - lg), 0)
+        hs = tl.load(HS + ((tile * NB + b) * 4 + o_w[:, None]) * 64 + o_c[None, :])
+        a = tl.sum(hs, 0) * corr
+        slot = b * 64 + o_c
+        p_xy = XY + (((hb * T + t) * G + g) * K + slot[:, None]) * 2 + o_xy[None, :]
+        tl.store(p_xy, a[:, None] * w_xy[None, :], mask=(slot < K)[:, None])
+
+
+def forward_bounds(hs: torch.Tensor, levels: torch.Tensor, q: torch.Tensor, stats: torch.Tensor,
+                   delta: torch.Tensor, lg2den: torch.Tensor, topk_length: Optional[torch.Tensor], K: int,
+                   sm_scale: float) -> torch.Tensor:
+    """xy [HB, T, G, K, 2] fp32, as ``dsa.cute.slot_bound_sm90`` writes it
+    (X, Y a slot, its columns' contributions within X + Y ||v_n||), from the
+    cute forward's bounds (``dsa.cute.sparse_attention.bound_views``) instead
+    of a second S = Q K^T.
+
+    hs [T, G, HB, NB, 4, 64] and levels [T, NB, H] fp32 (the forward's),
+    q [T, H, D], stats [T, H, 2] (max|dO_h| and the ||dO_h|| bound), delta
+    and lg2den [T, H] fp32 (the preprocess's).  Slot j of block b gets
+
+        X = A_j c_b max_h wa_h,  Y = A_j c_b max_h wc_h,
+
+    A_j the forward's sum over the block's heads of p_h / l_h, c_b =
+    max_h 2^(level_h - lg2den_h) (at most 1; A_j c_b >= sum_h P_h), wa, wc
+    the weights of ``slot_bound_sm90`` over the head block (a weight that is
+    not finite taken as 0).  Slots of blocks past the row's last one holding
+    a valid slot are not written."""
+    T, G, HB, NB = hs.shape[:4]
+    H, D = q.shape[1], q.shape[2]
+    if tuple(hs.shape[4:]) != (4, 64) or tuple(levels.shape) != (T, NB, H) or NB != -(-K // 64):
+        raise ValueError(f"forward_bounds: head sums {tuple(hs.shape)} and levels {tuple(levels.shape)} do not "
+                         f"match T {T}, H {H}, K {K}")
+    xy = torch.empty((HB, T, G, K, 2), dtype=torch.float32, device=q.device)
+    if T and G and K:
+        HG = H // G
+        BH = min(64, triton.next_power_of_2(HG))
+        length = topk_length if topk_length is not None else delta
+        _forward_bounds_kernel[(T * G * HB,)](hs, levels, q, stats, delta, lg2den, length, xy, T, G, HB, NB, K,
+                                              abs(float(sm_scale)), HG=HG, BH=BH, D=D, BD=64,
+                                              HAS_LEN=topk_length is not None, num_warps=4)
+    return xy
+
+
 def _last_dim_dense(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 

@@ -84,27 +84,33 @@ def _rel(a, b) -> float:
 
 
 def _setup(name: str):
-    """The build of ``name`` in place, its shape's arguments, the Triton
-    forward's out and lse, a random dO; (shape, a, out, lse, dout)."""
+    """The build of ``name`` in place, its shape's arguments, the forward's
+    out and lse (the Triton forward's; at a deterministic shape the cute
+    forward's, with its bounds), a random dO; (shape, a, out, lse, dout, bounds)."""
     shape, build = _variant(name)
     cbwd.BUILD = dict(DEFAULT_BUILD, **build)
     a = _args(*SHAPES[shape])
-    out, lse = tsa.forward(a)
+    out, lse, *bounds = cute_sa.forward(a) if a.deterministic else tsa.forward(a)
     dout = torch.randn(a.T, a.H, 512, device="cuda", dtype=torch.bfloat16)
-    return SHAPES[shape], a, out, lse, dout
+    return SHAPES[shape], a, out, lse, dout, (bounds[0] if bounds else None)
+
+
+def _ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def run(name: str, triton_too: bool = True) -> None:
-    (T, N, H, D, K, half, det), a, out, lse, dout = _setup(name)
+    (T, N, H, D, K, half, det), a, out, lse, dout, bounds = _setup(name)
     flop = 2 * T * H * K * (3 * D + 2 * 512)
     res = {}
     grads = {}
-    backends = (("cute", cbwd.backward),) + ((("triton", tsa.backward),) if name in SHAPES and triton_too else ())
+    backends = (("cute", lambda *x: cbwd.backward(*x, bounds)),)
+    if name in SHAPES and triton_too:
+        backends += (("triton", tsa.backward),)
     for backend, fn in backends:
         grads[backend] = fn(a, out, lse, dout)
         torch.cuda.synchronize()
-        ms = triton.testing.do_bench(lambda: fn(a, out, lse, dout), warmup=25, rep=100, return_mode="median")
-        res[backend] = ms
+        res[backend] = _ms(lambda: fn(a, out, lse, dout))
     c = grads["cute"]
     line = (f"{name:11s} T={T} N={N} H={H} D={D} K={K} half={half} det={det} build={cbwd.BUILD}: "
             f"cute {res['cute']:.3f} ms ({flop / res['cute'] / 1e9:.1f} TFLOP/s)")
@@ -115,15 +121,24 @@ def run(name: str, triton_too: bool = True) -> None:
                  f"  speedup {res['triton'] / res['cute']:.2f}x  | cute vs triton: {err}")
     print(line, flush=True)
     if det:
-        again = cbwd.backward(a, out, lse, dout)
+        again = cbwd.backward(a, out, lse, dout, bounds)
         same = all(torch.equal(x, y) for x, y in zip(again, c))
-        # the default (atomic) backward on the same inputs
+        # the default (atomic) backward on the same inputs, and the deterministic one bounding by its own kernel
         d = dataclasses.replace(a, deterministic=False)
-        ms = triton.testing.do_bench(lambda: cbwd.backward(d, out, lse, dout), warmup=25, rep=100,
-                                     return_mode="median")
+        ms = _ms(lambda: cbwd.backward(d, out, lse, dout))
+        own = _ms(lambda: cbwd.backward(a, out, lse, dout))
+        own_dkv = cbwd.backward(a, out, lse, dout)[1]
+        free = cbwd.backward(d, out, lse, dout)
         print(f"{name:9s} deterministic: bitwise equal on a second run: {same}; the default {ms:.3f} ms, "
-              f"deterministic / default speed {ms / res['cute']:.3f}, dkv vs the default's "
-              f"{_rel(c[1], cbwd.backward(d, out, lse, dout)[1]):.2e}", flush=True)
+              f"deterministic / default speed {ms / res['cute']:.3f} (the forward's bounds; "
+              f"{ms / own:.3f} with the bound kernel, {own:.3f} ms), dkv vs the default's "
+              f"{_rel(c[1], free[1]):.2e} ({_rel(own_dkv, free[1]):.2e}), dq equal {torch.equal(c[0], free[0])}",
+              flush=True)
+        fd, fn_ = _ms(lambda: cute_sa.forward(a)), _ms(lambda: cute_sa.forward(d))
+        o2, l2 = cute_sa.forward(d)
+        print(f"{name:9s} cute forward with the bounds {fd:.3f} ms, without {fn_:.3f} ms ({fd / fn_:.3f}); "
+              f"out equal {torch.equal(o2, out)}, lse equal {torch.equal(l2, lse)}; training step "
+              f"deterministic {fd + res['cute']:.3f} ms, default {fn_ + ms:.3f} ms", flush=True)
 
 
 def parts(name: str) -> None:
@@ -133,14 +148,14 @@ def parts(name: str) -> None:
     deterministic shape also the pieces of its exact adds."""
     from dsa.triton.sparse_attention import preprocess
 
-    (T, N, H, D, K, half, det), a, out, lse, dout = _setup(name)
+    (T, N, H, D, K, half, det), a, out, lse, dout, bounds = _setup(name)
     delta, lg2den, _ = preprocess(a, out, lse, dout)
     dq = torch.empty_like(a.q)
     dkv = torch.zeros((N, 1, D), dtype=torch.float32, device="cuda")
     cbwd.backward(a, out, lse, dout)
     nd = dataclasses.replace(a, deterministic=False)
     steps = {
-        "whole": lambda: cbwd.backward(a, out, lse, dout),
+        "whole": lambda: cbwd.backward(a, out, lse, dout, bounds),
         "preprocess": lambda: preprocess(a, out, lse, dout),
         "zero": lambda: dkv.zero_(),
         "kernel": lambda: cbwd._launch(nd, dout, lg2den, delta, dq, dkv, 0, T),
@@ -151,7 +166,7 @@ def parts(name: str) -> None:
         # the slot bounds, the value norms,
         # the rows' grids, the copies' zero fill, the kernel with rounded
         # adds, the copies' sum
-        from dsa.triton.dkv_quanta import copies_sum, dkv_quanta, value_norms
+        from dsa.triton.dkv_quanta import copies_sum, dkv_quanta, forward_bounds, value_norms
 
         stats = torch.empty((T, H, 2), dtype=torch.float32, device="cuda")
         preprocess(a, out, lse, dout, stats)
@@ -164,6 +179,8 @@ def parts(name: str) -> None:
         steps.update({
             "preprocess_stats": lambda: preprocess(a, out, lse, dout, stats),
             "bounds": lambda: cbwd.slot_bounds(a, lg2den, stats, delta),
+            "forward_bounds": lambda: forward_bounds(*cute_sa.bound_views(a, bounds), a.q, stats, delta, lg2den,
+                                                     a.topk_length, K, a.sm_scale),
             "vnorm": lambda: value_norms(a.kv, 512),
             "quanta": lambda: dkv_quanta(xy, a.indices, a.topk_length, vn, N, copies, tpc),
             "zero_copies": lambda: buf.zero_(),
@@ -192,10 +209,10 @@ def sanitize() -> None:
         tl = torch.tensor([0, -3, K + 9, 1, 65, 200, K, 17], dtype=torch.int32, device="cuda")
         for det in (False, True):
             b = SparseAttnArgs(a.q, a.kv, idx, tl, a.sink, a.sm_scale, 512, det)
-            out, lse = cute_sa.forward(b)
+            out, lse, *bounds = cute_sa.forward(b)
             ref_out, _ = tsa.forward(b)
             dout = torch.randn(T, H, 512, device="cuda", dtype=torch.bfloat16)
-            dq, dkv, dsink = cbwd.backward(b, out, lse, dout)
+            dq, dkv, dsink = cbwd.backward(b, out, lse, dout, *bounds)
             torch.cuda.synchronize()
             print(f"sanitize H={H} det={det}: out vs triton {_rel(out, ref_out):.1e}, "
                   f"finite {bool(dq.isfinite().all() and dkv.isfinite().all())}", flush=True)

@@ -692,8 +692,6 @@ def test_slot_bounds_against_float64_and_every_contribution(H, G, D, dtype):
     covers every column of the slot's float64 dkv contribution (the sum
     the backward adds), with sinks, topk_length, hostile indices and NaN in
     the rows no valid slot reads."""
-    from dsa.triton.dkv_quanta import value_norms
-
     T, K = 12, 640
     a = _case(T, 1024, H, G, D, K, dtype, sink=[1.0, -INF, INF], lengths=_lengths(T, K, 17),
               hostile=True, nan_rows=True)
@@ -701,36 +699,57 @@ def test_slot_bounds_against_float64_and_every_contribution(H, G, D, dtype):
     _poison(4 * 8 * T * G * K * 2)
     xy = cbwd.slot_bounds(a, lg2den, stats, delta)
     torch.cuda.synchronize()
-    HG = H // G
-    L = a.topk_length.long().clamp(0, K)
-    idx = a.indices.long()
-    valid = (torch.arange(K, device="cuda")[None, None, :] < L[:, None, None]) & (idx >= 0) & (idx < a.N)
-    safe = torch.where(valid, idx, 0)
-    kvd = a.kv.double()
-    X = torch.zeros(T, G, K, dtype=torch.float64, device="cuda")
-    Y = torch.zeros_like(X)
-    most = torch.zeros_like(X)
-    for g in range(G):
-        k = kvd[safe[:, g], g]                                   # [T, K, D]
-        q = a.q[:, g * HG:(g + 1) * HG].double()                 # [T, HG, D]
-        do = dout[:, g * HG:(g + 1) * HG].double()
-        S = torch.einsum("thd,tkd->thk", q, k) * a.sm_scale
-        lg2 = lg2den[:, g * HG:(g + 1) * HG].double()
-        P = torch.where(valid[:, g, None, :], torch.exp2(S * math.log2(math.e) - lg2[..., None]), 0.0)
-        wg = w[:, g * HG:(g + 1) * HG].double()
-        X[:, g] = torch.einsum("thk,th->tk", P, wg[..., 0])
-        Y[:, g] = torch.einsum("thk,th->tk", P, wg[..., 1])
-        dP = torch.einsum("thv,tkv->thk", do, k[..., :a.d_v])
-        dS = P * (dP - delta[:, g * HG:(g + 1) * HG].double()[..., None]) * a.sm_scale
-        c = torch.einsum("thk,thd->tkd", dS, q)
-        c[..., :a.d_v] += torch.einsum("thk,thv->tkv", P, do)
-        most[:, g] = c.abs().amax(-1)
+    valid = _valid_slots(a)
+    most, X, Y = _contributions(a, dout, lg2den, delta, valid, w)
     got = xy.double().sum(0)
-    assert not torch.isnan(got[valid]).any()
     for name, x, e in (("X", got[..., 0], X), ("Y", got[..., 1], Y)):
         err = bf.rel_l2(x[valid], e[valid])
         assert err < 1e-4, (name, err)
-    vn = value_norms(a.kv, a.d_v).double()[safe, torch.arange(G, device="cuda")[None, :, None]]
+    _assert_covers(a, xy, valid, most)
+
+
+def _valid_slots(a: SparseAttnArgs) -> torch.Tensor:
+    """[T, G, K] bool: slot j < clamp(topk_length, 0, K) and 0 <= index < N."""
+    L = a.topk_length.long().clamp(0, a.K)
+    idx = a.indices.long()
+    return (torch.arange(a.K, device=idx.device)[None, None, :] < L[:, None, None]) & (idx >= 0) & (idx < a.N)
+
+
+def _contributions(a: SparseAttnArgs, dout, lg2den, delta, valid, w=None):
+    """float64 of each valid slot's dkv contribution (the sum the backward
+    adds for it): (its largest column |value| [T, G, K], and with the
+    weights w [T, H, 2] the head sums X = sum_h P w_h0, Y = sum_h P w_h1)."""
+    T, G, K, HG = a.T, a.G, a.K, a.H // a.G
+    safe = torch.where(valid, a.indices.long(), 0)
+    most = torch.zeros(T, G, K, dtype=torch.float64, device=valid.device)
+    X, Y = torch.zeros_like(most), torch.zeros_like(most)
+    for g in range(G):
+        heads = slice(g * HG, (g + 1) * HG)
+        k = a.kv.double()[safe[:, g], g]                      # [T, K, D]
+        q, do = a.q[:, heads].double(), dout[:, heads].double()
+        S = torch.einsum("thd,tkd->thk", q, k) * a.sm_scale
+        lg2 = lg2den[:, heads].double()
+        P = torch.where(valid[:, g, None, :], torch.exp2(S * math.log2(math.e) - lg2[..., None]), 0.0)
+        if w is not None:
+            X[:, g] = torch.einsum("thk,th->tk", P, w[:, heads, 0].double())
+            Y[:, g] = torch.einsum("thk,th->tk", P, w[:, heads, 1].double())
+        dP = torch.einsum("thv,tkv->thk", do, k[..., :a.d_v])
+        dS = P * (dP - delta[:, heads].double()[..., None]) * a.sm_scale
+        c = torch.einsum("thk,thd->tkd", dS, q)
+        c[..., :a.d_v] += torch.einsum("thk,thv->tkv", P, do)
+        most[:, g] = c.abs().amax(-1)
+    return most, X, Y
+
+
+def _assert_covers(a: SparseAttnArgs, xy, valid, most) -> None:
+    """xy [P, T, G, K, 2] (summed over P) written at every valid slot, and X +
+    Y ||v_n|| covering the slot's largest float64 contribution ``most``."""
+    from dsa.triton.dkv_quanta import value_norms
+
+    got = xy.double().sum(0)
+    assert not torch.isnan(got[valid]).any()
+    safe = torch.where(valid, a.indices.long(), 0)
+    vn = value_norms(a.kv, a.d_v).double()[safe, torch.arange(a.G, device=safe.device)[None, :, None]]
     bound = got[..., 0] + got[..., 1] * vn
     assert (most[valid] <= bound[valid] * (1 + 1e-4)).all()
     assert (bound[valid] > 0).any()
@@ -780,7 +799,7 @@ def test_forward_bounds_against_float64_and_every_contribution(H, G, D, dtype):
     column of each valid slot's float64 dkv contribution; out and lse equal
     to the default build's; sinks, topk_length, hostile indices and NaN in
     the rows no valid slot reads."""
-    from dsa.triton.dkv_quanta import forward_bounds, value_norms
+    from dsa.triton.dkv_quanta import forward_bounds
     from dsa.triton.sparse_attention import preprocess
 
     T, K = 12, 640
@@ -793,8 +812,7 @@ def test_forward_bounds_against_float64_and_every_contribution(H, G, D, dtype):
     assert torch.equal(out, out0) and torch.equal(lse, lse0)
     hs, levels = cute_sa.bound_views(a, bounds)
     L = a.topk_length.long().clamp(0, K)
-    idx = a.indices.long()
-    valid = (torch.arange(K, device="cuda")[None, None, :] < L[:, None, None]) & (idx >= 0) & (idx < a.N)
+    valid = _valid_slots(a)
     hs64, lv64 = _forward_levels(a, valid)
     done = torch.arange(hs.shape[3], device="cuda")[None, :] < (-(-L // 64))[:, None]   # [T, NB] blocks computed
     got = hs.double().sum(4)                                                             # the warps' partials
@@ -811,27 +829,7 @@ def test_forward_bounds_against_float64_and_every_contribution(H, G, D, dtype):
     stats = torch.empty((T, H, 2), device="cuda")
     delta, lg2den, _ = preprocess(a, out, lse, dout, stats)
     xy = forward_bounds(hs, levels, a.q, stats, delta, lg2den, a.topk_length, K, a.sm_scale)
-    HG = H // G
-    safe = torch.where(valid, idx, 0)
-    most = torch.zeros(T, G, K, dtype=torch.float64, device="cuda")
-    for g in range(G):
-        k = a.kv.double()[safe[:, g], g]
-        q = a.q[:, g * HG:(g + 1) * HG].double()
-        do = dout[:, g * HG:(g + 1) * HG].double()
-        S = torch.einsum("thd,tkd->thk", q, k) * a.sm_scale
-        lg2 = lg2den[:, g * HG:(g + 1) * HG].double()
-        P = torch.where(valid[:, g, None, :], torch.exp2(S * math.log2(math.e) - lg2[..., None]), 0.0)
-        dP = torch.einsum("thv,tkv->thk", do, k[..., :a.d_v])
-        dS = P * (dP - delta[:, g * HG:(g + 1) * HG].double()[..., None]) * a.sm_scale
-        c = torch.einsum("thk,thd->tkd", dS, q)
-        c[..., :a.d_v] += torch.einsum("thk,thv->tkv", P, do)
-        most[:, g] = c.abs().amax(-1)
-    b = xy.double().sum(0)
-    assert not torch.isnan(b[valid]).any()
-    vn = value_norms(a.kv, a.d_v).double()[safe, torch.arange(G, device="cuda")[None, :, None]]
-    bound = b[..., 0] + b[..., 1] * vn
-    assert (most[valid] <= bound[valid] * (1 + 1e-4)).all()
-    assert (bound[valid] > 0).any()
+    _assert_covers(a, xy, valid, _contributions(a, dout, lg2den, delta, valid)[0])
 
 
 @pytest.mark.gpu

@@ -94,7 +94,10 @@ def test_forward_bounds_reach_a_backward_that_takes_them(monkeypatch):
     marker = torch.arange(7.0)
     seen = []
 
+    modes = []
+
     def fwd(a):
+        modes.append(a.deterministic)
         out, lse = reference.sparse_attention_fwd(a)
         return (out, lse, marker.clone()) if a.deterministic else (out, lse)
 
@@ -127,3 +130,9 @@ def test_forward_bounds_reach_a_backward_that_takes_them(monkeypatch):
     assert run(False) == []                   # no bounds written: none passed
     del bwd.takes_bounds
     assert run(True) == []                    # a backward that does not take them
+    # without a backward to come the forward runs in the default mode: no bounds to write
+    modes.clear()
+    with torch.no_grad():
+        dsa.sparse_attention(q, kv, idx, deterministic=True, backend="reference")
+    dsa.sparse_attention(q.detach(), kv, idx, deterministic=True, backend="reference")
+    assert modes == [False, False]

@@ -9,7 +9,7 @@ problems (each dataclass's ``empty``) are answered here, before any backend,
 so that no kernel is ever launched on them.
 """
 
-from dsa.ops._core import Op, call, flat
+from dsa.ops._core import Op, call, direct_plain, flat
 from dsa.ops.decode import sparse_decode
 from dsa.ops.indexer import indexer_scores, indexer_scores_bwd, indexer_topk
 from dsa.ops.sparse_attention import sparse_attention_bwd, sparse_attention_fwd
@@ -26,6 +26,7 @@ from dsa.ops.training import (
 __all__ = [
     "Op",
     "call",
+    "direct_plain",
     "flat",
     "sparse_attention_fwd",
     "sparse_attention_bwd",

@@ -3,6 +3,7 @@
 * On a machine without CUDA, ``TRITON_INTERPRET=1`` is set here, at import
   time and before anything imports triton, so the Triton kernels run under
   the interpreter on CPU tensors (that is how CI tests them).
+* torch.compile's caches go to a fresh directory for the session.
 * The ``gpu`` marker tags tests that need CUDA; they are skipped when
   ``torch.cuda`` is unavailable.
 * ``case`` parametrises a test over (device, backend, dtype): on CPU the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +29,9 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     # Must happen before triton is imported anywhere (dsa imports it lazily).
     os.environ["TRITON_INTERPRET"] = "1"
+# torch.compile's on-disk caches do not key on a custom op's schema: a graph
+# compiled against an earlier dsa could be replayed. The session compiles afresh.
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="dsa-tests-inductor-")
 
 import pytest  # noqa: E402
 

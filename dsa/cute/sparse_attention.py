@@ -125,9 +125,12 @@ def bound_views(a: SparseAttnArgs, bounds: torch.Tensor) -> Tuple[torch.Tensor, 
     head block hb of p_h / l_h for slot 64 b + c, where at block b the kernel
     had p_h = exp2(S_h scale log2(e) - mu_h) and its running row sum l_h at
     mu_h (0 for an invalid slot); levels[t, b, h] = mu_h + log2(l_h).  The
-    final P of slot j is at most p_h / l_h 2^(level_h - log2 den_h)."""
+    final P of slot j is at most p_h / l_h 2^(level_h - log2 den_h).
+    Raises ValueError unless bounds is fp32 [bound_numel(a)]."""
     hs, lv = bound_shapes(a)
-    n = math.prod(hs)
+    n, total = math.prod(hs), bound_numel(a)
+    if bounds.dim() != 1 or bounds.numel() != total or bounds.dtype != torch.float32:
+        raise ValueError(f"the forward's bounds must be fp32 [{total}], got {bounds.dtype} {tuple(bounds.shape)}")
     return bounds[:n].view(hs), bounds[n:].view(lv)
 
 

@@ -61,7 +61,7 @@ def _variant(name: str):
     for item in spec.split("+"):
         key, value = item.split("=", 1)
         build[key] = int(value) if value.lstrip("-").isdigit() else value
-        if key in ("evict_last", "scatter"):
+        if key in ("evict_last", "scatter", "kernel_delta", "index_ahead"):
             build[key] = bool(build[key])
     return shape, build
 DEFAULT_BUILD = dict(cbwd.BUILD)
@@ -158,7 +158,7 @@ def parts(name: str) -> None:
         "whole": lambda: cbwd.backward(a, out, lse, dout, bounds),
         "preprocess": lambda: preprocess(a, out, lse, dout),
         "zero": lambda: dkv.zero_(),
-        "kernel": lambda: cbwd._launch(nd, dout, lg2den, delta, dq, dkv, 0, T),
+        "kernel": lambda: cbwd._launch(nd, dout, lg2den, delta, dq, dkv, 0, T, out=out),
         "columns": lambda: cbwd.natural_columns(dkv, torch.bfloat16),
     }
     if det:

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -51,8 +52,9 @@ _NEEDLES = (
 
 _CONFIGS = [
     ("v32_bf16_len", "bfloat16", 576, 128, 1, True, False, {}),
-    # the other build options: no L2 hint, every dkv chunk on warpgroup 1
-    ("fp16_d512_h64_nohint", "float16", 512, 64, 1, False, False, {"evict_last": False, "c0_chunks": 0}),
+    # the other build options: no L2 hint, every dkv chunk on warpgroup 1, Delta from the preprocess
+    ("fp16_d512_h64_nohint", "float16", 512, 64, 1, False, False,
+     {"evict_last": False, "c0_chunks": 0, "kernel_delta": False}),
     # the deterministic build: each value rounded to its row's grid before the add
     ("v32_bf16_det", "bfloat16", 576, 128, 1, True, True, {}),
     # a tensor-parallel shard: 16 heads a kv head, one tile padded to 64 rows
@@ -73,7 +75,9 @@ def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
         # tile, one tile on each consumer and the RoPE one), dkv (2 per value
         # chunk, 1 per RoPE chunk, and step of 16 real heads of the tile)
         steps = min(H // G, 64) // 16
-        n_wgmma = D // 16 + 512 // 16 + 2 * 4 + 4 * (D > 512) + steps * (2 * 8 + (D > 512))
+        # kernel_delta (never in the deterministic build): Delta as dO out^T once a tile
+        kd = build.get("kernel_delta", cbwd.BUILD["kernel_delta"]) and not det
+        n_wgmma = D // 16 + 512 // 16 + 2 * 4 + 4 * (D > 512) + steps * (2 * 8 + (D > 512)) + kd * 512 // 16
         assert r["wgmma.mma_async"] == n_wgmma, (name, r)
         assert r["cp.async.cg.shared.global"] >= D // 64 * 4, (name, r)  # the gather
         assert r["cp.async.mbarrier.arrive.noinc"] >= 2, (name, r)       # Q and dO; each block
@@ -88,7 +92,7 @@ def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
         assert r["add.rn.f32"] == r["sub.rn.f32"] == (4 * n_out if det else 0), (name, r)
         # evict-last for the adds (one in each consumer), evict-first for Q / dO and dq (l2_hints 3)
         assert r["createpolicy"] >= (2 if hint else 0) + bool(hints), (name, r)
-        n_q = (D + 512) // 64 * 4   # Q's and dO's 16-byte copies a thread
+        n_q = (D + 512 + kd * 512) // 64 * 4   # Q's, dO's (and out's) 16-byte copies a thread
         assert r["cp.async.cg.shared.global.L2::cache_hint"] == (n_q if hints & 1 else 0), (name, r)
         n_dq = 128 + 16 * (D > 512)  # dq words a thread: 64 a warpgroup, 16 more for the RoPE columns
         assert r["st.global.L2::cache_hint.b32"] == (n_dq if hints & 2 else 0), (name, r)
@@ -97,8 +101,9 @@ def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
         # two warpgroups of up to 255 registers: none moved between them
         assert r["setmaxnreg.inc"] == 0 and r["setmaxnreg.dec"] == 0, (name, r)
         assert r["mbarrier.try_wait"] >= 3, (name, r)
-        # the dS / P hand-off between the consumers: written (READY), free again (FREE)
-        assert r["bar.sync"] >= 2 and r["bar.arrive"] >= 2, (name, r)
+        # the dS / P hand-off between the consumers: written (READY), free again (FREE);
+        # and warpgroup 0's Delta in shared memory (DELTA)
+        assert r["bar.sync"] >= 2 + kd and r["bar.arrive"] >= 2, (name, r)
 
 
 _BOUND_NEEDLES = ("wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc", "ex2.approx",
@@ -437,11 +442,74 @@ def test_launch_runs_under_the_device_with_the_shared_zero_row(monkeypatch):
     pytest.importorskip("cutlass")
     events, launched, zero = fake_launch(monkeypatch, cbwd, 576)
     a = _fake_sm90_args(indices="idx", sm_scale=0.5)
-    cbwd._launch(a, "dout", "lg2den", "delta", "dq", "dkv", 0, 4)
+    cbwd._launch(a, "dout", "lg2den", "delta", "dq", "dkv", 0, 4, out="out")
     dev = a.q.device
     assert events == [("enter", dev), ("zero_row", dev, torch.bfloat16, 576), ("stream", dev), ("exit", dev)]
     (args,) = launched
     assert args[9] is zero and args[2] == "idx" and args[3] == "idx" and args[-1] == "stream"
+
+
+def test_kernel_delta_launch_passes_out_and_needs_it(monkeypatch):
+    """The kernel_delta build (the default) gets the forward's out as its
+    last pointer and refuses a launch without it; the deterministic build
+    never computes Delta itself (its grids need Delta before the kernel),
+    and its builder refuses to."""
+    pytest.importorskip("cutlass")
+    from dsa.cute.sparse_attention_bwd_sm90 import SparseAttnBwdSm90
+
+    assert cbwd.BUILD["kernel_delta"]
+    events, launched, zero = fake_launch(monkeypatch, cbwd, 576)
+    a = _fake_sm90_args(indices="idx", sm_scale=0.5)
+    assert cbwd.kernel_config(a).kernel_delta
+    assert not cbwd.kernel_config(_fake_sm90_args(deterministic=True)).kernel_delta
+    with pytest.raises(ValueError, match="pass out"):
+        cbwd._launch(a, "dout", "lg2den", "delta", "dq", "dkv", 0, 4)
+    cbwd._launch(a, "dout", "lg2den", "delta", "dq", "dkv", 0, 4, out="out")
+    (args,) = launched
+    assert args[11] == "out" and args[6] == "delta" and args[-1] == "stream"
+    import cutlass
+
+    with pytest.raises(ValueError, match="kernel_delta serves the default build"):
+        SparseAttnBwdSm90(cutlass.BFloat16, 576, 512, 128, 1, False, True, kernel_delta=True)
+
+
+@pytest.mark.parametrize("sink", [False, True])
+def test_kernel_delta_host_steps(monkeypatch, sink):
+    """With kernel_delta the preprocess skips out and dO (delta=False) and
+    the launch, given out contiguous, writes Delta; dsink is then the sum of
+    the preprocess's -p_sink times that Delta; the deterministic mode runs
+    the full preprocess."""
+    pytest.importorskip("cutlass")
+    from dsa.triton import sparse_attention as tsa
+
+    a = _args(T=3, N=16, H=64, K=64, sink=sink)
+    out = torch.randn(64, 3, 512).transpose(0, 1)  # not contiguous: the launch gets a contiguous copy
+    lse, dout = torch.randn(3, 64), torch.randn(3, 64, 512)
+    delta_k = torch.randn(3, 64)  # what the fake kernel writes
+    neg_psink = -torch.rand(3, 64)
+    calls = []
+
+    def preprocess(a_, o, l_, do, stats, delta=True):
+        calls.append(("preprocess", delta))
+        d = torch.full((3, 64), float("nan")) if not delta else torch.ones(3, 64)
+        return d, torch.zeros(3, 64), (neg_psink.clone() if sink else None)
+
+    def launch(a_, do, lg2, dl, dq, buf, t0, tc, magic=None, tpc=1, out=None):
+        calls.append(("launch", out is not None))
+        assert out.is_contiguous() and torch.equal(out, out_ref)
+        dl.copy_(delta_k)
+
+    out_ref = out
+    monkeypatch.setattr(tsa, "preprocess", preprocess)
+    monkeypatch.setattr(cbwd, "_launch", launch)
+    monkeypatch.setattr(cbwd, "supports_backward", lambda a: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    dq, dkv, dsink = cbwd.backward(a, out, lse, dout)
+    assert calls == [("preprocess", False), ("launch", True)]
+    if sink:
+        torch.testing.assert_close(dsink, (neg_psink * delta_k).sum(0), rtol=0, atol=0)
+    else:
+        assert dsink is None
 
 
 def test_other_ops_are_still_declined():

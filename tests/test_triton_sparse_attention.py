@@ -642,6 +642,28 @@ def test_keys_as_rows_forward(nan_outputs, dtype):
     assert not torch.isnan(out).any() and torch.all(lse[1:3] == math.inf)
 
 
+def test_preprocess_without_delta_reads_neither_out_nor_dout():
+    """delta=False (the cute backward whose kernel computes Delta): out and dO
+    (NaN here) are not read, log2 den is the full pass's and the dsink terms
+    are -p_sink, so that terms * Delta are the full pass's terms."""
+    gen = torch.Generator().manual_seed(3)
+    sink = torch.randn(16, generator=gen)
+    sink[:3] = torch.tensor([math.inf, -math.inf, 1e30])
+    a = SparseAttnArgs(torch.randn(5, 16, 576, generator=gen, device=DEV), torch.randn(8, 1, 576, device=DEV),
+                       torch.zeros(5, 1, 8, dtype=torch.int32, device=DEV), None, sink.to(DEV), 576 ** -0.5, 512)
+    out = torch.randn(5, 16, 512, generator=gen)
+    dout = torch.randn(5, 16, 512, generator=gen)
+    lse = torch.randn(5, 16, generator=gen)
+    lse[0, 4:6] = math.inf  # empty rows
+    delta, lg2, parts = (x.cpu() for x in sa.preprocess(a, out.to(DEV), lse.to(DEV), dout.to(DEV)))
+    nan = torch.full_like(out, math.nan).to(DEV)
+    _, lg2_, neg_psink = (x.cpu() for x in sa.preprocess(a, nan, lse.to(DEV), nan, delta=False))
+    assert torch.equal(lg2_, lg2)
+    assert not torch.isnan(neg_psink).any() and (neg_psink <= 0).all()
+    torch.testing.assert_close(neg_psink * delta, parts, rtol=0, atol=0)
+    assert torch.equal(neg_psink[:, 0], torch.full((5,), -1.0)) and torch.equal(neg_psink[:, 1], torch.zeros(5))
+
+
 def test_preprocess_dout_stats():
     """The preprocess's dO stats (the deterministic cute backward's bounds
     read them): max|dO| of each row exactly, ||dO|| within fp32 rounding;

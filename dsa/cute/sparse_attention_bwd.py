@@ -5,10 +5,13 @@
 
 on the canonical packed layout of :class:`dsa._args.SparseAttnArgs`.  The
 kernel is ``sparse_attention_bwd_sm90.SparseAttnBwdSm90``; what it can serve
-is its ``can_implement``.  The per-row terms it reads (Delta = dO . out and
-log2 of the softmax denominator, sink included) and dsink's parts come from
-the Triton backward's one-pass preprocess (``dsa.triton.sparse_attention.
-preprocess``).
+is its ``can_implement``.  log2 of the softmax denominator (sink included)
+and dsink's parts come from the Triton backward's preprocess
+(``dsa.triton.sparse_attention.preprocess``); Delta = dO . out from the
+kernel itself (``kernel_delta``), which reads out's rows of a tile into its
+stage, where the preprocess would read all of out and dO once more, or, in
+the deterministic mode, whose grids need Delta before the kernel, from the
+preprocess too.
 
 ``deterministic`` makes dkv bitwise reproducible with the same atomics:
 each value is rounded, before its add, to a power-of-two grid of its kv row
@@ -50,8 +53,10 @@ SERVED_DV = 512
 # evict-first, so that the once-read tiles leave L2 to kv and dkv (V4-flash,
 # whose 16384 kv rows and dkv fill the L2, 3.2% faster; the model shapes
 # within 1% else; the gathered rows evict-last, measured as bit 4, did not
-# help and is gone, C98).
-BUILD = dict(evict_last=True, c0_chunks=2, l2_hints=3)
+# help and is gone, C98); kernel_delta, Delta computed in the kernel, not
+# by the preprocess's pass over out and dO (0.4-1.9% faster at the model
+# shapes, C158-C160).
+BUILD = dict(evict_last=True, c0_chunks=2, l2_hints=3, kernel_delta=True)
 
 # (BwdSm90Config, device index) -> compiled kernel: a compiled kernel's
 # module is loaded in the context of the device it was compiled on.
@@ -90,7 +95,16 @@ def kernel_config(a: SparseAttnArgs, build: Optional[dict] = None):
     from dsa.cute.sparse_attention_bwd_sm90 import BwdSm90Config
 
     return BwdSm90Config(cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G, a.topk_length is not None,
-                         bool(a.deterministic), **dict(BUILD, **(build or {})))
+                         bool(a.deterministic), **_options(bool(a.deterministic), build))
+
+
+def _options(deterministic: bool, build: Optional[dict]) -> dict:
+    """``BUILD`` updated by ``build``, less kernel_delta in the deterministic
+    mode (the exact adds' grids are made from Delta before the kernel runs)."""
+    options = dict(BUILD, **(build or {}))
+    if deterministic:
+        options["kernel_delta"] = False
+    return options
 
 
 def _ptr_types(dt):
@@ -106,10 +120,10 @@ def _ptr_types(dt):
 
 def _sm90_ptr_types(dt):
     """The SM90 kernel's pointers: ``_ptr_types``, then the deterministic
-    build's grids (magic)."""
+    build's grids (magic) and the forward's out (read by kernel_delta)."""
     import cutlass
 
-    return _ptr_types(dt) + ((cutlass.Float32, 4),)
+    return _ptr_types(dt) + ((cutlass.Float32, 4), (dt, 16))
 
 
 def scalar_types() -> Tuple:
@@ -136,14 +150,18 @@ def _compiled(a: SparseAttnArgs):
 
 
 def _launch(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv_buf, t0: int, tc: int,
-            magic: Optional[torch.Tensor] = None, tpc: int = 1) -> None:
+            magic: Optional[torch.Tensor] = None, tpc: int = 1, out: Optional[torch.Tensor] = None) -> None:
     """The kernel over the tokens [t0, t0 + tc), under a's device; the
     deterministic build also takes the rows' grids and the tokens per dkv
-    copy (``dkv_copies``)."""
+    copy (``dkv_copies``); the kernel_delta build takes the forward's out
+    (contiguous) and writes delta."""
+    if kernel_config(a).kernel_delta and out is None:
+        raise ValueError("the kernel_delta build of the backward computes Delta from the forward's out: pass out")
     length = a.topk_length if a.topk_length is not None else a.indices  # never read when absent
     with torch.cuda.device(a.q.device):
         tensors = (a.q, a.kv, a.indices, length, dout, lg2den, delta, dq, dkv_buf,
-                   zero_row(a.q.device, a.q.dtype, a.D), magic if magic is not None else dkv_buf)
+                   zero_row(a.q.device, a.q.dtype, a.D), magic if magic is not None else dkv_buf,
+                   out if out is not None else dout)
         _compiled(a)(*(address(x) for x in tensors), tc, t0, a.N, a.K, float(a.sm_scale * LOG2E),
                      float(a.sm_scale), tpc, stream_handle(a.q.device))
 
@@ -168,7 +186,14 @@ def backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: torc
     why = supports_backward(a)
     if why:
         raise ValueError(why)
-    return run_backward(a, out, lse, dout, _launch, exact_dkv=_exact_dkv, bounds=bounds)
+    if not kernel_config(a).kernel_delta:
+        return run_backward(a, out, lse, dout, _launch, exact_dkv=_exact_dkv, bounds=bounds)
+    out = out.contiguous()
+
+    def launch(a, dout, lg2den, delta, dq, dkv_buf, t0, tc):
+        _launch(a, dout, lg2den, delta, dq, dkv_buf, t0, tc, out=out)
+
+    return run_backward(a, out, lse, dout, launch, kernel_delta=True)
 
 
 # the op's dispatch passes the forward's bounds output to a backward that says it takes it
@@ -191,7 +216,8 @@ ExactDkv = Callable[[SparseAttnArgs, torch.Tensor, torch.Tensor, torch.Tensor, t
 
 def run_backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                  launch: Launch, heads_per_part: int = HEADS_PER_CTA, exact_dkv: Optional[ExactDkv] = None,
-                 bounds: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+                 bounds: Optional[torch.Tensor] = None,
+                 kernel_delta: bool = False) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``backward``'s host side, shared by every arch's cute backward: the
     per-row terms and dsink's parts from the Triton preprocess (which folds
     the sink), dq, the fp32 dkv accumulator zeroed on the launch stream (the
@@ -201,7 +227,9 @@ def run_backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: 
     whose sum one deterministic per-slot row holds (the kernel's heads per
     dkv accumulator).  exact_dkv: the arch's deterministic dkv by exact adds;
     without it the deterministic mode stores per-slot rows.  bounds: the
-    forward's, passed to exact_dkv."""
+    forward's, passed to exact_dkv.  kernel_delta: the launch computes Delta
+    (and writes it), so the preprocess reads neither out nor dO (default
+    mode only)."""
     # Under a's device: the torch work, the Triton reduction and the kernel
     # launches are that device's, whatever device is current.
     from dsa.triton.sparse_attention import preprocess
@@ -211,7 +239,9 @@ def run_backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: 
         exact = a.deterministic and exact_dkv is not None
         # the exact adds' bounds take max|dO| and ||dO|| of each row from the same pass
         stats = torch.empty((a.T, a.H, 2), dtype=torch.float32, device=a.q.device) if exact else None
-        delta, lg2den, dsink_part = preprocess(a, out.contiguous(), lse.contiguous(), dout, stats)
+        kernel_delta = kernel_delta and not a.deterministic
+        delta, lg2den, dsink_part = preprocess(a, out.contiguous(), lse.contiguous(), dout, stats,
+                                               delta=not kernel_delta)
         dq = torch.empty_like(a.q)
         if exact:
             dkv = exact_dkv(a, dout, stats, lg2den, delta, dq, bounds)
@@ -222,6 +252,8 @@ def run_backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: 
             else:
                 _deterministic_dkv(a, dout, lg2den, delta, dq, acc, launch, heads_per_part)
             dkv = natural_columns(acc, a.kv.dtype)
+        if dsink_part is not None and kernel_delta:  # the preprocess wrote -p_sink alone
+            dsink_part = dsink_part.mul_(delta)
         dsink = dsink_part.sum(0) if dsink_part is not None else None
         return dq, dkv, dsink
 
@@ -344,5 +376,5 @@ def compile_offline_backward(dtype: torch.dtype, D: int, H: int, G: int, has_len
     from dsa.cute.sparse_attention_bwd_sm90 import BwdSm90Config, SparseAttnBwdSm90
 
     dt = cutlass_dtype(dtype)
-    cfg = BwdSm90Config(dt, D, SERVED_DV, H, G, has_len, deterministic, **dict(BUILD, **(build or {})))
+    cfg = BwdSm90Config(dt, D, SERVED_DV, H, G, has_len, deterministic, **_options(deterministic, build))
     return compile_kernel(SparseAttnBwdSm90.from_config(cfg), _sm90_ptr_types(dt), scalar_types(), options)

@@ -5,7 +5,10 @@ One CTA per (token t, kv head g, block of 64 query heads; a kv head of 16 or
 zero), two warpgroups of up to 255 registers each (with a third, producer
 warpgroup the consumers get 240 and ptxas spills and serialises their wgmma):
 
-* warpgroup 0 loads Q [64, D] and dO [64, d_v] of the tile once and gathers
+* warpgroup 0 loads Q [64, D] and dO [64, d_v] of the tile once (with
+  ``kernel_delta`` also out's rows [64, d_v], into the stage: Delta is the
+  diagonal of dO out^T, the dP product on them, before block 0 is
+  gathered there) and gathers
   the kv rows of each block of 64 slots by index with 16-byte cp.async into
   one swizzled stage [64, D], signalled on ``full`` with
   ``cp.async.mbarrier.arrive``; block i + 1's gather is issued as soon as
@@ -77,6 +80,7 @@ class Barrier(NamedBarrier):
 
     FREE = 1   # warpgroup 1 is done reading the dS / P buffers
     READY = 2  # dS and P of the block are in shared memory
+    DELTA = 3  # warpgroup 0: the tile's Delta is in shared memory (kernel_delta)
 
 
 @dataclass(frozen=True)
@@ -88,8 +92,10 @@ class BwdSm90Config(scheduler.ProblemConfig):
     adds keep dkv's lines in L2 ahead of the gathered rows), c0_chunks (the
     64-column dkv chunks warpgroup 0 takes), scatter False (a timing build
     that adds none of dkv: its dkv is not the gradient), l2_hints (bits: 1
-    Q and dO loaded evict-first, 2 dq stored evict-first), index_ahead (a block's kv-row
-    indices loaded while the block before it is computed)."""
+    Q and dO loaded evict-first, 2 dq stored evict-first), index_ahead (a block's kv-row indices loaded while the
+    block before it is computed), kernel_delta (Delta = dO . out computed by
+    the kernel, out's rows loaded into the stage before the first gather,
+    and written to delta; the default build reads the preprocess's)."""
 
     deterministic: bool
     evict_last: bool = True
@@ -97,6 +103,7 @@ class BwdSm90Config(scheduler.ProblemConfig):
     scatter: bool = True
     l2_hints: int = 0
     index_ahead: bool = True
+    kernel_delta: bool = False
 
 
 
@@ -112,15 +119,17 @@ class SparseAttnBwdSm90:
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, deterministic: bool,
                  evict_last: bool = True, c0_chunks: int = 2, scatter: bool = True, l2_hints: int = 0,
-                 index_ahead: bool = True):
+                 index_ahead: bool = True, kernel_delta: bool = False):
         why = self.can_implement(dtype, D, d_v, H, G)
         if why is not None:
             raise ValueError(f"SparseAttnBwdSm90: {why}")
         if not 0 <= c0_chunks < D // 64:  # warpgroup 1 releases the dS / P buffers after its last chunk
             raise ValueError(f"SparseAttnBwdSm90: c0_chunks={c0_chunks} is not in [0, {D // 64})")
+        if kernel_delta and deterministic:  # the exact adds' grids need Delta before the kernel
+            raise ValueError("SparseAttnBwdSm90: kernel_delta serves the default build, not the deterministic one")
         self.config = BwdSm90Config(dtype, D, d_v, H, G, has_len, deterministic, evict_last, c0_chunks,
-                                    scatter, l2_hints, index_ahead)
-        self.l2_hints, self.index_ahead = l2_hints, index_ahead
+                                    scatter, l2_hints, index_ahead, kernel_delta)
+        self.l2_hints, self.index_ahead, self.kernel_delta = l2_hints, index_ahead, kernel_delta
         self.dtype = dtype
         self.D, self.d_v, self.H, self.G = D, d_v, H, G
         self.HG = H // G
@@ -160,7 +169,8 @@ class SparseAttnBwdSm90:
         q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, len_ptr: cute.Pointer,
         dout_ptr: cute.Pointer, lg2den_ptr: cute.Pointer, delta_ptr: cute.Pointer,
         dq_ptr: cute.Pointer, dkv_ptr: cute.Pointer, zero_ptr: cute.Pointer, magic_ptr: cute.Pointer,
-        T: Int32, t0: Int32, N: Int32, K: Int32, scale_log2: Float32, sm_scale: Float32, tpc: Int32, stream,
+        out_ptr: cute.Pointer, T: Int32, t0: Int32, N: Int32, K: Int32, scale_log2: Float32, sm_scale: Float32,
+        tpc: Int32, stream,
     ):
         dt = self.dtype
         K_ = warpgroup.OperandMajorMode.K
@@ -195,6 +205,7 @@ class SparseAttnBwdSm90:
             full: cute.struct.MemRange[Int64, 1]
             empty: cute.struct.MemRange[Int64, 1]
             sOk: cute.struct.MemRange[Float32, BN]  # the block's mask by slot: 0 or -inf
+            sDelta: cute.struct.MemRange[Float32, BLOCK_H]  # the tile's Delta (kernel_delta)
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sq_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdo_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sk_layout)], 1024]
@@ -207,7 +218,7 @@ class SparseAttnBwdSm90:
             s_mma, dq_mma, dq1_mma, kv_mma,
             sq_layout, sdo_layout, sk_layout, sp_layout, kt0_layout, kt1_layout, t64_layout,
             q_ptr, kv_ptr, idx_ptr, len_ptr, dout_ptr, lg2den_ptr, delta_ptr, dq_ptr, dkv_ptr, zero_ptr,
-            magic_ptr, T, t0, N, K, scale_log2, sm_scale, tpc,
+            magic_ptr, out_ptr, T, t0, N, K, scale_log2, sm_scale, tpc,
         ).launch(grid=[n_tiles, 1, 1], block=[PAIR_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device
@@ -220,7 +231,8 @@ class SparseAttnBwdSm90:
         q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, len_ptr: cute.Pointer,
         dout_ptr: cute.Pointer, lg2den_ptr: cute.Pointer, delta_ptr: cute.Pointer,
         dq_ptr: cute.Pointer, dkv_ptr: cute.Pointer, zero_ptr: cute.Pointer, magic_ptr: cute.Pointer,
-        T: Int32, t0: Int32, N: Int32, K: Int32, scale_log2: Float32, sm_scale: Float32, tpc: Int32,
+        out_ptr: cute.Pointer, T: Int32, t0: Int32, N: Int32, K: Int32, scale_log2: Float32, sm_scale: Float32,
+        tpc: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         tile_id, _, _ = cute.arch.block_idx()
@@ -242,10 +254,14 @@ class SparseAttnBwdSm90:
             m_.set(warpgroup.Field.ACCUMULATE, True)
         raw_p = cute.recast_ptr(st.sP.data_ptr(), None)
         raw_ds = cute.recast_ptr(st.sdS.data_ptr(), None)
-        gather = (sQ, sdO, sK, st.sOk.data_ptr(), q_ptr, dout_ptr, kv_ptr, zero_ptr)
+        # out's rows of the tile go into the stage's first d_v columns (the
+        # K-major atoms of a [64, D] tile are laid out as those of [64, d_v])
+        sO = st.sK.get_tensor(sdo_layout.outer, swizzle=sdo_layout.inner)
+        gather = (sQ, sdO, sK, st.sOk.data_ptr(), q_ptr, dout_ptr, kv_ptr, zero_ptr, out_ptr, sO)
         args = (s_mma, dq_mma, dq1_mma, kv_mma, sp_layout, kt0_layout, kt1_layout, t64_layout,
-                tidx % 128, sQ, sdO, sK, raw_ds, raw_p, st.sOk.data_ptr(), bars, tile,
-                idx_ptr, lg2den_ptr, delta_ptr, dq_ptr, dkv_ptr, magic_ptr, T, t0, N, K, scale_log2, sm_scale, tpc)
+                tidx % 128, sQ, sdO, sK, raw_ds, raw_p, st.sOk.data_ptr(), st.sDelta.data_ptr(), bars, tile,
+                idx_ptr, lg2den_ptr, delta_ptr, dq_ptr, dkv_ptr, magic_ptr, T, t0, N, K, scale_log2,
+                sm_scale, tpc)
         if wg == 0:
             self.warpgroup_main(0, gather, *args)
         else:
@@ -272,7 +288,7 @@ class SparseAttnBwdSm90:
     def loader(self, tidx, gather, tile, q_full):
         """Issue the copies of Q and dO (signalled on q_full) by warpgroup 0's
         thread tidx; return what its block gathers need."""
-        sQ, sdO, sK, sOk, q_ptr, dout_ptr, kv_ptr, zero_ptr = gather
+        sQ, sdO, sK, sOk, q_ptr, dout_ptr, kv_ptr, zero_ptr, out_ptr, sO = gather
         t, head0 = tile[1], tile[4]
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                    self.dtype, num_bits_per_copy=128)
@@ -289,6 +305,9 @@ class SparseAttnBwdSm90:
                        row_in_pass, col0, **pad)
         copy_head_rows(atom, thr.partition_D(sdO), dout_ptr, self.dtype, t, self.H, head0, BLOCK_H, self.d_v,
                        row_in_pass, col0, **pad)
+        if const_expr(self.kernel_delta):
+            copy_head_rows(atom, thr.partition_D(sO), out_ptr, self.dtype, t, self.H, head0, BLOCK_H, self.d_v,
+                           row_in_pass, col0, **pad)
         cute.arch.cp_async_mbarrier_arrive_noinc(q_full)
         regs = (cute.make_rmem_tensor((BN // 16,), Int32), cute.make_rmem_tensor((BN // 16,), Int64),
                 cute.make_rmem_tensor((BN // 16,), Float32))
@@ -346,7 +365,7 @@ class SparseAttnBwdSm90:
     # ------------------------------------------------------------- warpgroups
     @cute.jit
     def warpgroup_main(self, w: cutlass.Constexpr, gather, s_mma, dq_mma, dq1_mma, kv_mma, sp_layout, kt0_layout,
-                 kt1_layout, t64_layout, wtid, sQ, sdO, sK, raw_ds, raw_p, sOk, bars, tile,
+                 kt1_layout, t64_layout, wtid, sQ, sdO, sK, raw_ds, raw_p, sOk, sDelta, bars, tile,
                  idx_ptr, lg2den_ptr, delta_ptr, dq_ptr, dkv_ptr, magic_ptr, T, t0, N, K, scale_log2, sm_scale,
                  tpc):
         q_full, full, empty = bars
@@ -388,10 +407,16 @@ class SparseAttnBwdSm90:
             if n_blocks > 0:
                 if const_expr(self.index_ahead):
                     self.fetch_block(ld, 0, tile)
-                self.gather_block(ld, 0, tile, N, full, empty)
+                if const_expr(not self.kernel_delta):
+                    self.gather_block(ld, 0, tile, N, full, empty)
             cute.arch.mbarrier_wait(q_full, 0)
             sc = self.scores_setup(s_mma, sp_layout, wtid, sQ, sdO, sK, raw_ds, raw_p, sOk, t, head0,
                                    row_lo, col_lane, lg2den_ptr, delta_ptr)
+            if const_expr(self.kernel_delta):
+                # out's rows fill the stage now; block 0 is gathered once they are read
+                self.row_delta(sc, sDelta, t, head0, row_lo, col_lane, delta_ptr)
+                if n_blocks > 0:
+                    self.gather_block(ld, 0, tile, N, full, empty)
             for i in cutlass.range(n_blocks, unroll=1):
                 self.slot_rows(rows, rok, i, row_lo, lane, L, row0, idx_row, dkv_ptr, N, magic_ptr, mz)
                 cute.arch.mbarrier_wait(full, phase(i))
@@ -439,13 +464,43 @@ class SparseAttnBwdSm90:
                 dl[r] = Float32(0.0)
                 if row_lo + 8 * r < self.rows:
                     lg2[r] = load(lg2den_ptr, off)
-                    dl[r] = load(delta_ptr, off)
+                    if const_expr(not self.kernel_delta):
+                        dl[r] = load(delta_ptr, off)
             else:
                 lg2[r] = load(lg2den_ptr, off)
-                dl[r] = load(delta_ptr, off)
+                if const_expr(not self.kernel_delta):
+                    dl[r] = load(delta_ptr, off)
         ok = cute.make_tensor(sOk, cute.make_layout((BN,)))
         return (s_mma, tSrQ, tSrK, tSrdO, acc_s, acc_dp, thr_s.partition_C(ds), thr_s.partition_C(pp),
                 r_ds, r_p, mask, lg2, dl, ok, col_lane)
+
+    @cute.jit
+    def row_delta(self, sc, sDelta, t, head0, row_lo, col_lane, delta_ptr):
+        """kernel_delta, warpgroup 0, with out's rows of the tile in the stage:
+        Delta = the diagonal of dO out^T (the dP product on the stage), into
+        shared memory, this thread's rows' into dl and every real row's into
+        delta [T, H] (dsink's terms); the stage is then free for block 0."""
+        s_mma, tSrQ, tSrK, tSrdO, acc_s, acc_dp, tDs, tPs, r_ds, r_p, mask, lg2, dl, ok, _ = sc
+        acc_dp.fill(0.0)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(self.d_v // 16):
+            cute.gemm(s_mma, acc_dp, tSrdO[None, None, k], tSrK[None, None, k], acc_dp)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        sd = cute.make_tensor(sDelta, cute.make_layout((BLOCK_H,)))
+        # accumulator element 4j + 2r + e sits at row row_lo + 8r, column 8j + col_lane + e
+        for i_ in cutlass.range_constexpr(cute.size(acc_dp)):
+            j, r, e = i_ // 4, (i_ // 2) % 2, i_ % 2
+            row = row_lo + 8 * r
+            if 8 * j + col_lane + e == row:
+                sd[row] = acc_dp[i_]
+                if row < self.rows:
+                    dst = cute.make_tensor(delta_ptr + (Int64(t) * Int64(self.H) + Int64(head0 + row)),
+                                           cute.make_layout((1,)))
+                    dst[0] = acc_dp[i_]
+        cute.arch.barrier(barrier_id=Barrier.DELTA, number_of_threads=128)
+        for r in cutlass.range_constexpr(2):
+            dl[r] = sd[row_lo + 8 * r]
 
     @cute.jit
     def scores(self, sc, i, scale_log2, sm_scale):

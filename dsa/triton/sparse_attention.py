@@ -244,33 +244,36 @@ def forward(a: SparseAttnArgs, config: Optional[TileConfig] = None) -> Tuple[tor
 
 
 def preprocess(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
-               stats: Optional[torch.Tensor] = None):
+               stats: Optional[torch.Tensor] = None, delta: bool = True):
     """Delta = dO . out, log2(den) (sink included; +inf where every p is 0:
     empty rows, a sink of +inf or one whose exp overflows) and the per-row
     dsink terms (None without a sink), all [T, H] fp32, in one pass over out
     and dO [T, H, d_v] (contiguous).  With ``stats`` (fp32 [T, H, 2]) the
     same pass also writes max|dO| and an upper bound of ||dO|| of each row
-    there.  Shared by the Triton and cute backwards."""
+    there.  delta False (for a kernel that computes Delta itself): out and
+    dO are not read, Delta is left unwritten and the dsink terms are
+    -p_sink, to be multiplied by Delta.  Shared by the Triton and cute
+    backwards."""
     T, H = a.T, a.H
     f32 = dict(dtype=torch.float32, device=a.q.device)
-    delta = torch.empty((T, H), **f32)
     lg2den = torch.empty((T, H), **f32)
     dsink_part = torch.empty((T, H), **f32) if a.sink is not None else None
-    spec = preprocess_spec(a, stats is not None)
+    spec = preprocess_spec(a, stats is not None, delta)
+    delta_ = torch.empty((T, H), **f32)
     bwd_preprocess_kernel[(triton.cdiv(T * H, spec.constexprs["BR"]),)](
-        out, dout, lse, a.sink, delta, lg2den, dsink_part, stats, T * H, **spec.launch_kwargs(),
+        out, dout, lse, a.sink, delta_, lg2den, dsink_part, stats, T * H, **spec.launch_kwargs(),
     )
-    return delta, lg2den, dsink_part
+    return delta_, lg2den, dsink_part
 
 
-def preprocess_spec(a: SparseAttnArgs, stats: bool = False) -> fit.KernelSpec:
+def preprocess_spec(a: SparseAttnArgs, stats: bool = False, delta: bool = True) -> fit.KernelSpec:
     """The backward's preprocess: 16 rows x 128 columns of out and dO a step
     (a few KB of shared memory at most, on every target)."""
     el = fit.ptr(a.q.dtype)
     types = dict(out_ptr=el, dout_ptr=el, lse_ptr="*fp32", sink_ptr="*fp32", delta_ptr="*fp32",
                  lg2den_ptr="*fp32", dsink_part_ptr="*fp32", stats_ptr="*fp32")
     const = dict(H=a.H, D_V=a.d_v, BR=16, BV=min(128, triton.next_power_of_2(a.d_v)), HAS_SINK=a.sink is not None,
-                 STATS=stats)
+                 STATS=stats, DELTA=delta)
     return fit.KernelSpec(bwd_preprocess_kernel, types, const, 4, 3)
 
 

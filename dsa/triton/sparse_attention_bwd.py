@@ -49,26 +49,31 @@ from dsa.triton.sparse_attention_fwd import scores
 def bwd_preprocess_kernel(
     out_ptr, dout_ptr, lse_ptr, sink_ptr, delta_ptr, lg2den_ptr, dsink_part_ptr, stats_ptr,
     R, H: tl.constexpr, D_V: tl.constexpr,
-    BR: tl.constexpr, BV: tl.constexpr, HAS_SINK: tl.constexpr, STATS: tl.constexpr,
+    BR: tl.constexpr, BV: tl.constexpr, HAS_SINK: tl.constexpr, STATS: tl.constexpr, DELTA: tl.constexpr = True,
 ):
     """Over the flattened R = T * H rows (t, h).  STATS: also max|dO| and an
-    upper bound of ||dO|| a row, stats[r] = (max, norm) fp32."""
+    upper bound of ||dO|| a row, stats[r] = (max, norm) fp32.  DELTA False:
+    out and dO are not read, delta is not written and the dsink terms are
+    -p_sink (a kernel computing Delta multiplies them)."""
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
     m_r = o_r < R
     o_r = o_r.to(tl.int64)
     b_delta = tl.zeros([BR], tl.float32)
     b_max = tl.zeros([BR], tl.float32)
     b_ssq = tl.zeros([BR], tl.float32)
-    for v0 in range(0, D_V, BV):
-        o_v = v0 + tl.arange(0, BV)
-        m = m_r[:, None] & (o_v[None, :] < D_V)
-        p = o_r[:, None] * D_V + o_v[None, :]
-        b_o = tl.load(out_ptr + p, mask=m, other=0.0).to(tl.float32)
-        b_do = tl.load(dout_ptr + p, mask=m, other=0.0).to(tl.float32)
-        b_delta += tl.sum(b_o * b_do, 1)
-        if STATS:
-            b_max = tl.maximum(b_max, tl.max(tl.abs(b_do), 1))
-            b_ssq += tl.sum(b_do * b_do, 1)
+    if DELTA:
+        for v0 in range(0, D_V, BV):
+            o_v = v0 + tl.arange(0, BV)
+            m = m_r[:, None] & (o_v[None, :] < D_V)
+            p = o_r[:, None] * D_V + o_v[None, :]
+            b_o = tl.load(out_ptr + p, mask=m, other=0.0).to(tl.float32)
+            b_do = tl.load(dout_ptr + p, mask=m, other=0.0).to(tl.float32)
+            b_delta += tl.sum(b_o * b_do, 1)
+            if STATS:
+                b_max = tl.maximum(b_max, tl.max(tl.abs(b_do), 1))
+                b_ssq += tl.sum(b_do * b_do, 1)
+    else:
+        b_delta += 1.0
     if STATS:
         # a sum of squares that is not a normal number (its squares under- or
         # overflowed, or NaN) gives way to sqrt(d_v) max|dO|, also a bound of ||dO||
@@ -95,7 +100,8 @@ def bwd_preprocess_kernel(
     # Empty rows (log den = -inf) get +inf so that every p_j = exp2(s - inf) = 0;
     # log2(den) of a huge sink overflows to +inf with the same effect.
     b_lg2 = tl.where(b_logden == float("-inf"), float("inf"), b_logden * LOG2E)
-    tl.store(delta_ptr + o_r, b_delta, mask=m_r)
+    if DELTA:
+        tl.store(delta_ptr + o_r, b_delta, mask=m_r)
     tl.store(lg2den_ptr + o_r, b_lg2, mask=m_r)
 
 

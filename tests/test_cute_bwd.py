@@ -903,10 +903,11 @@ def test_forward_bounds_against_float64_and_every_contribution(H, G, D, dtype):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("H,D", [(128, 576), (64, 512)])
-def test_deterministic_from_forward_bounds_bitwise_and_float64(H, D):
+def test_deterministic_from_forward_bounds_bitwise_and_float64(H, D, monkeypatch):
     """The deterministic backward given the cute forward's bounds: against
     float64 (NaN-poisoned outputs), bitwise equal over 10 runs, within the
-    rounding of the default's dkv and of the bound kernel's."""
+    rounding of the default's dkv and of the bound kernel's; dq bitwise the
+    default's with Delta from the same preprocess (no atomics in dq)."""
     T, K = 24, 2048
     a = _case(T, 1024, H, 1, D, K, torch.bfloat16, sink=[1.0, -INF], lengths=_lengths(T, K, 7), hostile=True,
               nan_rows=True, deterministic=True)
@@ -924,6 +925,7 @@ def test_deterministic_from_forward_bounds_bitwise_and_float64(H, D):
     for _ in range(9):
         r = cbwd.backward(a, out, lse, dout, bounds)
         assert torch.equal(r[0], dq) and torch.equal(r[1], dkv) and torch.equal(r[2], dsink)
+    monkeypatch.setattr(cbwd, "BUILD", dict(cbwd.BUILD, kernel_delta=False))
     free = cbwd.backward(dataclasses.replace(a, deterministic=False), out, lse, dout)
     own = cbwd.backward(a, out, lse, dout)
     assert torch.equal(free[0], dq)
@@ -933,11 +935,12 @@ def test_deterministic_from_forward_bounds_bitwise_and_float64(H, D):
 
 @pytest.mark.gpu
 @gpu
-def test_deterministic_dkv_is_the_sum_of_its_rounded_adds():
+def test_deterministic_dkv_is_the_sum_of_its_rounded_adds(monkeypatch):
     """The deterministic dkv against the non-deterministic one on the same
     call: within the rounding the rows' grids allow (each (copy, row) at most
     2^-22 of its bound a value), and bitwise equal over runs while the
-    default's atomics are free to differ."""
+    default's atomics are free to differ; dq bitwise the default's with
+    Delta from the same preprocess."""
     T, K = 32, 2048
     a = _case(T, 2048, 128, 1, 576, K, torch.bfloat16, sink=[1.0], lengths=_lengths(T, K, 23), hostile=True)
     det = SparseAttnArgs(*[getattr(a, f) for f in ("q", "kv", "indices", "topk_length", "sink", "sm_scale",
@@ -947,6 +950,7 @@ def test_deterministic_dkv_is_the_sum_of_its_rounded_adds():
     dout = torch.randn(T, a.H, a.d_v, generator=gen).to(a.q.dtype).cuda()
     out, lse = out64.to(a.q.dtype), lse64.float()
     runs = [cbwd.backward(det, out, lse, dout) for _ in range(3)]
+    monkeypatch.setattr(cbwd, "BUILD", dict(cbwd.BUILD, kernel_delta=False))
     free = cbwd.backward(a, out, lse, dout)
     for r in runs[1:]:
         assert all(torch.equal(x, y) for x, y in zip(r[:2], runs[0][:2]))

@@ -54,8 +54,8 @@ SERVED_DV = 512
 # whose 16384 kv rows and dkv fill the L2, 3.2% faster; the model shapes
 # within 1% else; the gathered rows evict-last, measured as bit 4, did not
 # help and is gone, C98); kernel_delta, Delta computed in the kernel, not
-# by the preprocess's pass over out and dO (0.4-1.9% faster at the model
-# shapes, C158-C160).
+# by the preprocess's pass over out and dO (0-4% faster at the model shapes
+# in three runs, never slower; C158, C159, C164).
 BUILD = dict(evict_last=True, c0_chunks=2, l2_hints=3, kernel_delta=True)
 
 # (BwdSm90Config, device index) -> compiled kernel: a compiled kernel's

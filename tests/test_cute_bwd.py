@@ -494,8 +494,9 @@ def test_kernel_delta_host_steps(monkeypatch, sink):
         d = torch.full((3, 64), float("nan")) if not delta else torch.ones(3, 64)
         return d, torch.zeros(3, 64), (neg_psink.clone() if sink else None)
 
-    def launch(a_, do, lg2, dl, dq, buf, t0, tc, magic=None, tpc=1, out=None):
+    def launch(a_, do, lg2, dl, dq, buf, t0, tc, magic=None, tpc=1, out=None, cfg=None):
         calls.append(("launch", out is not None))
+        assert cfg == cbwd.kernel_config(a)  # made once a call, passed on
         assert out.is_contiguous() and torch.equal(out, out_ref)
         dl.copy_(delta_k)
 

@@ -135,10 +135,11 @@ def scalar_types() -> Tuple:
     return I32, I32, I32, I32, F32, F32, I32
 
 
-def _compiled(a: SparseAttnArgs):
-    """The compiled kernel for ``a`` on a's device (compiled on first use,
-    under that device)."""
-    cfg = kernel_config(a)
+def _compiled(a: SparseAttnArgs, cfg=None):
+    """The compiled kernel for ``a`` (its ``kernel_config``, or ``cfg`` when
+    the caller has it) on a's device (compiled on first use, under that
+    device)."""
+    cfg = cfg or kernel_config(a)
     key = (cfg, a.q.device.index)
     fn = _COMPILED.get(key)
     if fn is None:
@@ -150,19 +151,22 @@ def _compiled(a: SparseAttnArgs):
 
 
 def _launch(a: SparseAttnArgs, dout, lg2den, delta, dq, dkv_buf, t0: int, tc: int,
-            magic: Optional[torch.Tensor] = None, tpc: int = 1, out: Optional[torch.Tensor] = None) -> None:
+            magic: Optional[torch.Tensor] = None, tpc: int = 1, out: Optional[torch.Tensor] = None,
+            cfg=None) -> None:
     """The kernel over the tokens [t0, t0 + tc), under a's device; the
     deterministic build also takes the rows' grids and the tokens per dkv
     copy (``dkv_copies``); the kernel_delta build takes the forward's out
-    (contiguous) and writes delta."""
-    if kernel_config(a).kernel_delta and out is None:
+    (contiguous) and writes delta.  cfg: a's ``kernel_config`` when the
+    caller has it (a few microseconds of host time each)."""
+    cfg = cfg or kernel_config(a)
+    if cfg.kernel_delta and out is None:
         raise ValueError("the kernel_delta build of the backward computes Delta from the forward's out: pass out")
     length = a.topk_length if a.topk_length is not None else a.indices  # never read when absent
     with torch.cuda.device(a.q.device):
         tensors = (a.q, a.kv, a.indices, length, dout, lg2den, delta, dq, dkv_buf,
                    zero_row(a.q.device, a.q.dtype, a.D), magic if magic is not None else dkv_buf,
                    out if out is not None else dout)
-        _compiled(a)(*(address(x) for x in tensors), tc, t0, a.N, a.K, float(a.sm_scale * LOG2E),
+        _compiled(a, cfg)(*(address(x) for x in tensors), tc, t0, a.N, a.K, float(a.sm_scale * LOG2E),
                      float(a.sm_scale), tpc, stream_handle(a.q.device))
 
 
@@ -186,12 +190,13 @@ def backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: torc
     why = supports_backward(a)
     if why:
         raise ValueError(why)
-    if not kernel_config(a).kernel_delta:
+    cfg = kernel_config(a)
+    if not cfg.kernel_delta:
         return run_backward(a, out, lse, dout, _launch, exact_dkv=_exact_dkv, bounds=bounds)
     out = out.contiguous()
 
     def launch(a, dout, lg2den, delta, dq, dkv_buf, t0, tc):
-        _launch(a, dout, lg2den, delta, dq, dkv_buf, t0, tc, out=out)
+        _launch(a, dout, lg2den, delta, dq, dkv_buf, t0, tc, out=out, cfg=cfg)
 
     return run_backward(a, out, lse, dout, launch, kernel_delta=True)
 

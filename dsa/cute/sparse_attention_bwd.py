@@ -7,11 +7,11 @@ on the canonical packed layout of :class:`dsa._args.SparseAttnArgs`.  The
 kernel is ``sparse_attention_bwd_sm90.SparseAttnBwdSm90``; what it can serve
 is its ``can_implement``.  log2 of the softmax denominator (sink included)
 and dsink's parts come from the Triton backward's preprocess
-(``dsa.triton.sparse_attention.preprocess``); Delta = dO . out from the
-kernel itself (``kernel_delta``), which reads out's rows of a tile into its
-stage, where the preprocess would read all of out and dO once more, or, in
-the deterministic mode, whose grids need Delta before the kernel, from the
-preprocess too.
+(``dsa.triton.sparse_attention.preprocess``).  Delta = dO . out comes from
+the kernel itself (``kernel_delta``: it reads a tile's rows of out into its
+stage, where the preprocess would read all of out and dO once more); the
+deterministic mode, whose grids need Delta before the kernel runs, takes it
+from the preprocess.
 
 ``deterministic`` makes dkv bitwise reproducible with the same atomics:
 each value is rounded, before its add, to a power-of-two grid of its kv row

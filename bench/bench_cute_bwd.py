@@ -143,7 +143,8 @@ def run(name: str, triton_too: bool = True) -> None:
 
 def parts(name: str) -> None:
     """The cute backward's pieces timed apart at a shape: the whole call, the
-    per-row preprocess (one pass over out and dO), the fp32 dkv zero fill,
+    per-row preprocess (a pass over out and dO unless the build computes
+    Delta in the kernel), the fp32 dkv zero fill,
     the kernel alone and the column-order cast of dkv, ms; at a
     deterministic shape also the pieces of its exact adds."""
     from dsa.triton.sparse_attention import preprocess
@@ -154,9 +155,10 @@ def parts(name: str) -> None:
     dkv = torch.zeros((N, 1, D), dtype=torch.float32, device="cuda")
     cbwd.backward(a, out, lse, dout)
     nd = dataclasses.replace(a, deterministic=False)
+    pre_delta = not cbwd.kernel_config(nd).kernel_delta  # the default mode's preprocess
     steps = {
         "whole": lambda: cbwd.backward(a, out, lse, dout, bounds),
-        "preprocess": lambda: preprocess(a, out, lse, dout),
+        "preprocess": lambda: preprocess(a, out, lse, dout, delta=pre_delta),
         "zero": lambda: dkv.zero_(),
         "kernel": lambda: cbwd._launch(nd, dout, lg2den, delta, dq, dkv, 0, T, out=out),
         "columns": lambda: cbwd.natural_columns(dkv, torch.bfloat16),

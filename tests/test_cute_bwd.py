@@ -476,9 +476,8 @@ def test_kernel_delta_launch_passes_out_and_needs_it(monkeypatch):
 @pytest.mark.parametrize("sink", [False, True])
 def test_kernel_delta_host_steps(monkeypatch, sink):
     """With kernel_delta the preprocess skips out and dO (delta=False) and
-    the launch, given out contiguous, writes Delta; dsink is then the sum of
-    the preprocess's -p_sink times that Delta; the deterministic mode runs
-    the full preprocess."""
+    the launch, given out contiguous and the call's config, writes Delta;
+    dsink is then the sum of the preprocess's -p_sink times that Delta."""
     pytest.importorskip("cutlass")
     from dsa.triton import sparse_attention as tsa
 

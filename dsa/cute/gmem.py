@@ -50,12 +50,6 @@ def store_b32_hinted(addr: Int64, value: Int32, policy: Int64) -> None:
     _asm("st.global.L2::cache_hint.b32 [$0], $1, $2;", "l,r,l", Int64(addr), Int32(value), Int64(policy))
 
 
-def prefetch_l2_bulk(addr: Int64, size: Int32) -> None:
-    """``cp.async.bulk.prefetch.L2`` of the ``size`` bytes at addr (both
-    multiples of 16) into L2: one instruction, nothing to wait for."""
-    _asm("cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", Int64(addr), Int32(size))
-
-
 @cute.jit
 def copy16_hinted(dst: cute.Tensor, src_addr: Int64, policy: Int64):
     """A 16-byte cp.async of global ``src_addr`` into ``dst`` (16 contiguous

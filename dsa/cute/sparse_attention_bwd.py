@@ -233,8 +233,8 @@ def run_backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: 
     dkv accumulator).  exact_dkv: the arch's deterministic dkv by exact adds;
     without it the deterministic mode stores per-slot rows.  bounds: the
     forward's, passed to exact_dkv.  kernel_delta: the launch computes Delta
-    (and writes it), so the preprocess reads neither out nor dO (default
-    mode only)."""
+    (and writes it), so the preprocess reads neither out nor dO (the
+    config's kernel_delta, never set in the deterministic mode)."""
     # Under a's device: the torch work, the Triton reduction and the kernel
     # launches are that device's, whatever device is current.
     from dsa.triton.sparse_attention import preprocess
@@ -244,7 +244,6 @@ def run_backward(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor, dout: 
         exact = a.deterministic and exact_dkv is not None
         # the exact adds' bounds take max|dO| and ||dO|| of each row from the same pass
         stats = torch.empty((a.T, a.H, 2), dtype=torch.float32, device=a.q.device) if exact else None
-        kernel_delta = kernel_delta and not a.deterministic
         delta, lg2den, dsink_part = preprocess(a, out.contiguous(), lse.contiguous(), dout, stats,
                                                delta=not kernel_delta)
         dq = torch.empty_like(a.q)

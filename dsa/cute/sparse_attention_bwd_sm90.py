@@ -92,10 +92,11 @@ class BwdSm90Config(scheduler.ProblemConfig):
     adds keep dkv's lines in L2 ahead of the gathered rows), c0_chunks (the
     64-column dkv chunks warpgroup 0 takes), scatter False (a timing build
     that adds none of dkv: its dkv is not the gradient), l2_hints (bits: 1
-    Q and dO loaded evict-first, 2 dq stored evict-first), index_ahead (a block's kv-row indices loaded while the
-    block before it is computed), kernel_delta (Delta = dO . out computed by
-    the kernel, out's rows loaded into the stage before the first gather,
-    and written to delta; the default build reads the preprocess's)."""
+    Q and dO loaded evict-first, 2 dq stored evict-first), index_ahead (a
+    block's kv-row indices loaded while the block before it is computed),
+    kernel_delta (Delta = dO . out computed by the kernel, out's rows loaded
+    into the stage before the first gather, and written to delta; the
+    default build reads the preprocess's)."""
 
     deterministic: bool
     evict_last: bool = True

@@ -51,7 +51,7 @@ from cutlass import Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from dsa.cute.gmem import _asm, aligned, prefetch_l2_bulk
+from dsa.cute.gmem import _asm, aligned
 from dsa.cute.topk_sm90 import (BINS, INVALID, KEYS_PER_THREAD, NO_TIE, SHIFTS, TopkSm90, f16_bits,
                                 ld_shared, order_key, red_shared_add, sel, st_shared)
 
@@ -230,7 +230,8 @@ class TopkStreamSm90(TopkSm90):
         seg_keys = 32 * KEYS_PER_THREAD * self.config.vectors
         seg = base + warp * seg_keys
         if lane == 0 and seg < L and seg + seg_keys <= S:
-            prefetch_l2_bulk(row + Int64(seg) * self.es, Int32(seg_keys * self.es))
+            _asm("cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", row + Int64(seg) * self.es,
+                 Int32(seg_keys * self.es))
 
     @cute.jit
     def bits_of(self, raw: cute.Tensor, i: cutlass.Constexpr, j: cutlass.Constexpr) -> Int32:

@@ -1,7 +1,7 @@
 """Sparse attention against its peers in one process, on the same inputs (H200).
 
     PYTHONPATH=$PWD python bench/peers.py [--out DIR] [--shapes V3.2,V4-pro] [--cute-build JSON]
-                                          [--cute-alt JSON]
+                                          [--cute-alt JSON] [--rounds R]
 
 Forward: dsa ``cute`` and ``triton`` against FlashMLA's SM90 sparse prefill
 kernel (``flash_mla.flash_mla_sparse_fwd(..., use_legacy=True)``). Backward:
@@ -18,6 +18,14 @@ of [0, N) per query row (``half`` rows: topk_length uniform in [0, K]).
 forward 2*T*H*K*(D + d_v), backward 2*T*H*K*(3*D + 2*d_v), at full K even
 for half-valid rows. Each backward's dq / dkv / dsink is compared with dsa
 triton's by relative L2.
+
+Head to head (``--rounds``, 5 by default): after the single timings above,
+the cute forward and FlashMLA's, and the cute backward and cuDNN's, are timed
+again in R rounds, the two of a pair back to back and their order swapped
+every round, so that neither always runs on a GPU the other has just heated.
+Reported: each one's median over the rounds and the median of the rounds'
+ratios (``h2h`` in the row; peer time / cute time, above 1 when cute is
+faster).
 """
 
 from __future__ import annotations
@@ -94,7 +102,7 @@ def _dsa_bwd(q, kv, idx, sink, tl, dout, backend):
     return run
 
 
-def _peer(name, build, row, key, flops):
+def _peer(name, build, row, key, flops, fns=None):
     try:
         fn = build()
         res = fn()
@@ -104,27 +112,58 @@ def _peer(name, build, row, key, flops):
         print(f"  {name}: {row[key]}")
         return None
     row[key] = ms
+    if fns is not None:
+        fns[key] = fn
     print(f"  {name}: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s")
     return res
 
 
-def run_shape(name, T, N, H, D, K, half, alt=None):
+def _median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+def head_to_head(fns, pairs, rounds):
+    """{pair: {"cute_ms", "peer_ms", "ratio"}}: each (cute key, peer key) in
+    pairs timed back to back for ``rounds`` rounds, the order swapped every
+    round; medians of the times and of the per-round peer / cute ratios."""
+    out = {}
+    for ck, pk in pairs:
+        if ck not in fns or pk not in fns:
+            continue
+        times = {ck: [], pk: []}
+        for r in range(rounds):
+            for k in ((ck, pk) if r % 2 == 0 else (pk, ck)):
+                times[k].append(bench(fns[k]))
+        ratios = [p / c for c, p in zip(times[ck], times[pk])]
+        out[f"{pk}/{ck}"] = dict(cute_ms=_median(times[ck]), peer_ms=_median(times[pk]), ratio=_median(ratios),
+                                 cute_all=times[ck], peer_all=times[pk])
+        print(f"  head to head {pk} / {ck} ({rounds} rounds): {_median(times[pk]):.3f} / "
+              f"{_median(times[ck]):.3f} ms, median ratio {_median(ratios):.3f} "
+              f"(rounds {min(ratios):.3f}-{max(ratios):.3f})")
+    return out
+
+
+def run_shape(name, T, N, H, D, K, half, alt=None, rounds=5):
     q, kv, idx, sink, tl, dout = inputs(T, N, H, D, K, half)
     scale = D ** -0.5
     ffw, fbw = 2 * T * H * K * (D + D_V), 2 * T * H * K * (3 * D + 2 * D_V)
     row = dict(shape=name, T=T, N=N, H=H, D=D, K=K, half_valid=half, flops_fwd=ffw, flops_bwd=fbw)
     print(f"{name}: T={T} N={N} H={H} D={D} K={K} half={half}")
     out, lse = dsa.sparse_attention(q, kv, idx, sink=sink, topk_length=tl, return_lse=True, backend="triton")
+    fns = {}
     for backend in ("cute", "triton"):
         _peer(f"fwd dsa {backend}", lambda: (lambda: dsa.sparse_attention(
-            q, kv, idx, sink=sink, topk_length=tl, backend=backend)), row, f"fwd_{backend}_ms", ffw)
-    fm = _peer("fwd flashmla", lambda: _flashmla_fwd(q, kv, idx, sink, tl, scale), row, "fwd_flashmla_ms", ffw)
+            q, kv, idx, sink=sink, topk_length=tl, backend=backend)), row, f"fwd_{backend}_ms", ffw, fns)
+    fm = _peer("fwd flashmla", lambda: _flashmla_fwd(q, kv, idx, sink, tl, scale), row, "fwd_flashmla_ms", ffw,
+               fns)
     if fm is not None:
         row["fwd_flashmla_rel_out"] = rel(fm[0], out)
     ref = _peer("bwd dsa triton", lambda: _dsa_bwd(q, kv, idx, sink, tl, dout, "triton"), row, "bwd_triton_ms", fbw)
     for backend in ("cute", "auto"):
         got = _peer(f"bwd dsa {backend}", lambda: _dsa_bwd(q, kv, idx, sink, tl, dout, backend), row,
-                    f"bwd_{backend}_ms", fbw)
+                    f"bwd_{backend}_ms", fbw, fns)
         if got is not None and ref is not None:
             row[f"bwd_{backend}_rel"] = [rel(a, b) for a, b in zip(got, ref)]
     if alt:
@@ -137,7 +176,8 @@ def run_shape(name, T, N, H, D, K, half, alt=None):
                   "bwd_cute_alt_ms", fbw)
         finally:
             cbwd.BUILD = keep
-    cd = _peer("bwd cudnn", lambda: _cudnn_bwd(q, kv, out, dout, lse, sink, idx, tl, scale), row, "bwd_cudnn_ms", fbw)
+    cd = _peer("bwd cudnn", lambda: _cudnn_bwd(q, kv, out, dout, lse, sink, idx, tl, scale), row, "bwd_cudnn_ms", fbw,
+               fns)
     if cd is not None and ref is not None:
         row["bwd_cudnn_rel"] = [rel(cd["dq"], ref[0]), rel(cd["dkv"], ref[1]), rel(cd["d_sink"], ref[2])]
 
@@ -146,6 +186,8 @@ def run_shape(name, T, N, H, D, K, half, alt=None):
         o = dsa.sparse_attention(qg, kvg, idx, sink=sg, topk_length=tl)
         torch.autograd.grad(o, (qg, kvg, sg), dout)
     _peer("step auto (fwd+bwd)", lambda: step, row, "step_auto_ms", ffw + fbw)
+    if rounds > 0:
+        row["h2h"] = head_to_head(fns, (("fwd_cute_ms", "fwd_flashmla_ms"), ("bwd_cute_ms", "bwd_cudnn_ms")), rounds)
     for k in ("bwd_cute_rel", "bwd_auto_rel", "bwd_cudnn_rel", "fwd_flashmla_rel_out"):
         if k in row:
             print(f"  {k}: {row[k]}")
@@ -159,6 +201,7 @@ def main() -> None:
     p.add_argument("--cute-build", default=None,
                    help='options of the cute backward build (dsa.cute.sparse_attention_bwd.BUILD), JSON')
     p.add_argument("--cute-alt", default=None, help="other build options also timed (a row of their own), JSON")
+    p.add_argument("--rounds", type=int, default=5, help="head-to-head rounds against the peers (0: none)")
     args = p.parse_args()
     alt = json.loads(args.cute_alt) if args.cute_alt else None
     if args.cute_build:
@@ -167,7 +210,7 @@ def main() -> None:
         cbwd.BUILD = dict(cbwd.BUILD, **json.loads(args.cute_build))
         print("cute backward build:", cbwd.BUILD)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
-    rows = [run_shape(n, *SHAPES[n], alt=alt) for n in args.shapes.split(",")]
+    rows = [run_shape(n, *SHAPES[n], alt=alt, rounds=args.rounds) for n in args.shapes.split(",")]
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "peers.json"), "w") as f:

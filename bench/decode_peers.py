@@ -24,7 +24,10 @@ medians, warmup 25 ms, rep 100 ms):
   [N, D] kv with physical slots (the path the issue measured);
 - ``cute_fp8_bt`` / ``cute_fp8`` / ``cute_bf16_bt``: the rows ``dsa_fp8_bt``,
   ``dsa_fp8`` and ``dsa_bf16_bt`` with ``backend="cute"`` (the CuTe SM90
-  decode, ``dsa.cute.decode``).
+  decode, ``dsa.cute.decode``); where the format's default build is lockstep
+  (``dsa.cute.decode_sm90.LOCKSTEP_CACHES``), ``cute_fp8_bt_lockstep`` and
+  ``cute_fp8_bt_staggered`` time ``dsa.cute.decode.forward`` as built by
+  default and built staggered.
 
 Per row: milliseconds, GB/s (bytes of the K gathered rows in the cache's
 format, q and out) and the fraction of 4.24 TB/s, the host microseconds a
@@ -50,6 +53,7 @@ topk_length cutting rows, every split count) for the memory checker.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -61,6 +65,7 @@ import triton
 import dsa
 from dsa import _checks
 from dsa.cute import decode as cdecode
+from dsa.cute import decode_sm90 as csm90
 from dsa.kv_cache import FORMATS
 from dsa.triton import decode as tdecode
 
@@ -182,6 +187,20 @@ def measure(row: Dict[str, Any], name: str, build: Callable[[], Callable[[], Any
     return fn
 
 
+@contextlib.contextmanager
+def staggered():
+    """The cute decode built staggered on every cache while inside (plans
+    made inside are dropped on the way out)."""
+    keep = csm90.LOCKSTEP_CACHES
+    csm90.LOCKSTEP_CACHES = ()
+    cdecode._PLANS.clear()
+    try:
+        yield
+    finally:
+        csm90.LOCKSTEP_CACHES = keep
+        cdecode._PLANS.clear()
+
+
 def run_row(fmt: str, B: int, H: int, L: int, sweep: bool, cute_splits=SWEEP) -> Dict[str, Any]:
     pb = problem(fmt, B, H, L)
     f = FORMATS[fmt]
@@ -210,6 +229,14 @@ def run_row(fmt: str, B: int, H: int, L: int, sweep: bool, cute_splits=SWEEP) ->
     measure(row, "cute_bf16_bt", lambda: (lambda: dsa.sparse_decode(q, kv16, pos, block_table=bt, sink=sink,
                                                                      sm_scale=scale, backend="cute")),
             bf16_bytes, ref)
+    if fmt in csm90.LOCKSTEP_CACHES:
+        # the cute decode as built by default (lockstep) and staggered (both consumers computing S, one
+        # half stage of loads in flight), each called through dsa.cute.decode.forward
+        la, _ = _checks.sparse_decode_args(q, cache, pos, bt, None, None, sink, scale, None, None)
+        measure(row, "cute_fp8_bt_lockstep", lambda: (lambda: cdecode.forward(la)[0]), fp8_bytes, ref.view(B, H, -1))
+        with staggered():
+            measure(row, "cute_fp8_bt_staggered", lambda: (lambda: cdecode.forward(la)[0]), fp8_bytes,
+                    ref.view(B, H, -1))
     flat, q2, s2 = kv16.view(-1, f.D), q.view(B, H, f.D), slots.view(B, K)
     measure(row, "sparse_attention", lambda: (lambda: dsa.sparse_attention(q2, flat, s2, sink=sink, sm_scale=scale)),
             bf16_bytes, ref.view(B, H, -1))

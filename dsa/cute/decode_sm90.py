@@ -51,14 +51,20 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dsa.cute import rules, scheduler
-from dsa.cute.gmem import aligned, load
+from dsa.cute.gmem import aligned, gather_copier, load
+from dsa.cute.pipeline import freed_phase, phase
 from dsa.cute.rules import LN2, LOG2E, finite_shift
 from dsa.cute.sparse_attention_sm90 import (
     BLOCK_H,
     BN,
     CONSUMER_REGS,
+    L_CHUNKS,
+    PROF_EMPTY,
+    PROF_BAR,
     PROF_ISSUE,
     PROF_LOOKUP,
+    PROF_Q,
+    PROF_WGMMA,
     PRODUCER_REGS,
     THREADS,
     SparseAttnFwdSm90,
@@ -75,25 +81,38 @@ MERGE_UNROLL = 4  # parts a merge thread loads before using them
 GROUP = 128    # NoPE columns a row's 8 gathering threads load at once: 16 e4m3 bytes each
 L2_LINE = 128
 
-# Registers a thread (setmaxnreg) for an FP8 cache, producer / consumers:
-# the producer holds a half stage's e4m3 bytes (4 rows x 32 bytes) and
-# scales while it converts them, so it takes more than the bf16 gather's 56.
-# p + 2 c must not exceed 3 x the registers the CTA was launched with (168 a
-# thread at 384 threads: 504), or a consumer's setmaxnreg.inc waits forever
-# for registers the CTA does not hold.  ptxas (sm_90a), spill bytes of the
-# builds in tests/test_cute_decode.py: fp8_v32 none at 72 / 216; fp8_model1,
-# whose producer also holds each row's page offset and scale record, none at
-# 96 / 200 (12 at 96 / 200 in an H 128 split build, 40 at 88 / 208 split).
+# Registers a thread (setmaxnreg) for an FP8 cache, producer / consumers
+# (one figure for both, or consumer 0's and consumer 1's): the producer holds
+# e4m3 bytes and scales while it converts them, so it takes more than the
+# bf16 gather's 56.  The producer and the consumers must not sum past 3 x
+# the registers the CTA was launched with (LAUNCH_REGS, 168 at 384 threads:
+# 504), or a consumer's setmaxnreg.inc waits forever for registers the CTA
+# does not hold.  fp8_v32 runs lockstep (``lockstep``): its producer keeps
+# two half stages of loads in flight (two buffers of 4 rows x 32 bytes and
+# their scales), consumer 0 holds S, P and the left O, consumer 1 only the
+# right O.  fp8_model1, staggered, whose producer also holds each row's page
+# offset and scale record: no spill at 96 / 200 (ptxas, sm_90a; 12 bytes in
+# an H 128 split build at 96 / 200, 40 at 88 / 208 split).
 FP8_REGS = {FP8_V32: (72, 216), FP8_MODEL1: (96, 200)}
-# what a CTA of THREADS threads is launched with at most, a thread (the file's 64K, in steps of 8)
-LAUNCH_REGS = 65536 // THREADS // 8 * 8
+LOCKSTEP_REGS = (136, (208, 160))  # no spill in any build of tests/test_cute_decode.py
+# the caches a decode runs lockstep on by default (``lockstep``)
+LOCKSTEP_CACHES = (FP8_V32,)
 
 
-def warpgroup_regs(cache: str):
-    """(producer, consumer) setmaxnreg targets of a build."""
+def warpgroup_regs(cache: str, lockstep: bool = False):
+    """(producer, consumers) setmaxnreg targets of a build: consumers is one
+    figure for both or a pair (consumer 0, consumer 1)."""
+    if lockstep:
+        return LOCKSTEP_REGS
     if cache == NATIVE:
         return PRODUCER_REGS, CONSUMER_REGS
     return FP8_REGS[cache]
+
+
+def regs_sum(cache: str, lockstep: bool = False) -> int:
+    """What the warpgroups' targets of a build add up to (at most 3 x LAUNCH_REGS)."""
+    p, c = warpgroup_regs(cache, lockstep)
+    return p + (2 * c if isinstance(c, int) else sum(c))
 
 
 @dsl_user_op
@@ -142,8 +161,10 @@ class DecodeSm90Config(scheduler.ProblemConfig):
     """The static configuration of one compiled decode kernel (its compile
     key): the problem, then has_sink, cache ("native", "fp8_v32" or "fp8_model1"),
     page_size (tokens a page; 1 for a flat cache), has_bt (indices are
-    positions through a block table), has_seqlen (seq_lens cut them) and
-    split (several splits a row: the kernel writes parts for the merge)."""
+    positions through a block table), has_seqlen (seq_lens cut them),
+    split (several splits a row: the kernel writes parts for the merge) and
+    lockstep (consumer 0 computes every S, consumer 1 only half of P V, and
+    the producer keeps two half stages of loads in flight; ``fp8_v32``)."""
 
     has_sink: bool
     cache: str
@@ -151,10 +172,11 @@ class DecodeSm90Config(scheduler.ProblemConfig):
     has_bt: bool
     has_seqlen: bool
     split: bool
+    lockstep: bool = False
 
 
 def decode_reason(dtype, D: int, d_v: int, H: int, G: int, cache: str, page_size: int, has_bt: bool,
-                  has_seqlen: bool) -> Optional[str]:
+                  has_seqlen: bool, lockstep: bool = False) -> Optional[str]:
     """Why the decode kernel cannot serve this configuration (None if it can)."""
     why = SparseAttnFwdSm90.can_implement(dtype, D, d_v, H, G)
     if why is not None:
@@ -175,6 +197,8 @@ def decode_reason(dtype, D: int, d_v: int, H: int, G: int, cache: str, page_size
         return f"page_size {page_size} < 1"
     if has_seqlen and not has_bt:
         return "seq_lens without a block table"
+    if lockstep and cache != FP8_V32:
+        return f"the lockstep decode converts fp8_v32 rows, not {cache!r}"
     return None
 
 
@@ -182,19 +206,20 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
     """Host-side builder of the decode kernel for one static configuration."""
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, has_sink: bool, cache: str,
-                 page_size: int, has_bt: bool, has_seqlen: bool, split: bool):
-        why = decode_reason(dtype, D, d_v, H, G, cache, page_size, has_bt, has_seqlen)
+                 page_size: int, has_bt: bool, has_seqlen: bool, split: bool, lockstep: bool = False):
+        why = decode_reason(dtype, D, d_v, H, G, cache, page_size, has_bt, has_seqlen, lockstep)
         if why is not None:
             raise ValueError(f"SparseDecodeSm90: {why}")
         super().__init__(dtype, D, d_v, H, G, has_len, has_sink)
         self.config = DecodeSm90Config(dtype, D, d_v, H, G, has_len, has_sink, cache, page_size, has_bt,
-                                       has_seqlen, split)
+                                       has_seqlen, split, lockstep)
         self.cache, self.page_size = cache, page_size
         self.has_bt, self.has_seqlen, self.split = has_bt, has_seqlen, split
         self.fp8 = cache != NATIVE
         self.fmt = FORMATS[cache] if self.fp8 else None  # the FP8 layout (dsa.kv_cache)
+        self.lockstep = lockstep
         if self.fp8:
-            self.producer_regs, self.consumer_regs = warpgroup_regs(cache)
+            self.producer_regs, self.consumer_regs = warpgroup_regs(cache, lockstep)
 
     @classmethod
     def from_config(cls, config: DecodeSm90Config) -> "SparseDecodeSm90":
@@ -377,6 +402,218 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         scales at scale_base + o * scale_record."""
         f = self.fmt
         return Int64(f.scale_base(self.page_size)) + Int64(off) * (f.scale_record - f.token_bytes)
+
+    # ------------------------------------------------------------ lockstep
+    # fp8_v32: consumer 0 computes each block's S, its softmax and the left
+    # 256 value columns; it leaves P (in the stage's RoPE columns for stage 0,
+    # the P buffer for stage 1) and the block's row maxima (sM, by stage) for
+    # consumer 1 and arrives on the stage's ``ready`` barrier; consumer 1
+    # rescales its O and adds P V over the right 256 columns.  The halves free
+    # in stage order (L by consumer 0 once its P V retires, R by consumer 1),
+    # and the producer fills them in that order with the next half's loads
+    # already in flight.  Consumer 1 needs about 150 registers, which the
+    # producer takes: two half stages of e4m3 bytes in registers instead of
+    # one, so a half's load round trip overlaps the wait for the half before.
+    @cute.jit
+    def consumer(self, w: cutlass.Constexpr, qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, wtid,
+                 sQ, sK, sP, sM, sL, sOk, bars, tiles, sink_ptr, out_ptr, lse_ptr, scale_log2, bound_args=None):
+        if const_expr(not self.lockstep):
+            SparseAttnFwdSm90.consumer(self, w, qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, wtid, sQ, sK, sP,
+                                       sM, sL, sOk, bars, tiles, sink_ptr, out_ptr, lse_ptr, scale_log2,
+                                       bound_args)
+        else:
+            self.lockstep_consumer(w, qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, wtid, sQ, sK, sP, sM, sL,
+                                   sOk, bars, tiles, sink_ptr, out_ptr, lse_ptr, scale_log2)
+
+    def lockstep_views(self, w: int, pv_mma, pv_mma_ss, sv_layout, sp_layout, wtid, sK, sP):
+        """Consumer w's operands of both stages: consumer 0, P's stores (C
+        layout of S) and the left V (B of P V with P from registers);
+        consumer 1, P and the right V (both from shared memory)."""
+        raw = cute.recast_ptr(sK.iterator, None)
+        p_raw = cute.recast_ptr(sP, None)
+        if const_expr(self.D > self.d_v):
+            p_ptrs = (raw + BN * self.d_v, p_raw)   # stage 0's P in its RoPE columns
+        else:
+            p_ptrs = (p_raw + BLOCK_H * BN, p_raw)
+        ps = [cute.make_tensor(cute.recast_ptr(pp, sp_layout.inner), sp_layout.outer) for pp in p_ptrs]
+        vs = [cute.make_tensor(cute.recast_ptr(raw + (s * BN * self.D + w * BN * self.dv_half), sv_layout.inner),
+                               sv_layout.outer) for s in range(2)]
+        if const_expr(w == 0):
+            return None, [pv_mma.make_fragment_B(pv_mma.get_slice(wtid).partition_B(v)) for v in vs], ps
+        thr = pv_mma_ss.get_slice(wtid)
+        return ([pv_mma_ss.make_fragment_A(thr.partition_A(p)) for p in ps],
+                [pv_mma_ss.make_fragment_B(thr.partition_B(v)) for v in vs], None)
+
+    @cute.jit
+    def lockstep_consumer(self, w: cutlass.Constexpr, qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, wtid,
+                          sQ, sK, sP, sM, sL, sOk, bars, tiles, sink_ptr, out_ptr, lse_ptr, scale_log2):
+        q_full, q_empty, full, empty = bars
+        ready = empty + 4  # the Smem struct's ``ready``, right after ``empty``
+        sched = tiles.sched
+        cs = self.consumer_state(w, qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, wtid, sQ, sK, sP, sM, sOk,
+                                 bars, scale_log2)
+        tOrP, tOrV, ps = self.lockstep_views(w, pv_mma, pv_mma_ss, sv_layout, sp_layout, wtid, sK, sP)
+        tPs = None
+        if const_expr(w == 0):
+            thr_qk = qk_mma.get_slice(wtid)
+            tPs = [thr_qk.partition_C(p) for p in ps]
+        u0 = Int32(0)  # uses of stage 0 / stage 1 by earlier tiles
+        u1 = Int32(0)
+        j = Int32(0)   # tiles done
+        for tile_id in cutlass.range(sched.first, sched.n_tiles, sched.stride, unroll=1):
+            t, g, head0, L, n_blocks, idx_row, extra = self.tile_of(tiles, tile_id)
+            cs.acc_o.fill(0.0)
+            cs.m_run.fill(-Float32.inf)
+            cs.l_run.fill(0.0)
+            n_full = n_blocks // 2
+            if const_expr(w == 0):
+                self.timer.wait_mbarrier(q_full, phase(j), PROF_Q)
+                if n_blocks > 0:
+                    self.qk(cs, 0, 0, phase(u0), True, release=False)
+                for i in cutlass.range(n_full, unroll=1):
+                    self.lockstep0(cs, 0, tPs, tOrV, ready, 2 * i, n_blocks, phase(u1 + i))
+                    self.lockstep0(cs, 1, tPs, tOrV, ready, 2 * i + 1, n_blocks, phase(u0 + i + 1))
+                if n_blocks % 2 == 1:
+                    self.lockstep0(cs, 0, tPs, tOrV, ready, n_blocks - 1, n_blocks, phase(u1 + n_full))
+            else:
+                for i in cutlass.range(n_full, unroll=1):
+                    self.lockstep1(cs, 0, tOrP, tOrV, ready, phase(u0 + i))
+                    self.lockstep1(cs, 1, tOrP, tOrV, ready, phase(u1 + i))
+                if n_blocks % 2 == 1:
+                    self.lockstep1(cs, 0, tOrP, tOrV, ready, phase(u0 + n_full))
+            cute.arch.mbarrier_arrive(q_empty)  # Q may be refilled
+            self.tile_end(w, cs, sL + (j % 2) * (2 * BLOCK_H), sink_ptr, out_ptr, lse_ptr, t, head0, extra)
+            u0 = u0 + (n_blocks + 1) // 2
+            u1 = u1 + n_full
+            j = j + 1
+
+    @cute.jit
+    def lockstep0(self, cs, s: cutlass.Constexpr, tPs, tOrV, ready, b, n_blocks, ph_next):
+        """Consumer 0, block b in stage s (its masked S in acc_s): the row
+        maxima and P for consumer 1, then O += P V over the left columns with
+        the next block's S behind it (which releases this stage's L once the
+        P V retires).  ph_next: the phase of the next block's stage."""
+        acc_s, m_run, row_lo = cs.acc_s, cs.m_run, cs.row_lo
+        m_s = cs.m0 if s == 0 else cs.m1
+        mx = cute.make_rmem_tensor((2,), Float32)
+        self.row_max(acc_s, mx)
+        for r in cutlass.range_constexpr(2):
+            mx[r] = cute.arch.fmax(mx[r], m_run[r])
+            if cs.lane % 4 == 0:
+                m_s[row_lo + 8 * r] = mx[r]
+        self.softmax(cs, mx)
+        self.store_p(cs.r_p, acc_s, tPs[s])
+        cute.arch.mbarrier_arrive(ready + s)
+        self.pv(cs.pv_mma, cs.acc_o, cs.r_p, tOrV[s])
+        if b + 1 < n_blocks:
+            self.qk(cs, 1 - s, 0, ph_next, True, release=True)
+        else:
+            self.timer.wait_wgmma(0, PROF_WGMMA)
+            cute.arch.mbarrier_arrive(cs.empty + 2 * s)
+
+    @cute.jit
+    def lockstep1(self, cs, s: cutlass.Constexpr, tOrP, tOrV, ready, ph):
+        """Consumer 1, the block in stage s: O rescaled to consumer 0's new row
+        maxima, then O += P V over the right columns; releases the stage's R."""
+        acc_o, m_run, l_run, row_lo = cs.acc_o, cs.m_run, cs.l_run, cs.row_lo
+        m_s = cs.m0 if s == 0 else cs.m1
+        self.timer.wait_mbarrier(ready + s, ph, PROF_BAR)
+        alpha = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
+            mx = m_s[row_lo + 8 * r]
+            alpha[r] = cute.math.exp2(m_run[r] - finite_shift(mx), fastmath=True)
+            l_run[r] = l_run[r] * alpha[r]
+            m_run[r] = mx
+        self.rescale_o(acc_o, alpha)
+        self.pv(cs.pv_mma_ss, acc_o, tOrP[s], tOrV[s])
+        self.timer.wait_wgmma(0, PROF_WGMMA)
+        cute.arch.mbarrier_arrive(cs.empty + 2 * s + 1)
+
+    @cute.jit
+    def producer(self, tidx, sQ, sK, sOk, bars, tiles, q_ptr, kv_ptr, zero_ptr, N):
+        if const_expr(not self.lockstep):
+            SparseAttnFwdSm90.producer(self, tidx, sQ, sK, sOk, bars, tiles, q_ptr, kv_ptr, zero_ptr, N)
+        else:
+            self.lockstep_producer(tidx, sQ, sK, sOk, bars, tiles, q_ptr, kv_ptr, zero_ptr, N)
+
+    @cute.jit
+    def lockstep_producer(self, tidx, sQ, sK, sOk, bars, tiles, q_ptr, kv_ptr, zero_ptr, N):
+        """The halves in the order the lockstep consumers free them (L0, R0,
+        L1, R1 a pair), each converted from loads issued before the wait for
+        the half ahead of it: buffer A carries the L halves, B the R halves.
+        A pair's stage-0 rows are resolved once its R0 is stored, so the next
+        pair's L0 and R0 loads leave before this pair's L1 and R1 wait."""
+        q_full, q_empty, full, empty = bars
+        sched = tiles.sched
+        atom, thr, row_in_pass, col0 = gather_copier(self.dtype, tidx)
+        tK0, tK1 = self.stage_partitions(thr, sK, tidx)
+        CH = self.D // 64
+        base0, base1 = self.row_addresses()
+        mk0 = cute.make_rmem_tensor((BN // 16,), Float32)
+        mk1 = cute.make_rmem_tensor((BN // 16,), Float32)
+        ok = cute.make_tensor(sOk, cute.make_layout((2, BN), stride=(BN, 1)))
+        masks = (mk0, mk1, ok, col0 == 0, row_in_pass)
+        ns0 = cute.make_rmem_tensor((BN // 16,), Int32)
+        ns1 = cute.make_rmem_tensor((BN // 16,), Int32)
+        buf_a = self.half_buffers(0, L_CHUNKS)
+        buf_b = self.half_buffers(L_CHUNKS, CH)
+        u0 = Int32(0)
+        u1 = Int32(0)
+        j = Int32(0)
+        for tile_id in cutlass.range(sched.first, sched.n_tiles, sched.stride, unroll=1):
+            t, g, head0, L, n_blocks, idx_row, extra = self.tile_of(tiles, tile_id)
+            rows = self.row_sources(kv_ptr, zero_ptr, N, g, L, row_in_pass, col0, extra)
+            n_pairs = (n_blocks + 1) // 2
+            self.fetch_rows(ns0, 0, idx_row, L, row_in_pass)
+            self.fetch_rows(ns1, 1, idx_row, L, row_in_pass)
+            self.resolve_rows(base0, mk0, ns0, 0, *rows)
+            self.resolve_rows(base1, mk1, ns1, 1, *rows)
+            if n_pairs > 0:
+                self.fetch_rows(ns0, 2, idx_row, L, row_in_pass)
+                self.fetch_rows(ns1, 3, idx_row, L, row_in_pass)
+                self.load_half(base0, tK0, buf_a, 0, L_CHUNKS)
+                self.load_half(base0, tK0, buf_b, L_CHUNKS, CH)
+            if j > 0:
+                self.timer.wait_mbarrier(q_empty, freed_phase(j), PROF_Q)
+            self.load_q(atom, thr, sQ, q_full, q_ptr, zero_ptr, t, head0, row_in_pass, col0)
+            for i in cutlass.range(n_pairs, unroll=1):
+                has1 = 2 * i + 1 < n_blocks
+                more = 2 * i + 2 < n_blocks
+                n0 = u0 + i
+                n1 = u1 + i
+                if n0 > 0:
+                    self.timer.wait_mbarrier(empty + 0, freed_phase(n0), PROF_EMPTY)
+                self.store_half(atom, base0, tK0, buf_a, 0, L_CHUNKS)
+                self.signal_fill(full + 0)
+                self.publish_mask(masks, 0, full + 0)
+                if has1:
+                    self.load_half(base1, tK1, buf_a, 0, L_CHUNKS)
+                if n0 > 0:
+                    self.timer.wait_mbarrier(empty + 1, freed_phase(n0), PROF_EMPTY)
+                self.store_half(atom, base0, tK0, buf_b, L_CHUNKS, CH)
+                self.signal_fill(full + 1)
+                self.resolve_rows(base0, mk0, ns0, 2 * i + 2, *rows)
+                if has1:
+                    self.load_half(base1, tK1, buf_b, L_CHUNKS, CH)
+                    if n1 > 0:
+                        self.timer.wait_mbarrier(empty + 2, freed_phase(n1), PROF_EMPTY)
+                    self.store_half(atom, base1, tK1, buf_a, 0, L_CHUNKS)
+                    self.signal_fill(full + 2)
+                    if more:
+                        self.load_half(base0, tK0, buf_a, 0, L_CHUNKS)
+                    if n1 > 0:
+                        self.timer.wait_mbarrier(empty + 3, freed_phase(n1), PROF_EMPTY)
+                    self.store_half(atom, base1, tK1, buf_b, L_CHUNKS, CH)
+                    self.signal_fill(full + 3)
+                    self.publish_mask(masks, 1, full + 3)
+                    self.resolve_rows(base1, mk1, ns1, 2 * i + 3, *rows)
+                    if more:
+                        self.load_half(base0, tK0, buf_b, L_CHUNKS, CH)
+                self.fetch_rows(ns0, 2 * i + 4, idx_row, L, row_in_pass)
+                self.fetch_rows(ns1, 2 * i + 5, idx_row, L, row_in_pass)
+            u0 = u0 + n_pairs
+            u1 = u1 + n_blocks // 2
+            j = j + 1
 
     # ----------------------------------------------------------- FP8 gather
     def row_addresses(self):

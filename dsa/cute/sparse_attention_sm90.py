@@ -62,6 +62,9 @@ THREADS = 384  # producer + two consumer warpgroups
 
 PRODUCER_REGS = 56   # 56 + 2 * 224 registers a thread fill the register file
 CONSUMER_REGS = 224
+# what a CTA of THREADS threads is launched with at most, a thread (the file's 64K, in steps of 8): the
+# warpgroups' setmaxnreg targets may not sum past 3 x this, or an increase waits forever for registers
+LAUNCH_REGS = 65536 // THREADS // 8 * 8
 BN = 64        # slots per block and stage; two stages
 MASK_WRITERS = 16  # producer threads that write a stage's mask: one per row of a copy pass
 L_CHUNKS = 4   # 64-column chunks of an L half (the value columns of consumer 0)
@@ -108,7 +111,7 @@ class FwdSm90Config(scheduler.ProblemConfig):
 
 
 def smem_bytes(D: int, d_v: int, elem_bytes: int) -> int:
-    """Shared memory of the kernel's ``Smem`` struct: barriers, Q [64, D],
+    """Shared memory of the kernel's ``Smem`` struct: 12 barriers, Q [64, D],
     two K stages [64, D], P (one buffer when D > d_v: consumer 0's lives in
     stage 0's RoPE columns), row maxima, row sums and masks; the tiles
     1024-byte aligned for the 128-byte swizzle."""
@@ -116,7 +119,7 @@ def smem_bytes(D: int, d_v: int, elem_bytes: int) -> int:
         return -(-n // 1024) * 1024
 
     p_elems = (1 if D > d_v else 2) * BLOCK_H * BN
-    tiles = up(10 * 8) + up(BLOCK_H * D * elem_bytes) + up(2 * BN * D * elem_bytes)
+    tiles = up(12 * 8) + up(BLOCK_H * D * elem_bytes) + up(2 * BN * D * elem_bytes)
     return up(tiles + p_elems * elem_bytes) + 4 * (2 * BLOCK_H + 4 * BLOCK_H + 2 * BN)
 
 
@@ -161,6 +164,11 @@ class SparseAttnFwdSm90:
     producer_regs = PRODUCER_REGS
     consumer_regs = CONSUMER_REGS
     bounds = False
+    # lockstep: consumer 0 computes every block's S and the left value
+    # columns, consumer 1 only the right ones (P from shared memory, behind
+    # the stage's ``ready`` barrier); a subclass's consumers and producer
+    # implement it (dsa.cute.decode_sm90), this kernel's are the staggered pair
+    lockstep = False
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, has_sink: bool,
                  profile: bool = False, refill: bool = True, bounds: bool = False):
@@ -253,6 +261,9 @@ class SparseAttnFwdSm90:
             q_empty: cute.struct.MemRange[Int64, 1]
             full: cute.struct.MemRange[Int64, 4]   # stage s, half h at 2 s + h (L = 0, R = 1)
             empty: cute.struct.MemRange[Int64, 4]
+            # lockstep builds: stage s's P and row maxima are in shared memory
+            # (right after ``empty``: a lockstep consumer finds them at empty + 4)
+            ready: cute.struct.MemRange[Int64, 2]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sq_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sk_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[dt, p_elems], 1024]
@@ -308,6 +319,8 @@ class SparseAttnFwdSm90:
             # 0, R of 1) also carries its mask, from one thread a row
             arrivals.append((full, h, self.fill_arrivals(h) + (MASK_WRITERS if h in (0, 3) else 0)))
             arrivals.append((empty, h, 128))  # the consumer reading that half as V
+        if const_expr(self.lockstep):
+            arrivals += [(st.ready.data_ptr(), s, 128) for s in range(2)]  # consumer 0's threads
         pipeline.init_mbarriers(tidx, arrivals)
 
         tiles = self.slot_tiles(sched, *tile_args)
@@ -319,16 +332,27 @@ class SparseAttnFwdSm90:
             self.producer(tidx, sQ, sK, st.sOk.data_ptr(), bars, tiles, q_ptr, *kv)
             self.timer.store(prof_ptr, tidx, THREADS // 32, PROF_TOTAL)
         else:
-            cute.arch.setmaxregister_increase(self.consumer_regs)
             args = (qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, tidx % 128, sQ, sK,
                     st.sP.data_ptr(), st.sM.data_ptr(), st.sL.data_ptr(), st.sOk.data_ptr(), bars, tiles,
                     sink_ptr, out_ptr, lse_ptr, scale_log2, bound_args)
             self.timer.start()
             if wg == 1:
+                self.set_consumer_regs(0)
                 self.consumer(0, *args)
             else:
+                self.set_consumer_regs(1)
                 self.consumer(1, *args)
             self.timer.store(prof_ptr, tidx, THREADS // 32, PROF_TOTAL)
+
+    def set_consumer_regs(self, w: int):
+        """Consumer w's setmaxnreg: ``consumer_regs``, or per consumer when it
+        is a pair (a lockstep build's consumers differ); up from the launch's
+        registers, or down below them."""
+        regs = self.consumer_regs if isinstance(self.consumer_regs, int) else self.consumer_regs[w]
+        if regs >= LAUNCH_REGS:
+            cute.arch.setmaxregister_increase(regs)
+        else:
+            cute.arch.setmaxregister_decrease(regs)
 
     # ------------------------------------------------ what a subclass changes
     # A decode kernel (dsa.cute.decode_sm90) replaces these: its tiles carry a
@@ -624,11 +648,14 @@ class SparseAttnFwdSm90:
 
     # -------------------------------------------------------- consumer steps
     @cute.jit
-    def qk(self, cs: ConsumerState, stage: cutlass.Constexpr, i, ph, first_l: cutlass.Constexpr):
+    def qk(self, cs: ConsumerState, stage: cutlass.Constexpr, i, ph, first_l: cutlass.Constexpr,
+           release: cutlass.Constexpr = None):
         """S = Q K^T of the block in ``stage`` for pair i (barrier phase ph), its
         L half first when first_l, then masked and scaled to the log2 domain.
         Consumer 0 calls it with its previous remote P V still in flight and
-        releases stage 1's L half between the halves."""
+        releases stage 1's L half between the halves; a lockstep consumer 0
+        passes ``release`` (whether a P V of the other stage is in flight)
+        and releases that stage's L there."""
         qk_mma, tSrQ, tSrK, acc_s, mask = cs.qk_mma, cs.tSrQ, cs.tSrK, cs.acc_s, cs.mask
         KD = self.D // 16
         KL = L_CHUNKS * 4
@@ -643,11 +670,17 @@ class SparseAttnFwdSm90:
             for k in cutlass.range_constexpr(KD - KL):
                 cute.gemm(qk_mma, acc_s, tSrQ[None, None, KL + k], tSrK[None, None, KL + k, stage], acc_s)
         warpgroup.commit_group()
-        if const_expr(stage == 0):
-            if i > 0:
-                # consumer 0's P1 V1 of the last pair has retired: stage 1's L is free
+        if const_expr(release is None):
+            if const_expr(stage == 0):
+                if i > 0:
+                    # consumer 0's P1 V1 of the last pair has retired: stage 1's L is free
+                    self.timer.wait_wgmma(1, PROF_WGMMA)
+                    cute.arch.mbarrier_arrive(cs.empty + 2)
+        else:
+            if release:
+                # lockstep: the previous block's P V (the other stage's L as V) has retired
                 self.timer.wait_wgmma(1, PROF_WGMMA)
-                cute.arch.mbarrier_arrive(cs.empty + 2)
+                cute.arch.mbarrier_arrive(cs.empty + 2 * (1 - stage))
         self.timer.wait_mbarrier(cs.full + (2 * stage + (1 if first_l else 0)), ph, PROF_FULL)
         warpgroup.fence()
         if const_expr(first_l):

@@ -32,8 +32,16 @@ swizzled K-major positions the bf16 gather fills; a
 ``fence.proxy.async`` and a release arrival then hand the stores to the
 consumers' wgmma (``signal_fill``).  The RoPE bf16 columns go by cp.async
 as in the forward.  Loads into registers cannot be many in flight, so the
-rows' lines are prefetched into L2 when their addresses are resolved, a
-pair of blocks ahead (``resolve_rows``).
+rows' lines are prefetched into L2 when their addresses are resolved
+(``resolve_rows``).
+
+``fp8_v32`` runs lockstep (``lockstep``, the consumers and producer of
+the section so named): the forward's staggered consumers each hold S, P and
+half of O (216 registers), which leaves the producer room for one half
+stage of loads, and each half then waits out a load round trip.  In
+lockstep consumer 1 holds only its half of O (160), and the producer (136)
+keeps two half stages of e4m3 loads in flight: 0.80-0.93 of the staggered
+build's time on the H200 (bench/RESULTS.md C171).
 
 Compiled per ``DecodeSm90Config`` and cached by ``dsa.cute.decode``.
 """
@@ -571,8 +579,8 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
             if n_pairs > 0:
                 self.fetch_rows(ns0, 2, idx_row, L, row_in_pass)
                 self.fetch_rows(ns1, 3, idx_row, L, row_in_pass)
-                self.load_half(base0, tK0, buf_a, 0, L_CHUNKS)
-                self.load_half(base0, tK0, buf_b, L_CHUNKS, CH)
+                self.ahead(base0, tK0, buf_a, 0, L_CHUNKS)
+                self.ahead(base0, tK0, buf_b, L_CHUNKS, CH)
             if j > 0:
                 self.timer.wait_mbarrier(q_empty, freed_phase(j), PROF_Q)
             self.load_q(atom, thr, sQ, q_full, q_ptr, zero_ptr, t, head0, row_in_pass, col0)
@@ -583,37 +591,52 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                 n1 = u1 + i
                 if n0 > 0:
                     self.timer.wait_mbarrier(empty + 0, freed_phase(n0), PROF_EMPTY)
-                self.store_half(atom, base0, tK0, buf_a, 0, L_CHUNKS)
+                self.swap(atom, base0, tK0, buf_a, 0, L_CHUNKS, n0, base1, tK1, has1)
                 self.signal_fill(full + 0)
                 self.publish_mask(masks, 0, full + 0)
-                if has1:
-                    self.load_half(base1, tK1, buf_a, 0, L_CHUNKS)
                 if n0 > 0:
                     self.timer.wait_mbarrier(empty + 1, freed_phase(n0), PROF_EMPTY)
-                self.store_half(atom, base0, tK0, buf_b, L_CHUNKS, CH)
+                self.swap(atom, base0, tK0, buf_b, L_CHUNKS, CH, n0, base1, tK1, has1)
                 self.signal_fill(full + 1)
                 self.resolve_rows(base0, mk0, ns0, 2 * i + 2, *rows)
                 if has1:
-                    self.load_half(base1, tK1, buf_b, L_CHUNKS, CH)
                     if n1 > 0:
                         self.timer.wait_mbarrier(empty + 2, freed_phase(n1), PROF_EMPTY)
-                    self.store_half(atom, base1, tK1, buf_a, 0, L_CHUNKS)
+                    self.swap(atom, base1, tK1, buf_a, 0, L_CHUNKS, n1, base0, tK0, more)
                     self.signal_fill(full + 2)
-                    if more:
-                        self.load_half(base0, tK0, buf_a, 0, L_CHUNKS)
                     if n1 > 0:
                         self.timer.wait_mbarrier(empty + 3, freed_phase(n1), PROF_EMPTY)
-                    self.store_half(atom, base1, tK1, buf_b, L_CHUNKS, CH)
+                    self.swap(atom, base1, tK1, buf_b, L_CHUNKS, CH, n1, base0, tK0, more)
                     self.signal_fill(full + 3)
                     self.publish_mask(masks, 1, full + 3)
                     self.resolve_rows(base1, mk1, ns1, 2 * i + 3, *rows)
-                    if more:
-                        self.load_half(base0, tK0, buf_b, L_CHUNKS, CH)
                 self.fetch_rows(ns0, 2 * i + 4, idx_row, L, row_in_pass)
                 self.fetch_rows(ns1, 2 * i + 5, idx_row, L, row_in_pass)
             u0 = u0 + n_pairs
             u1 = u1 + n_blocks // 2
             j = j + 1
+
+    @cute.jit
+    def ahead(self, base, tKs, buf, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr):
+        """A half's loads issued ahead of its wait (none in the no-refill timing build)."""
+        if const_expr(self.refill):
+            self.load_half(base, tKs, buf, c_lo, c_hi)
+
+    @cute.jit
+    def swap(self, atom, base, tKs, buf, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr, n, nbase, ntKs, more):
+        """A half's loaded bytes converted into the stage (its use n), then,
+        when ``more``, the same half of the next block that uses ``buf``
+        loaded from its rows nbase in their place, before anything else the
+        producer does next (a row lookup waits on the block table).  The
+        no-refill timing build loads and converts on the first use only."""
+        if const_expr(self.refill):
+            self.store_half(atom, base, tKs, buf, c_lo, c_hi)
+            if more:
+                self.load_half(nbase, ntKs, buf, c_lo, c_hi)
+        else:
+            if n == 0:
+                self.load_half(base, tKs, buf, c_lo, c_hi)
+                self.store_half(atom, base, tKs, buf, c_lo, c_hi)
 
     # ----------------------------------------------------------- FP8 gather
     def row_addresses(self):

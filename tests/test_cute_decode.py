@@ -229,6 +229,27 @@ def test_supports_serves_the_model_layouts():
     assert cdec.call_reason(_args(fmt="fp8_model1", D=512, kv=torch.zeros(4, 64, 584, dtype=torch.uint8))) is None
 
 
+@needs_dsl
+def test_lockstep_is_the_fp8_v32_build():
+    """fp8_v32 calls get the lockstep build (consumer 1 without S, the
+    producer with two half stages of loads); the other caches the staggered
+    one, and a lockstep build of another cache is refused with the reason."""
+    from dsa.cute import decode_sm90 as d
+
+    assert cdec.kernel_config(_args(fmt="fp8_v32"), True).lockstep is True
+    assert cdec.kernel_config(_args(), True).lockstep is False
+    a1 = _args(fmt="fp8_model1", D=512, kv=torch.zeros(4, 64, 584, dtype=torch.uint8))
+    assert cdec.kernel_config(a1, False).lockstep is False
+    why = d.decode_reason(d.cutlass.BFloat16, 576, 512, 128, 1, "native", 64, True, True, lockstep=True)
+    assert why is not None and "lockstep" in why
+    with pytest.raises(ValueError, match="lockstep"):
+        d.SparseDecodeSm90(d.cutlass.BFloat16, 512, 512, 64, 1, True, True, "fp8_model1", 64, True, True, True,
+                           lockstep=True)
+    # the two consumers' targets differ; with the producer's they fill the launch's registers
+    p, (c0, c1) = d.warpgroup_regs("fp8_v32", lockstep=True)
+    assert c1 < c0 and p + c0 + c1 == d.regs_sum("fp8_v32", True) == 3 * 168
+
+
 def test_zero_row_sizes():
     """An invalid slot's row: a row of D; fp8_v32's token record; for
     fp8_model1, whose scales follow the page's records, up to token 0's."""

@@ -55,8 +55,9 @@ SERVED_FORMATS = (NATIVE, "fp8_v32", "fp8_model1")
 # paged H128 B1 18.9 / 29.0, B32 54.9 / 115.8, B128 139.8 / 395.0; H64 B1
 # 20.9 / 28.4, B32 47.0 / 72.1, B128 97.3 / 204.4; fp8_v32 H128 B1 23.5 /
 # 34.0, B32 84.4 / 199.8, B128 250.6 / 676.4; fp8_v32 H64 (C64, C65) B1 22.0 /
-# 34.0, B32 63.5 / 113.6, B128 136.1 / 344.2.  fp8_model1 is not measured:
-# auto keeps Triton there.
+# 34.0, B32 63.5 / 113.6, B128 136.1 / 344.2; fp8_v32 since the lockstep build
+# (C171, cute alone) H128 20.4 / 74.2 / 216.6, H64 20.7 / 50.6 / 124.0.
+# fp8_model1 is not measured: auto keeps Triton there.
 PLACEMENT: Dict[Tuple[str, str, int, Tuple[int, int]], str] = {
     ("NVIDIA H200", NATIVE, 128, (1, 128)): "cute",
     ("NVIDIA H200", NATIVE, 64, (1, 128)): "cute",

@@ -59,7 +59,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dsa.cute import rules, scheduler
-from dsa.cute.gmem import aligned, gather_copier, load
+from dsa.cute.gmem import aligned, load
 from dsa.cute.pipeline import freed_phase, phase
 from dsa.cute.rules import LN2, LOG2E, finite_shift
 from dsa.cute.sparse_attention_sm90 import (
@@ -469,10 +469,7 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         u1 = Int32(0)
         j = Int32(0)   # tiles done
         for tile_id in cutlass.range(sched.first, sched.n_tiles, sched.stride, unroll=1):
-            t, g, head0, L, n_blocks, idx_row, extra = self.tile_of(tiles, tile_id)
-            cs.acc_o.fill(0.0)
-            cs.m_run.fill(-Float32.inf)
-            cs.l_run.fill(0.0)
+            t, g, head0, L, n_blocks, idx_row, extra = self.begin_tile(cs, tiles, tile_id)
             n_full = n_blocks // 2
             if const_expr(w == 0):
                 self.timer.wait_mbarrier(q_full, phase(j), PROF_Q)
@@ -553,29 +550,17 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         pair's L0 and R0 loads leave before this pair's L1 and R1 wait."""
         q_full, q_empty, full, empty = bars
         sched = tiles.sched
-        atom, thr, row_in_pass, col0 = gather_copier(self.dtype, tidx)
-        tK0, tK1 = self.stage_partitions(thr, sK, tidx)
+        ps = self.producer_state(tidx, sK, sOk)
+        atom, thr, row_in_pass, col0, tK0, tK1, base0, base1, masks, ns0, ns1 = ps
+        mk0, mk1 = masks[0], masks[1]
         CH = self.D // 64
-        base0, base1 = self.row_addresses()
-        mk0 = cute.make_rmem_tensor((BN // 16,), Float32)
-        mk1 = cute.make_rmem_tensor((BN // 16,), Float32)
-        ok = cute.make_tensor(sOk, cute.make_layout((2, BN), stride=(BN, 1)))
-        masks = (mk0, mk1, ok, col0 == 0, row_in_pass)
-        ns0 = cute.make_rmem_tensor((BN // 16,), Int32)
-        ns1 = cute.make_rmem_tensor((BN // 16,), Int32)
         buf_a = self.half_buffers(0, L_CHUNKS)
         buf_b = self.half_buffers(L_CHUNKS, CH)
         u0 = Int32(0)
         u1 = Int32(0)
         j = Int32(0)
         for tile_id in cutlass.range(sched.first, sched.n_tiles, sched.stride, unroll=1):
-            t, g, head0, L, n_blocks, idx_row, extra = self.tile_of(tiles, tile_id)
-            rows = self.row_sources(kv_ptr, zero_ptr, N, g, L, row_in_pass, col0, extra)
-            n_pairs = (n_blocks + 1) // 2
-            self.fetch_rows(ns0, 0, idx_row, L, row_in_pass)
-            self.fetch_rows(ns1, 1, idx_row, L, row_in_pass)
-            self.resolve_rows(base0, mk0, ns0, 0, *rows)
-            self.resolve_rows(base1, mk1, ns1, 1, *rows)
+            t, head0, L, n_blocks, idx_row, rows, n_pairs = self.start_tile(tiles, tile_id, ps, kv_ptr, zero_ptr, N)
             if n_pairs > 0:
                 self.fetch_rows(ns0, 2, idx_row, L, row_in_pass)
                 self.fetch_rows(ns1, 3, idx_row, L, row_in_pass)

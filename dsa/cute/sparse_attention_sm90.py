@@ -394,33 +394,48 @@ class SparseAttnFwdSm90:
         return (kv_ptr, zero_ptr, g, L, N, row_in_pass, col0)
 
     # -------------------------------------------------------------- producer
-    @cute.jit
-    def producer(self, tidx, sQ, sK, sOk, bars, tiles: scheduler.SlotTiles, q_ptr, kv_ptr, zero_ptr, N):
-        q_full, q_empty, full, empty = bars
-        sched = tiles.sched
+    def producer_state(self, tidx, sK, sOk):
+        """The producer's state over its tiles: its gather copier (atom, thr,
+        row_in_pass, col0), its slices of the stages (tK0, tK1), the kv-row
+        byte offsets of a pair's two blocks (base0, base1; the zero row's for
+        an invalid slot), their masks (0 or -inf, written to sOk with the
+        stage's first half) and their indices, loaded a pair ahead (ns0, ns1)."""
         atom, thr, row_in_pass, col0 = gather_copier(self.dtype, tidx)
         tK0, tK1 = self.stage_partitions(thr, sK, tidx)
-        # kv-row byte offsets of the pair's two blocks (the zero row's for an
-        # invalid slot); their indices are loaded a pair ahead (ns0, ns1)
         base0, base1 = self.row_addresses()
-        # their masks (0 or -inf), written to sOk with the stage's first half
         mk0 = cute.make_rmem_tensor((BN // 16,), Float32)
         mk1 = cute.make_rmem_tensor((BN // 16,), Float32)
         ok = cute.make_tensor(sOk, cute.make_layout((2, BN), stride=(BN, 1)))
         masks = (mk0, mk1, ok, col0 == 0, row_in_pass)
         ns0 = cute.make_rmem_tensor((BN // 16,), Int32)
         ns1 = cute.make_rmem_tensor((BN // 16,), Int32)
+        return atom, thr, row_in_pass, col0, tK0, tK1, base0, base1, masks, ns0, ns1
+
+    def start_tile(self, tiles, tile_id, ps, kv_ptr, zero_ptr, N):
+        """A tile's rows (``row_sources``) and its blocks 0 and 1 resolved into
+        ``producer_state`` ps: (t, head0, L, n_blocks, idx_row, rows, pairs)."""
+        _, _, row_in_pass, col0, _, _, base0, base1, masks, ns0, ns1 = ps
+        t, g, head0, L, n_blocks, idx_row, extra = self.tile_of(tiles, tile_id)
+        rows = self.row_sources(kv_ptr, zero_ptr, N, g, L, row_in_pass, col0, extra)
+        n_pairs = (n_blocks + 1) // 2
+        self.fetch_rows(ns0, 0, idx_row, L, row_in_pass)
+        self.fetch_rows(ns1, 1, idx_row, L, row_in_pass)
+        self.resolve_rows(base0, masks[0], ns0, 0, *rows)
+        self.resolve_rows(base1, masks[1], ns1, 1, *rows)
+        return t, head0, L, n_blocks, idx_row, rows, n_pairs
+
+    @cute.jit
+    def producer(self, tidx, sQ, sK, sOk, bars, tiles: scheduler.SlotTiles, q_ptr, kv_ptr, zero_ptr, N):
+        q_full, q_empty, full, empty = bars
+        sched = tiles.sched
+        ps = self.producer_state(tidx, sK, sOk)
+        atom, thr, row_in_pass, col0, tK0, tK1, base0, base1, masks, ns0, ns1 = ps
+        mk0, mk1 = masks[0], masks[1]
         u0 = Int32(0)  # uses of stage 0 / stage 1 by earlier tiles
         u1 = Int32(0)
         j = Int32(0)   # tiles done
         for tile_id in cutlass.range(sched.first, sched.n_tiles, sched.stride, unroll=1):
-            t, g, head0, L, n_blocks, idx_row, extra = self.tile_of(tiles, tile_id)
-            rows = self.row_sources(kv_ptr, zero_ptr, N, g, L, row_in_pass, col0, extra)
-            n_pairs = (n_blocks + 1) // 2
-            self.fetch_rows(ns0, 0, idx_row, L, row_in_pass)
-            self.fetch_rows(ns1, 1, idx_row, L, row_in_pass)
-            self.resolve_rows(base0, mk0, ns0, 0, *rows)
-            self.resolve_rows(base1, mk1, ns1, 1, *rows)
+            t, head0, L, n_blocks, idx_row, rows, n_pairs = self.start_tile(tiles, tile_id, ps, kv_ptr, zero_ptr, N)
             # The first pair's copies go out before Q's: its stages free up
             # during the last tile's final pair, Q only after both consumers
             # are past their last S of it.
@@ -598,10 +613,7 @@ class SparseAttnFwdSm90:
         u1 = Int32(0)
         j = Int32(0)   # tiles done
         for tile_id in cutlass.range(sched.first, sched.n_tiles, sched.stride, unroll=1):
-            t, g, head0, L, n_blocks, idx_row, extra = self.tile_of(tiles, tile_id)
-            cs.acc_o.fill(0.0)
-            cs.m_run.fill(-Float32.inf)
-            cs.l_run.fill(0.0)
+            t, g, head0, L, n_blocks, idx_row, extra = self.begin_tile(cs, tiles, tile_id)
             if const_expr(self.bounds):
                 self.bound_offsets(cs, wtid, t, g, head0)
             n_full = n_blocks // 2
@@ -623,6 +635,14 @@ class SparseAttnFwdSm90:
             u0 = u0 + (n_blocks + 1) // 2
             u1 = u1 + n_full
             j = j + 1
+
+    def begin_tile(self, cs: ConsumerState, tiles, tile_id):
+        """A consumer's next tile (``tile_of``), its O and row statistics reset."""
+        tile = self.tile_of(tiles, tile_id)
+        cs.acc_o.fill(0.0)
+        cs.m_run.fill(-Float32.inf)
+        cs.l_run.fill(0.0)
+        return tile
 
     @cute.jit
     def tile_end(self, w: cutlass.Constexpr, cs: ConsumerState, sL, sink_ptr, out_ptr, lse_ptr, t, head0, extra):

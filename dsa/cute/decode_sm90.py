@@ -98,9 +98,10 @@ L2_LINE = 128
 # does not hold.  fp8_v32 runs lockstep (``lockstep``): its producer keeps
 # two half stages of loads in flight (two buffers of 4 rows x 32 bytes and
 # their scales), consumer 0 holds S, P and the left O, consumer 1 only the
-# right O.  fp8_model1, staggered, whose producer also holds each row's page
-# offset and scale record: no spill at 96 / 200 (ptxas, sm_90a; 12 bytes in
-# an H 128 split build at 96 / 200, 40 at 88 / 208 split).
+# right O.  Staggered (both consumers at 216): fp8_v32 no spill at 72 / 216;
+# fp8_model1, whose producer also holds each row's page offset and scale
+# record, none at 96 / 200 (ptxas, sm_90a; 12 bytes in an H 128 split build
+# at 96 / 200, 40 at 88 / 208 split).
 FP8_REGS = {FP8_V32: (72, 216), FP8_MODEL1: (96, 200)}
 LOCKSTEP_REGS = (136, (208, 160))  # no spill in any build of tests/test_cute_decode.py
 # the caches a decode runs lockstep on by default (``lockstep``)
@@ -419,9 +420,10 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
     # rescales its O and adds P V over the right 256 columns.  The halves free
     # in stage order (L by consumer 0 once its P V retires, R by consumer 1),
     # and the producer fills them in that order with the next half's loads
-    # already in flight.  Consumer 1 needs about 150 registers, which the
-    # producer takes: two half stages of e4m3 bytes in registers instead of
-    # one, so a half's load round trip overlaps the wait for the half before.
+    # already in flight.  Consumer 1 holds only its O (160 registers), and
+    # what it leaves goes to the producer: two half stages of e4m3 bytes in
+    # registers instead of one, so a half's load round trip overlaps the wait
+    # for the half before.
     @cute.jit
     def consumer(self, w: cutlass.Constexpr, qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, wtid,
                  sQ, sK, sP, sM, sL, sOk, bars, tiles, sink_ptr, out_ptr, lse_ptr, scale_log2, bound_args=None):

@@ -25,11 +25,9 @@ medians, warmup 25 ms, rep 100 ms):
 - ``cute_fp8_bt`` / ``cute_fp8`` / ``cute_bf16_bt``: the rows ``dsa_fp8_bt``,
   ``dsa_fp8`` and ``dsa_bf16_bt`` with ``backend="cute"`` (the CuTe SM90
   decode, ``dsa.cute.decode``); where the format's default build is lockstep
-  (``dsa.cute.decode_sm90.LOCKSTEP_CACHES``), ``cute_fp8_bt_lockstep``,
-  ``cute_fp8_bt_staggered`` and (an even number of 64-head blocks)
-  ``cute_fp8_bt_paired`` time ``dsa.cute.decode.forward`` built lockstep on
-  one CTA a tile, staggered, and lockstep paired (clusters of two CTAs
-  sharing the dequantisation, ``PAIRED_CACHES``), whatever the default.
+  (``dsa.cute.decode_sm90.LOCKSTEP_CACHES``), ``cute_fp8_bt_lockstep`` and
+  ``cute_fp8_bt_staggered`` time ``dsa.cute.decode.forward`` as built by
+  default and built staggered.
 
 Per row: milliseconds, GB/s (bytes of the K gathered rows in the cache's
 format, q and out) and the fraction of 4.24 TB/s, the host microseconds a
@@ -190,16 +188,16 @@ def measure(row: Dict[str, Any], name: str, build: Callable[[], Callable[[], Any
 
 
 @contextlib.contextmanager
-def built(lockstep=(), paired=()):
-    """The cute decode built lockstep on the caches ``lockstep`` and paired on
-    ``paired`` while inside (plans made inside are dropped on the way out)."""
-    keep = csm90.LOCKSTEP_CACHES, csm90.PAIRED_CACHES
-    csm90.LOCKSTEP_CACHES, csm90.PAIRED_CACHES = tuple(lockstep), tuple(paired)
+def staggered():
+    """The cute decode built staggered on every cache while inside (plans
+    made inside are dropped on the way out)."""
+    keep = csm90.LOCKSTEP_CACHES
+    csm90.LOCKSTEP_CACHES = ()
     cdecode._PLANS.clear()
     try:
         yield
     finally:
-        csm90.LOCKSTEP_CACHES, csm90.PAIRED_CACHES = keep
+        csm90.LOCKSTEP_CACHES = keep
         cdecode._PLANS.clear()
 
 
@@ -232,16 +230,13 @@ def run_row(fmt: str, B: int, H: int, L: int, sweep: bool, cute_splits=SWEEP) ->
                                                                      sm_scale=scale, backend="cute")),
             bf16_bytes, ref)
     if fmt in csm90.LOCKSTEP_CACHES:
-        # the cute decode built lockstep on one CTA a tile, staggered (both consumers computing S, one half
-        # stage of loads in flight) and lockstep paired, each called through dsa.cute.decode.forward
+        # the cute decode as built by default (lockstep) and staggered (both consumers computing S, one
+        # half stage of loads in flight), each called through dsa.cute.decode.forward
         la, _ = _checks.sparse_decode_args(q, cache, pos, bt, None, None, sink, scale, None, None)
-        builds = [("lockstep", dict(lockstep=[fmt])), ("staggered", {})]
-        if H // 64 % 2 == 0:
-            builds.append(("paired", dict(lockstep=[fmt], paired=[fmt])))
-        for name, how in builds:
-            with built(**how):
-                measure(row, f"cute_fp8_bt_{name}", lambda: (lambda: cdecode.forward(la)[0]), fp8_bytes,
-                        ref.view(B, H, -1))
+        measure(row, "cute_fp8_bt_lockstep", lambda: (lambda: cdecode.forward(la)[0]), fp8_bytes, ref.view(B, H, -1))
+        with staggered():
+            measure(row, "cute_fp8_bt_staggered", lambda: (lambda: cdecode.forward(la)[0]), fp8_bytes,
+                    ref.view(B, H, -1))
     flat, q2, s2 = kv16.view(-1, f.D), q.view(B, H, f.D), slots.view(B, K)
     measure(row, "sparse_attention", lambda: (lambda: dsa.sparse_attention(q2, flat, s2, sink=sink, sm_scale=scale)),
             bf16_bytes, ref.view(B, H, -1))
@@ -295,33 +290,24 @@ def sanitize() -> None:
     tl = torch.tensor([K, 0, 65, -4, K + 50, 129], dtype=torch.int32, device=dev)
     slots = torch.randint(-P * PAGE, 2 * P * PAGE, (B, 1, K), device=dev, generator=g).int()
     sink = torch.randn(H, device=dev, generator=g)
-    runs = [(fmt, cache, {}) for fmt, cache in caches.items()]
-    runs.append(("fp8_v32", caches["fp8_v32"], dict(lockstep=["fp8_v32"], paired=["fp8_v32"])))
-    for fmt, cache, how in runs:
-        with built(**how) if how else contextlib.nullcontext():
-            sanitize_format(fmt, cache, B, H, pos, bt, seq_lens, tl, slots, sink, g, "paired " if how else "")
-
-
-def sanitize_format(fmt, cache, B, H, pos, bt, seq_lens, tl, slots, sink, g, build) -> None:
-    """``sanitize``'s calls on one cache (``build`` names a build forced by ``built``)."""
-    dev = torch.device("cuda")
-    D = 576 if fmt == "native" else FORMATS[fmt].D
-    q = torch.randn(B, 1, H, D, device=dev, generator=g).bfloat16()
-    calls = {"block table": (pos, bt, seq_lens), "slots": (slots, None, None)}
-    for what, (idx, table, lens) in calls.items():
-        try:
-            a, _ = _checks.sparse_decode_args(q, cache, idx, table, lens, tl, sink, None, None, None)
-        except ValueError as e:
-            print(f"sanitize {build}{fmt} {what}: {e}")
-            continue
-        why = cdecode.supports(a)
-        if why is not None:
-            print(f"sanitize {build}{fmt} {what}: not served ({why})")
-            continue
-        for s in (None, 1, 2, 3, 5):
-            out, lse = cdecode.forward(a, splits=s)
-            torch.cuda.synchronize()
-            print(f"sanitize {build}{fmt} {what} splits={s}: NaN in out {bool(out.isnan().any())}", flush=True)
+    for fmt, cache in caches.items():
+        D = 576 if fmt == "native" else FORMATS[fmt].D
+        q = torch.randn(B, 1, H, D, device=dev, generator=g).bfloat16()
+        calls = {"block table": (pos, bt, seq_lens), "slots": (slots, None, None)}
+        for what, (idx, table, lens) in calls.items():
+            try:
+                a, _ = _checks.sparse_decode_args(q, cache, idx, table, lens, tl, sink, None, None, None)
+            except ValueError as e:
+                print(f"sanitize {fmt} {what}: {e}")
+                continue
+            why = cdecode.supports(a)
+            if why is not None:
+                print(f"sanitize {fmt} {what}: not served ({why})")
+                continue
+            for s in (None, 1, 2, 3, 5):
+                out, lse = cdecode.forward(a, splits=s)
+                torch.cuda.synchronize()
+                print(f"sanitize {fmt} {what} splits={s}: NaN in out {bool(out.isnan().any())}", flush=True)
 
 
 def main() -> None:

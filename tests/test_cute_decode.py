@@ -45,9 +45,9 @@ BUILDS = [
     ("native_bt_split_h128", dict(H=128, cache="native", page_size=64, has_bt=True, has_seqlen=True, split=True)),
     # the same on the FP8 cache: the producer dequantises while it gathers
     ("fp8_bt_split_h128", dict(H=128, cache="fp8_v32", page_size=64, has_bt=True, has_seqlen=True, split=True)),
-    # the same, staggered (the lockstep build's alternative, which fp8_model1 runs), one split
-    ("fp8_bt_h128_staggered", dict(H=128, cache="fp8_v32", page_size=64, has_bt=True, has_seqlen=True,
-                                   split=False, lockstep=False)),
+    # the same, staggered (the lockstep build's alternative, which fp8_model1 runs)
+    ("fp8_bt_split_h128_staggered", dict(H=128, cache="fp8_v32", page_size=64, has_bt=True, has_seqlen=True,
+                                         split=True, lockstep=False)),
     # FP8 with FlashMLA's slots, one split, no length, no sink, H 64
     ("fp8_slots_h64", dict(H=64, cache="fp8_v32", page_size=64, has_len=False, has_sink=False, has_bt=False,
                            has_seqlen=False, split=False)),
@@ -67,9 +67,8 @@ CI_BUILDS = 2
 NEEDLES = ("wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc", "setmaxnreg.inc",
            "setmaxnreg.dec", "mbarrier.try_wait", "st.global.v2.b32", "st.local", "ld.local",
            "cvt.rn.f16x2.e4m3x2", "cvt.rn.bf16x2.f32", "mul.rn.f32", "fence.proxy.async.shared::cta",
-           "ld.global.v4", "st.shared.v4", "prefetch.global.L2", "griddepcontrol", "ld.acquire.gpu.global",
-           "red.release.gpu.global.add", "atom.global.add", "fence.acq_rel.gpu", "st.relaxed.gpu.global",
-           "ld.global.cg.v4")
+           "ld.global.v4", "st.shared.v4", "prefetch.global.L2", "griddepcontrol.wait",
+           "griddepcontrol.launch_dependents")
 
 
 def _builds():
@@ -82,26 +81,25 @@ def _builds():
 def test_decode_compiles_offline(build, tmp_path):
     from dsa.cute.sparse_attention_sm90 import SMEM_LIMIT, smem_bytes
 
-    from dsa.cute.decode_sm90 import LOCKSTEP_CACHES, MERGE_UNITS, MERGE_UNROLL, regs_sum
+    from dsa.cute.decode_sm90 import LOCKSTEP_CACHES, regs_sum
 
     name, kw = build
     lockstep = kw.get("lockstep", kw["cache"] in LOCKSTEP_CACHES)
     r = compile_reports([(name, "dsa.cute.decode:compile_offline", ["torch.bfloat16"], kw)], NEEDLES, "sm_90a",
                         tmp_path)[name]
-    # one kernel: with splits its later CTAs merge the parts (no second launch)
-    assert r["kernels"] == 1 and len(r["entries"]) == 1, (name, r)
-    n = next(iter(r["entries"].values()))
-    assert n["griddepcontrol"] == 0, (name, r)
-    sync = ("ld.acquire.gpu.global", "red.release.gpu.global.add", "atom.global.add", "fence.acq_rel.gpu",
-            "st.relaxed.gpu.global")
-    if kw["split"]:
-        # the CTA tickets and the rows' counters (taken, waited on, counted and set back to 0), the parts
-        # fenced and released once a tile a consumer pair; the merge's 16-byte loads, several in flight
-        assert n["atom.global.add"] == 2 and n["st.relaxed.gpu.global"] == 2 and n["ld.acquire.gpu.global"] >= 1
-        assert n["red.release.gpu.global.add"] == 1 and n["fence.acq_rel.gpu"] >= 1, (name, r)
-        assert n["ld.global.cg.v4"] >= MERGE_UNITS * MERGE_UNROLL, (name, r)
+    # a split build's host function launches the decode and its merge, an unsplit one the decode alone
+    merges = [e for e in r["entries"] if "merge_kernel" in e]
+    decodes = [e for e in r["entries"] if "merge_kernel" not in e]
+    assert len(merges) == int(kw["split"]) and len(decodes) == 1 == r["kernels"] - len(merges), (name, r)
+    n = r["entries"][decodes[0]]
+    if merges:
+        # the merge: 16-byte loads of the parts, a few in flight (unrolled), one 8-byte store of 4 outputs
+        m = r["entries"][merges[0]]
+        assert m["ld.global.v4"] >= 4 and m["st.global.v2.b32"] == 1 and m["wgmma.mma_async"] == 0, (name, m)
+        # a programmatic dependent launch: the decode lets it start, the merge waits for the decode's end
+        assert m["griddepcontrol.wait"] == 1 and r["entries"][decodes[0]]["griddepcontrol.launch_dependents"] == 1
     else:
-        assert all(n[x] == 0 for x in sync + ("ld.global.cg.v4",)), (name, r)
+        assert r["needles"]["griddepcontrol.launch_dependents"] == 0, (name, r)
     D = kw.get("D", 576)
     # S = Q K^T: D / 16 wgmma a block; O += P V: 4 a block and source of P
     assert n["wgmma.mma_async"] >= D // 16 + 4, (name, r)
@@ -180,26 +178,6 @@ def test_split_plan(B, H, splits, S, chunk):
     assert cdec.split_plan(a, 132, splits) == (S, chunk)
     # every split starts inside the row, the last one ends at K
     assert (S - 1) * chunk < a.K <= S * chunk and chunk % cdec.BLOCK == 0
-
-
-@pytest.mark.parametrize("T,H", [(1, 64), (1, 128), (3, 64), (32, 64), (32, 128), (128, 128), (1000, 64)])
-def test_merge_grid_covers_every_unit_once(T, H):
-    """The merge CTAs' runs of units: contiguous, non-empty, every unit in
-    exactly one, at most one CTA an SM and about one unit a thread when
-    there are few; and the readers of a 64-head row as ``merge_cta`` counts
-    them (the CTAs whose run meets the row, the last of which sets its
-    counter back to 0)."""
-    if not HAVE_DSL:
-        pytest.skip("nvidia-cutlass-dsl is not installed")
-    units, upr, sms = T * H * 128, 64 * 128, 132
-    n, per = cdec.merge_grid(units, sms)
-    runs = [(m * per, min((m + 1) * per, units)) for m in range(n)]
-    assert 1 <= n <= sms and all(lo < hi for lo, hi in runs) and runs[-1][1] == units
-    assert all(runs[i][1] == runs[i + 1][0] for i in range(n - 1)) and runs[0][0] == 0
-    assert per <= max(384, -(-units // sms))
-    for r in range(units // upr):
-        meet = sum(lo < (r + 1) * upr and hi > r * upr for lo, hi in runs)
-        assert meet == ((r + 1) * upr - 1) // per - (r * upr) // per + 1, (r, meet)
 
 
 def test_split_plan_short_rows():
@@ -336,10 +314,9 @@ def test_launch_arguments(monkeypatch, B, H, split, reuse):
     """A prepared launch without a GPU: the compiled host function gets its
     pointers in order (the workspace when split, the zero row, then the
     merge's out and lse; stand-ins for absent inputs), the plan's scalars and
-    the stream, in one call (the merge runs in the decode's own launch), and
-    no Triton merge is launched; the workspace's counters, after the parts'
-    lse, are zero; the plan is built once per key, a reused workspace once
-    per prepare."""
+    the stream, in one call: the merge is its second kernel, and no Triton
+    merge is launched; the plan is built once per key, a reused workspace
+    once per prepare."""
     import cutlass
 
     launches, merges, zero = [], [], torch.zeros(576, dtype=torch.bfloat16)
@@ -377,22 +354,14 @@ def test_launch_arguments(monkeypatch, B, H, split, reuse):
         assert types[7][0] is cutlass.Float32 and ptrs[7] != out.data_ptr() and ptrs[8] != lse.data_ptr()
         if reuse:  # one workspace for every call (without reuse a freed one's address may come back)
             assert ptrs[7] == x2[7]
-            plse, parts = run._work
-            assert plse.data_ptr() == ptrs[8] and parts.data_ptr() == ptrs[7]
-            # the counters: the tickets', then one a 64-head row, after the [T, H, S] lse, zero; the parts
-            # 16-byte aligned after them
-            counts = plse[B * H * S:]
-            assert counts.numel() >= 1 + B * H // 64 and counts.numel() % 4 == 0
-            assert (counts.view(torch.int32) == 0).all() and parts.numel() == B * H * S * 512
         assert (ptrs[10], ptrs[11]) == (out.data_ptr(), lse.data_ptr())  # what the merge writes
     else:
         assert types[7][0] is cutlass.BFloat16 and ptrs[7] == out.data_ptr() and ptrs[8] == lse.data_ptr()
         assert (ptrs[10], ptrs[11]) == (ptrs[7], ptrs[8])  # no merge: stand-ins
-    T, K, P, stride, bt_w, ch, n_split, len_div, rps, scale, sms, n_merge, per_cta = scalars
+    T, K, P, stride, bt_w, ch, n_split, len_div, rps, scale, sms = scalars
     assert (int(T), int(K), int(P), int(stride), int(bt_w), int(ch), int(n_split)) == (B, 2048, 6, 64 * 576 * 2,
                                                                                         3, chunk, S)
     assert (int(len_div), int(rps), int(sms)) == (1, 1, 132)
-    assert (int(n_merge), int(per_cta)) == (cdec.merge_grid(B * H * 128, 132) if split else (0, 0))
     cdec.decode.prepare(_args(T=B, H=H, P=7, bt_w=3))  # a larger pool: another plan (P is a kernel argument)
     assert len(cdec._PLANS) == 2
 

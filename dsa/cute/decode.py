@@ -6,16 +6,15 @@
 on the canonical :class:`dsa._args.SparseDecodeArgs`.  The kernel is
 ``decode_sm90.SparseDecodeSm90`` (the SM90 forward over a paged cache, split
 over the slots); with several splits its parts are merged, and the sink
-folded in, by CTAs of the same launch (``merge_grid``): a call is one
-kernel launch either way.
+folded in, by its ``merge_kernel``, which the same compiled host function
+launches right after it: a call is one launch from Python either way.
 
 Splits: ``split_plan`` is the Triton decode's rule (``dsa.triton.decode.
 split_plan``) at 64-slot blocks, a split at least a pair of them: S =
 min(SMs // tiles, K / 128), about one wave.  It depends on the shapes and the device only, so the workspace
 (``[T, H, S]`` lse then ``[T, H, S, d_v]`` parts, fp32, one allocation) is
 sized by shapes alone and nothing is read back: a call captures in a CUDA
-graph.  The workspace also holds the kernel's counters, zeroed when it is
-allocated and left zero by every launch.
+graph.
 
 Host time: everything but the tensors' addresses is built once per shape
 key (``plan``): the compile key, the split count, the scalars; ``prepare``
@@ -47,7 +46,6 @@ from dsa.ops.decode import run_fresh
 
 HEADS_PER_CTA = 64
 BLOCK = 64  # slots a block: a split is a whole number of them
-MERGE_VEC = 4  # value columns of a merge unit (token, head, 4 columns): one 16-byte load a part
 SERVED_FORMATS = (NATIVE, "fp8_v32", "fp8_model1")
 
 # Measured placement: (GPU name, cache format, H, (first B, last B)) -> the
@@ -222,30 +220,19 @@ def _build(a: SparseDecodeArgs, splits: Optional[int]) -> _Plan:
     sms = _sm_count(a.q.device)
     S, chunk = split_plan(a, sms, splits)
     bt_w = a.block_table.shape[1] if a.block_table is not None else 0
-    n_merge, per_cta = merge_grid(a.T * a.H * (a.d_v // MERGE_VEC), sms) if S > 1 else (0, 0)
     scalars = (a.T, a.K, a.num_pages, a.kv.stride(0) * a.kv.element_size(), bt_w, chunk, S, a.len_div,
-               a.rows_per_seq, float(a.sm_scale * LOG2E), sms, n_merge, per_cta)
+               a.rows_per_seq, float(a.sm_scale * LOG2E), sms)
     return _Plan(kernel_config(a, S > 1), a.q.device.index, S, scalars)
-
-
-def merge_grid(units: int, sms: int) -> Tuple[int, int]:
-    """(merge CTAs, units a merge CTA) of a split decode: a unit is (token,
-    head, 4 value columns), one a thread of a CTA's 384, over at most one CTA
-    an SM; the CTAs take contiguous runs, all of them non-empty."""
-    from dsa.cute.sparse_attention_sm90 import THREADS
-
-    per_cta = -(-units // min(sms, -(-units // THREADS)))
-    return -(-units // per_cta), per_cta
 
 
 def scalar_types() -> Tuple:
     """The types of the kernel's scalars (``_Plan.scalars``): T, K, pages, page
     stride (bytes), block-table width, chunk, splits, len_div, rows_per_seq,
-    sm_scale * log2(e), CTAs, merge CTAs, units a merge CTA."""
+    sm_scale * log2(e), CTAs."""
     import cutlass
 
     I32 = cutlass.Int32
-    return I32, I32, I32, cutlass.Int64, I32, I32, I32, I32, I32, cutlass.Float32, I32, I32, I32
+    return I32, I32, I32, cutlass.Int64, I32, I32, I32, I32, I32, cutlass.Float32, I32
 
 
 def pointer_types(config) -> Tuple:
@@ -276,10 +263,9 @@ def _compiled(p: _Plan):
 class Prepared:
     """The launches of every call with ``a``'s metadata, all but the tensors
     bound once: the plan (compile key, split count, scalars), the compiled
-    kernel (with splits, the decode and its merge in one launch), the zero
-    row and (``reuse_workspace``) the split workspace, which its calls then
-    share: they must run in turn on one stream (its counters, zero between
-    launches, would otherwise be shared by two at once).
+    kernel (with splits, the decode and its merge), the zero row and
+    (``reuse_workspace``) the split workspace, which its calls then share
+    (ordered on one stream).
     ``run(q, kv, indices, topk_length, block_table, seq_lens, sink, out,
     lse)`` takes the canonical tensors (any shape of their elements) and
     writes out and lse: the protocol of ``prepare`` in :mod:`dsa.ops.decode`.
@@ -290,21 +276,16 @@ class Prepared:
         native = a.cache_format == NATIVE
         self._device = a.q.device
         self._zero = zero_row(a.q.device, a.q.dtype if native else torch.uint8, zero_row_size(a)).data_ptr()
-        # the parts' lse [T, H, S], the kernel's int32 counters (the CTA tickets', then one a 64-head row;
-        # zero, and a whole number of 16 bytes), then the parts [T, H, S, d_v]
-        self._n_lse = a.T * a.H * p.splits
-        self._n_count = (1 + a.T * a.H // HEADS_PER_CTA + 3) // 4 * 4
-        self._n_work = self._n_lse * (a.d_v + 1) + self._n_count
+        self._n_lse = a.T * a.H * p.splits  # the parts' lse [T, H, S], then their outputs [T, H, S, d_v]
+        self._n_work = self._n_lse * (a.d_v + 1)
         self._work = self._workspace() if reuse_workspace and p.splits > 1 else None
         # compiled now (once per configuration and device), not at a first call that a CUDA graph may capture
         self._fn = _compiled(p)
 
     def _workspace(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(the parts' lse and the counters, zeroed; the parts) in one allocation."""
+        """(the parts' lse, their outputs) in one allocation."""
         work = torch.empty(self._n_work, dtype=torch.float32, device=self._device)
-        head = self._n_lse + self._n_count
-        work[self._n_lse: head].zero_()  # every launch leaves them zero
-        return work[: head], work[head:]
+        return work[: self._n_lse], work[self._n_lse:]
 
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, topk_length: Optional[torch.Tensor],
                  block_table: Optional[torch.Tensor], seq_lens: Optional[torch.Tensor], sink: Optional[torch.Tensor],

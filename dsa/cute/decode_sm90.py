@@ -17,15 +17,10 @@ each one of its hooks:
 * **Epilogue**: with one split the tile finishes the row as the forward does
   (sink, lse).  With several it writes its normalised fp32 part to
   ``[T, H, S, d_v]`` and its log2-domain lse to ``[T, H, S]`` (-inf, and no
-  part, when it saw no valid slot), and the same launch merges them: each
-  CTA takes a ticket (``scheduler.take_ticket``), the first ones run a tile
-  each, and the CTAs after them (``merge_cta``) wait for their rows' parts
-  (a counter a 64-head row, released by each split) and combine them, the
-  sink folded in.  A later ticket implies that every tile's CTA is already
-  resident, so the wait cannot deadlock whatever else holds the GPU; the
-  counters are zero between launches (each launch sets them back), so CUDA
-  graph replays need nothing reset.  A split decode is one launch, as an
-  unsplit one is.
+  part, when it saw no valid slot), and the same host function then
+  launches ``merge_kernel``, which combines the parts and folds the sink
+  in: one call from Python launches both kernels, so a split decode costs
+  the host no more than an unsplit one.
 
 FP8 caches (``fp8_v32`` and ``fp8_model1``, laid out in ``dsa.kv_cache``):
 the producer dequantises while it gathers (``convert_half``): 16-byte
@@ -59,13 +54,11 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
-from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from dsa.cute import pipeline, rules, scheduler
-from dsa.cute.decode import MERGE_VEC
+from dsa.cute import rules, scheduler
 from dsa.cute.gmem import aligned, load
 from dsa.cute.pipeline import freed_phase, phase
 from dsa.cute.rules import LN2, LOG2E, finite_shift
@@ -74,7 +67,6 @@ from dsa.cute.sparse_attention_sm90 import (
     BN,
     CONSUMER_REGS,
     L_CHUNKS,
-    PAIR_THREADS,
     PROF_EMPTY,
     PROF_BAR,
     PROF_ISSUE,
@@ -83,7 +75,6 @@ from dsa.cute.sparse_attention_sm90 import (
     PROF_WGMMA,
     PRODUCER_REGS,
     THREADS,
-    Barrier,
     SparseAttnFwdSm90,
 )
 from dsa.kv_cache import FORMATS
@@ -92,7 +83,8 @@ NATIVE = "native"
 FP8_V32 = "fp8_v32"
 FP8_MODEL1 = "fp8_model1"
 CACHES = (NATIVE, FP8_V32, FP8_MODEL1)
-MERGE_UNITS = 4   # units a merge thread combines at once, their loads in flight together
+MERGE_THREADS = 128  # a merge CTA: one thread a (token, head, 4 value columns)
+MERGE_VEC = 4
 MERGE_UNROLL = 4  # parts a merge thread loads before using them
 GROUP = 128    # NoPE columns a row's 8 gathering threads load at once: 16 e4m3 bytes each
 L2_LINE = 128
@@ -109,9 +101,7 @@ L2_LINE = 128
 # right O.  Staggered (both consumers at 216): fp8_v32 no spill at 72 / 216;
 # fp8_model1, whose producer also holds each row's page offset and scale
 # record, none at 96 / 200 (ptxas, sm_90a; 12 bytes in an H 128 split build
-# at 96 / 200, 40 at 88 / 208 split).  A staggered fp8_v32 split build (not
-# what fp8_v32 runs) spills 12 bytes in its producer since the split builds
-# take CTA tickets.
+# at 96 / 200, 40 at 88 / 208 split).
 FP8_REGS = {FP8_V32: (72, 216), FP8_MODEL1: (96, 200)}
 LOCKSTEP_REGS = (136, (208, 160))  # no spill in any build of tests/test_cute_decode.py
 # the caches a decode runs lockstep on by default (``lockstep``)
@@ -173,15 +163,6 @@ def prefetch_l2(addr: Int64, *, loc=None, ip=None) -> None:
     llvm.inline_asm(res=None, operands_=[Int64(addr).ir_value(loc=loc, ip=ip)],
                     asm_string="prefetch.global.L2 [$0];", constraints="l", has_side_effects=True,
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
-
-def counters(part_lse_ptr: cute.Pointer, n_tiles) -> cute.Pointer:
-    """A split decode's counters (Int32, zero before a launch and left zero
-    by it): the CTA tickets' (``scheduler.take_ticket``), then one a 64-head
-    row (its splits' parts written, its merge CTAs' readings).  They follow
-    the parts' lse [T, H, S] (n_tiles * 64 values) in the workspace, so that
-    no thread holds another address for them."""
-    return cute.recast_ptr(part_lse_ptr + n_tiles * BLOCK_H, dtype=Int32)
 
 
 @dataclass(frozen=True)
@@ -273,26 +254,26 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         bt_ptr: cute.Pointer, seqlen_ptr: cute.Pointer, sink_ptr: cute.Pointer, out_ptr: cute.Pointer,
         lse_ptr: cute.Pointer, zero_ptr: cute.Pointer, fin_out_ptr: cute.Pointer, fin_lse_ptr: cute.Pointer,
         T: Int32, K: Int32, n_pages: Int32, page_stride: Int64, bt_w: Int32, chunk: Int32, n_split: Int32,
-        len_div: Int32, rows_per_seq: Int32, scale_log2: Float32, n_cta: Int32, n_merge: Int32,
-        merge_units: Int32, stream,
+        len_div: Int32, rows_per_seq: Int32, scale_log2: Float32, n_cta: Int32, stream,
     ):
-        """The decode, and with splits its merge, in one launch: out_ptr and
-        lse_ptr are then the parts' workspace, the merge CTAs (n_merge, each
-        merging merge_units units) write fin_out_ptr [T, H, d_v] and
-        fin_lse_ptr [T, H], and the parts' lse [T, H, S] are followed by the
-        counters (``counters``).  Without splits these are unused and a grid
-        of n_cta CTAs runs the tiles."""
+        """The decode, and with splits its merge: out_ptr and lse_ptr are then
+        the parts' workspace, and the merge writes fin_out_ptr [T, H, d_v] and
+        fin_lse_ptr [T, H] (unused without splits)."""
         mmas, layouts = self.operands()
         n_tiles = scheduler.tile_count(T, self.G, self.HG // BLOCK_H) * n_split
-        grid = scheduler.grid_size(n_cta, n_tiles)
-        if const_expr(self.split):
-            grid = n_tiles + n_merge
         self.kernel(
             *mmas, *layouts,
             q_ptr, kv_ptr, idx_ptr, len_ptr, bt_ptr, seqlen_ptr, sink_ptr, out_ptr, lse_ptr, zero_ptr,
-            fin_out_ptr, fin_lse_ptr,
-            K, n_pages, page_stride, bt_w, chunk, n_split, len_div, rows_per_seq, n_tiles, scale_log2, merge_units,
-        ).launch(grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
+            K, n_pages, page_stride, bt_w, chunk, n_split, len_div, rows_per_seq, n_tiles, scale_log2,
+        ).launch(grid=[scheduler.grid_size(n_cta, n_tiles), 1, 1], block=[THREADS, 1, 1], stream=stream,
+                 min_blocks_per_mp=1)
+        if const_expr(self.split):
+            n_units = T * (self.H * (self.d_v // MERGE_VEC))
+            # a programmatic dependent launch: the merge's CTAs start on the SMs the decode leaves free
+            # and wait (griddepcontrol.wait) for its end, so its launch latency hides behind the decode
+            self.merge_kernel(out_ptr, lse_ptr, sink_ptr, fin_out_ptr, fin_lse_ptr, n_units, n_split).launch(
+                grid=[(n_units + MERGE_THREADS - 1) // MERGE_THREADS, 1, 1], block=[MERGE_THREADS, 1, 1],
+                stream=stream, use_pdl=True)
 
     # ---------------------------------------------------------------- device
     @cute.kernel
@@ -302,119 +283,79 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         sp_layout: cute.ComposedLayout,
         q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, len_ptr: cute.Pointer,
         bt_ptr: cute.Pointer, seqlen_ptr: cute.Pointer, sink_ptr: cute.Pointer, out_ptr: cute.Pointer,
-        lse_ptr: cute.Pointer, zero_ptr: cute.Pointer, fin_out_ptr: cute.Pointer, fin_lse_ptr: cute.Pointer,
+        lse_ptr: cute.Pointer, zero_ptr: cute.Pointer,
         K: Int32, n_pages: Int32, page_stride: Int64, bt_w: Int32, chunk: Int32, n_split: Int32,
-        len_div: Int32, rows_per_seq: Int32, n_tiles: Int32, scale_log2: Float32, merge_units: Int32,
+        len_div: Int32, rows_per_seq: Int32, n_tiles: Int32, scale_log2: Float32,
     ):
+        if const_expr(self.split):
+            # the merge (a programmatic dependent launch) may start now: it waits for this grid's end itself
+            cute.arch.griddepcontrol_launch_dependents()
         cache = rules.PagedCache(kv_ptr, zero_ptr, n_pages, page_stride, bt_ptr, bt_w, seqlen_ptr,
                                  self.page_size, self.G, self.row_bytes(), self.has_bt, self.has_seqlen)
-        merge_args = None
-        if const_expr(self.split):
-            merge_args = (counters(lse_ptr, n_tiles), fin_out_ptr, fin_lse_ptr, merge_units)
         # the profiling counters are the forward's alone: lse_ptr stands in for prof_ptr, never written
         self.run((qk_mma, pv_mma, pv_mma_ss), (sv_layout, sp_layout), sq_layout, sk_layout, n_tiles,
-                 (idx_ptr, len_ptr, K, chunk, n_split, len_div, rows_per_seq),
-                 (cache, zero_ptr, n_split), q_ptr, sink_ptr, out_ptr, lse_ptr, lse_ptr, scale_log2,
-                 merge_args=merge_args)
+                 (idx_ptr, len_ptr, K, chunk, n_split, len_div, rows_per_seq), (cache, zero_ptr, n_split),
+                 q_ptr, sink_ptr, out_ptr, lse_ptr, lse_ptr, scale_log2)
 
-    @cute.jit
-    def merge_cta(self, tidx, m, n_tiles, tile_args, sink_ptr, part_ptr, part_lse_ptr, merge_args):
-        """Merge CTA m (its ticket came after every tile's): the units
-        [m * per_cta, (m + 1) * per_cta) of the T * H * d_v / 4, a unit (t,
-        h, 4 value columns), once every split of their 64-head rows has
-        written its part.  Thread 0 waits for each row's counter to reach
-        n_split (one release add a tile, ``store_part``), counts itself as a
-        reader, and the row's last reader sets the counter back to 0."""
-        cnt_ptr, out_ptr, lse_ptr, per_cta = merge_args
-        n_split = tile_args[4]
-        upr = BLOCK_H * (self.d_v // MERGE_VEC)  # units a row
-        n_units = n_tiles // n_split * upr
-        lo = m * per_cta
-        hi = cutlass.min(lo + per_cta, n_units)
-        if tidx == 0:
-            for r in cutlass.range(lo // upr, (hi - 1) // upr + 1, unroll=1):
-                done = cnt_ptr + (r + 1)
-                seen = Int32(cute.arch.load(done, Int32, sem="acquire", scope="gpu"))
-                while seen < n_split:
-                    seen = Int32(cute.arch.load(done, Int32, sem="acquire", scope="gpu"))
-                # the merge CTAs whose units meet row r
-                readers = ((r + 1) * upr - 1) // per_cta - (r * upr) // per_cta + 1
-                if Int32(cute.arch.atomic_add(done, Int32(1), sem="relaxed", scope="gpu")) == n_split + readers - 1:
-                    cute.arch.store(done, Int32(0), sem="relaxed", scope="gpu")
-        cute.arch.sync_threads()  # the parts thread 0 saw complete are visible to the CTA past it
-        for u0 in cutlass.range(lo + tidx, hi, THREADS * MERGE_UNITS, unroll=1):
-            self.merge_units(u0, hi, n_split, sink_ptr, part_ptr, part_lse_ptr, out_ptr, lse_ptr)
-
-    @cute.jit
-    def merge_units(self, u0, hi, n_split, sink_ptr, part_ptr, part_lse_ptr, out_ptr, lse_ptr):
+    @cute.kernel
+    def merge_kernel(self, part_ptr: cute.Pointer, part_lse_ptr: cute.Pointer, sink_ptr: cute.Pointer,
+                     out_ptr: cute.Pointer, lse_ptr: cute.Pointer, n_units: Int32, n_split: Int32):
         """out[t, h, c:c + 4] (q.dtype) and lse[t, h] (natural log, sink
-        excluded, +inf on an empty row) of the units u0 + k * THREADS below
-        hi (k < MERGE_UNITS; the others load unit hi - 1 and store nothing),
-        from the n_split parts of each (t, h).  The parts are weighted by
-        exp2(lse2_s - m), m their largest lse2; a part with lse2 = -inf was
-        never written and does not count (it is loaded and dropped); the sink
-        scales the row by exp(lse) / (exp(lse) + exp(sink)).  A NaN part or
-        lse makes the row NaN."""
-        per_row = self.d_v // MERGE_VEC
-        ths, cols, plses, parts = [], [], [], []
-        for k in cutlass.range_constexpr(MERGE_UNITS):
-            u = cutlass.min(u0 + k * THREADS, hi - 1)
-            th = u // per_row  # t * H + h
-            ths.append(th)
-            cols.append((u - th * per_row) * MERGE_VEC)
-            plses.append(cute.make_tensor(part_lse_ptr + Int64(th) * Int64(n_split), cute.make_layout((n_split,))))
-            parts.append(cute.make_rmem_tensor((MERGE_VEC,), Float32))
-        # unrolled and branch-free, so that the loads of several parts and units are in flight at once
-        m = cute.make_rmem_tensor((MERGE_UNITS,), Float32)
-        m.fill(-Float32.inf)
-        for s in cutlass.range(n_split, unroll=MERGE_UNROLL):
-            for k in cutlass.range_constexpr(MERGE_UNITS):
-                m[k] = cute.arch.fmax(m[k], plses[k][s])
-        for k in cutlass.range_constexpr(MERGE_UNITS):
-            m[k] = finite_shift(m[k])
-        acc = cute.make_rmem_tensor((MERGE_UNITS * MERGE_VEC,), Float32)
-        acc.fill(0.0)
-        l = cute.make_rmem_tensor((MERGE_UNITS,), Float32)
-        l.fill(0.0)
-        for s in cutlass.range(n_split, unroll=MERGE_UNROLL):
-            for k in cutlass.range_constexpr(MERGE_UNITS):
-                ls = plses[k][s]
-                w = cute.math.exp2(ls - m[k], fastmath=False)  # 0 for a part with lse2 = -inf
-                l[k] = l[k] + w
+        excluded, +inf on an empty row) from the n_split parts of (t, h): a
+        thread a unit (t, h, c).  The parts are weighted by exp2(lse2_s - m),
+        m their largest lse2; a part with lse2 = -inf was never written and
+        does not count (it is loaded and dropped); the sink scales the row by
+        exp(lse) / (exp(lse) + exp(sink)).  A NaN part or lse makes the row NaN."""
+        # launched as the decode's programmatic dependent: its parts are complete and visible past this
+        cute.arch.griddepcontrol_wait()
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        u = bidx * MERGE_THREADS + tidx
+        if u < n_units:
+            per_row = self.d_v // MERGE_VEC
+            th = u // per_row          # t * H + h
+            c = (u - th * per_row) * MERGE_VEC
+            rows = Int64(th) * Int64(n_split)
+            plse = cute.make_tensor(part_lse_ptr + rows, cute.make_layout((n_split,)))
+            # unrolled and branch-free, so that the loads of several parts are in flight at once
+            m = -Float32.inf
+            for s in cutlass.range(n_split, unroll=MERGE_UNROLL):
+                m = cute.arch.fmax(m, plse[s])
+            m = finite_shift(m)
+            acc = cute.make_rmem_tensor((MERGE_VEC,), Float32)
+            acc.fill(0.0)
+            part = cute.make_rmem_tensor((MERGE_VEC,), Float32)
+            l = Float32(0.0)
+            for s in cutlass.range(n_split, unroll=MERGE_UNROLL):
+                ls = plse[s]
+                w = cute.math.exp2(ls - m, fastmath=False)  # 0 for a part with lse2 = -inf
+                l = l + w
                 # an unwritten part is loaded but never used: a select, not a product, drops it
-                src = aligned(Float32, (part_ptr + ((Int64(ths[k]) * Int64(n_split) + s) * Int64(self.d_v)
-                                                    + cols[k])).toint())
-                # .cg: L2, where the other SMs' parts are; this SM's L1 holds none of them
-                vec = ir.VectorType.get([MERGE_VEC], Float32.mlir_type)
-                parts[k].store(cute.TensorSSA(cute.arch.load(src, vec, cop="cg"), (MERGE_VEC,), Float32))
+                src = aligned(Float32, (part_ptr + ((rows + s) * Int64(self.d_v) + c)).toint())
+                cute.autovec_copy(cute.make_tensor(src, cute.make_layout((MERGE_VEC,))), part)
                 written = ls != -Float32.inf
                 for i in cutlass.range_constexpr(MERGE_VEC):
-                    a = acc[k * MERGE_VEC + i]
-                    acc[k * MERGE_VEC + i] = Float32(cutlass.select_(written, a + w * parts[k][i], a))
-        for k in cutlass.range_constexpr(MERGE_UNITS):
-            if u0 + k * THREADS < hi:
-                th = ths[k]
-                lk = l[k]
-                lse2 = -Float32.inf
-                f = Float32(0.0)
-                if lk != 0.0:
-                    lse2 = m[k] + cute.math.log2(lk, fastmath=False)
-                    f = 1.0 / lk
-                    if const_expr(self.has_sink):
-                        # sink * log2(e) above the float range is +inf: the row is then 0
-                        s2 = load(sink_ptr, Int64(th % self.H)) * LOG2E
-                        f = f / (1.0 + cute.math.exp2(s2 - lse2, fastmath=False))
-                res = cute.make_rmem_tensor((MERGE_VEC,), self.dtype)
-                for i in cutlass.range_constexpr(MERGE_VEC):
-                    res[i] = (acc[k * MERGE_VEC + i] * f).to(self.dtype)
-                dst = cute.make_ptr(self.dtype, (out_ptr + (Int64(th) * Int64(self.d_v) + cols[k])).toint(),
-                                    cute.AddressSpace.gmem, assumed_align=8)
-                cute.autovec_copy(res, cute.make_tensor(dst, cute.make_layout((MERGE_VEC,))))
-                if cols[k] == 0:
-                    lse = Float32.inf
-                    if lse2 != -Float32.inf:
-                        lse = lse2 * LN2
-                    cute.make_tensor(lse_ptr + Int64(th), cute.make_layout((1,)))[0] = lse
+                    acc[i] = Float32(cutlass.select_(written, acc[i] + w * part[i], acc[i]))
+            lse2 = -Float32.inf
+            f = Float32(0.0)
+            if l != 0.0:
+                lse2 = m + cute.math.log2(l, fastmath=False)
+                f = 1.0 / l
+                if const_expr(self.has_sink):
+                    # sink * log2(e) above the float range is +inf: the row is then 0
+                    s2 = load(sink_ptr, Int64(th % self.H)) * LOG2E
+                    f = f / (1.0 + cute.math.exp2(s2 - lse2, fastmath=False))
+            res = cute.make_rmem_tensor((MERGE_VEC,), self.dtype)
+            for i in cutlass.range_constexpr(MERGE_VEC):
+                res[i] = (acc[i] * f).to(self.dtype)
+            dst = cute.make_ptr(self.dtype, (out_ptr + (Int64(th) * Int64(self.d_v) + c)).toint(),
+                                cute.AddressSpace.gmem, assumed_align=8)
+            cute.autovec_copy(res, cute.make_tensor(dst, cute.make_layout((MERGE_VEC,))))
+            if c == 0:
+                lse = Float32.inf
+                if lse2 != -Float32.inf:
+                    lse = lse2 * LN2
+                cute.make_tensor(lse_ptr + Int64(th), cute.make_layout((1,)))[0] = lse
 
     # ------------------------------------------------------------- the hooks
     def slot_tiles(self, sched, idx_ptr, len_ptr, K, chunk, n_split, len_div, rows_per_seq):
@@ -422,7 +363,7 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
 
     def tile_of(self, tiles, tile_id):
         t, g, head0, L, n_blocks, idx_row, (seq, split) = tiles.tile(tile_id, self.HG, BLOCK_H, BN, self.has_len)
-        return t, g, head0, L, n_blocks, idx_row, (seq, split, tiles.n_split, tiles.sched.n_tiles)
+        return t, g, head0, L, n_blocks, idx_row, (seq, split, tiles.n_split)
 
     def row_sources(self, cache, zero_ptr, n_split, g, L, row_in_pass, col0, extra):
         bt_row, lim = cache.sequence(extra[0])
@@ -861,20 +802,18 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                  t, head0, extra):
         if const_expr(self.split):
             self.store_part(acc_o, m_run, l_run, half, lane, row_lo, col_lane, out_ptr, lse_ptr, t, head0,
-                            extra[1], extra[2], extra[3])
+                            extra[1], extra[2])
         else:
             SparseAttnFwdSm90.epilogue(self, acc_o, m_run, l_run, half, lane, row_lo, col_lane, sink_ptr,
                                        out_ptr, lse_ptr, t, head0, extra)
 
     @cute.jit
     def store_part(self, acc_o, m_run, l_run, half, lane, row_lo, col_lane, part_ptr, part_lse_ptr, t, head0,
-                   split, n_split, n_tiles):
+                   split, n_split):
         """The split's part: O / l in fp32 at part[t, head, split, half * 256 + column]
         and lse2 = m + log2(l) (log2 domain, no sink) at part_lse[t, head,
         split]; a row with no valid slot in the split gets lse2 = -inf and
-        no part (the merge never reads it).  Once both consumers' stores are
-        out, one thread adds 1 (release, GPU scope) to the 64-head row's
-        counter (``counters``), which the merge CTAs wait on."""
+        no part (the merge never reads it)."""
         dvh = self.dv_half
         NO = cute.size(acc_o)
         v2 = cute.make_rmem_tensor((2,), Float32)
@@ -896,10 +835,3 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                 if l != 0.0:
                     lse2 = finite_shift(m_run[r]) + cute.math.log2(l, fastmath=False)
                 cute.make_tensor(part_lse_ptr + prow, cute.make_layout((1,)))[0] = lse2
-        # the threadfence-reduction order: every thread's stores fenced, the consumers met, then one release add
-        cute.arch.fence_acq_rel_gpu()
-        pipeline.sync(Barrier.ROW_SUMS, PAIR_THREADS)
-        if half == 0 and row_lo == 0 and lane == 0:
-            row = (t * self.H + head0) // BLOCK_H
-            cute.arch.red(counters(part_lse_ptr, n_tiles) + (row + 1), Int32(1), op="add", dtype="u32",
-                          sem="release", scope="gpu")

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Int64
 
 from dsa.cute import rules
 
@@ -85,27 +85,6 @@ def tile_count(T, G: int, head_blocks: int):
 def grid_size(ctas, n_tiles):
     """The CTAs launched for ``ctas`` requested: never more than the tiles."""
     return cutlass.min(ctas, n_tiles)
-
-
-@cute.jit
-def take_ticket(tidx, slot: cute.Pointer, counter: cute.Pointer):
-    """This CTA's ticket: the order in which the CTAs of the grid started,
-    0 .. grid - 1, from a global counter that the last ticket's CTA sets back
-    to 0 (so that every launch, CUDA-graph replays included, finds it 0; the
-    launches sharing a counter must run in turn).  A kernel whose first
-    tickets do independent work and whose later tickets wait for it cannot
-    deadlock: a CTA holding a later ticket started after every earlier
-    ticket's CTA, which is therefore resident.  slot: one Int32 of shared
-    memory; counter: one Int32 of global memory.  Synchronises the CTA."""
-    own = cute.make_tensor(slot, cute.make_layout((1,)))
-    if tidx == 0:
-        n_cta, _, _ = cute.arch.grid_dim()
-        t = Int32(cute.arch.atomic_add(counter, Int32(1), sem="relaxed", scope="gpu"))
-        if t == n_cta - 1:
-            cute.arch.store(counter, Int32(0), sem="relaxed", scope="gpu")
-        own[0] = t
-    cute.arch.sync_threads()
-    return own[0]
 
 
 @dataclass(frozen=True)

@@ -264,8 +264,6 @@ class SparseAttnFwdSm90:
             # lockstep builds: stage s's P and row maxima are in shared memory
             # (right after ``empty``: a lockstep consumer finds them at empty + 4)
             ready: cute.struct.MemRange[Int64, 2]
-            # a split decode's CTA ticket (``scheduler.take_ticket``), in the padding before sQ
-            ticket: cute.struct.MemRange[Int32, 1]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sq_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sk_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[dt, p_elems], 1024]
@@ -295,40 +293,20 @@ class SparseAttnFwdSm90:
     @cute.jit
     def run(self, mmas, pv_layouts, sq_layout: cute.ComposedLayout, sk_layout: cute.ComposedLayout, n_tiles,
             tile_args, kv, q_ptr: cute.Pointer, sink_ptr: cute.Pointer, out_ptr: cute.Pointer,
-            lse_ptr: cute.Pointer, prof_ptr: cute.Pointer, scale_log2: Float32, bound_args=None, merge_args=None):
+            lse_ptr: cute.Pointer, prof_ptr: cute.Pointer, scale_log2: Float32, bound_args=None):
         """The kernel body: shared memory, barriers, then the producer or a
         consumer by warpgroup.  tile_args: what ``slot_tiles`` needs besides
         the schedule; kv: where the producer reads rows from (``row_sources``);
         bound_args: the bounds build's (head sums pointer, levels pointer,
-        blocks a row).  merge_args (a split decode's, ``merge_cta``): each CTA
-        takes a ticket, the first n_tiles run a tile each, the rest merge."""
-        tidx, _, _ = cute.arch.thread_idx()
-        sched = None
-        if const_expr(merge_args is None):
-            sched = scheduler.TileScheduler.create(n_tiles, self.G, self.HB)
-        wg = cute.arch.make_warp_uniform(tidx // 128)
-        smem = cutlass.utils.SmemAllocator()
-        st = smem.allocate(self.smem)
-        args = (wg, mmas, pv_layouts, sq_layout, sk_layout, tile_args, kv, q_ptr, sink_ptr, out_ptr, lse_ptr,
-                prof_ptr, scale_log2, bound_args)
-        if const_expr(merge_args is None):
-            self.roles(tidx, st, sched, *args)
-        else:
-            ticket = scheduler.take_ticket(tidx, st.ticket.data_ptr(), merge_args[0])
-            if ticket < n_tiles:
-                self.roles(tidx, st, scheduler.TileScheduler(ticket, n_tiles, n_tiles, self.G, self.HB), *args)
-            else:
-                self.merge_cta(tidx, ticket - n_tiles, n_tiles, tile_args, sink_ptr, out_ptr, lse_ptr, merge_args)
-
-    @cute.jit
-    def roles(self, tidx, st, sched: scheduler.TileScheduler, wg, mmas, pv_layouts, sq_layout: cute.ComposedLayout,
-              sk_layout: cute.ComposedLayout, tile_args, kv, q_ptr: cute.Pointer, sink_ptr: cute.Pointer,
-              out_ptr: cute.Pointer, lse_ptr: cute.Pointer, prof_ptr: cute.Pointer, scale_log2: Float32,
-              bound_args):
-        """The barriers, then the producer or a consumer by warpgroup (wg),
-        over the tiles of ``sched``."""
+        blocks a row)."""
         qk_mma, pv_mma, pv_mma_ss = mmas
         sv_layout, sp_layout = pv_layouts
+        tidx, _, _ = cute.arch.thread_idx()
+        sched = scheduler.TileScheduler.create(n_tiles, self.G, self.HB)
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+
+        smem = cutlass.utils.SmemAllocator()
+        st = smem.allocate(self.smem)
         bars = (st.q_full.data_ptr(), st.q_empty.data_ptr(), st.full.data_ptr(), st.empty.data_ptr())
         q_full, q_empty, full, empty = bars
         sQ = st.sQ.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)

@@ -218,6 +218,7 @@ def test_host_passes_each_kernel_its_buffers_in_order(monkeypatch):
     out = cit.sparse_indexer_fwd(a)
     target = torch.rand(3, 70)
     stats = cit.indexer_kl_fwd(a, target)
+    stats.normal_()  # the recorded launch wrote nothing: give the empty buffer finite values to compare
     scale = torch.tensor(0.25)
     dq, dk, dw = cit.indexer_kl_bwd(a, target, stats, scale)
     dl = torch.randn(3, 70)

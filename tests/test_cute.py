@@ -64,11 +64,11 @@ def test_sm90_kernel_compiles_offline_with_hopper_instructions(tmp_path):
         assert r["mbarrier.try_wait"] >= 2, (name, r)
 
 
-_BOUND_NEEDLES = ("shfl.sync", "st.global.v2.b32", "lg2.approx", "wgmma.mma_async")
+_BOUND_NEEDLES = ("shfl.sync", "st.global.v2.b32", "lg2.approx", "wgmma.mma_async", "ld.global")
 
 
 @pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl is not installed")
-def test_sm90_bounds_build_offline(tmp_path):
+def test_sm90_bounds_and_ordered_builds_offline(tmp_path):
     """The deterministic mode's forward (``bounds``) for sm_90a against the
     default build of the same problem: the same products and shared memory;
     on top, at each of its three places (consumer 0 after the pair's P1 V1
@@ -76,16 +76,22 @@ def test_sm90_bounds_build_offline(tmp_path):
     the quad and the reduce-scatter of the head sums (18 shuffles), one
     8-byte store of a lane's two column sums and a log2 a row for the
     levels; a spill of at most 16 bytes a thread (the consumers sit at
-    their register limit); a padded fp16 tile the same way."""
+    their register limit); a padded fp16 tile the same way.  The ordered
+    build (tiles in ``token_order``'s order) differs from the default by
+    one global load a warpgroup (the tile's token), with no spill."""
     from cute_offline import compile_reports
 
     target = "dsa.cute.sparse_attention:compile_offline"
     calls = [("v32", target, ["torch.bfloat16", 576, 128, 1, True, True], dict(bounds=False)),
              ("v32_bounds", target, ["torch.bfloat16", 576, 128, 1, True, True], dict(bounds=True)),
-             ("tp16_fp16_bounds", target, ["torch.float16", 576, 32, 2, True, False], dict(bounds=True))]
+             ("tp16_fp16_bounds", target, ["torch.float16", 576, 32, 2, True, False], dict(bounds=True)),
+             ("v32_ordered", target, ["torch.bfloat16", 576, 128, 1, True, True], dict(ordered=True))]
     res = compile_reports(calls, _BOUND_NEEDLES, "sm_90a", tmp_path)
     base, n = res["v32"], res["v32"]["needles"]
     assert base["spill_stores"] == 0 and n["st.global.v2.b32"] == 0 and n["lg2.approx"] == 0, base
+    r, o = res["v32_ordered"], res["v32_ordered"]["needles"]
+    assert r["spill_stores"] == 0 and r["smem"] == base["smem"], r
+    assert o["ld.global"] == n["ld.global"] + 3 and o["wgmma.mma_async"] == n["wgmma.mma_async"], (o, n)
     for name in ("v32_bounds", "tp16_fp16_bounds"):
         r, b = res[name], res[name]["needles"]
         assert b["wgmma.mma_async"] == n["wgmma.mma_async"], (name, b, n)
@@ -366,6 +372,37 @@ def test_cute_writes_every_output_element():
         del junk
         out, lse = dsa.sparse_attention(q, kv, idx, topk_length=tl, return_lse=True, backend="cute")
         assert not out.isnan().any() and not lse.isnan().any()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("ctas", [1, 3, 7, 16])
+def test_cute_ordered_tiles_give_the_plain_order_bits(ctas):
+    """A persistent grid with rows of unequal length takes its tiles by
+    descending topk_length along the snake order (``token_order``): every
+    out and lse element written (NaN-poisoned memory) and bitwise those of
+    one CTA a tile in token order, which match the float64 brute force;
+    lengths 0, negative, past K, partial blocks, GQA with two head blocks."""
+    from dsa.cute import sparse_attention as cute_sa
+
+    gen = _gen(31 + ctas)
+    T, H, G, D, K, N = 37, 256, 2, 576, 300, 700
+    q, kv = _rand((T, H, D), torch.bfloat16, gen), _rand((N, G, D), torch.bfloat16, gen)
+    idx = _indices(T, G, K, N, gen).cuda()
+    tl = torch.randint(0, K + 1, (T,), generator=gen, dtype=torch.int32)
+    tl[:4] = torch.tensor([0, -3, K + 50, 65], dtype=torch.int32)
+    tl = tl.cuda()
+    sink = (torch.randn(H, generator=gen) * 2).float().cuda()
+    a = SparseAttnArgs(q, kv, idx, tl, sink, D ** -0.5, 512, False)
+    assert cute_sa.token_order(a, ctas) is not None
+    plain = cute_sa.forward(a, cute_sa.GridConfig(persistent=False))
+    junk = (torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda"),
+            torch.full((T, H), float("nan"), device="cuda"))
+    del junk
+    out, lse = cute_sa.forward(a, cute_sa.GridConfig(ctas=ctas))
+    assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1])
+    exp = bf.sparse_attention(q, kv, idx, topk_length=tl, sink=sink)
+    bf.assert_close(out, exp["out"], torch.bfloat16, "out")
 
 
 @pytest.mark.gpu

@@ -371,6 +371,63 @@ def test_tile_schedule_covers_every_tile_once_head_blocks_fastest():
 
 
 @needs_dsl
+@pytest.mark.parametrize("n_tiles, grid", [(1, 4), (4, 4), (9, 4), (12, 4), (13, 4), (1000, 132), (8192, 132)])
+def test_snake_order_runs_every_tile_once(n_tiles, grid):
+    """``snake_position`` maps the positions a persistent grid walks onto
+    its tiles one to one (the last, partial round reversed within itself),
+    every CTA keeping its own positions' count."""
+    from dsa.cute.scheduler import snake_position
+
+    def select(c, a, b):
+        return a if c else b
+
+    runs = {c: [snake_position(p, grid, n_tiles, min, select) for p in range(c, n_tiles, grid)] for c in range(grid)}
+    assert sorted(x for r in runs.values() for x in r) == list(range(n_tiles))
+    for r in range(-(-n_tiles // grid)):
+        width = min(grid, n_tiles - r * grid)
+        got = [snake_position(r * grid + j, grid, n_tiles, min, select) for j in range(width)]
+        assert got == [r * grid + (width - 1 - j if r % 2 else j) for j in range(width)]
+
+
+@needs_dsl
+def test_snake_order_over_descending_lengths_evens_the_ctas_out():
+    """The point of the ordered build: tiles of rows uniform in [0, K] over a
+    persistent grid.  Round-robin in token order leaves the busiest CTA
+    well over the mean (the cost a tile: a fixed part and its slot blocks);
+    the snake over tokens by descending length (``token_order``) within 2%."""
+    from dsa.cute.scheduler import snake_position
+
+    g = torch.Generator().manual_seed(0)
+    T, HB, grid, K = 4096, 2, 132, 2048
+    length = torch.randint(0, K + 1, (T,), generator=g)
+    cost = (4 + (length + 63) // 64).repeat_interleave(HB)   # tiles head blocks fastest
+    order = torch.argsort(length, descending=True)
+    sorted_cost = cost.view(T, HB)[order].reshape(-1)
+    plain = torch.zeros(grid, dtype=torch.long)
+    snake = torch.zeros(grid, dtype=torch.long)
+    for p in range(T * HB):
+        plain[p % grid] += cost[p]
+        snake[p % grid] += sorted_cost[snake_position(p, grid, T * HB, min, lambda c, a, b: a if c else b)]
+    mean = cost.sum().item() / grid
+    assert plain.max().item() / mean > 1.05
+    assert snake.max().item() / mean < 1.02
+
+
+def test_token_order_only_where_a_persistent_grid_has_rounds_to_even():
+    """``token_order``: None without topk_length, for one CTA a tile and for
+    at most ``ORDER_ROUNDS`` rounds of tiles; else the tokens by descending
+    length (lengths outside [0, K] sort as given)."""
+    length = torch.tensor([5, 70, -1, 64, 0, 200, 3, 9], dtype=torch.int32)
+    call = lambda **kw: types.SimpleNamespace(**dict(dict(T=8, H=128, G=1, topk_length=length), **kw))  # noqa: E731
+    assert cute_sa.token_order(call(topk_length=None), 2) is None
+    assert cute_sa.token_order(call(), 2**31 - 1) is None          # GridConfig(persistent=False)
+    assert cute_sa.token_order(call(), 8) is None                  # 16 tiles: two rounds of 8
+    order = cute_sa.token_order(call(), 5)                         # 16 tiles: more than two rounds of 5
+    assert order.tolist() == [5, 1, 3, 7, 0, 6, 4, 2] and order.dtype == torch.int64
+    assert cute_sa.token_order(call(H=16, G=1), 5) is None         # 8 padded tiles: one a token
+
+
+@needs_dsl
 def test_block_count_ends_at_the_last_valid_block():
     from dsa.cute.rules import block_count
 

@@ -17,9 +17,10 @@ from typing import Any, Callable, Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int64
+from cutlass import Int32, Int64, const_expr
 
 from dsa.cute import rules
+from dsa.cute.gmem import load
 
 # Query heads per kv head served as one tile of ``block_h`` rows whose rows
 # past the heads are zero (a tensor-parallel shard of a 64- or 128-head
@@ -115,16 +116,35 @@ class TileScheduler:
         return row, t, g, hblk
 
 
+def snake_position(p, stride, n_tiles, min_, select):
+    """The tile a persistent grid of ``stride`` CTAs runs at position p of
+    ``range(n_tiles)`` (CTA c takes the positions c, c + stride, ...): round
+    r = p // stride runs the tiles of the same round, in reverse on odd
+    rounds (the last round over its ``n_tiles - r stride`` tiles only).
+    Over tiles sorted by descending cost, every CTA then gets one of the
+    costliest and one of the cheapest of each pair of rounds, which evens
+    their sums out.  min_ and select (cond, a, b) are the caller's: Python's
+    on the host, the DSL's in a kernel."""
+    r = p // stride
+    j = p - r * stride
+    width = min_(stride, n_tiles - r * stride)
+    return r * stride + select(r % 2 == 1, width - 1 - j, j)
+
+
 @dataclass(frozen=True)
 class SlotTiles:
     """This CTA's tiles of an attention kernel over top-k slots and what
     decoding one needs: the indices [T * G, K] and topk_length [T] (read
-    only when the call has one).  Built once per kernel, never reassigned."""
+    only when the call has one).  order (int64 [T], or None): the tokens by
+    descending topk_length, tiles taken in that token order along
+    ``snake_position``, so that a persistent grid's CTAs get even shares of
+    unequal rows.  Built once per kernel, never reassigned."""
 
     sched: TileScheduler
     idx_ptr: Any
     len_ptr: Any
     K: Any
+    order: Any = None
 
     @cute.jit
     def tile(self, tile_id, HG: cutlass.Constexpr, block_h: cutlass.Constexpr, block: cutlass.Constexpr,
@@ -133,7 +153,12 @@ class SlotTiles:
         (token t, kv head g, first query head head0, slots [0, L) that may be
         valid (``rules.row_length``), blocks of ``block`` slots holding them,
         the row's indices)."""
+        if const_expr(self.order is not None):
+            tile_id = snake_position(tile_id, self.sched.stride, self.sched.n_tiles, cutlass.min, cutlass.select_)
         row, t, g, hblk = self.sched.decode(tile_id)
+        if const_expr(self.order is not None):
+            t = Int32(load(self.order, Int64(t)))
+            row = t * self.sched.G + g
         head0 = g * HG + hblk * block_h
         L = rules.row_length(self.len_ptr, t, self.K, has_len)
         n_blocks = rules.block_count(L, block)

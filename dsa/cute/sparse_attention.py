@@ -93,12 +93,35 @@ def call_reason(a: SparseAttnArgs, can_implement: Callable[..., Optional[str]]) 
     return alignment_reason(a, ("q", "kv"))
 
 
-def kernel_config(a: SparseAttnArgs, profile: bool = False, refill: bool = True):
-    """The ``FwdSm90Config`` that serves ``a`` (the bounds build with a.deterministic)."""
+def kernel_config(a: SparseAttnArgs, profile: bool = False, refill: bool = True, ordered: bool = False):
+    """The ``FwdSm90Config`` that serves ``a`` (the bounds build with
+    a.deterministic; ordered: the build taking ``token_order``'s tiles)."""
     from dsa.cute.sparse_attention_sm90 import FwdSm90Config
 
     return FwdSm90Config(cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G, a.topk_length is not None,
-                         a.sink is not None, profile, refill, bool(a.deterministic))
+                         a.sink is not None, profile, refill, bool(a.deterministic), ordered)
+
+
+# A persistent grid takes its tiles in the order of descending topk_length
+# once it runs more rounds of tiles than this: with rows of unequal length a
+# static round-robin leaves its CTAs unequal shares (about 10% over the mean
+# on the slowest CTA for lengths uniform in [0, K] at 60 rounds), where two
+# or fewer rounds have little to even out and do not pay for the sort.
+ORDER_ROUNDS = 2
+
+
+def token_order(a: SparseAttnArgs, n_cta: int) -> Optional[torch.Tensor]:
+    """int64 [T]: the tokens by descending topk_length, the order a
+    persistent grid of ``n_cta`` CTAs takes a's tiles in
+    (``scheduler.SlotTiles.order``); None where the call has no
+    topk_length or the grid runs at most ``ORDER_ROUNDS`` rounds of tiles.
+    Any order gives the same out: each tile is computed alone."""
+    from dsa.cute.host import head_blocks
+
+    if a.topk_length is None or a.T * a.G * head_blocks(a.H // a.G) <= ORDER_ROUNDS * n_cta:
+        return None
+    # lengths past [0, K] order as their clamped values do; ties in any order
+    return torch.argsort(a.topk_length, descending=True)
 
 
 def bound_shapes(a: SparseAttnArgs) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
@@ -134,10 +157,10 @@ def bound_views(a: SparseAttnArgs, bounds: torch.Tensor) -> Tuple[torch.Tensor, 
     return bounds[:n].view(hs), bounds[n:].view(lv)
 
 
-def _compiled(a: SparseAttnArgs, profile: bool = False, refill: bool = True):
+def _compiled(a: SparseAttnArgs, profile: bool = False, refill: bool = True, ordered: bool = False):
     """The compiled kernel for ``a`` on a's device (compiled on first use,
     under that device)."""
-    cfg = kernel_config(a, profile, refill)
+    cfg = kernel_config(a, profile, refill, ordered)
     key = (cfg, a.q.device.index)
     fn = _COMPILED.get(key)
     if fn is None:
@@ -173,8 +196,11 @@ def forward(a: SparseAttnArgs, config: Optional[GridConfig] = None,
             ptrs += (address(hs), address(lv))
         else:
             ptrs += (address(lse), address(lse))
-        scalars = kernel_scalars(a, cfg.grid(a.q.device))
-        _compiled(a, profile is not None, refill)(*ptrs, *scalars, stream_handle(a.q.device))
+        n_cta = cfg.grid(a.q.device)
+        order = token_order(a, n_cta)
+        ptrs += (address(order if order is not None else lse),)  # read by the ordered build only
+        scalars = kernel_scalars(a, n_cta)
+        _compiled(a, profile is not None, refill, order is not None)(*ptrs, *scalars, stream_handle(a.q.device))
     return (out, lse) if bounds is None else (out, lse, bounds)
 
 
@@ -188,10 +214,12 @@ def pointer_types(dt) -> Tuple:
 
 def _sm90_pointer_types(dt) -> Tuple:
     """``pointer_types``, then the SM90 kernel's cycle counters (int64), head
-    sums and levels (fp32, ``bound_views``)."""
+    sums and levels (fp32, ``bound_views``) and token order (int64,
+    ``token_order``)."""
     import cutlass
 
-    return pointer_types(dt) + ((cutlass.Int64, 4), (cutlass.Float32, 8), (cutlass.Float32, 4))
+    I64 = cutlass.Int64
+    return pointer_types(dt) + ((I64, 4), (cutlass.Float32, 8), (cutlass.Float32, 4), (I64, 4))
 
 
 def kernel_pointers(a: SparseAttnArgs, out: torch.Tensor, lse: torch.Tensor) -> Tuple[int, ...]:
@@ -218,12 +246,13 @@ def kernel_scalars(a: SparseAttnArgs, n_cta: int) -> Tuple:
 
 
 def compile_offline(dtype: torch.dtype, D: int, H: int, G: int, has_len: bool, has_sink: bool,
-                    profile: bool = False, refill: bool = True, options: str = "--keep-ptx", bounds: bool = False):
+                    profile: bool = False, refill: bool = True, options: str = "--keep-ptx", bounds: bool = False,
+                    ordered: bool = False):
     """Compile the kernel without a GPU (``CUTE_DSL_ARCH=sm_90a``), for CI and
     inspection; returns the compiled object (options: ``cute.compile``'s, the
     PTX kept by default)."""
     from dsa.cute.sparse_attention_sm90 import SparseAttnFwdSm90
 
     dt = cutlass_dtype(dtype) or dtype
-    kernel = SparseAttnFwdSm90(dt, D, SERVED_DV, H, G, has_len, has_sink, profile, refill, bounds)
+    kernel = SparseAttnFwdSm90(dt, D, SERVED_DV, H, G, has_len, has_sink, profile, refill, bounds, ordered)
     return compile_kernel(kernel, _sm90_pointer_types(dt), scalar_types(), options)

@@ -102,12 +102,15 @@ class FwdSm90Config(scheduler.ProblemConfig):
     build whose producer gathers each stage on its first use only and
     afterwards just signals it, so the consumers never wait for a gather's
     round trip; its out is not the attention) and bounds (the deterministic
-    backward's slot bounds written beside out: ``SparseAttnFwdSm90.head_sums``)."""
+    backward's slot bounds written beside out: ``SparseAttnFwdSm90.head_sums``)
+    and ordered (the tiles taken in a token order the launch passes,
+    ``scheduler.SlotTiles.order``)."""
 
     has_sink: bool
     profile: bool = False
     refill: bool = True
     bounds: bool = False
+    ordered: bool = False
 
 
 def smem_bytes(D: int, d_v: int, elem_bytes: int) -> int:
@@ -171,11 +174,14 @@ class SparseAttnFwdSm90:
     lockstep = False
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, has_sink: bool,
-                 profile: bool = False, refill: bool = True, bounds: bool = False):
+                 profile: bool = False, refill: bool = True, bounds: bool = False, ordered: bool = False):
         why = self.can_implement(dtype, D, d_v, H, G)
         if why is not None:
             raise ValueError(f"SparseAttnFwdSm90: {why}")
-        self.config = FwdSm90Config(dtype, D, d_v, H, G, has_len, has_sink, profile, refill, bounds)
+        if ordered and not has_len:
+            raise ValueError("SparseAttnFwdSm90: a token order serves calls with topk_length only")
+        self.config = FwdSm90Config(dtype, D, d_v, H, G, has_len, has_sink, profile, refill, bounds, ordered)
+        self.ordered = ordered
         self.bounds = bounds
         self.dtype = dtype
         self.D, self.d_v, self.H, self.G = D, d_v, H, G
@@ -209,7 +215,7 @@ class SparseAttnFwdSm90:
         self,
         q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, len_ptr: cute.Pointer,
         sink_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer, zero_ptr: cute.Pointer,
-        prof_ptr: cute.Pointer, hs_ptr: cute.Pointer, lvl_ptr: cute.Pointer,
+        prof_ptr: cute.Pointer, hs_ptr: cute.Pointer, lvl_ptr: cute.Pointer, ord_ptr: cute.Pointer,
         T: Int32, N: Int32, K: Int32, scale_log2: Float32, n_cta: Int32, stream,
     ):
         mmas, layouts = self.operands()
@@ -218,7 +224,7 @@ class SparseAttnFwdSm90:
         self.kernel(
             *mmas, *layouts,
             q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr, zero_ptr, prof_ptr, hs_ptr, lvl_ptr,
-            N, K, n_tiles, scale_log2,
+            ord_ptr, N, K, n_tiles, scale_log2,
         ).launch(grid=[scheduler.grid_size(n_cta, n_tiles), 1, 1], block=[THREADS, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -283,11 +289,11 @@ class SparseAttnFwdSm90:
         sp_layout: cute.ComposedLayout,
         q_ptr: cute.Pointer, kv_ptr: cute.Pointer, idx_ptr: cute.Pointer, len_ptr: cute.Pointer,
         sink_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer, zero_ptr: cute.Pointer,
-        prof_ptr: cute.Pointer, hs_ptr: cute.Pointer, lvl_ptr: cute.Pointer,
+        prof_ptr: cute.Pointer, hs_ptr: cute.Pointer, lvl_ptr: cute.Pointer, ord_ptr: cute.Pointer,
         N: Int32, K: Int32, n_tiles: Int32, scale_log2: Float32,
     ):
         self.run((qk_mma, pv_mma, pv_mma_ss), (sv_layout, sp_layout), sq_layout, sk_layout, n_tiles,
-                 (idx_ptr, len_ptr, K), (kv_ptr, zero_ptr, N), q_ptr, sink_ptr, out_ptr, lse_ptr, prof_ptr,
+                 (idx_ptr, len_ptr, K, ord_ptr), (kv_ptr, zero_ptr, N), q_ptr, sink_ptr, out_ptr, lse_ptr, prof_ptr,
                  scale_log2, (hs_ptr, lvl_ptr, (K + BN - 1) // BN))
 
     @cute.jit
@@ -379,9 +385,10 @@ class SparseAttnFwdSm90:
         the half have landed (``fill_arrivals`` counts it)."""
         cute.arch.cp_async_mbarrier_arrive_noinc(bar)
 
-    def slot_tiles(self, sched, idx_ptr, len_ptr, K):
-        """This CTA's tiles: (token, kv head, head block) over all K slots."""
-        return scheduler.SlotTiles(sched, idx_ptr, len_ptr, K)
+    def slot_tiles(self, sched, idx_ptr, len_ptr, K, ord_ptr):
+        """This CTA's tiles: (token, kv head, head block) over all K slots,
+        in the token order at ord_ptr in the ordered build."""
+        return scheduler.SlotTiles(sched, idx_ptr, len_ptr, K, ord_ptr if self.ordered else None)
 
     def tile_of(self, tiles, tile_id):
         """(t, g, head0, L, n_blocks, idx_row, extra) of a tile: its slots are

@@ -377,9 +377,10 @@ def test_cute_writes_every_output_element():
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("ctas", [1, 3, 7, 16])
-def test_cute_ordered_tiles_give_the_plain_order_bits(ctas):
-    """A persistent grid with rows of unequal length takes its tiles by
-    descending topk_length along the snake order (``token_order``): every
+def test_cute_ordered_tiles_give_the_plain_order_bits(ctas, monkeypatch):
+    """With ``ORDER_ROUNDS`` set, a persistent grid with rows of unequal
+    length takes its tiles by descending topk_length along the snake order
+    (``token_order``): every
     out and lse element written (NaN-poisoned memory) and bitwise those of
     one CTA a tile in token order, which match the float64 brute force;
     lengths 0, negative, past K, partial blocks, GQA with two head blocks."""
@@ -394,6 +395,7 @@ def test_cute_ordered_tiles_give_the_plain_order_bits(ctas):
     tl = tl.cuda()
     sink = (torch.randn(H, generator=gen) * 2).float().cuda()
     a = SparseAttnArgs(q, kv, idx, tl, sink, D ** -0.5, 512, False)
+    monkeypatch.setattr(cute_sa, "ORDER_ROUNDS", 2)
     assert cute_sa.token_order(a, ctas) is not None
     plain = cute_sa.forward(a, cute_sa.GridConfig(persistent=False))
     junk = (torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda"),

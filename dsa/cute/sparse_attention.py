@@ -102,23 +102,28 @@ def kernel_config(a: SparseAttnArgs, profile: bool = False, refill: bool = True,
                          a.sink is not None, profile, refill, bool(a.deterministic), ordered)
 
 
-# A persistent grid takes its tiles in the order of descending topk_length
-# once it runs more rounds of tiles than this: with rows of unequal length a
+# With an int R, a persistent grid running more than R rounds of tiles takes
+# them in the order of descending topk_length: with rows of unequal length a
 # static round-robin leaves its CTAs unequal shares (about 10% over the mean
-# on the slowest CTA for lengths uniform in [0, K] at 60 rounds), where two
-# or fewer rounds have little to even out and do not pay for the sort.
-ORDER_ROUNDS = 2
+# on the slowest CTA for lengths uniform in [0, K] at 60 rounds; two or
+# fewer rounds have little to even out and do not pay for the sort).  None,
+# the default until the ordered build is timed on a GPU
+# (``bench/peers.py``'s ``fwd_cute_ordered_ms``): always in token order.
+ORDER_ROUNDS: Optional[int] = None
 
 
 def token_order(a: SparseAttnArgs, n_cta: int) -> Optional[torch.Tensor]:
     """int64 [T]: the tokens by descending topk_length, the order a
     persistent grid of ``n_cta`` CTAs takes a's tiles in
-    (``scheduler.SlotTiles.order``); None where the call has no
-    topk_length or the grid runs at most ``ORDER_ROUNDS`` rounds of tiles.
-    Any order gives the same out: each tile is computed alone."""
+    (``scheduler.SlotTiles.order``); None where ``ORDER_ROUNDS`` is None,
+    the call has no topk_length or the grid runs at most ``ORDER_ROUNDS``
+    rounds of tiles.  Any order gives the same out: each tile is computed
+    alone."""
     from dsa.cute.host import head_blocks
 
-    if a.topk_length is None or a.T * a.G * head_blocks(a.H // a.G) <= ORDER_ROUNDS * n_cta:
+    if ORDER_ROUNDS is None or a.topk_length is None:
+        return None
+    if a.T * a.G * head_blocks(a.H // a.G) <= ORDER_ROUNDS * n_cta:
         return None
     # lengths past [0, K] order as their clamped values do; ties in any order
     return torch.argsort(a.topk_length, descending=True)

@@ -577,7 +577,6 @@ class SparseAttnBwdSm100Pair:
             return cute.make_tensor(cute.recast_ptr(cute.recast_ptr(ptr, None) + off, layout.inner,
                                                     dtype=self.dtype), layout.outer)
 
-        raw = lambda x: cute.recast_ptr(x, None)  # noqa: E731
         sKs = cute.make_tensor(cute.recast_ptr(sK, sks_layout.inner, dtype=self.dtype), sks_layout.outer)
         a_s, a_dq, a_dqt, a_kv = (x.get_slice(0) for x in mmas1)
         fQ = s1.make_fragment_A(a_s.partition_A(sQ))        # (MMA, 1, 36)

@@ -227,7 +227,8 @@ class SparseAttnFwdSm100:
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sq_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sk_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[dt, p_elems], 1024]
-            sOk: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BN], 16]  # the mask of the block in each stage, by slot
+            # the mask of the block in each stage, by slot
+            sOk: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BN], 16]
 
         self.smem = Smem
         n_tiles = scheduler.tile_count(T, self.G, self.HG // BLOCK_H)

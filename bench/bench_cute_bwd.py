@@ -198,7 +198,8 @@ def parts(name: str) -> None:
 
 def sanitize() -> None:
     """A small call with hostile indices (out of range both ways, past
-    topk_length, duplicates) through the cute forward, then the cute
+    topk_length, duplicates) through the cute forward (also its ordered
+    build on a persistent grid of 3 CTAs, ``token_order``), then the cute
     backward in both modes: run under compute-sanitizer."""
     T, N, D, K = 8, 256, 576, 256
     for H in (128, 16):  # 16: a tile padded past the heads, the last one past q's end
@@ -213,11 +214,17 @@ def sanitize() -> None:
             b = SparseAttnArgs(a.q, a.kv, idx, tl, a.sink, a.sm_scale, 512, det)
             out, lse, *bounds = cute_sa.forward(b)
             ref_out, _ = tsa.forward(b)
+            keep, cute_sa.ORDER_ROUNDS = cute_sa.ORDER_ROUNDS, 2
+            try:
+                ordered = cute_sa.forward(b, cute_sa.GridConfig(ctas=3))
+            finally:
+                cute_sa.ORDER_ROUNDS = keep
+            same = torch.equal(ordered[0], out) and torch.equal(ordered[1], lse)
             dout = torch.randn(T, H, 512, device="cuda", dtype=torch.bfloat16)
             dq, dkv, dsink = cbwd.backward(b, out, lse, dout, *bounds)
             torch.cuda.synchronize()
-            print(f"sanitize H={H} det={det}: out vs triton {_rel(out, ref_out):.1e}, "
-                  f"finite {bool(dq.isfinite().all() and dkv.isfinite().all())}", flush=True)
+            print(f"sanitize H={H} det={det}: out vs triton {_rel(out, ref_out):.1e}, ordered build bitwise "
+                  f"{same}, finite {bool(dq.isfinite().all() and dkv.isfinite().all())}", flush=True)
 
 
 def main() -> None:

@@ -7,6 +7,17 @@ indices): the relative L2 difference of cute's out / lse from a float64
 recomputation on a sample of rows (NaN-poisoned outputs first), then
 do_bench medians of both backends' forward and the TFLOP/s
 (2*T*H*K*(D + d_v), valid slots only for the half-valid rows).
+
+    PYTHONPATH=$PWD python bench/tune_cute.py --order [--rounds 3]
+
+The persistent grid's tile order on half-valid rows (topk_length uniform in
+[0, K], sink on): ``dsa.sparse_attention(backend="cute")`` with the tiles by
+descending length (``ORDER_ROUNDS`` 2, the default; the argsort included)
+against token order (None), at each T of ``ORDER_SHAPES``, called and
+replayed from a CUDA graph (the GPU's time alone), the two orders
+alternating for ``--rounds`` rounds on the same inputs; each one's median
+over the rounds and the median of the per-round ratios (plain / ordered,
+above 1 when the order pays).
 """
 
 from __future__ import annotations
@@ -68,11 +79,80 @@ def rel(x, y):
     return ((x[fin] - y[fin]).norm() / y[fin].norm().clamp_min(1e-30)).item(), bool(torch.equal(torch.isinf(x), torch.isinf(y)))
 
 
+# (H, D, K, Ts): the head shapes of V3.2, V4-flash, V4-pro and H64-D576 from
+# one round of tiles a CTA (the order is not used) to 62
+ORDER_SHAPES = ((128, 576, 2048, (64, 132, 200, 512, 1024, 4096)), (64, 512, 640, (264, 400, 1024, 8192)),
+                (128, 512, 1152, (200, 512, 1024, 8192)), (64, 576, 2048, (400, 1024, 4096)))
+
+
+def _graphed(call):
+    """call captured in a CUDA graph (warmed up on a side stream first): its
+    replay, which times the GPU's work without the host's."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph.replay
+
+
+def order(rounds: int, only: str = "") -> None:
+    import dsa
+
+    n_cta = torch.cuda.get_device_properties(0).multi_processor_count
+    for H, D, K, Ts in ORDER_SHAPES:
+        if only and f"{H},{D},{K}" not in only.split(";"):
+            continue
+        for T in Ts:
+            g = torch.Generator(device="cuda").manual_seed(T)
+            q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+            kv = torch.randn(8192, D, device="cuda", dtype=torch.bfloat16, generator=g)
+            idx = torch.randint(0, 8192, (T, K), device="cuda", dtype=torch.int32, generator=g)
+            tl = torch.randint(0, K + 1, (T,), device="cuda", dtype=torch.int32, generator=g)
+            sink = torch.randn(H, device="cuda", generator=g)
+            call = lambda: dsa.sparse_attention(q, kv, idx, sink=sink, topk_length=tl, backend="cute")  # noqa: E731
+            cute_sa.ORDER_ROUNDS = 2
+            torch.cuda.set_sync_debug_mode("warn")  # a synchronising op in the call warns
+            try:
+                call()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            fns = {}
+            for setting in (2, None):
+                cute_sa.ORDER_ROUNDS = setting
+                fns[(setting, "graph")] = _graphed(call)
+            times = {k: [] for k in ((2, "call"), (None, "call"), (2, "graph"), (None, "graph"))}
+            for r in range(rounds):
+                for setting in ((2, None) if r % 2 == 0 else (None, 2)):
+                    cute_sa.ORDER_ROUNDS = setting
+                    for how in ("call", "graph"):
+                        fn = call if how == "call" else fns[(setting, how)]
+                        times[(setting, how)].append(triton.testing.do_bench(fn, warmup=25, rep=100,
+                                                                             return_mode="median"))
+            cute_sa.ORDER_ROUNDS = 2
+            line = [f"order H{H} D{D} K{K} T{T} ({T * (H // 64) / n_cta:.1f} rounds of tiles):"]
+            for how in ("call", "graph"):
+                o, p = times[(2, how)], times[(None, how)]
+                ratios = sorted(b / a for a, b in zip(o, p))
+                line.append(f"{how}: ordered {sorted(o)[rounds // 2]:.4f} ms, token order {sorted(p)[rounds // 2]:.4f}"
+                            f" ms, median ratio {ratios[rounds // 2]:.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f});")
+            print(" ".join(line), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--order", action="store_true", help="time the tile order on half-valid rows")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", default="", help="with --order: head shapes 'H,D,K;...' of ORDER_SHAPES")
     args = ap.parse_args()
+    if args.order:
+        return order(args.rounds, args.only)
     print(f"device: {torch.cuda.get_device_name()}")
     for name in args.shapes.split(","):
         a, flops = make(name)

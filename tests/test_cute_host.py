@@ -414,13 +414,16 @@ def test_snake_order_over_descending_lengths_evens_the_ctas_out():
 
 
 def test_token_order_only_where_a_persistent_grid_has_rounds_to_even(monkeypatch):
-    """``token_order``: None while ``ORDER_ROUNDS`` is None (the default),
-    without topk_length, for one CTA a tile and for at most ``ORDER_ROUNDS``
-    rounds of tiles; else the tokens by descending length (lengths outside
-    [0, K] sort as given)."""
+    """``token_order``: None while ``ORDER_ROUNDS`` is None, without
+    topk_length, for one CTA a tile and for at most ``ORDER_ROUNDS`` (4 by
+    default) rounds of tiles; else the tokens by descending length (lengths
+    outside [0, K] sort as given)."""
     length = torch.tensor([5, 70, -1, 64, 0, 200, 3, 9], dtype=torch.int32)
     call = lambda **kw: types.SimpleNamespace(**dict(dict(T=8, H=128, G=1, topk_length=length), **kw))  # noqa: E731
-    assert cute_sa.ORDER_ROUNDS is None and cute_sa.token_order(call(), 1) is None
+    assert cute_sa.ORDER_ROUNDS == 4
+    assert cute_sa.token_order(call(), 4) is None and cute_sa.token_order(call(), 3) is not None  # 16 tiles
+    monkeypatch.setattr(cute_sa, "ORDER_ROUNDS", None)
+    assert cute_sa.token_order(call(), 1) is None
     monkeypatch.setattr(cute_sa, "ORDER_ROUNDS", 2)
     assert cute_sa.token_order(call(topk_length=None), 2) is None
     assert cute_sa.token_order(call(), 2**31 - 1) is None          # GridConfig(persistent=False)

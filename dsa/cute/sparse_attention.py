@@ -104,12 +104,12 @@ def kernel_config(a: SparseAttnArgs, profile: bool = False, refill: bool = True,
 
 # With an int R, a persistent grid running more than R rounds of tiles takes
 # them in the order of descending topk_length: with rows of unequal length a
-# static round-robin leaves its CTAs unequal shares (about 10% over the mean
-# on the slowest CTA for lengths uniform in [0, K] at 60 rounds; two or
-# fewer rounds have little to even out and do not pay for the sort).  None,
-# the default until the ordered build is timed on a GPU
-# (``bench/peers.py``'s ``fwd_cute_ordered_ms``): always in token order.
-ORDER_ROUNDS: Optional[int] = None
+# static round-robin leaves its CTAs unequal shares.  Measured on an H200
+# (bench/tune_cute.py --order, lengths uniform in [0, K], CUDA graphs): from
+# 7.8 rounds on 1.02-1.11x faster at K 1152 and 2048 and level at K 640; at
+# 3 rounds 0.83-1.17x, the argsort's cost against a short call's gain.
+# None: always in token order.
+ORDER_ROUNDS: Optional[int] = 4
 
 
 def token_order(a: SparseAttnArgs, n_cta: int) -> Optional[torch.Tensor]:

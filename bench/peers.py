@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python bench/peers.py [--out DIR] [--shapes V3.2,V4-pro] [--cute-build JSON]
                                           [--cute-alt JSON] [--rounds R]
+    PYTHONPATH=$PWD python bench/peers.py --k-sweep '64,576;64,512' [--k-values 128,...,2048] [--k-tokens T]
 
 Forward: dsa ``cute`` and ``triton`` against FlashMLA's SM90 sparse prefill
 kernel (``flash_mla.flash_mla_sparse_fwd(..., use_legacy=True)``). Backward:
@@ -215,6 +216,51 @@ def run_shape(name, T, N, H, D, K, half, alt=None, rounds=5):
     return row
 
 
+def _fit(xs, ys):
+    """Least-squares (intercept, slope) of ys over xs."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, slope
+
+
+def k_sweep(heads: str, T: int, ks) -> list:
+    """The backward's cost over K at fixed T, N 8192 (full rows): the cute
+    backward, the same without its dkv adds (``scatter`` off: timing only)
+    and cuDNN's, ms; then the straight-line fit of each over K, its intercept
+    put per tile (T x head blocks tiles over the SMs in waves): the fixed
+    cost a tile pays whatever its length, and the cost of 64 slots."""
+    from dsa.cute import sparse_attention_bwd as cbwd
+
+    rows = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for spec in heads.split(";"):
+        H, D = (int(v) for v in spec.split(","))
+        got = {"cute": [], "cute_noadds": [], "cudnn": []}
+        for K in ks:
+            q, kv, idx, sink, tl, dout = inputs(T, 8192, H, D, K, False)
+            out, lse = dsa.sparse_attention(q, kv, idx, sink=sink, return_lse=True, backend="triton")
+            keep = cbwd.BUILD
+            fns = {"cute": lambda: _dsa_bwd(q, kv, idx, sink, None, dout, "cute"),
+                   "cudnn": lambda: _cudnn_bwd(q, kv, out, dout, lse, sink, idx, None, D ** -0.5)}
+            for key, build in (("cute", fns["cute"]), ("cute_noadds", fns["cute"]), ("cudnn", fns["cudnn"])):
+                cbwd.BUILD = dict(keep, scatter=False) if key == "cute_noadds" else keep
+                try:
+                    fn = build()
+                    fn()
+                    got[key].append(bench(fn))
+                finally:
+                    cbwd.BUILD = keep
+            print(f"k-sweep H{H} D{D} T{T} K{K}: " + ", ".join(f"{k} {v[-1]:.4f}" for k, v in got.items()) + " ms",
+                  flush=True)
+        waves = T * max(1, H // 64) / sms
+        for key, ys in got.items():
+            icpt, slope = _fit(list(ks), ys)
+            print(f"k-sweep H{H} D{D} fit {key}: {icpt:.4f} ms + {slope * 64:.4f} ms a 64 slots; a tile "
+                  f"{icpt / waves * 1e3:.2f} us fixed + {slope * 64 / waves * 1e3:.2f} us a block", flush=True)
+        rows.append(dict(H=H, D=D, T=T, K=list(ks), **got))
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
@@ -223,6 +269,9 @@ def main() -> None:
                    help='options of the cute backward build (dsa.cute.sparse_attention_bwd.BUILD), JSON')
     p.add_argument("--cute-alt", default=None, help="other build options also timed (a row of their own), JSON")
     p.add_argument("--rounds", type=int, default=5, help="head-to-head rounds against the peers (0: none)")
+    p.add_argument("--k-sweep", default=None, help="'H,D;H,D': the backward over K instead (k_sweep)")
+    p.add_argument("--k-values", default="128,256,512,1024,2048")
+    p.add_argument("--k-tokens", type=int, default=4096)
     args = p.parse_args()
     alt = json.loads(args.cute_alt) if args.cute_alt else None
     if args.cute_build:
@@ -231,6 +280,13 @@ def main() -> None:
         cbwd.BUILD = dict(cbwd.BUILD, **json.loads(args.cute_build))
         print("cute backward build:", cbwd.BUILD)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    if args.k_sweep:
+        rows = k_sweep(args.k_sweep, args.k_tokens, [int(k) for k in args.k_values.split(",")])
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "k_sweep.json"), "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     rows = [run_shape(n, *SHAPES[n], alt=alt, rounds=args.rounds) for n in args.shapes.split(",")]
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -4,6 +4,7 @@
     python bench/bench_cute_bwd.py [--shapes v32,v4pro,...,v32-half,...]   (SHAPES, VARIANTS)
     python bench/bench_cute_bwd.py --shapes 'v32@evict_last=0+c0_chunks=1'     (any build at a shape)
     python bench/bench_cute_bwd.py --parts --shapes v32,v4flash          (the backward's pieces timed apart)
+    python bench/bench_cute_bwd.py --timeline --shapes h64k128,h64d576   (where a tile's time goes)
 
 One process, the same inputs for both (fresh ``torch.randn``, bf16, sink on,
 random indices), ``triton.testing.do_bench`` medians (warmup 25 ms, rep
@@ -32,6 +33,7 @@ SHAPES = {
     "v4pro": (8192, 16384, 128, 512, 1152, False, False),
     "v4flash": (8192, 16384, 64, 512, 640, False, False),
     "h64d576": (4096, 8192, 64, 576, 2048, False, False),
+    "h64k128": (4096, 8192, 64, 576, 128, False, False),
     "v32half": (4096, 8192, 128, 576, 2048, True, False),
     "v32det": (4096, 8192, 128, 576, 2048, False, True),
     "v4prodet": (8192, 16384, 128, 512, 1152, False, True),
@@ -196,6 +198,71 @@ def parts(name: str) -> None:
           + f"  | kernel {flop / ms['kernel'] / 1e9:.1f} TFLOP/s, whole {flop / ms['whole'] / 1e9:.1f}", flush=True)
 
 
+def timeline(name: str) -> None:
+    """Where a tile's time goes: the timeline build (``BwdSm90Config.timeline``:
+    the SM clock at each warpgroup's marks, ``TL_*``) run once, its dq
+    checked bitwise against the plain build's; per tile, the mean of each
+    span between marks, the whole tile, and the gap on its SM from the end of
+    the tile before to its start, in microseconds at the clock the run
+    implies (cycles over the kernel's do_bench time, per SM)."""
+    from dsa.cute import sparse_attention_bwd_sm90 as k
+    from dsa.cute.host import head_blocks
+    from dsa.triton.sparse_attention import preprocess
+
+    (T, N, H, D, K, half, det), a, out, lse, dout, _ = _setup(name)
+    delta, lg2den, _ = preprocess(a, out, lse, dout)
+    out = out.contiguous()
+    plain = cbwd.kernel_config(a)
+    marked = dataclasses.replace(plain, timeline=True)
+    tiles = a.T * a.G * head_blocks(a.H // a.G)
+    marks = torch.zeros((tiles, k.TL_N), dtype=torch.int64, device="cuda")
+    dqs, ms = [], {}
+    for cfg, buf in ((plain, None), (marked, marks)):
+        dq = torch.full_like(a.q, float("nan"))
+        dkv = torch.zeros((N, 1, D), dtype=torch.float32, device="cuda")
+        run = lambda: cbwd._launch(a, dout, lg2den, delta, dq, dkv, 0, T, magic=buf, out=out, cfg=cfg)  # noqa: E731
+        run()
+        dqs.append(dq.clone())
+        ms[cfg.timeline] = _ms(run)
+    marks.zero_()
+    cbwd._launch(a, dout, lg2den, delta, dq, dkv, 0, T, magic=marks, out=out, cfg=marked)
+    m = marks.cpu().double()
+    end = torch.maximum(m[:, k.TL_END0], m[:, k.TL_END1])
+    sms = m[:, k.TL_SM].long()
+    spans, gaps = [], []
+    for sm in sms.unique().tolist():
+        rows = (sms == sm).nonzero().flatten()
+        order = rows[m[rows, k.TL_START].argsort()]
+        spans.append((end[order].max() - m[order, k.TL_START].min()).item())
+        gaps.append((m[order[1:], k.TL_START] - end[order[:-1]]).mean().item() if len(order) > 1 else 0.0)
+    hz = sorted(spans)[len(spans) // 2] / (ms[True] * 1e-3)
+    us = lambda c: c / hz * 1e6  # noqa: E731
+    run = m[:, k.TL_BLOCK0] > 0  # tiles with a block: the block marks are written
+    part = {  # one thread's marks: warpgroup 0's thread 0, warpgroup 1's thread 128
+        "Q, dO, out in": m[:, k.TL_Q] - m[:, k.TL_START],
+        "Delta, block 0 issued": m[:, k.TL_DELTA] - m[:, k.TL_Q],
+        "block 0 in": (m[:, k.TL_BLOCK0] - m[:, k.TL_DELTA])[run],
+        "wg0 blocks": (m[:, k.TL_LOOP0] - m[:, k.TL_BLOCK0])[run],
+        "wg0 dq store": m[:, k.TL_END0] - m[:, k.TL_LOOP0],
+        "wg1 blocks": (m[:, k.TL_LOOP1] - m[:, k.TL_READY1])[run],
+        "wg1 dq store": m[:, k.TL_END1] - m[:, k.TL_LOOP1],
+    }
+    cross = {  # marks of both warpgroups' threads
+        "wg1 first hand-off": (m[:, k.TL_READY1] - m[:, k.TL_START])[run],
+        "wg1 end after wg0's": m[:, k.TL_END1] - m[:, k.TL_END0],
+        "tile": end - m[:, k.TL_START],
+    }
+    # warpgroup 1 passes block 0's hand-off only after warpgroup 0 has block 0:
+    # a tile where its mark reads earlier shows the two threads' clocks apart
+    early = (m[:, k.TL_READY1] < m[:, k.TL_BLOCK0])[run].double().mean().item()
+    print(f"{name:11s} timeline: kernel {ms[False]:.4f} ms plain, {ms[True]:.4f} with marks; dq bitwise "
+          f"{torch.equal(dqs[0], dqs[1])}; SM clock {hz / 1e6:.0f} MHz; {tiles} tiles on {len(spans)} SMs; us a "
+          "tile: " + ", ".join(f"{n} {us(v.mean().item()):.2f}" for n, v in part.items())
+          + "; across the warpgroups: " + ", ".join(f"{n} {us(v.mean().item()):.2f}" for n, v in cross.items())
+          + f", gap before a tile {us(sum(gaps) / len(gaps)):.2f}; hand-off read before block 0 in "
+          f"{early:.1%} of tiles", flush=True)
+
+
 def sanitize() -> None:
     """A small call with hostile indices (out of range both ways, past
     topk_length, duplicates) through the cute forward (also its ordered
@@ -233,12 +300,15 @@ def main() -> None:
     ap.add_argument("--sanitize", action="store_true", help="only the small hostile call (compute-sanitizer)")
     ap.add_argument("--parts", action="store_true", help="time the backward's pieces apart")
     ap.add_argument("--no-triton", action="store_true", help="time the cute backward alone")
+    ap.add_argument("--timeline", action="store_true", help="where a tile's time goes (the timeline build)")
     args = ap.parse_args()
     if args.sanitize:
         sanitize()
         return
     for name in args.shapes.split(","):
-        if args.parts:
+        if args.timeline:
+            timeline(name)
+        elif args.parts:
             parts(name)
         else:
             run(name, not args.no_triton)

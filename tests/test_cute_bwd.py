@@ -46,9 +46,10 @@ needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl is not i
 _NEEDLES = (
     "wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc",
     "red.relaxed.gpu.global.add.v4.f32", "red.relaxed.gpu.global.add.L2::cache_hint.v4.f32", "createpolicy",
-    "st.global.v4.f32", "st.global.L2::cache_hint.v4.f32", "shfl.sync", "cp.async.cg.shared.global.L2::cache_hint", "st.global.L2::cache_hint.b32",
+    "st.global.v4.f32", "st.global.L2::cache_hint.v4.f32", "shfl.sync", "cp.async.cg.shared.global.L2::cache_hint",
+    "st.global.L2::cache_hint.b32",
     "setmaxnreg.inc", "setmaxnreg.dec", "mbarrier.try_wait", "bar.sync",
-    "bar.arrive", "add.rn.f32", "sub.rn.f32")
+    "bar.arrive", "add.rn.f32", "sub.rn.f32", "%smid", "%clock64")
 
 _CONFIGS = [
     ("v32_bf16_len", "bfloat16", 576, 128, 1, True, False, {}),
@@ -59,6 +60,8 @@ _CONFIGS = [
     ("v32_bf16_det", "bfloat16", 576, 128, 1, True, True, {}),
     # a tensor-parallel shard: 16 heads a kv head, one tile padded to 64 rows
     ("tp16_bf16_len", "bfloat16", 576, 16, 1, True, False, {}),
+    # the timeline build (bench_cute_bwd.py --timeline): the SM clock at a tile's marks
+    ("v4_bf16_timeline", "bfloat16", 512, 64, 1, False, False, {"timeline": True}),
 ]
 
 
@@ -104,6 +107,9 @@ def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
         # the dS / P hand-off between the consumers: written (READY), free again (FREE);
         # and warpgroup 0's Delta in shared memory (DELTA)
         assert r["bar.sync"] >= 2 + kd and r["bar.arrive"] >= 2, (name, r)
+        # timeline: nine clock marks a tile and the SM's id; no clock read in the other builds
+        marks = build.get("timeline", False)
+        assert r["%smid"] == marks and r["%clock64"] == 9 * marks, (name, r)
 
 
 _BOUND_NEEDLES = ("wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc", "ex2.approx",

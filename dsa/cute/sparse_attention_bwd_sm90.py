@@ -64,7 +64,7 @@ from dsa.cute import dkv as dkv_reduce
 from dsa.cute import pipeline, rules, scheduler
 from dsa.cute.gmem import EVICT_FIRST, aligned, copy_head_rows, l2_policy, load, store_b32_hinted
 from dsa.cute.host import head_blocks
-from dsa.cute.pipeline import NamedBarrier, freed_phase, named_barriers, phase
+from dsa.cute.pipeline import NamedBarrier, freed_phase, named_barriers, phase, sm_id
 from dsa.cute.scheduler import PADDED_HEADS
 
 BLOCK_H = 64   # query heads per CTA: the M of one wgmma
@@ -72,6 +72,12 @@ BN = 64        # slots per block
 MASK_WRITERS = 16  # producer threads that write a block's mask: one per row of a copy pass
 PAIR_THREADS = 256  # the two warpgroups
 DQ_N = 256     # columns of warpgroup 0's dQ tile; warpgroup 1 holds [256, D)
+# the timeline build's marks a tile (``BwdSm90Config.timeline``): warpgroup
+# 0 at its start, Q / dO (and out) landed, Delta done and block 0's gather
+# issued, block 0 landed, its loop done, its dq stored; warpgroup 1 past
+# block 0's hand-off, its loop done, its dq stored; then the SM's id
+TL_START, TL_Q, TL_DELTA, TL_BLOCK0, TL_LOOP0, TL_END0, TL_END1, TL_READY1, TL_LOOP1, TL_SM = range(10)
+TL_N = 10
 
 
 @named_barriers
@@ -96,7 +102,10 @@ class BwdSm90Config(scheduler.ProblemConfig):
     block's kv-row indices loaded while the block before it is computed),
     kernel_delta (Delta = dO . out computed by the kernel, out's rows loaded
     into the stage before the first gather, and written to delta; the
-    default build reads the preprocess's)."""
+    default build reads the preprocess's), timeline (a timing build: the
+    first thread of each warpgroup writes the SM clock at its tile's marks,
+    ``TL_*``, with the SM's id, into int64 [tiles, TL_N] at magic_ptr,
+    which only the deterministic build reads otherwise)."""
 
     deterministic: bool
     evict_last: bool = True
@@ -105,6 +114,7 @@ class BwdSm90Config(scheduler.ProblemConfig):
     l2_hints: int = 0
     index_ahead: bool = True
     kernel_delta: bool = False
+    timeline: bool = False
 
 
 
@@ -120,7 +130,7 @@ class SparseAttnBwdSm90:
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, deterministic: bool,
                  evict_last: bool = True, c0_chunks: int = 2, scatter: bool = True, l2_hints: int = 0,
-                 index_ahead: bool = True, kernel_delta: bool = False):
+                 index_ahead: bool = True, kernel_delta: bool = False, timeline: bool = False):
         why = self.can_implement(dtype, D, d_v, H, G)
         if why is not None:
             raise ValueError(f"SparseAttnBwdSm90: {why}")
@@ -128,8 +138,11 @@ class SparseAttnBwdSm90:
             raise ValueError(f"SparseAttnBwdSm90: c0_chunks={c0_chunks} is not in [0, {D // 64})")
         if kernel_delta and deterministic:  # the exact adds' grids need Delta before the kernel
             raise ValueError("SparseAttnBwdSm90: kernel_delta serves the default build, not the deterministic one")
+        if timeline and deterministic:  # its marks go where the deterministic build's grids are read
+            raise ValueError("SparseAttnBwdSm90: timeline is a build of the default mode")
         self.config = BwdSm90Config(dtype, D, d_v, H, G, has_len, deterministic, evict_last, c0_chunks,
-                                    scatter, l2_hints, index_ahead, kernel_delta)
+                                    scatter, l2_hints, index_ahead, kernel_delta, timeline)
+        self.timeline = timeline
         self.l2_hints, self.index_ahead, self.kernel_delta = l2_hints, index_ahead, kernel_delta
         self.dtype = dtype
         self.D, self.d_v, self.H, self.G = D, d_v, H, G
@@ -404,6 +417,7 @@ class SparseAttnBwdSm90:
         dkv = (kv_mma, t64_layout, wtid, sQ, sdO, raw_ds, raw_p, (rows, rok, pol, mz))
 
         if const_expr(w == 0):
+            self.mark(magic_ptr, wtid, TL_START)
             ld = self.loader(wtid, gather, tile, q_full)
             if n_blocks > 0:
                 if const_expr(self.index_ahead):
@@ -411,6 +425,7 @@ class SparseAttnBwdSm90:
                 if const_expr(not self.kernel_delta):
                     self.gather_block(ld, 0, tile, N, full, empty)
             cute.arch.mbarrier_wait(q_full, 0)
+            self.mark(magic_ptr, wtid, TL_Q)
             sc = self.scores_setup(s_mma, sp_layout, wtid, sQ, sdO, sK, raw_ds, raw_p, sOk, t, head0,
                                    row_lo, col_lane, lg2den_ptr, delta_ptr)
             if const_expr(self.kernel_delta):
@@ -418,25 +433,46 @@ class SparseAttnBwdSm90:
                 self.row_delta(sc, sDelta, t, head0, row_lo, col_lane, delta_ptr)
                 if n_blocks > 0:
                     self.gather_block(ld, 0, tile, N, full, empty)
+            self.mark(magic_ptr, wtid, TL_DELTA)
             for i in cutlass.range(n_blocks, unroll=1):
                 self.slot_rows(rows, rok, i, row_lo, lane, L, row0, idx_row, dkv_ptr, N, magic_ptr, mz)
                 cute.arch.mbarrier_wait(full, phase(i))
+                if i == 0:
+                    self.mark(magic_ptr, wtid, TL_BLOCK0)
                 self.scores(sc, i, scale_log2, sm_scale)
                 pipeline.arrive(Barrier.READY, PAIR_THREADS)
                 self.dq_step(dq, empty)
                 if i + 1 < n_blocks:  # the stage is free once both are past this dQ
                     self.gather_block(ld, i + 1, tile, N, full, empty)
                 self.dkv_block(0, dkv, False)
+            self.mark(magic_ptr, wtid, TL_LOOP0)
         else:
             cute.arch.mbarrier_wait(q_full, 0)
             for i in cutlass.range(n_blocks, unroll=1):
                 self.slot_rows(rows, rok, i, row_lo, lane, L, row0, idx_row, dkv_ptr, N, magic_ptr, mz)
                 cute.arch.barrier(barrier_id=Barrier.READY, number_of_threads=PAIR_THREADS)
+                if i == 0:
+                    self.mark(magic_ptr, wtid, TL_READY1)
                 self.dq_step(dq, empty)
                 self.dkv_block(1, dkv, i + 1 < n_blocks)
+            self.mark(magic_ptr, wtid, TL_LOOP1)
         self.store_dq(acc_dq, w * DQ_N, t, head0, row_lo, col_lane, dq_ptr)
         if const_expr(rope):
             self.store_dq(acc_dqr, self.d_v, t, head0, row_lo, col_lane, dq_ptr)
+        self.mark(magic_ptr, wtid, TL_END0 + w)
+
+    @cute.jit
+    def mark(self, tl_ptr, wtid, slot: cutlass.Constexpr):
+        """The timeline build: the warpgroup's first thread writes the SM
+        clock to [tile, slot] (and, at TL_START, the SM's id); else nothing."""
+        if const_expr(self.timeline):
+            if wtid == 0:
+                tile_id, _, _ = cute.arch.block_idx()
+                row = cute.make_tensor(aligned(Int64, tl_ptr.toint() + Int64(tile_id) * Int64(TL_N * 8), 8),
+                                       cute.make_layout((TL_N,)))
+                row[slot] = cute.arch.clock64()
+                if const_expr(slot == TL_START):
+                    row[TL_SM] = Int64(sm_id())
 
     @cute.jit
     def scores_setup(self, s_mma, sp_layout, wtid, sQ, sdO, sK, raw_ds, raw_p, sOk, t, head0, row_lo,

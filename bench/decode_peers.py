@@ -70,6 +70,7 @@ from dsa.kv_cache import FORMATS
 from dsa.triton import decode as tdecode
 
 from decode_host import host_us_cuda  # bench/, the script's folder
+from harness import graphed  # bench/, the script's folder
 
 PAGE = 64
 K = 2048
@@ -79,20 +80,6 @@ SWEEP = (1, 2, 4, 8, 16, 32)
 
 def bench(fn: Callable[[], Any]) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """fn captured in a CUDA graph (warmed up on a side stream first); returns its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def host_us(fn: Callable[[], Any]) -> float:

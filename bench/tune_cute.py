@@ -32,6 +32,8 @@ from dsa._args import SparseAttnArgs
 from dsa.cute import sparse_attention as cute_sa
 from dsa.triton import sparse_attention as triton_sa
 
+from harness import graphed  # bench/, the script's folder
+
 SHAPES = {  # name: T, N, H, D, d_v, K, sink, half_valid
     "V3.2": (4096, 8192, 128, 576, 512, 2048, False, False),
     "V3.2-half": (4096, 8192, 128, 576, 512, 2048, False, True),
@@ -85,21 +87,6 @@ ORDER_SHAPES = ((128, 576, 2048, (64, 132, 200, 512, 1024, 4096)), (64, 512, 640
                 (128, 512, 1152, (200, 512, 1024, 8192)), (64, 576, 2048, (400, 1024, 4096)))
 
 
-def _graphed(call):
-    """call captured in a CUDA graph (warmed up on a side stream first): its
-    replay, which times the GPU's work without the host's."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    return graph.replay
-
-
 def order(rounds: int, only: str = "") -> None:
     import dsa
 
@@ -124,7 +111,7 @@ def order(rounds: int, only: str = "") -> None:
             fns = {}
             for setting in (2, None):
                 cute_sa.ORDER_ROUNDS = setting
-                fns[(setting, "graph")] = _graphed(call)
+                fns[(setting, "graph")] = graphed(call)
             times = {k: [] for k in ((2, "call"), (None, "call"), (2, "graph"), (None, "graph"))}
             for r in range(rounds):
                 for setting in ((2, None) if r % 2 == 0 else (None, 2)):

@@ -198,13 +198,69 @@ def parts(name: str) -> None:
           + f"  | kernel {flop / ms['kernel'] / 1e9:.1f} TFLOP/s, whole {flop / ms['whole'] / 1e9:.1f}", flush=True)
 
 
+def timeline_spans(marks: torch.Tensor, ms_marked: float) -> dict:
+    """The timeline build's int64 [tiles, TL_N] marks (on the host) read as
+    ``timeline`` prints them; ms_marked: the marked kernel's time."""
+    from dsa.cute import sparse_attention_bwd_sm90 as k
+
+    raw = marks.clone()
+    raw[:, k.TL_NS:] -= raw[:, k.TL_NS + k.TL_START].min()  # nanoseconds since ~1970: too many for a double
+    m = raw.double()
+    end = torch.maximum(m[:, k.TL_END0], m[:, k.TL_END1])
+    sms = m[:, k.TL_SM].long()
+    spans, gaps = [], []
+    for sm in sms.unique().tolist():
+        rows = (sms == sm).nonzero().flatten()
+        order = rows[m[rows, k.TL_START].argsort()]
+        spans.append((end[order].max() - m[order, k.TL_START].min()).item())
+        gaps.append((m[order[1:], k.TL_START] - end[order[:-1]]).mean().item() if len(order) > 1 else 0.0)
+    hz = sorted(spans)[len(spans) // 2] / (ms_marked * 1e-3)
+    us = lambda c: c / hz * 1e6  # noqa: E731
+    has_block = m[:, k.TL_BLOCK0] > 0  # tiles with a block: the block marks are written
+    part = {  # one thread's marks: warpgroup 0's thread 0, warpgroup 1's thread 128
+        "Q, dO, out in": m[:, k.TL_Q] - m[:, k.TL_START],
+        "Delta, block 0 issued": m[:, k.TL_DELTA] - m[:, k.TL_Q],
+        "block 0 in": (m[:, k.TL_BLOCK0] - m[:, k.TL_DELTA])[has_block],
+        "wg0 blocks": (m[:, k.TL_LOOP0] - m[:, k.TL_BLOCK0])[has_block],
+        "wg0 dq store": m[:, k.TL_END0] - m[:, k.TL_LOOP0],
+        "wg1 blocks": (m[:, k.TL_LOOP1] - m[:, k.TL_READY1])[has_block],
+        "wg1 dq store": m[:, k.TL_END1] - m[:, k.TL_LOOP1],
+    }
+    # across the two warpgroups' threads, from the global nanosecond timer
+    # (their SM clocks were seen to disagree)
+    ns = lambda mark: m[:, k.TL_NS + mark]  # noqa: E731
+    ns_end = torch.maximum(ns(k.TL_END0), ns(k.TL_END1))
+    ns_gaps = []
+    for sm in sms.unique().tolist():
+        rows = (sms == sm).nonzero().flatten()
+        order = rows[ns(k.TL_START)[rows].argsort()]
+        if len(order) > 1:
+            ns_gaps.append((ns(k.TL_START)[order[1:]] - ns_end[order[:-1]]).mean().item())
+    cross = {
+        "wg1 first hand-off": (ns(k.TL_READY1) - ns(k.TL_START))[has_block],
+        "wg1 end after wg0's": ns(k.TL_END1) - ns(k.TL_END0),
+        "tile": ns_end - ns(k.TL_START),
+    }
+    starts = ns(k.TL_START).sort().values
+    step = (starts[1:] - starts[:-1])
+    step = step[step > 0].min().item() if bool((step > 0).any()) else float("nan")
+    # warpgroup 1 passes block 0's hand-off only after warpgroup 0 has block
+    # 0: a tile whose marks read otherwise shows the two clocks apart
+    early = (m[:, k.TL_READY1] < m[:, k.TL_BLOCK0])[has_block].double().mean().item()
+    early_ns = (ns(k.TL_READY1) < ns(k.TL_BLOCK0))[has_block].double().mean().item()
+    return dict(hz=hz, us=us, part=part, cross=cross, gap_ns=sum(ns_gaps) / max(1, len(ns_gaps)),
+                gap_clock=sum(gaps) / len(gaps), step=step, early=early, early_ns=early_ns, sms=len(spans))
+
+
 def timeline(name: str) -> None:
     """Where a tile's time goes: the timeline build (``BwdSm90Config.timeline``:
-    the SM clock at each warpgroup's marks, ``TL_*``) run once, its dq
-    checked bitwise against the plain build's; per tile, the mean of each
-    span between marks, the whole tile, and the gap on its SM from the end of
-    the tile before to its start, in microseconds at the clock the run
-    implies (cycles over the kernel's do_bench time, per SM)."""
+    the SM clock and the global timer at each warpgroup's marks, ``TL_*``)
+    run once, its dq checked bitwise against the plain build's; per tile,
+    the mean of each span between one thread's marks in microseconds at the
+    clock the run implies (cycles over the kernel's do_bench time, per SM),
+    and from the global timer the spans across the two warpgroups, the whole
+    tile and the gap on its SM from the end of the tile before to its
+    start."""
     from dsa.cute import sparse_attention_bwd_sm90 as k
     from dsa.cute.host import head_blocks
     from dsa.triton.sparse_attention import preprocess
@@ -226,41 +282,16 @@ def timeline(name: str) -> None:
         ms[cfg.timeline] = _ms(run)
     marks.zero_()
     cbwd._launch(a, dout, lg2den, delta, dq, dkv, 0, T, magic=marks, out=out, cfg=marked)
-    m = marks.cpu().double()
-    end = torch.maximum(m[:, k.TL_END0], m[:, k.TL_END1])
-    sms = m[:, k.TL_SM].long()
-    spans, gaps = [], []
-    for sm in sms.unique().tolist():
-        rows = (sms == sm).nonzero().flatten()
-        order = rows[m[rows, k.TL_START].argsort()]
-        spans.append((end[order].max() - m[order, k.TL_START].min()).item())
-        gaps.append((m[order[1:], k.TL_START] - end[order[:-1]]).mean().item() if len(order) > 1 else 0.0)
-    hz = sorted(spans)[len(spans) // 2] / (ms[True] * 1e-3)
-    us = lambda c: c / hz * 1e6  # noqa: E731
-    run = m[:, k.TL_BLOCK0] > 0  # tiles with a block: the block marks are written
-    part = {  # one thread's marks: warpgroup 0's thread 0, warpgroup 1's thread 128
-        "Q, dO, out in": m[:, k.TL_Q] - m[:, k.TL_START],
-        "Delta, block 0 issued": m[:, k.TL_DELTA] - m[:, k.TL_Q],
-        "block 0 in": (m[:, k.TL_BLOCK0] - m[:, k.TL_DELTA])[run],
-        "wg0 blocks": (m[:, k.TL_LOOP0] - m[:, k.TL_BLOCK0])[run],
-        "wg0 dq store": m[:, k.TL_END0] - m[:, k.TL_LOOP0],
-        "wg1 blocks": (m[:, k.TL_LOOP1] - m[:, k.TL_READY1])[run],
-        "wg1 dq store": m[:, k.TL_END1] - m[:, k.TL_LOOP1],
-    }
-    cross = {  # marks of both warpgroups' threads
-        "wg1 first hand-off": (m[:, k.TL_READY1] - m[:, k.TL_START])[run],
-        "wg1 end after wg0's": m[:, k.TL_END1] - m[:, k.TL_END0],
-        "tile": end - m[:, k.TL_START],
-    }
-    # warpgroup 1 passes block 0's hand-off only after warpgroup 0 has block 0:
-    # a tile where its mark reads earlier shows the two threads' clocks apart
-    early = (m[:, k.TL_READY1] < m[:, k.TL_BLOCK0])[run].double().mean().item()
+    r = timeline_spans(marks.cpu(), ms[True])
+    part, cross, us = r["part"], r["cross"], r["us"]
     print(f"{name:11s} timeline: kernel {ms[False]:.4f} ms plain, {ms[True]:.4f} with marks; dq bitwise "
-          f"{torch.equal(dqs[0], dqs[1])}; SM clock {hz / 1e6:.0f} MHz; {tiles} tiles on {len(spans)} SMs; us a "
-          "tile: " + ", ".join(f"{n} {us(v.mean().item()):.2f}" for n, v in part.items())
-          + "; across the warpgroups: " + ", ".join(f"{n} {us(v.mean().item()):.2f}" for n, v in cross.items())
-          + f", gap before a tile {us(sum(gaps) / len(gaps)):.2f}; hand-off read before block 0 in "
-          f"{early:.1%} of tiles", flush=True)
+          f"{torch.equal(dqs[0], dqs[1])}; SM clock {r['hz'] / 1e6:.0f} MHz; {tiles} tiles on {r['sms']} SMs; us a "
+          "tile, one thread's SM clock: " + ", ".join(f"{n} {us(v.mean().item()):.2f}" for n, v in part.items())
+          + "; across the warpgroups, global timer: "
+          + ", ".join(f"{n} {v.mean().item() / 1e3:.2f}" for n, v in cross.items())
+          + f", gap before a tile {r['gap_ns'] / 1e3:.2f} (SM clock {us(r['gap_clock']):.2f}); timer step "
+          f"{r['step']:.0f} ns; hand-off read before block 0 in {r['early']:.1%} of tiles by the SM clock, "
+          f"{r['early_ns']:.1%} by the global timer", flush=True)
 
 
 def sanitize() -> None:

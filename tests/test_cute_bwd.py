@@ -49,7 +49,7 @@ _NEEDLES = (
     "st.global.v4.f32", "st.global.L2::cache_hint.v4.f32", "shfl.sync", "cp.async.cg.shared.global.L2::cache_hint",
     "st.global.L2::cache_hint.b32",
     "setmaxnreg.inc", "setmaxnreg.dec", "mbarrier.try_wait", "bar.sync",
-    "bar.arrive", "add.rn.f32", "sub.rn.f32", "%smid", "%clock64")
+    "bar.arrive", "add.rn.f32", "sub.rn.f32", "%smid", "%clock64", "%globaltimer")
 
 _CONFIGS = [
     ("v32_bf16_len", "bfloat16", 576, 128, 1, True, False, {}),
@@ -107,9 +107,52 @@ def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
         # the dS / P hand-off between the consumers: written (READY), free again (FREE);
         # and warpgroup 0's Delta in shared memory (DELTA)
         assert r["bar.sync"] >= 2 + kd and r["bar.arrive"] >= 2, (name, r)
-        # timeline: nine clock marks a tile and the SM's id; no clock read in the other builds
+        # timeline: nine marks a tile from both clocks and the SM's id; no clock read in the other builds
         marks = build.get("timeline", False)
-        assert r["%smid"] == marks and r["%clock64"] == 9 * marks, (name, r)
+        assert r["%smid"] == marks and r["%clock64"] == r["%globaltimer"] == 9 * marks, (name, r)
+
+
+@needs_dsl
+def test_timeline_spans_read_each_thread_and_the_global_timer():
+    """``bench_cute_bwd.timeline_spans``: one thread's spans from the SM clock,
+    the spans across warpgroups and the gaps between an SM's tiles from the
+    global timer (whose large values survive the float conversion), tiles
+    without a block left out of the block spans, and the warpgroup clocks'
+    disagreement counted."""
+    from bench.bench_cute_bwd import timeline_spans
+    from dsa.cute import sparse_attention_bwd_sm90 as k
+
+    hz, t_ns = 2e9, 1_700_000_000_000_000_000  # 2 GHz; a global timer near today's
+    # per tile: (sm, start us, Q, Delta, block 0, loop 0, end 0, hand-off, loop 1, end 1), us from its start;
+    # block 0 at 0 for the tile without blocks; the SM clock of warpgroup 1 of tile 0 read 3 us early
+    tiles = [(0, 0.0, 2, 3, 4, 10, 12, 5, 14, 16), (0, 17.0, 2, 3, 4, 10, 12, 5, 14, 16),
+             (5, 0.0, 2, 3, 4, 10, 12, 5, 14, 16), (5, 18.0, 2, 3, None, 3, 5, None, 3, 6)]
+    marks = torch.zeros((4, k.TL_N), dtype=torch.int64)
+    order = (k.TL_Q, k.TL_DELTA, k.TL_BLOCK0, k.TL_LOOP0, k.TL_END0, k.TL_READY1, k.TL_LOOP1, k.TL_END1)
+    for i, (sm, start, *at) in enumerate(tiles):
+        marks[i, k.TL_SM] = sm
+        marks[i, k.TL_START] = round((1000.0 + start) * 1e-6 * hz)
+        marks[i, k.TL_NS + k.TL_START] = t_ns + round(start * 1e3)
+        for mark, us_ in zip(order, at):
+            if us_ is None:
+                continue
+            skew = 3.0 if i == 0 and mark in (k.TL_READY1, k.TL_LOOP1, k.TL_END1) else 0.0
+            marks[i, mark] = round((1000.0 + start + us_ - skew) * 1e-6 * hz)
+            marks[i, k.TL_NS + mark] = t_ns + round((start + us_) * 1e3)
+    # the SMs' spans by their clocks: 33 us (SM 0, tiles from 0 to 33) and 24 (SM 5, 0 to 24); their
+    # median (the upper of two) in a 0.033 ms kernel puts the clock at 2 GHz
+    r = timeline_spans(marks, 0.033)
+    assert r["hz"] == pytest.approx(hz, rel=1e-6) and r["sms"] == 2
+    us = lambda v: r["us"](v.mean().item())  # noqa: E731
+    assert us(r["part"]["Q, dO, out in"]) == pytest.approx(2.0)
+    assert us(r["part"]["block 0 in"]) == pytest.approx(1.0)      # the tile without blocks left out
+    assert us(r["part"]["wg0 blocks"]) == pytest.approx(6.0)
+    assert us(r["part"]["wg1 dq store"]) == pytest.approx((2 + 2 + 2 + 3) / 4)
+    assert r["cross"]["wg1 first hand-off"].mean().item() == pytest.approx(5000.0)
+    assert r["cross"]["tile"].tolist() == [16000.0, 16000.0, 16000.0, 6000.0]
+    assert r["gap_ns"] == pytest.approx((1000.0 + 2000.0) / 2)   # SM 0: 17 - 16 us; SM 5: 18 - 16 us
+    assert r["early"] == pytest.approx(1 / 3) and r["early_ns"] == 0.0
+    assert r["step"] == pytest.approx(1000.0)  # the closest two starts: 17 and 18 us
 
 
 _BOUND_NEEDLES = ("wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc", "ex2.approx",

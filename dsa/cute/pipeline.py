@@ -91,6 +91,14 @@ def sm_id(*, loc=None, ip=None) -> Int32:
                                  asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
+@dsl_user_op
+def global_ns(*, loc=None, ip=None) -> Int64:
+    """The GPU's global nanosecond timer (``%globaltimer``), one clock for
+    every SM and warp, where ``clock64`` counts cycles of one SM."""
+    return Int64(llvm.inline_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", has_side_effects=True,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
 class Timer:
     """Per-warp cycle counters (``counters`` int64 slots) for a profiling build.
 

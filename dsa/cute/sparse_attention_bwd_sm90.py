@@ -64,7 +64,7 @@ from dsa.cute import dkv as dkv_reduce
 from dsa.cute import pipeline, rules, scheduler
 from dsa.cute.gmem import EVICT_FIRST, aligned, copy_head_rows, l2_policy, load, store_b32_hinted
 from dsa.cute.host import head_blocks
-from dsa.cute.pipeline import NamedBarrier, freed_phase, named_barriers, phase, sm_id
+from dsa.cute.pipeline import NamedBarrier, freed_phase, global_ns, named_barriers, phase, sm_id
 from dsa.cute.scheduler import PADDED_HEADS
 
 BLOCK_H = 64   # query heads per CTA: the M of one wgmma
@@ -77,7 +77,8 @@ DQ_N = 256     # columns of warpgroup 0's dQ tile; warpgroup 1 holds [256, D)
 # issued, block 0 landed, its loop done, its dq stored; warpgroup 1 past
 # block 0's hand-off, its loop done, its dq stored; then the SM's id
 TL_START, TL_Q, TL_DELTA, TL_BLOCK0, TL_LOOP0, TL_END0, TL_END1, TL_READY1, TL_LOOP1, TL_SM = range(10)
-TL_N = 10
+TL_NS = 10  # the same marks again from the global nanosecond timer, at TL_NS + mark
+TL_N = 19
 
 
 @named_barriers
@@ -104,7 +105,8 @@ class BwdSm90Config(scheduler.ProblemConfig):
     into the stage before the first gather, and written to delta; the
     default build reads the preprocess's), timeline (a timing build: the
     first thread of each warpgroup writes the SM clock at its tile's marks,
-    ``TL_*``, with the SM's id, into int64 [tiles, TL_N] at magic_ptr,
+    ``TL_*``, with the SM's id, and the global nanosecond timer at the same
+    marks (``TL_NS`` on), into int64 [tiles, TL_N] at magic_ptr,
     which only the deterministic build reads otherwise)."""
 
     deterministic: bool
@@ -464,13 +466,15 @@ class SparseAttnBwdSm90:
     @cute.jit
     def mark(self, tl_ptr, wtid, slot: cutlass.Constexpr):
         """The timeline build: the warpgroup's first thread writes the SM
-        clock to [tile, slot] (and, at TL_START, the SM's id); else nothing."""
+        clock to [tile, slot] and the global timer to [tile, TL_NS + slot]
+        (and, at TL_START, the SM's id); else nothing."""
         if const_expr(self.timeline):
             if wtid == 0:
                 tile_id, _, _ = cute.arch.block_idx()
                 row = cute.make_tensor(aligned(Int64, tl_ptr.toint() + Int64(tile_id) * Int64(TL_N * 8), 8),
                                        cute.make_layout((TL_N,)))
                 row[slot] = cute.arch.clock64()
+                row[TL_NS + slot] = global_ns()
                 if const_expr(slot == TL_START):
                     row[TL_SM] = Int64(sm_id())
 

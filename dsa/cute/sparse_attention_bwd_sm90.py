@@ -107,7 +107,10 @@ class BwdSm90Config(scheduler.ProblemConfig):
     first thread of each warpgroup writes the SM clock at its tile's marks,
     ``TL_*``, with the SM's id, and the global nanosecond timer at the same
     marks (``TL_NS`` on), into int64 [tiles, TL_N] at magic_ptr,
-    which only the deterministic build reads otherwise)."""
+    which only the deterministic build reads otherwise), dq_early (each
+    warpgroup stores its dq right after the last block's dQ, ahead of that
+    block's dkv chunks, so that the stores are not queued behind the last
+    adds at the tile's end)."""
 
     deterministic: bool
     evict_last: bool = True
@@ -117,6 +120,7 @@ class BwdSm90Config(scheduler.ProblemConfig):
     index_ahead: bool = True
     kernel_delta: bool = False
     timeline: bool = False
+    dq_early: bool = False
 
 
 
@@ -132,7 +136,8 @@ class SparseAttnBwdSm90:
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, deterministic: bool,
                  evict_last: bool = True, c0_chunks: int = 2, scatter: bool = True, l2_hints: int = 0,
-                 index_ahead: bool = True, kernel_delta: bool = False, timeline: bool = False):
+                 index_ahead: bool = True, kernel_delta: bool = False, timeline: bool = False,
+                 dq_early: bool = False):
         why = self.can_implement(dtype, D, d_v, H, G)
         if why is not None:
             raise ValueError(f"SparseAttnBwdSm90: {why}")
@@ -143,8 +148,8 @@ class SparseAttnBwdSm90:
         if timeline and deterministic:  # its marks go where the deterministic build's grids are read
             raise ValueError("SparseAttnBwdSm90: timeline is a build of the default mode")
         self.config = BwdSm90Config(dtype, D, d_v, H, G, has_len, deterministic, evict_last, c0_chunks,
-                                    scatter, l2_hints, index_ahead, kernel_delta, timeline)
-        self.timeline = timeline
+                                    scatter, l2_hints, index_ahead, kernel_delta, timeline, dq_early)
+        self.timeline, self.dq_early = timeline, dq_early
         self.l2_hints, self.index_ahead, self.kernel_delta = l2_hints, index_ahead, kernel_delta
         self.dtype = dtype
         self.D, self.d_v, self.H, self.G = D, d_v, H, G
@@ -446,6 +451,9 @@ class SparseAttnBwdSm90:
                 self.dq_step(dq, empty)
                 if i + 1 < n_blocks:  # the stage is free once both are past this dQ
                     self.gather_block(ld, i + 1, tile, N, full, empty)
+                if const_expr(self.dq_early):
+                    if i + 1 == n_blocks:
+                        self.store_dqs(dq, w, t, head0, row_lo, col_lane, dq_ptr)
                 self.dkv_block(0, dkv, False)
             self.mark(magic_ptr, wtid, TL_LOOP0)
         else:
@@ -456,12 +464,26 @@ class SparseAttnBwdSm90:
                 if i == 0:
                     self.mark(magic_ptr, wtid, TL_READY1)
                 self.dq_step(dq, empty)
+                if const_expr(self.dq_early):
+                    if i + 1 == n_blocks:
+                        self.store_dqs(dq, w, t, head0, row_lo, col_lane, dq_ptr)
                 self.dkv_block(1, dkv, i + 1 < n_blocks)
             self.mark(magic_ptr, wtid, TL_LOOP1)
+        if const_expr(self.dq_early):
+            if n_blocks == 0:  # a row with no valid slot: its dq is 0
+                self.store_dqs(dq, w, t, head0, row_lo, col_lane, dq_ptr)
+        else:
+            self.store_dqs(dq, w, t, head0, row_lo, col_lane, dq_ptr)
+        self.mark(magic_ptr, wtid, TL_END0 + w)
+
+    @cute.jit
+    def store_dqs(self, dq, w: cutlass.Constexpr, t, head0, row_lo, col_lane, dq_ptr):
+        """Warpgroup w's columns of dq: [256 w, 256 w + 256), and warpgroup 1
+        also the RoPE columns [d_v, D)."""
+        acc_dq, acc_dqr, rope = dq[3], dq[7], dq[8]
         self.store_dq(acc_dq, w * DQ_N, t, head0, row_lo, col_lane, dq_ptr)
         if const_expr(rope):
             self.store_dq(acc_dqr, self.d_v, t, head0, row_lo, col_lane, dq_ptr)
-        self.mark(magic_ptr, wtid, TL_END0 + w)
 
     @cute.jit
     def mark(self, tl_ptr, wtid, slot: cutlass.Constexpr):

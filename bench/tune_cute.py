@@ -12,7 +12,8 @@ do_bench medians of both backends' forward and the TFLOP/s
 
 The persistent grid's tile order on half-valid rows (topk_length uniform in
 [0, K], sink on): ``dsa.sparse_attention(backend="cute")`` with the tiles by
-descending length (``ORDER_ROUNDS`` 2, the default; the argsort included)
+descending length (``ORDER_ROUNDS`` 2: every call past two rounds of tiles;
+the argsort included)
 against token order (None), at each T of ``ORDER_SHAPES``, called and
 replayed from a CUDA graph (the GPU's time alone), the two orders
 alternating for ``--rounds`` rounds on the same inputs; each one's median

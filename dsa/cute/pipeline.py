@@ -28,10 +28,8 @@ from typing import Iterable, Tuple, Type
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64, const_expr
-from cutlass._mlir.dialects import llvm
+from cutlass import Int64, const_expr
 from cutlass.cute.nvgpu import warpgroup
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 # bar.sync ids 0..15; 0 is the one sync_threads uses.
 MAX_NAMED_BARRIER = 15
@@ -82,21 +80,6 @@ def freed_phase(use):
     """The parity a producer waits on before its ``use``-th fill (use > 0) of a
     buffer: the release of the previous use, one phase ago."""
     return (use + 1) % 2
-
-
-@dsl_user_op
-def sm_id(*, loc=None, ip=None) -> Int32:
-    """The id of the SM running the thread (``%smid``)."""
-    return Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, %smid;", "=r", has_side_effects=True,
-                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-
-@dsl_user_op
-def global_ns(*, loc=None, ip=None) -> Int64:
-    """The GPU's global nanosecond timer (``%globaltimer``), one clock for
-    every SM and warp, where ``clock64`` counts cycles of one SM."""
-    return Int64(llvm.inline_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", has_side_effects=True,
-                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
 class Timer:

@@ -64,7 +64,7 @@ from dsa.cute import dkv as dkv_reduce
 from dsa.cute import pipeline, rules, scheduler
 from dsa.cute.gmem import EVICT_FIRST, aligned, copy_head_rows, l2_policy, load, store_b32_hinted
 from dsa.cute.host import head_blocks
-from dsa.cute.pipeline import NamedBarrier, freed_phase, global_ns, named_barriers, phase, sm_id
+from dsa.cute.pipeline import NamedBarrier, freed_phase, named_barriers, phase
 from dsa.cute.scheduler import PADDED_HEADS
 
 BLOCK_H = 64   # query heads per CTA: the M of one wgmma
@@ -496,9 +496,9 @@ class SparseAttnBwdSm90:
                 row = cute.make_tensor(aligned(Int64, tl_ptr.toint() + Int64(tile_id) * Int64(TL_N * 8), 8),
                                        cute.make_layout((TL_N,)))
                 row[slot] = cute.arch.clock64()
-                row[TL_NS + slot] = global_ns()
+                row[TL_NS + slot] = cute.arch.globaltimer()
                 if const_expr(slot == TL_START):
-                    row[TL_SM] = Int64(sm_id())
+                    row[TL_SM] = Int64(cute.arch.smid())
 
     @cute.jit
     def scores_setup(self, s_mma, sp_layout, wtid, sQ, sdO, sK, raw_ds, raw_p, sOk, t, head0, row_lo,

@@ -5,6 +5,7 @@
     python bench/bench_cute_bwd.py --shapes 'v32@evict_last=0+c0_chunks=1'     (any build at a shape)
     python bench/bench_cute_bwd.py --parts --shapes v32,v4flash          (the backward's pieces timed apart)
     python bench/bench_cute_bwd.py --timeline --shapes h64k128,h64d576   (where a tile's time goes)
+    python bench/bench_cute_bwd.py --rounds 5 --shapes v4flash,v4flash@dq_early=1   (builds in turn, same inputs)
 
 One process, the same inputs for both (fresh ``torch.randn``, bf16, sink on,
 random indices), ``triton.testing.do_bench`` medians (warmup 25 ms, rep
@@ -294,6 +295,39 @@ def timeline(name: str) -> None:
           f"{r['early_ns']:.1%} by the global timer", flush=True)
 
 
+def rounds(names, n: int) -> None:
+    """The builds of each shape timed in turn for n rounds on one set of
+    inputs (the shape's first name's), each round in a rotated order; per
+    build the median ms and the median over rounds of the first build's
+    time over its own, and dq's relative distance from the first build's."""
+    groups = {}
+    for name in names:
+        groups.setdefault(_variant(name)[0], []).append(name)
+    for shape, group in groups.items():
+        (T, N, H, D, K, half, det), a, out, lse, dout, bounds = _setup(group[0])
+        flop = 2 * T * H * K * (3 * D + 2 * 512)
+        builds = [dict(DEFAULT_BUILD, **_variant(name)[1]) for name in group]
+        dqs = []
+        for b in builds:
+            cbwd.BUILD = b
+            dqs.append(cbwd.backward(a, out, lse, dout, bounds)[0])
+        times = [[] for _ in group]
+        for r in range(n):
+            for j in range(len(group)):
+                k = (j + r) % len(group)
+                cbwd.BUILD = builds[k]
+                times[k].append(_ms(lambda: cbwd.backward(a, out, lse, dout, bounds)))
+        base = torch.tensor(times[0])
+        for name, ts, dq in zip(group, times, dqs):
+            t = torch.tensor(ts)
+            print(f"{name:30s} T={T} H={H} D={D} K={K} half={half}: {t.median().item():.4f} ms "
+                  f"({flop / t.median().item() / 1e9:.1f} TFLOP/s), {group[0]} / it {(base / t).median().item():.4f} "
+                  f"(rounds {(base / t).min().item():.3f}-{(base / t).max().item():.3f}), dq vs {group[0]} "
+                  f"{_rel(dq, dqs[0]):.1e}", flush=True)
+        cbwd.BUILD = dict(DEFAULT_BUILD)
+        torch.cuda.empty_cache()
+
+
 def sanitize() -> None:
     """A small call with hostile indices (out of range both ways, past
     topk_length, duplicates) through the cute forward (also its ordered
@@ -332,9 +366,13 @@ def main() -> None:
     ap.add_argument("--parts", action="store_true", help="time the backward's pieces apart")
     ap.add_argument("--no-triton", action="store_true", help="time the cute backward alone")
     ap.add_argument("--timeline", action="store_true", help="where a tile's time goes (the timeline build)")
+    ap.add_argument("--rounds", type=int, default=0, help="the shapes' builds timed in turn, this many rounds")
     args = ap.parse_args()
     if args.sanitize:
         sanitize()
+        return
+    if args.rounds:
+        rounds(args.shapes.split(","), args.rounds)
         return
     for name in args.shapes.split(","):
         if args.timeline:

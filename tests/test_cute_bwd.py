@@ -62,8 +62,8 @@ _CONFIGS = [
     ("tp16_bf16_len", "bfloat16", 576, 16, 1, True, False, {}),
     # the timeline build (bench_cute_bwd.py --timeline): the SM clock at a tile's marks
     ("v4_bf16_timeline", "bfloat16", 512, 64, 1, False, False, {"timeline": True}),
-    # each warpgroup's dq stored ahead of the last block's dkv chunks (and after the loop for an empty row)
-    ("v32_bf16_len_dq_early", "bfloat16", 576, 128, 1, True, False, {"dq_early": True}),
+    # the dq stores after the tile's last adds (the build before dq_early became the default)
+    ("v32_bf16_len_dq_late", "bfloat16", 576, 128, 1, True, False, {"dq_early": False}),
 ]
 
 
@@ -100,7 +100,7 @@ def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
         n_q = (D + 512 + kd * 512) // 64 * 4   # Q's, dO's (and out's) 16-byte copies a thread
         assert r["cp.async.cg.shared.global.L2::cache_hint"] == (n_q if hints & 1 else 0), (name, r)
         n_dq = 128 + 16 * (D > 512)  # dq words a thread: 64 a warpgroup, 16 more for the RoPE columns
-        n_dq *= 1 + build.get("dq_early", False)  # in the loop's last block and for a row with none
+        n_dq *= 1 + build.get("dq_early", cbwd.BUILD["dq_early"])  # in the loop's last block and for a row with none
         assert r["st.global.L2::cache_hint.b32"] == (n_dq if hints & 2 else 0), (name, r)
         # 16 shuffles a chunk, one per float of the swapped halves of lines
         assert 16 * (D // 64) <= r["shfl.sync"] < 17 * (D // 64), (name, r)

@@ -55,8 +55,11 @@ SERVED_DV = 512
 # within 1% else; the gathered rows evict-last, measured as bit 4, did not
 # help and is gone, C98); kernel_delta, Delta computed in the kernel, not
 # by the preprocess's pass over out and dO (0-4% faster at the model shapes
-# in three runs, never slower; C158, C159, C164).
-BUILD = dict(evict_last=True, c0_chunks=2, l2_hints=3, kernel_delta=True)
+# in three runs, never slower; C158, C159, C164); dq_early, each warpgroup's
+# dq stored ahead of the last block's dkv chunks rather than behind the
+# tile's last adds (4.2% faster at H64 K128, within the runs' noise at the
+# long-row shapes; C188, C189).
+BUILD = dict(evict_last=True, c0_chunks=2, l2_hints=3, kernel_delta=True, dq_early=True)
 
 # (BwdSm90Config, device index) -> compiled kernel: a compiled kernel's
 # module is loaded in the context of the device it was compiled on.

@@ -431,10 +431,11 @@ class SparseAttnBwdSm90:
                     self.fetch_block(ld, 0, tile)
                 if const_expr(not self.kernel_delta):
                     self.gather_block(ld, 0, tile, N, full, empty)
-            cute.arch.mbarrier_wait(q_full, 0)
-            self.mark(magic_ptr, wtid, TL_Q)
+            # the rows' lse (and Delta) loads run while Q and dO land
             sc = self.scores_setup(s_mma, sp_layout, wtid, sQ, sdO, sK, raw_ds, raw_p, sOk, t, head0,
                                    row_lo, col_lane, lg2den_ptr, delta_ptr)
+            cute.arch.mbarrier_wait(q_full, 0)
+            self.mark(magic_ptr, wtid, TL_Q)
             if const_expr(self.kernel_delta):
                 # out's rows fill the stage now; block 0 is gathered once they are read
                 self.row_delta(sc, sDelta, t, head0, row_lo, col_lane, delta_ptr)

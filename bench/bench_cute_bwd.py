@@ -64,8 +64,7 @@ def _variant(name: str):
     for item in spec.split("+"):
         key, value = item.split("=", 1)
         build[key] = int(value) if value.lstrip("-").isdigit() else value
-        if key in ("evict_last", "scatter", "kernel_delta", "index_ahead", "timeline", "dq_early",
-                   "delta_first"):
+        if key in ("evict_last", "scatter", "kernel_delta", "index_ahead", "timeline", "dq_early"):
             build[key] = bool(build[key])
     return shape, build
 DEFAULT_BUILD = dict(cbwd.BUILD)

@@ -110,9 +110,7 @@ class BwdSm90Config(scheduler.ProblemConfig):
     which only the deterministic build reads otherwise), dq_early (each
     warpgroup stores its dq right after the last block's dQ, ahead of that
     block's dkv chunks, so that the stores are not queued behind the last
-    adds at the tile's end), delta_first (kernel_delta: dO's and out's
-    rows loaded first and signalled on a barrier of their own, so that
-    Delta is computed and block 0's gather issued while Q's rows land)."""
+    adds at the tile's end)."""
 
     deterministic: bool
     evict_last: bool = True
@@ -123,7 +121,6 @@ class BwdSm90Config(scheduler.ProblemConfig):
     kernel_delta: bool = False
     timeline: bool = False
     dq_early: bool = False
-    delta_first: bool = False
 
 
 
@@ -140,7 +137,7 @@ class SparseAttnBwdSm90:
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, deterministic: bool,
                  evict_last: bool = True, c0_chunks: int = 2, scatter: bool = True, l2_hints: int = 0,
                  index_ahead: bool = True, kernel_delta: bool = False, timeline: bool = False,
-                 dq_early: bool = False, delta_first: bool = False):
+                 dq_early: bool = False):
         why = self.can_implement(dtype, D, d_v, H, G)
         if why is not None:
             raise ValueError(f"SparseAttnBwdSm90: {why}")
@@ -148,14 +145,11 @@ class SparseAttnBwdSm90:
             raise ValueError(f"SparseAttnBwdSm90: c0_chunks={c0_chunks} is not in [0, {D // 64})")
         if kernel_delta and deterministic:  # the exact adds' grids need Delta before the kernel
             raise ValueError("SparseAttnBwdSm90: kernel_delta serves the default build, not the deterministic one")
-        if delta_first and not kernel_delta:
-            raise ValueError("SparseAttnBwdSm90: delta_first orders kernel_delta's loads: set both")
         if timeline and deterministic:  # its marks go where the deterministic build's grids are read
             raise ValueError("SparseAttnBwdSm90: timeline is a build of the default mode")
         self.config = BwdSm90Config(dtype, D, d_v, H, G, has_len, deterministic, evict_last, c0_chunks,
-                                    scatter, l2_hints, index_ahead, kernel_delta, timeline, dq_early,
-                                    delta_first)
-        self.timeline, self.dq_early, self.delta_first = timeline, dq_early, delta_first
+                                    scatter, l2_hints, index_ahead, kernel_delta, timeline, dq_early)
+        self.timeline, self.dq_early = timeline, dq_early
         self.l2_hints, self.index_ahead, self.kernel_delta = l2_hints, index_ahead, kernel_delta
         self.dtype = dtype
         self.D, self.d_v, self.H, self.G = D, d_v, H, G
@@ -231,7 +225,6 @@ class SparseAttnBwdSm90:
             q_full: cute.struct.MemRange[Int64, 1]
             full: cute.struct.MemRange[Int64, 1]
             empty: cute.struct.MemRange[Int64, 1]
-            do_full: cute.struct.MemRange[Int64, 1]  # delta_first: dO and out landed
             sOk: cute.struct.MemRange[Float32, BN]  # the block's mask by slot: 0 or -inf
             sDelta: cute.struct.MemRange[Float32, BLOCK_H]  # the tile's Delta (kernel_delta)
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sq_layout)], 1024]
@@ -268,15 +261,14 @@ class SparseAttnBwdSm90:
 
         smem = cutlass.utils.SmemAllocator()
         st = smem.allocate(self.smem)
-        bars = (st.q_full.data_ptr(), st.full.data_ptr(), st.empty.data_ptr(), st.do_full.data_ptr())
+        bars = (st.q_full.data_ptr(), st.full.data_ptr(), st.empty.data_ptr())
         sQ = st.sQ.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)
         sdO = st.sdO.get_tensor(sdo_layout.outer, swizzle=sdo_layout.inner)
         sK = st.sK.get_tensor(sk_layout.outer, swizzle=sk_layout.inner)
 
         pipeline.init_mbarriers(tidx, [(bars[0], 0, 128),                  # warpgroup 0's copies
                                        (bars[1], 0, 128 + MASK_WRITERS),   # copies, then the mask writers
-                                       (bars[2], 0, PAIR_THREADS)]         # both warpgroups, past their dQ
-                                + ([(bars[3], 0, 128)] if const_expr(self.delta_first) else []))
+                                       (bars[2], 0, PAIR_THREADS)])        # both warpgroups, past their dQ
 
         tile = self.tile(tile_id, t0, idx_ptr, len_ptr, K)
         for m_ in (s_mma, dq_mma, dq1_mma, kv_mma):
@@ -314,10 +306,9 @@ class SparseAttnBwdSm90:
 
     # --------------------------------------------------------- loads, gathers
     @cute.jit
-    def loader(self, tidx, gather, tile, q_full, do_full):
-        """Issue the copies of Q and dO (and out; signalled on q_full, with
-        delta_first dO and out first, also signalled on do_full) by
-        warpgroup 0's thread tidx; return what its block gathers need."""
+    def loader(self, tidx, gather, tile, q_full):
+        """Issue the copies of Q and dO (signalled on q_full) by warpgroup 0's
+        thread tidx; return what its block gathers need."""
         sQ, sdO, sK, sOk, q_ptr, dout_ptr, kv_ptr, zero_ptr, out_ptr, sO = gather
         t, head0 = tile[1], tile[4]
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
@@ -331,18 +322,12 @@ class SparseAttnBwdSm90:
         pad = dict(real_rows=self.rows, zero_ptr=zero_ptr) if const_expr(self.rows < BLOCK_H) else {}
         if const_expr(self.l2_hints & 1):
             pad["policy"] = l2_policy(EVICT_FIRST)
-        if const_expr(not self.delta_first):
-            copy_head_rows(atom, thr.partition_D(sQ), q_ptr, self.dtype, t, self.H, head0, BLOCK_H, self.D,
-                           row_in_pass, col0, **pad)
+        copy_head_rows(atom, thr.partition_D(sQ), q_ptr, self.dtype, t, self.H, head0, BLOCK_H, self.D,
+                       row_in_pass, col0, **pad)
         copy_head_rows(atom, thr.partition_D(sdO), dout_ptr, self.dtype, t, self.H, head0, BLOCK_H, self.d_v,
                        row_in_pass, col0, **pad)
         if const_expr(self.kernel_delta):
             copy_head_rows(atom, thr.partition_D(sO), out_ptr, self.dtype, t, self.H, head0, BLOCK_H, self.d_v,
-                           row_in_pass, col0, **pad)
-        if const_expr(self.delta_first):
-            # the arrival follows this thread's copies so far: dO and out
-            cute.arch.cp_async_mbarrier_arrive_noinc(do_full)
-            copy_head_rows(atom, thr.partition_D(sQ), q_ptr, self.dtype, t, self.H, head0, BLOCK_H, self.D,
                            row_in_pass, col0, **pad)
         cute.arch.cp_async_mbarrier_arrive_noinc(q_full)
         regs = (cute.make_rmem_tensor((BN // 16,), Int32), cute.make_rmem_tensor((BN // 16,), Int64),
@@ -404,7 +389,7 @@ class SparseAttnBwdSm90:
                  kt1_layout, t64_layout, wtid, sQ, sdO, sK, raw_ds, raw_p, sOk, sDelta, bars, tile,
                  idx_ptr, lg2den_ptr, delta_ptr, dq_ptr, dkv_ptr, magic_ptr, T, t0, N, K, scale_log2, sm_scale,
                  tpc):
-        q_full, full, empty, do_full = bars
+        q_full, full, empty = bars
         tl, t, g, hb, head0, L, n_blocks, idx_row = tile
         lane = wtid % 32
         row_lo = (wtid // 32) * 16 + lane // 4
@@ -440,7 +425,7 @@ class SparseAttnBwdSm90:
 
         if const_expr(w == 0):
             self.mark(magic_ptr, wtid, TL_START)
-            ld = self.loader(wtid, gather, tile, q_full, do_full)
+            ld = self.loader(wtid, gather, tile, q_full)
             if n_blocks > 0:
                 if const_expr(self.index_ahead):
                     self.fetch_block(ld, 0, tile)
@@ -449,15 +434,13 @@ class SparseAttnBwdSm90:
             # the rows' lse (and Delta) loads run while Q and dO land
             sc = self.scores_setup(s_mma, sp_layout, wtid, sQ, sdO, sK, raw_ds, raw_p, sOk, t, head0,
                                    row_lo, col_lane, lg2den_ptr, delta_ptr)
-            cute.arch.mbarrier_wait(do_full if const_expr(self.delta_first) else q_full, 0)
+            cute.arch.mbarrier_wait(q_full, 0)
             self.mark(magic_ptr, wtid, TL_Q)
             if const_expr(self.kernel_delta):
                 # out's rows fill the stage now; block 0 is gathered once they are read
                 self.row_delta(sc, sDelta, t, head0, row_lo, col_lane, delta_ptr)
                 if n_blocks > 0:
                     self.gather_block(ld, 0, tile, N, full, empty)
-                if const_expr(self.delta_first):
-                    cute.arch.mbarrier_wait(q_full, 0)
             self.mark(magic_ptr, wtid, TL_DELTA)
             for i in cutlass.range(n_blocks, unroll=1):
                 self.slot_rows(rows, rok, i, row_lo, lane, L, row0, idx_row, dkv_ptr, N, magic_ptr, mz)

@@ -64,7 +64,8 @@ def _variant(name: str):
     for item in spec.split("+"):
         key, value = item.split("=", 1)
         build[key] = int(value) if value.lstrip("-").isdigit() else value
-        if key in ("evict_last", "scatter", "kernel_delta", "index_ahead", "timeline", "dq_early"):
+        if key in ("evict_last", "scatter", "kernel_delta", "index_ahead", "timeline", "dq_early",
+                   "tma_rows"):
             build[key] = bool(build[key])
     return shape, build
 DEFAULT_BUILD = dict(cbwd.BUILD)

@@ -49,7 +49,8 @@ _NEEDLES = (
     "st.global.v4.f32", "st.global.L2::cache_hint.v4.f32", "shfl.sync", "cp.async.cg.shared.global.L2::cache_hint",
     "st.global.L2::cache_hint.b32",
     "setmaxnreg.inc", "setmaxnreg.dec", "mbarrier.try_wait", "bar.sync",
-    "bar.arrive", "add.rn.f32", "sub.rn.f32", "%smid", "%clock64", "%globaltimer")
+    "bar.arrive", "add.rn.f32", "sub.rn.f32", "%smid", "%clock64", "%globaltimer", "cp.async.bulk.tensor",
+    "mbarrier.arrive.expect_tx")
 
 _CONFIGS = [
     ("v32_bf16_len", "bfloat16", 576, 128, 1, True, False, {}),
@@ -64,6 +65,9 @@ _CONFIGS = [
     ("v4_bf16_timeline", "bfloat16", 512, 64, 1, False, False, {"timeline": True}),
     # the dq stores after the tile's last adds (the build before dq_early became the default)
     ("v32_bf16_len_dq_late", "bfloat16", 576, 128, 1, True, False, {"dq_early": False}),
+    # Q, dO and out by the tensor memory accelerator (a padded tile keeps the cp.async)
+    ("v32_bf16_tma", "bfloat16", 576, 128, 1, True, False, {"tma_rows": True}),
+    ("tp32_bf16_tma", "bfloat16", 576, 32, 1, True, False, {"tma_rows": True}),
 ]
 
 
@@ -98,6 +102,11 @@ def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
         # evict-last for the adds (one in each consumer), evict-first for Q / dO and dq (l2_hints 3)
         assert r["createpolicy"] >= (2 if hint else 0) + bool(hints), (name, r)
         n_q = (D + 512 + kd * 512) // 64 * 4   # Q's, dO's (and out's) 16-byte copies a thread
+        # tma_rows: those rows as 64 x 64 boxes by one warp's bulk copies instead, on a tile of 64 heads
+        tma = build.get("tma_rows", False) and H // G >= 64
+        assert r["cp.async.bulk.tensor"] == tma * n_q // 4, (name, r)
+        assert r["mbarrier.arrive.expect_tx"] == tma, (name, r)
+        n_q *= not tma
         assert r["cp.async.cg.shared.global.L2::cache_hint"] == (n_q if hints & 1 else 0), (name, r)
         n_dq = 128 + 16 * (D > 512)  # dq words a thread: 64 a warpgroup, 16 more for the RoPE columns
         n_dq *= 1 + build.get("dq_early", cbwd.BUILD["dq_early"])  # in the loop's last block and for a row with none

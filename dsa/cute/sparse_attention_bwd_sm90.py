@@ -110,7 +110,11 @@ class BwdSm90Config(scheduler.ProblemConfig):
     which only the deterministic build reads otherwise), dq_early (each
     warpgroup stores its dq right after the last block's dQ, ahead of that
     block's dkv chunks, so that the stores are not queued behind the last
-    adds at the tile's end)."""
+    adds at the tile's end), tma_rows (Q's, dO's and out's rows of a tile
+    copied by the tensor memory accelerator as 64 x 64 boxes, issued by one
+    lane of warpgroup 0's first warp, in place of warpgroup 0's 16-byte
+    cp.async; tiles of 64 real heads only, a padded tile keeps the
+    cp.async)."""
 
     deterministic: bool
     evict_last: bool = True
@@ -121,6 +125,7 @@ class BwdSm90Config(scheduler.ProblemConfig):
     kernel_delta: bool = False
     timeline: bool = False
     dq_early: bool = False
+    tma_rows: bool = False
 
 
 
@@ -137,7 +142,7 @@ class SparseAttnBwdSm90:
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, deterministic: bool,
                  evict_last: bool = True, c0_chunks: int = 2, scatter: bool = True, l2_hints: int = 0,
                  index_ahead: bool = True, kernel_delta: bool = False, timeline: bool = False,
-                 dq_early: bool = False):
+                 dq_early: bool = False, tma_rows: bool = False):
         why = self.can_implement(dtype, D, d_v, H, G)
         if why is not None:
             raise ValueError(f"SparseAttnBwdSm90: {why}")
@@ -148,7 +153,8 @@ class SparseAttnBwdSm90:
         if timeline and deterministic:  # its marks go where the deterministic build's grids are read
             raise ValueError("SparseAttnBwdSm90: timeline is a build of the default mode")
         self.config = BwdSm90Config(dtype, D, d_v, H, G, has_len, deterministic, evict_last, c0_chunks,
-                                    scatter, l2_hints, index_ahead, kernel_delta, timeline, dq_early)
+                                    scatter, l2_hints, index_ahead, kernel_delta, timeline, dq_early,
+                                    tma_rows)
         self.timeline, self.dq_early = timeline, dq_early
         self.l2_hints, self.index_ahead, self.kernel_delta = l2_hints, index_ahead, kernel_delta
         self.dtype = dtype
@@ -158,6 +164,9 @@ class SparseAttnBwdSm90:
         # one tile of 64 rows whose rows past its heads are zero: their P and
         # dS are 0, so they add nothing to dkv, and their dq is not stored
         self.rows = min(self.HG, BLOCK_H)
+        # the bulk copies read whole 64-row boxes: a padded tile's rows past
+        # its heads would be the next token's
+        self.tma = tma_rows and self.rows == BLOCK_H
         self.HB = head_blocks(self.HG, BLOCK_H)
         self.has_len, self.deterministic = has_len, deterministic
         # evict_last on the adds: dkv (N D fp32; in the deterministic build
@@ -235,11 +244,24 @@ class SparseAttnBwdSm90:
 
         self.smem = Smem
         n_tiles = scheduler.tile_count(T, self.G, self.HB)
+        tma = (None,) * 6
+        if const_expr(self.tma):
+            # [rows, columns] views of q, dout and out up to this launch's
+            # last token; a tile is the 64-row box at (t H + head0) / 64
+            rows = (t0 + T) * self.H
+            op = cpasync.CopyBulkTensorTileG2SOp()
+            views = ((q_ptr, self.D, sq_layout), (dout_ptr, self.d_v, sdo_layout), (out_ptr, self.d_v, sdo_layout))
+            tma = ()
+            for ptr, width, layout in views[:3 if const_expr(self.kernel_delta) else 2]:
+                g = cute.make_tensor(ptr, cute.make_layout((rows, width), stride=(width, 1)))
+                atom, tensor = cpasync.make_tiled_tma_atom(op, g, layout, (BLOCK_H, width))
+                tma += (atom, tensor)
+            tma += (None,) * (6 - len(tma))
         self.kernel(
             s_mma, dq_mma, dq1_mma, kv_mma,
             sq_layout, sdo_layout, sk_layout, sp_layout, kt0_layout, kt1_layout, t64_layout,
             q_ptr, kv_ptr, idx_ptr, len_ptr, dout_ptr, lg2den_ptr, delta_ptr, dq_ptr, dkv_ptr, zero_ptr,
-            magic_ptr, out_ptr, T, t0, N, K, scale_log2, sm_scale, tpc,
+            magic_ptr, out_ptr, T, t0, N, K, scale_log2, sm_scale, tpc, *tma,
         ).launch(grid=[n_tiles, 1, 1], block=[PAIR_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device
@@ -253,7 +275,8 @@ class SparseAttnBwdSm90:
         dout_ptr: cute.Pointer, lg2den_ptr: cute.Pointer, delta_ptr: cute.Pointer,
         dq_ptr: cute.Pointer, dkv_ptr: cute.Pointer, zero_ptr: cute.Pointer, magic_ptr: cute.Pointer,
         out_ptr: cute.Pointer, T: Int32, t0: Int32, N: Int32, K: Int32, scale_log2: Float32, sm_scale: Float32,
-        tpc: Int32,
+        tpc: Int32, tma_q: Optional[cute.CopyAtom], gq: Optional[cute.Tensor], tma_do: Optional[cute.CopyAtom],
+        gdo: Optional[cute.Tensor], tma_o: Optional[cute.CopyAtom], go: Optional[cute.Tensor],
     ):
         tidx, _, _ = cute.arch.thread_idx()
         tile_id, _, _ = cute.arch.block_idx()
@@ -266,7 +289,13 @@ class SparseAttnBwdSm90:
         sdO = st.sdO.get_tensor(sdo_layout.outer, swizzle=sdo_layout.inner)
         sK = st.sK.get_tensor(sk_layout.outer, swizzle=sk_layout.inner)
 
-        pipeline.init_mbarriers(tidx, [(bars[0], 0, 128),                  # warpgroup 0's copies
+        if const_expr(self.tma):
+            if tidx < 32:
+                for a_ in (tma_q, tma_do, tma_o):
+                    if const_expr(a_ is not None):
+                        cpasync.prefetch_descriptor(a_)
+        q_copies = 1 if const_expr(self.tma) else 128  # one thread's bulk copies, or the warpgroup's
+        pipeline.init_mbarriers(tidx, [(bars[0], 0, q_copies),             # warpgroup 0's copies
                                        (bars[1], 0, 128 + MASK_WRITERS),   # copies, then the mask writers
                                        (bars[2], 0, PAIR_THREADS)])        # both warpgroups, past their dQ
 
@@ -278,7 +307,8 @@ class SparseAttnBwdSm90:
         # out's rows of the tile go into the stage's first d_v columns (the
         # K-major atoms of a [64, D] tile are laid out as those of [64, d_v])
         sO = st.sK.get_tensor(sdo_layout.outer, swizzle=sdo_layout.inner)
-        gather = (sQ, sdO, sK, st.sOk.data_ptr(), q_ptr, dout_ptr, kv_ptr, zero_ptr, out_ptr, sO)
+        gather = (sQ, sdO, sK, st.sOk.data_ptr(), q_ptr, dout_ptr, kv_ptr, zero_ptr, out_ptr, sO,
+                  ((tma_q, gq, sQ), (tma_do, gdo, sdO), (tma_o, go, sO)))
         args = (s_mma, dq_mma, dq1_mma, kv_mma, sp_layout, kt0_layout, kt1_layout, t64_layout,
                 tidx % 128, sQ, sdO, sK, raw_ds, raw_p, st.sOk.data_ptr(), st.sDelta.data_ptr(), bars, tile,
                 idx_ptr, lg2den_ptr, delta_ptr, dq_ptr, dkv_ptr, magic_ptr, T, t0, N, K, scale_log2,
@@ -309,7 +339,7 @@ class SparseAttnBwdSm90:
     def loader(self, tidx, gather, tile, q_full):
         """Issue the copies of Q and dO (signalled on q_full) by warpgroup 0's
         thread tidx; return what its block gathers need."""
-        sQ, sdO, sK, sOk, q_ptr, dout_ptr, kv_ptr, zero_ptr, out_ptr, sO = gather
+        sQ, sdO, sK, sOk, q_ptr, dout_ptr, kv_ptr, zero_ptr, out_ptr, sO, tma = gather
         t, head0 = tile[1], tile[4]
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                    self.dtype, num_bits_per_copy=128)
@@ -320,16 +350,29 @@ class SparseAttnBwdSm90:
         row_in_pass = tidx // 8
         col0 = (tidx % 8) * 8
         pad = dict(real_rows=self.rows, zero_ptr=zero_ptr) if const_expr(self.rows < BLOCK_H) else {}
-        if const_expr(self.l2_hints & 1):
+        if const_expr(self.l2_hints & 1 and not self.tma):
             pad["policy"] = l2_policy(EVICT_FIRST)
-        copy_head_rows(atom, thr.partition_D(sQ), q_ptr, self.dtype, t, self.H, head0, BLOCK_H, self.D,
-                       row_in_pass, col0, **pad)
-        copy_head_rows(atom, thr.partition_D(sdO), dout_ptr, self.dtype, t, self.H, head0, BLOCK_H, self.d_v,
-                       row_in_pass, col0, **pad)
-        if const_expr(self.kernel_delta):
-            copy_head_rows(atom, thr.partition_D(sO), out_ptr, self.dtype, t, self.H, head0, BLOCK_H, self.d_v,
+        if const_expr(self.tma):
+            if tidx < 32:  # the copies elect one lane of the warp
+                if tidx == 0:
+                    n_cols = self.D + self.d_v * (2 if const_expr(self.kernel_delta) else 1)
+                    cute.arch.mbarrier_arrive_and_expect_tx(q_full, BLOCK_H * n_cols * (self.dtype.width // 8))
+                box = (t * self.H + head0) // BLOCK_H
+                for a_, g_, s_ in tma:
+                    if const_expr(a_ is not None):
+                        gt = cute.local_tile(g_, (BLOCK_H, cute.size(s_, mode=[1])), (box, 0))
+                        ts, tg = cpasync.tma_partition(a_, 0, cute.make_layout(1), cute.group_modes(s_, 0, 2),
+                                                       cute.group_modes(gt, 0, 2))
+                        cute.copy(a_, tg, ts, tma_bar_ptr=q_full)
+        else:
+            copy_head_rows(atom, thr.partition_D(sQ), q_ptr, self.dtype, t, self.H, head0, BLOCK_H, self.D,
                            row_in_pass, col0, **pad)
-        cute.arch.cp_async_mbarrier_arrive_noinc(q_full)
+            copy_head_rows(atom, thr.partition_D(sdO), dout_ptr, self.dtype, t, self.H, head0, BLOCK_H, self.d_v,
+                           row_in_pass, col0, **pad)
+            if const_expr(self.kernel_delta):
+                copy_head_rows(atom, thr.partition_D(sO), out_ptr, self.dtype, t, self.H, head0, BLOCK_H,
+                               self.d_v, row_in_pass, col0, **pad)
+            cute.arch.cp_async_mbarrier_arrive_noinc(q_full)
         regs = (cute.make_rmem_tensor((BN // 16,), Int32), cute.make_rmem_tensor((BN // 16,), Int64),
                 cute.make_rmem_tensor((BN // 16,), Float32))
         return (atom, thr.partition_D(sK), cute.make_tensor(sOk, cute.make_layout((BN,))), regs, kv_ptr,

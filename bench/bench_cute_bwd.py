@@ -6,6 +6,7 @@
     python bench/bench_cute_bwd.py --parts --shapes v32,v4flash          (the backward's pieces timed apart)
     python bench/bench_cute_bwd.py --timeline --shapes h64k128,h64d576   (where a tile's time goes)
     python bench/bench_cute_bwd.py --rounds 5 --shapes v4flash,v4flash@dq_early=1   (builds in turn, same inputs)
+    compute-sanitizer ... python bench/bench_cute_bwd.py --sanitize --build '{"tma_rows": true}'  (another build)
 
 One process, the same inputs for both (fresh ``torch.randn``, bf16, sink on,
 random indices), ``triton.testing.do_bench`` medians (warmup 25 ms, rep
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 
 import torch
@@ -65,7 +67,7 @@ def _variant(name: str):
         key, value = item.split("=", 1)
         build[key] = int(value) if value.lstrip("-").isdigit() else value
         if key in ("evict_last", "scatter", "kernel_delta", "index_ahead", "timeline", "dq_early",
-                   "tma_rows"):
+                   "tma_rows", "dkv_mma"):
             build[key] = bool(build[key])
     return shape, build
 DEFAULT_BUILD = dict(cbwd.BUILD)
@@ -368,7 +370,11 @@ def main() -> None:
     ap.add_argument("--no-triton", action="store_true", help="time the cute backward alone")
     ap.add_argument("--timeline", action="store_true", help="where a tile's time goes (the timeline build)")
     ap.add_argument("--rounds", type=int, default=0, help="the shapes' builds timed in turn, this many rounds")
+    ap.add_argument("--build", default=None, help="JSON: options every run's build starts from (BUILD updated)")
     args = ap.parse_args()
+    if args.build:
+        DEFAULT_BUILD.update(json.loads(args.build))
+        cbwd.BUILD = dict(DEFAULT_BUILD)
     if args.sanitize:
         sanitize()
         return

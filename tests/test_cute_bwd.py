@@ -68,6 +68,8 @@ _CONFIGS = [
     # Q, dO and out by the tensor memory accelerator (a padded tile keeps the cp.async)
     ("v32_bf16_tma", "bfloat16", 576, 128, 1, True, False, {"tma_rows": True}),
     ("tp32_bf16_tma", "bfloat16", 576, 32, 1, True, False, {"tma_rows": True}),
+    # a timing build: the dkv chunks' wgmma left out, their adds kept
+    ("v4_bf16_no_dkv_mma", "bfloat16", 512, 64, 1, False, False, {"dkv_mma": False}),
 ]
 
 
@@ -86,7 +88,9 @@ def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
         steps = min(H // G, 64) // 16
         # kernel_delta (never in the deterministic build): Delta as dO out^T once a tile
         kd = build.get("kernel_delta", cbwd.BUILD["kernel_delta"]) and not det
-        n_wgmma = D // 16 + 512 // 16 + 2 * 4 + 4 * (D > 512) + steps * (2 * 8 + (D > 512)) + kd * 512 // 16
+        dkv_mma = build.get("dkv_mma", True)
+        n_wgmma = (D // 16 + 512 // 16 + 2 * 4 + 4 * (D > 512) + dkv_mma * steps * (2 * 8 + (D > 512))
+                   + kd * 512 // 16)
         assert r["wgmma.mma_async"] == n_wgmma, (name, r)
         assert r["cp.async.cg.shared.global"] >= D // 64 * 4, (name, r)  # the gather
         assert r["cp.async.mbarrier.arrive.noinc"] >= 2, (name, r)       # Q and dO; each block

@@ -114,7 +114,10 @@ class BwdSm90Config(scheduler.ProblemConfig):
     copied by the tensor memory accelerator as 64 x 64 boxes, issued by one
     lane of warpgroup 0's first warp, in place of warpgroup 0's 16-byte
     cp.async; tiles of 64 real heads only, a padded tile keeps the
-    cp.async)."""
+    cp.async), dkv_mma False (a timing build: the dkv chunks' wgmma left
+    out, their adds of zeros kept, so that a block's cost with its adds and
+    without most of its math shows whether the adds alone set it; its dkv
+    is not the gradient)."""
 
     deterministic: bool
     evict_last: bool = True
@@ -126,6 +129,7 @@ class BwdSm90Config(scheduler.ProblemConfig):
     timeline: bool = False
     dq_early: bool = False
     tma_rows: bool = False
+    dkv_mma: bool = True
 
 
 
@@ -142,7 +146,7 @@ class SparseAttnBwdSm90:
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, deterministic: bool,
                  evict_last: bool = True, c0_chunks: int = 2, scatter: bool = True, l2_hints: int = 0,
                  index_ahead: bool = True, kernel_delta: bool = False, timeline: bool = False,
-                 dq_early: bool = False, tma_rows: bool = False):
+                 dq_early: bool = False, tma_rows: bool = False, dkv_mma: bool = True):
         why = self.can_implement(dtype, D, d_v, H, G)
         if why is not None:
             raise ValueError(f"SparseAttnBwdSm90: {why}")
@@ -154,7 +158,8 @@ class SparseAttnBwdSm90:
             raise ValueError("SparseAttnBwdSm90: timeline is a build of the default mode")
         self.config = BwdSm90Config(dtype, D, d_v, H, G, has_len, deterministic, evict_last, c0_chunks,
                                     scatter, l2_hints, index_ahead, kernel_delta, timeline, dq_early,
-                                    tma_rows)
+                                    tma_rows, dkv_mma)
+        self.dkv_mma = dkv_mma
         self.timeline, self.dq_early = timeline, dq_early
         self.l2_hints, self.index_ahead, self.kernel_delta = l2_hints, index_ahead, kernel_delta
         self.dtype = dtype
@@ -708,9 +713,9 @@ class SparseAttnBwdSm90:
         acc.fill(0.0)
         warpgroup.fence()
         # the sum runs over the heads (16 a step): a padded tile's zero rows are skipped
-        for k in cutlass.range_constexpr(self.rows // 16):
+        for k in cutlass.range_constexpr(self.rows // 16 if const_expr(self.dkv_mma) else 0):
             cute.gemm(kv_mma, acc, tArdS[None, None, k], tBrQ[None, None, k], acc)
-        if const_expr(ch * 64 < self.d_v):
+        if const_expr(ch * 64 < self.d_v and self.dkv_mma):
             doc = cute.make_tensor(cute.recast_ptr(raw_do + ch * BLOCK_H * 64, t64_layout.inner),
                                    t64_layout.outer)
             tBrdO = kv_mma.make_fragment_B(thr.partition_B(doc))

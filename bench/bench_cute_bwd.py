@@ -67,7 +67,7 @@ def _variant(name: str):
         key, value = item.split("=", 1)
         build[key] = int(value) if value.lstrip("-").isdigit() else value
         if key in ("evict_last", "scatter", "kernel_delta", "index_ahead", "timeline", "dq_early",
-                   "tma_rows", "dkv_mma"):
+                   "tma_rows", "dkv_mma", "dq_tma"):
             build[key] = bool(build[key])
     return shape, build
 DEFAULT_BUILD = dict(cbwd.BUILD)

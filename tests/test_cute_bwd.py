@@ -70,6 +70,9 @@ _CONFIGS = [
     ("tp32_bf16_tma", "bfloat16", 576, 32, 1, True, False, {"tma_rows": True}),
     # a timing build: the dkv chunks' wgmma left out, their adds kept
     ("v4_bf16_no_dkv_mma", "bfloat16", 512, 64, 1, False, False, {"dkv_mma": False}),
+    # dq through the stage and the tensor memory accelerator, with Q, dO and out by it too
+    ("v32_bf16_tma_dq_tma", "bfloat16", 576, 128, 1, True, False, {"tma_rows": True, "dq_tma": True}),
+    ("tp16_bf16_dq_tma", "bfloat16", 576, 16, 1, True, False, {"dq_tma": True}),
 ]
 
 
@@ -108,12 +111,14 @@ def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
         n_q = (D + 512 + kd * 512) // 64 * 4   # Q's, dO's (and out's) 16-byte copies a thread
         # tma_rows: those rows as 64 x 64 boxes by one warp's bulk copies instead, on a tile of 64 heads
         tma = build.get("tma_rows", False) and H // G >= 64
-        assert r["cp.async.bulk.tensor"] == tma * n_q // 4, (name, r)
+        dq_tma = build.get("dq_tma", False) and H // G >= 64  # dq's D / 64 boxes
+        assert r["cp.async.bulk.tensor"] == tma * n_q // 4 + dq_tma * D // 64, (name, r)
         assert r["mbarrier.arrive.expect_tx"] == tma, (name, r)
         n_q *= not tma
         assert r["cp.async.cg.shared.global.L2::cache_hint"] == (n_q if hints & 1 else 0), (name, r)
         n_dq = 128 + 16 * (D > 512)  # dq words a thread: 64 a warpgroup, 16 more for the RoPE columns
-        n_dq *= 1 + build.get("dq_early", cbwd.BUILD["dq_early"])  # in the loop's last block and for a row with none
+        # in the loop's last block (unless by boxes) and for a row with none
+        n_dq *= 1 + (build.get("dq_early", cbwd.BUILD["dq_early"]) and not dq_tma)
         assert r["st.global.L2::cache_hint.b32"] == (n_dq if hints & 2 else 0), (name, r)
         # 16 shuffles a chunk, one per float of the swapped halves of lines
         assert 16 * (D // 64) <= r["shfl.sync"] < 17 * (D // 64), (name, r)

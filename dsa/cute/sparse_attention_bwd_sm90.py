@@ -88,6 +88,8 @@ class Barrier(NamedBarrier):
     FREE = 1   # warpgroup 1 is done reading the dS / P buffers
     READY = 2  # dS and P of the block are in shared memory
     DELTA = 3  # warpgroup 0: the tile's Delta is in shared memory (kernel_delta)
+    DQ0 = 4    # dq_tma: warpgroup 0's dq is in the stage
+    DQ1 = 5    # dq_tma: warpgroup 1's
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,11 @@ class BwdSm90Config(scheduler.ProblemConfig):
     cp.async), dkv_mma False (a timing build: the dkv chunks' wgmma left
     out, their adds of zeros kept, so that a block's cost with its adds and
     without most of its math shows whether the adds alone set it; its dkv
-    is not the gradient)."""
+    is not the gradient), dq_tma (with dq_early, on tiles of 64 real
+    heads: each warpgroup writes its dq into its own columns of the stage,
+    free once its last dQ is done, and one lane sends them to dq as 64 x 64
+    boxes of the tensor memory accelerator, in place of 32-bit stores from
+    every thread; a row without a block keeps the stores)."""
 
     deterministic: bool
     evict_last: bool = True
@@ -130,6 +136,7 @@ class BwdSm90Config(scheduler.ProblemConfig):
     dq_early: bool = False
     tma_rows: bool = False
     dkv_mma: bool = True
+    dq_tma: bool = False
 
 
 
@@ -146,7 +153,8 @@ class SparseAttnBwdSm90:
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, deterministic: bool,
                  evict_last: bool = True, c0_chunks: int = 2, scatter: bool = True, l2_hints: int = 0,
                  index_ahead: bool = True, kernel_delta: bool = False, timeline: bool = False,
-                 dq_early: bool = False, tma_rows: bool = False, dkv_mma: bool = True):
+                 dq_early: bool = False, tma_rows: bool = False, dkv_mma: bool = True,
+                 dq_tma: bool = False):
         why = self.can_implement(dtype, D, d_v, H, G)
         if why is not None:
             raise ValueError(f"SparseAttnBwdSm90: {why}")
@@ -154,11 +162,13 @@ class SparseAttnBwdSm90:
             raise ValueError(f"SparseAttnBwdSm90: c0_chunks={c0_chunks} is not in [0, {D // 64})")
         if kernel_delta and deterministic:  # the exact adds' grids need Delta before the kernel
             raise ValueError("SparseAttnBwdSm90: kernel_delta serves the default build, not the deterministic one")
+        if dq_tma and not dq_early:
+            raise ValueError("SparseAttnBwdSm90: dq_tma stores dq where dq_early does: set both")
         if timeline and deterministic:  # its marks go where the deterministic build's grids are read
             raise ValueError("SparseAttnBwdSm90: timeline is a build of the default mode")
         self.config = BwdSm90Config(dtype, D, d_v, H, G, has_len, deterministic, evict_last, c0_chunks,
                                     scatter, l2_hints, index_ahead, kernel_delta, timeline, dq_early,
-                                    tma_rows, dkv_mma)
+                                    tma_rows, dkv_mma, dq_tma)
         self.dkv_mma = dkv_mma
         self.timeline, self.dq_early = timeline, dq_early
         self.l2_hints, self.index_ahead, self.kernel_delta = l2_hints, index_ahead, kernel_delta
@@ -172,6 +182,8 @@ class SparseAttnBwdSm90:
         # the bulk copies read whole 64-row boxes: a padded tile's rows past
         # its heads would be the next token's
         self.tma = tma_rows and self.rows == BLOCK_H
+        # and a 64-row box of dq would overwrite them
+        self.dq_tma = dq_tma and self.rows == BLOCK_H
         self.HB = head_blocks(self.HG, BLOCK_H)
         self.has_len, self.deterministic = has_len, deterministic
         # evict_last on the adds: dkv (N D fp32; in the deterministic build
@@ -262,11 +274,20 @@ class SparseAttnBwdSm90:
                 atom, tensor = cpasync.make_tiled_tma_atom(op, g, layout, (BLOCK_H, width))
                 tma += (atom, tensor)
             tma += (None,) * (6 - len(tma))
+        dqt = (None,) * 4
+        if const_expr(self.dq_tma):
+            # dq [rows, D] by 64 x 64 boxes; a warpgroup's 256 columns of the stage as [64, 256]
+            box_layout = cute.tile_to_shape(k_atom, (BLOCK_H, 64), order=(0, 1))
+            wide_layout = cute.tile_to_shape(k_atom, (BLOCK_H, DQ_N), order=(0, 1))
+            g = cute.make_tensor(dq_ptr, cute.make_layout(((t0 + T) * self.H, self.D), stride=(self.D, 1)))
+            atom, tensor = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), g, box_layout,
+                                                       (BLOCK_H, 64))
+            dqt = (atom, tensor, wide_layout, box_layout)
         self.kernel(
             s_mma, dq_mma, dq1_mma, kv_mma,
             sq_layout, sdo_layout, sk_layout, sp_layout, kt0_layout, kt1_layout, t64_layout,
             q_ptr, kv_ptr, idx_ptr, len_ptr, dout_ptr, lg2den_ptr, delta_ptr, dq_ptr, dkv_ptr, zero_ptr,
-            magic_ptr, out_ptr, T, t0, N, K, scale_log2, sm_scale, tpc, *tma,
+            magic_ptr, out_ptr, T, t0, N, K, scale_log2, sm_scale, tpc, *tma, *dqt,
         ).launch(grid=[n_tiles, 1, 1], block=[PAIR_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device
@@ -282,6 +303,8 @@ class SparseAttnBwdSm90:
         out_ptr: cute.Pointer, T: Int32, t0: Int32, N: Int32, K: Int32, scale_log2: Float32, sm_scale: Float32,
         tpc: Int32, tma_q: Optional[cute.CopyAtom], gq: Optional[cute.Tensor], tma_do: Optional[cute.CopyAtom],
         gdo: Optional[cute.Tensor], tma_o: Optional[cute.CopyAtom], go: Optional[cute.Tensor],
+        tma_dq: Optional[cute.CopyAtom], gdq: Optional[cute.Tensor], wide_layout: Optional[cute.ComposedLayout],
+        box_layout: Optional[cute.ComposedLayout],
     ):
         tidx, _, _ = cute.arch.thread_idx()
         tile_id, _, _ = cute.arch.block_idx()
@@ -294,9 +317,9 @@ class SparseAttnBwdSm90:
         sdO = st.sdO.get_tensor(sdo_layout.outer, swizzle=sdo_layout.inner)
         sK = st.sK.get_tensor(sk_layout.outer, swizzle=sk_layout.inner)
 
-        if const_expr(self.tma):
+        if const_expr(self.tma or self.dq_tma):
             if tidx < 32:
-                for a_ in (tma_q, tma_do, tma_o):
+                for a_ in (tma_q, tma_do, tma_o, tma_dq):
                     if const_expr(a_ is not None):
                         cpasync.prefetch_descriptor(a_)
         q_copies = 1 if const_expr(self.tma) else 128  # one thread's bulk copies, or the warpgroup's
@@ -317,7 +340,7 @@ class SparseAttnBwdSm90:
         args = (s_mma, dq_mma, dq1_mma, kv_mma, sp_layout, kt0_layout, kt1_layout, t64_layout,
                 tidx % 128, sQ, sdO, sK, raw_ds, raw_p, st.sOk.data_ptr(), st.sDelta.data_ptr(), bars, tile,
                 idx_ptr, lg2den_ptr, delta_ptr, dq_ptr, dkv_ptr, magic_ptr, T, t0, N, K, scale_log2,
-                sm_scale, tpc)
+                sm_scale, tpc, (tma_dq, gdq, wide_layout, box_layout))
         if wg == 0:
             self.warpgroup_main(0, gather, *args)
         else:
@@ -436,7 +459,7 @@ class SparseAttnBwdSm90:
     def warpgroup_main(self, w: cutlass.Constexpr, gather, s_mma, dq_mma, dq1_mma, kv_mma, sp_layout, kt0_layout,
                  kt1_layout, t64_layout, wtid, sQ, sdO, sK, raw_ds, raw_p, sOk, sDelta, bars, tile,
                  idx_ptr, lg2den_ptr, delta_ptr, dq_ptr, dkv_ptr, magic_ptr, T, t0, N, K, scale_log2, sm_scale,
-                 tpc):
+                 tpc, dqt):
         q_full, full, empty = bars
         tl, t, g, hb, head0, L, n_blocks, idx_row = tile
         lane = wtid % 32
@@ -502,7 +525,7 @@ class SparseAttnBwdSm90:
                     self.gather_block(ld, i + 1, tile, N, full, empty)
                 if const_expr(self.dq_early):
                     if i + 1 == n_blocks:
-                        self.store_dqs(dq, w, t, head0, row_lo, col_lane, dq_ptr)
+                        self.last_dq(dq, 0, wtid, sK, dqt, t, head0, row_lo, col_lane, dq_ptr)
                 self.dkv_block(0, dkv, False)
             self.mark(magic_ptr, wtid, TL_LOOP0)
         else:
@@ -515,7 +538,7 @@ class SparseAttnBwdSm90:
                 self.dq_step(dq, empty)
                 if const_expr(self.dq_early):
                     if i + 1 == n_blocks:
-                        self.store_dqs(dq, w, t, head0, row_lo, col_lane, dq_ptr)
+                        self.last_dq(dq, 1, wtid, sK, dqt, t, head0, row_lo, col_lane, dq_ptr)
                 self.dkv_block(1, dkv, i + 1 < n_blocks)
             self.mark(magic_ptr, wtid, TL_LOOP1)
         if const_expr(self.dq_early):
@@ -523,7 +546,51 @@ class SparseAttnBwdSm90:
                 self.store_dqs(dq, w, t, head0, row_lo, col_lane, dq_ptr)
         else:
             self.store_dqs(dq, w, t, head0, row_lo, col_lane, dq_ptr)
+        if const_expr(self.dq_tma):
+            if wtid < 32:  # the stage must outlive the boxes' reads of it
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.mark(magic_ptr, wtid, TL_END0 + w)
+
+    @cute.jit
+    def last_dq(self, dq, w: cutlass.Constexpr, wtid, sK, dqt, t, head0, row_lo, col_lane, dq_ptr):
+        """Warpgroup w's dq after the last block's dQ: stored from the
+        registers (``store_dqs``), or with dq_tma written into the warpgroup's
+        columns of the stage (which only its own dQ read) and sent as boxes."""
+        if const_expr(not self.dq_tma):
+            self.store_dqs(dq, w, t, head0, row_lo, col_lane, dq_ptr)
+        else:
+            dq_mma, acc_dq, dq1_mma, acc_dqr, rope = dq[0], dq[3], dq[4], dq[7], dq[8]
+            tma_dq, gdq, wide_layout, box_layout = dqt
+            raw_k = cute.recast_ptr(sK.iterator, None)
+            # column chunk c of the [64, D] stage is 64 x 64 contiguous elements at c 64 64
+            view = cute.make_tensor(cute.recast_ptr(raw_k + w * DQ_N * BLOCK_H, wide_layout.inner), wide_layout.outer)
+            self.stage_fragment(acc_dq, dq_mma.get_slice(wtid).partition_C(view))
+            if const_expr(rope):
+                rv = cute.make_tensor(cute.recast_ptr(raw_k + self.d_v * BLOCK_H, box_layout.inner),
+                                      box_layout.outer)
+                self.stage_fragment(acc_dqr, dq1_mma.get_slice(wtid).partition_C(rv))
+            cute.arch.fence_view_async_shared()  # the writes, then the boxes' reads (the async proxy)
+            pipeline.sync(Barrier.DQ0 + w, 128)
+            if wtid < 32:  # the copies elect one lane of the warp
+                box = (t * self.H + head0) // BLOCK_H
+                n_chunks = DQ_N // 64 if const_expr(w == 0) else (self.D - DQ_N) // 64
+                for c in cutlass.range_constexpr(n_chunks):
+                    ch = w * (DQ_N // 64) + c
+                    src = cute.make_tensor(cute.recast_ptr(raw_k + ch * 64 * BLOCK_H, box_layout.inner),
+                                           box_layout.outer)
+                    gt = cute.local_tile(gdq, (BLOCK_H, 64), (box, ch))
+                    ts, tg = cpasync.tma_partition(tma_dq, 0, cute.make_layout(1), cute.group_modes(src, 0, 2),
+                                                   cute.group_modes(gt, 0, 2))
+                    cute.copy(tma_dq, ts, tg)
+                cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def stage_fragment(self, acc, dst):
+        """acc (fp32) in q's dtype into its place dst in shared memory."""
+        r = cute.make_rmem_tensor(acc.shape, self.dtype)
+        for i_ in cutlass.range_constexpr(cute.size(acc)):
+            r[i_] = acc[i_].to(self.dtype)
+        cute.autovec_copy(r, dst)
 
     @cute.jit
     def store_dqs(self, dq, w: cutlass.Constexpr, t, head0, row_lo, col_lane, dq_ptr):

@@ -386,12 +386,13 @@ class SparseAttnBwdSm90:
                     n_cols = self.D + self.d_v * (2 if const_expr(self.kernel_delta) else 1)
                     cute.arch.mbarrier_arrive_and_expect_tx(q_full, BLOCK_H * n_cols * (self.dtype.width // 8))
                 box = (t * self.H + head0) // BLOCK_H
+                hint = dict(cache_policy=l2_policy(EVICT_FIRST)) if const_expr(self.l2_hints & 1) else {}
                 for a_, g_, s_ in tma:
                     if const_expr(a_ is not None):
                         gt = cute.local_tile(g_, (BLOCK_H, cute.size(s_, mode=[1])), (box, 0))
                         ts, tg = cpasync.tma_partition(a_, 0, cute.make_layout(1), cute.group_modes(s_, 0, 2),
                                                        cute.group_modes(gt, 0, 2))
-                        cute.copy(a_, tg, ts, tma_bar_ptr=q_full)
+                        cute.copy(a_, tg, ts, tma_bar_ptr=q_full, **hint)
         else:
             copy_head_rows(atom, thr.partition_D(sQ), q_ptr, self.dtype, t, self.H, head0, BLOCK_H, self.D,
                            row_in_pass, col0, **pad)
@@ -573,6 +574,7 @@ class SparseAttnBwdSm90:
             pipeline.sync(Barrier.DQ0 + w, 128)
             if wtid < 32:  # the copies elect one lane of the warp
                 box = (t * self.H + head0) // BLOCK_H
+                hint = dict(cache_policy=l2_policy(EVICT_FIRST)) if const_expr(self.l2_hints & 2) else {}
                 n_chunks = DQ_N // 64 if const_expr(w == 0) else (self.D - DQ_N) // 64
                 for c in cutlass.range_constexpr(n_chunks):
                     ch = w * (DQ_N // 64) + c
@@ -581,7 +583,7 @@ class SparseAttnBwdSm90:
                     gt = cute.local_tile(gdq, (BLOCK_H, 64), (box, ch))
                     ts, tg = cpasync.tma_partition(tma_dq, 0, cute.make_layout(1), cute.group_modes(src, 0, 2),
                                                    cute.group_modes(gt, 0, 2))
-                    cute.copy(tma_dq, ts, tg)
+                    cute.copy(tma_dq, ts, tg, **hint)
                 cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit

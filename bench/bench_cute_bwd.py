@@ -66,10 +66,16 @@ def _variant(name: str):
     for item in spec.split("+"):
         key, value = item.split("=", 1)
         build[key] = int(value) if value.lstrip("-").isdigit() else value
-        if key in ("evict_last", "scatter", "kernel_delta", "index_ahead", "timeline", "dq_early",
-                   "tma_rows", "dkv_mma", "dq_tma"):
+        if key in _flags():
             build[key] = bool(build[key])
     return shape, build
+
+
+def _flags() -> set:
+    """The build options that are on / off (``BwdSm90Config``'s fields with a bool default)."""
+    from dsa.cute.sparse_attention_bwd_sm90 import BwdSm90Config
+
+    return {f.name for f in dataclasses.fields(BwdSm90Config) if isinstance(f.default, bool)}
 DEFAULT_BUILD = dict(cbwd.BUILD)
 
 

@@ -385,14 +385,9 @@ class SparseAttnBwdSm90:
                 if tidx == 0:
                     n_cols = self.D + self.d_v * (2 if const_expr(self.kernel_delta) else 1)
                     cute.arch.mbarrier_arrive_and_expect_tx(q_full, BLOCK_H * n_cols * (self.dtype.width // 8))
-                box = (t * self.H + head0) // BLOCK_H
-                hint = dict(cache_policy=l2_policy(EVICT_FIRST)) if const_expr(self.l2_hints & 1) else {}
                 for a_, g_, s_ in tma:
                     if const_expr(a_ is not None):
-                        gt = cute.local_tile(g_, (BLOCK_H, cute.size(s_, mode=[1])), (box, 0))
-                        ts, tg = cpasync.tma_partition(a_, 0, cute.make_layout(1), cute.group_modes(s_, 0, 2),
-                                                       cute.group_modes(gt, 0, 2))
-                        cute.copy(a_, tg, ts, tma_bar_ptr=q_full, **hint)
+                        self.box_copy(a_, s_, g_, t, head0, 0, True, self.l2_hints & 1, tma_bar_ptr=q_full)
         else:
             copy_head_rows(atom, thr.partition_D(sQ), q_ptr, self.dtype, t, self.H, head0, BLOCK_H, self.D,
                            row_in_pass, col0, **pad)
@@ -573,18 +568,29 @@ class SparseAttnBwdSm90:
             cute.arch.fence_view_async_shared()  # the writes, then the boxes' reads (the async proxy)
             pipeline.sync(Barrier.DQ0 + w, 128)
             if wtid < 32:  # the copies elect one lane of the warp
-                box = (t * self.H + head0) // BLOCK_H
-                hint = dict(cache_policy=l2_policy(EVICT_FIRST)) if const_expr(self.l2_hints & 2) else {}
                 n_chunks = DQ_N // 64 if const_expr(w == 0) else (self.D - DQ_N) // 64
                 for c in cutlass.range_constexpr(n_chunks):
                     ch = w * (DQ_N // 64) + c
                     src = cute.make_tensor(cute.recast_ptr(raw_k + ch * 64 * BLOCK_H, box_layout.inner),
                                            box_layout.outer)
-                    gt = cute.local_tile(gdq, (BLOCK_H, 64), (box, ch))
-                    ts, tg = cpasync.tma_partition(tma_dq, 0, cute.make_layout(1), cute.group_modes(src, 0, 2),
-                                                   cute.group_modes(gt, 0, 2))
-                    cute.copy(tma_dq, ts, tg, **hint)
+                    self.box_copy(tma_dq, src, gdq, t, head0, ch, False, self.l2_hints & 2)
                 cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def box_copy(self, atom, smem, gmem, t, head0, col: cutlass.Constexpr, load: cutlass.Constexpr,
+                 evict_first: cutlass.Constexpr, **kw):
+        """The bulk copy of the tile's 64 rows (token t, heads from head0) of
+        the [rows, columns] TMA tensor gmem at column block col (of smem's
+        width) into smem (load) or from it, evict-first in L2 if asked."""
+        tile = cute.local_tile(gmem, (BLOCK_H, cute.size(smem, mode=[1])), ((t * self.H + head0) // BLOCK_H, col))
+        ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
+                                       cute.group_modes(tile, 0, 2))
+        if const_expr(evict_first):
+            kw["cache_policy"] = l2_policy(EVICT_FIRST)
+        if const_expr(load):
+            cute.copy(atom, tg, ts, **kw)
+        else:
+            cute.copy(atom, ts, tg, **kw)
 
     @cute.jit
     def stage_fragment(self, acc, dst):

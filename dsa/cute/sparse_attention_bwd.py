@@ -58,8 +58,11 @@ SERVED_DV = 512
 # in three runs, never slower; C158, C159, C164); dq_early, each warpgroup's
 # dq stored ahead of the last block's dkv chunks rather than behind the
 # tile's last adds (4.2% faster at H64 K128, within the runs' noise at the
-# long-row shapes; C188, C189).
-BUILD = dict(evict_last=True, c0_chunks=2, l2_hints=3, kernel_delta=True, dq_early=True)
+# long-row shapes; C188, C189); dq_tma, dq staged in shared memory and
+# written by TMA stores rather than from registers (5.4% faster at H64 K128,
+# 1-3% at the long-row shapes, C195, C196). tma_rows, the Q / dO / out tiles
+# loaded by TMA, stays off: 0.7% slower at H64 K128 (C195).
+BUILD = dict(evict_last=True, c0_chunks=2, l2_hints=3, kernel_delta=True, dq_early=True, dq_tma=True)
 
 # (BwdSm90Config, device index) -> compiled kernel: a compiled kernel's
 # module is loaded in the context of the device it was compiled on.

@@ -63,16 +63,15 @@ _CONFIGS = [
     ("tp16_bf16_len", "bfloat16", 576, 16, 1, True, False, {}),
     # the timeline build (bench_cute_bwd.py --timeline): the SM clock at a tile's marks
     ("v4_bf16_timeline", "bfloat16", 512, 64, 1, False, False, {"timeline": True}),
-    # the dq stores after the tile's last adds (the build before dq_early became the default)
-    ("v32_bf16_len_dq_late", "bfloat16", 576, 128, 1, True, False, {"dq_early": False}),
+    # the dq stores from registers after the tile's last adds (the build before dq_early and dq_tma)
+    ("v32_bf16_len_dq_late", "bfloat16", 576, 128, 1, True, False, {"dq_early": False, "dq_tma": False}),
+    # dq_early's stores from registers rather than through the stage by TMA
+    ("v32_bf16_len_dq_regs", "bfloat16", 576, 128, 1, True, False, {"dq_tma": False}),
     # Q, dO and out by the tensor memory accelerator (a padded tile keeps the cp.async)
     ("v32_bf16_tma", "bfloat16", 576, 128, 1, True, False, {"tma_rows": True}),
     ("tp32_bf16_tma", "bfloat16", 576, 32, 1, True, False, {"tma_rows": True}),
     # a timing build: the dkv chunks' wgmma left out, their adds kept
     ("v4_bf16_no_dkv_mma", "bfloat16", 512, 64, 1, False, False, {"dkv_mma": False}),
-    # dq through the stage and the tensor memory accelerator, with Q, dO and out by it too
-    ("v32_bf16_tma_dq_tma", "bfloat16", 576, 128, 1, True, False, {"tma_rows": True, "dq_tma": True}),
-    ("tp16_bf16_dq_tma", "bfloat16", 576, 16, 1, True, False, {"dq_tma": True}),
 ]
 
 
@@ -111,7 +110,7 @@ def test_sm90_backward_compiles_offline_with_hopper_instructions(tmp_path):
         n_q = (D + 512 + kd * 512) // 64 * 4   # Q's, dO's (and out's) 16-byte copies a thread
         # tma_rows: those rows as 64 x 64 boxes by one warp's bulk copies instead, on a tile of 64 heads
         tma = build.get("tma_rows", False) and H // G >= 64
-        dq_tma = build.get("dq_tma", False) and H // G >= 64  # dq's D / 64 boxes
+        dq_tma = build.get("dq_tma", cbwd.BUILD["dq_tma"]) and H // G >= 64  # dq's D / 64 boxes
         assert r["cp.async.bulk.tensor"] == tma * n_q // 4 + dq_tma * D // 64, (name, r)
         assert r["mbarrier.arrive.expect_tx"] == tma, (name, r)
         n_q *= not tma

@@ -45,9 +45,6 @@ BUILDS = [
     ("native_bt_split_h128", dict(H=128, cache="native", page_size=64, has_bt=True, has_seqlen=True, split=True)),
     # the same on the FP8 cache: the producer dequantises while it gathers
     ("fp8_bt_split_h128", dict(H=128, cache="fp8_v32", page_size=64, has_bt=True, has_seqlen=True, split=True)),
-    # the same, consumer 1 prefetching the rows of the block 4 ahead of its own into L2
-    ("fp8_bt_split_h128_prefetch4", dict(H=128, cache="fp8_v32", page_size=64, has_bt=True, has_seqlen=True,
-                                         split=True, prefetch_ahead=4)),
     # the same, staggered (the lockstep build's alternative, which fp8_model1 runs)
     ("fp8_bt_split_h128_staggered", dict(H=128, cache="fp8_v32", page_size=64, has_bt=True, has_seqlen=True,
                                          split=True, lockstep=False)),

@@ -181,12 +181,9 @@ def kernel_config(a: SparseDecodeArgs, split: bool):
     ``decode_sm90.LOCKSTEP_CACHES``)."""
     from dsa.cute.decode_sm90 import LOCKSTEP_CACHES, DecodeSm90Config
 
-    from dsa.cute import decode_sm90
-
-    lockstep = a.cache_format in LOCKSTEP_CACHES
     return DecodeSm90Config(cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G, a.topk_length is not None,
                             a.sink is not None, a.cache_format, a.page_size, a.block_table is not None,
-                            a.seq_lens is not None, split, lockstep, decode_sm90.PREFETCH_AHEAD if lockstep else 0)
+                            a.seq_lens is not None, split, a.cache_format in LOCKSTEP_CACHES)
 
 
 @dataclass(frozen=True, eq=False)
@@ -352,16 +349,15 @@ def zero_row_size(a: SparseDecodeArgs) -> int:
 
 def compile_offline(dtype: torch.dtype, H: int, cache: str = NATIVE, page_size: int = 64, has_len: bool = True,
                     has_sink: bool = True, has_bt: bool = True, has_seqlen: bool = True, split: bool = True,
-                    lockstep: Optional[bool] = None, prefetch_ahead: int = 0,
+                    lockstep: Optional[bool] = None,
                     D: int = 576, G: int = 1, options: str = "--keep-ptx"):
     """Compile the decode kernel without a GPU (``CUTE_DSL_ARCH=sm_90a``)
     for CI and inspection; returns the compiled object.  lockstep: None
-    for the cache's default (``decode_sm90.LOCKSTEP_CACHES``); prefetch_ahead
-    as ``DecodeSm90Config``'s."""
+    for the cache's default (``decode_sm90.LOCKSTEP_CACHES``)."""
     from dsa.cute.decode_sm90 import LOCKSTEP_CACHES, DecodeSm90Config, SparseDecodeSm90
 
     if lockstep is None:
         lockstep = cache in LOCKSTEP_CACHES
     cfg = DecodeSm90Config(cutlass_dtype(dtype) or dtype, D, 512, H, G, has_len, has_sink, cache, page_size, has_bt,
-                           has_seqlen, split, lockstep, prefetch_ahead)
+                           has_seqlen, split, lockstep)
     return compile_kernel(SparseDecodeSm90.from_config(cfg), pointer_types(cfg), scalar_types(), options)

@@ -106,8 +106,6 @@ FP8_REGS = {FP8_V32: (72, 216), FP8_MODEL1: (96, 200)}
 LOCKSTEP_REGS = (136, (208, 160))  # no spill in any build of tests/test_cute_decode.py
 # the caches a decode runs lockstep on by default (``lockstep``)
 LOCKSTEP_CACHES = (FP8_V32,)
-# blocks ahead of its own that a lockstep consumer 1 prefetches (``prefetch_ahead``; 0, none)
-PREFETCH_AHEAD = 0
 
 
 def warpgroup_regs(cache: str, lockstep: bool = False):
@@ -173,11 +171,9 @@ class DecodeSm90Config(scheduler.ProblemConfig):
     key): the problem, then has_sink, cache ("native", "fp8_v32" or "fp8_model1"),
     page_size (tokens a page; 1 for a flat cache), has_bt (indices are
     positions through a block table), has_seqlen (seq_lens cut them),
-    split (several splits a row: the kernel writes parts for the merge),
+    split (several splits a row: the kernel writes parts for the merge) and
     lockstep (consumer 0 computes every S, consumer 1 only half of P V, and
-    the producer keeps two half stages of loads in flight; ``fp8_v32``) and
-    prefetch_ahead (lockstep: consumer 1 brings the rows of the block that
-    many ahead of its own into L2; 0, none)."""
+    the producer keeps two half stages of loads in flight; ``fp8_v32``)."""
 
     has_sink: bool
     cache: str
@@ -186,11 +182,10 @@ class DecodeSm90Config(scheduler.ProblemConfig):
     has_seqlen: bool
     split: bool
     lockstep: bool = False
-    prefetch_ahead: int = 0
 
 
 def decode_reason(dtype, D: int, d_v: int, H: int, G: int, cache: str, page_size: int, has_bt: bool,
-                  has_seqlen: bool, lockstep: bool = False, prefetch_ahead: int = 0) -> Optional[str]:
+                  has_seqlen: bool, lockstep: bool = False) -> Optional[str]:
     """Why the decode kernel cannot serve this configuration (None if it can)."""
     why = SparseAttnFwdSm90.can_implement(dtype, D, d_v, H, G)
     if why is not None:
@@ -213,8 +208,6 @@ def decode_reason(dtype, D: int, d_v: int, H: int, G: int, cache: str, page_size
         return "seq_lens without a block table"
     if lockstep and cache != FP8_V32:
         return f"the lockstep decode converts fp8_v32 rows, not {cache!r}"
-    if prefetch_ahead and not (lockstep and prefetch_ahead >= 2):
-        return f"prefetch_ahead={prefetch_ahead}: consumer 1 of a lockstep build prefetches 2 or more blocks ahead"
     return None
 
 
@@ -222,16 +215,14 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
     """Host-side builder of the decode kernel for one static configuration."""
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, has_sink: bool, cache: str,
-                 page_size: int, has_bt: bool, has_seqlen: bool, split: bool, lockstep: bool = False,
-                 prefetch_ahead: int = 0):
-        why = decode_reason(dtype, D, d_v, H, G, cache, page_size, has_bt, has_seqlen, lockstep, prefetch_ahead)
+                 page_size: int, has_bt: bool, has_seqlen: bool, split: bool, lockstep: bool = False):
+        why = decode_reason(dtype, D, d_v, H, G, cache, page_size, has_bt, has_seqlen, lockstep)
         if why is not None:
             raise ValueError(f"SparseDecodeSm90: {why}")
         super().__init__(dtype, D, d_v, H, G, has_len, has_sink)
         self.config = DecodeSm90Config(dtype, D, d_v, H, G, has_len, has_sink, cache, page_size, has_bt,
-                                       has_seqlen, split, lockstep, prefetch_ahead)
+                                       has_seqlen, split, lockstep)
         self.cache, self.page_size = cache, page_size
-        self.prefetch_ahead = prefetch_ahead
         self.has_bt, self.has_seqlen, self.split = has_bt, has_seqlen, split
         self.fp8 = cache != NATIVE
         self.fmt = FORMATS[cache] if self.fp8 else None  # the FP8 layout (dsa.kv_cache)
@@ -301,12 +292,10 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
             cute.arch.griddepcontrol_launch_dependents()
         cache = rules.PagedCache(kv_ptr, zero_ptr, n_pages, page_stride, bt_ptr, bt_w, seqlen_ptr,
                                  self.page_size, self.G, self.row_bytes(), self.has_bt, self.has_seqlen)
-        # the profiling counters are the forward's alone: lse_ptr stands in for prof_ptr, never written;
-        # with prefetch_ahead the consumers' extra input (the forward's bounds) is the cache, which
-        # consumer 1 prefetches from
+        # the profiling counters are the forward's alone: lse_ptr stands in for prof_ptr, never written
         self.run((qk_mma, pv_mma, pv_mma_ss), (sv_layout, sp_layout), sq_layout, sk_layout, n_tiles,
                  (idx_ptr, len_ptr, K, chunk, n_split, len_div, rows_per_seq), (cache, zero_ptr, n_split),
-                 q_ptr, sink_ptr, out_ptr, lse_ptr, lse_ptr, scale_log2, cache if self.prefetch_ahead else None)
+                 q_ptr, sink_ptr, out_ptr, lse_ptr, lse_ptr, scale_log2)
 
     @cute.kernel
     def merge_kernel(self, part_ptr: cute.Pointer, part_lse_ptr: cute.Pointer, sink_ptr: cute.Pointer,
@@ -444,7 +433,7 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                                        bound_args)
         else:
             self.lockstep_consumer(w, qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, wtid, sQ, sK, sP, sM, sL,
-                                   sOk, bars, tiles, sink_ptr, out_ptr, lse_ptr, scale_log2, bound_args)
+                                   sOk, bars, tiles, sink_ptr, out_ptr, lse_ptr, scale_log2)
 
     def lockstep_views(self, w: int, pv_mma, pv_mma_ss, sv_layout, sp_layout, wtid, sK, sP):
         """Consumer w's operands of both stages: consumer 0, P's stores (C
@@ -467,7 +456,7 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
 
     @cute.jit
     def lockstep_consumer(self, w: cutlass.Constexpr, qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, wtid,
-                          sQ, sK, sP, sM, sL, sOk, bars, tiles, sink_ptr, out_ptr, lse_ptr, scale_log2, cache):
+                          sQ, sK, sP, sM, sL, sOk, bars, tiles, sink_ptr, out_ptr, lse_ptr, scale_log2):
         q_full, q_empty, full, empty = bars
         ready = empty + 4  # the Smem struct's ``ready``, right after ``empty``
         sched = tiles.sched
@@ -494,16 +483,11 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                 if n_blocks % 2 == 1:
                     self.lockstep0(cs, 0, tPs, tOrV, ready, n_blocks - 1, n_blocks, phase(u1 + n_full))
             else:
-                pf = None
-                if const_expr(self.prefetch_ahead > 0):
-                    bt_row, lim = cache.sequence(extra[0])
-                    pf = (cache, bt_row, lim, idx_row, L, n_blocks, wtid, cute.make_rmem_tensor((3,), Int32))
-                    self.prefetch_start(pf)
                 for i in cutlass.range(n_full, unroll=1):
-                    self.lockstep1(cs, 0, tOrP, tOrV, ready, phase(u0 + i), pf, 2 * i)
-                    self.lockstep1(cs, 1, tOrP, tOrV, ready, phase(u1 + i), pf, 2 * i + 1)
+                    self.lockstep1(cs, 0, tOrP, tOrV, ready, phase(u0 + i))
+                    self.lockstep1(cs, 1, tOrP, tOrV, ready, phase(u1 + i))
                 if n_blocks % 2 == 1:
-                    self.lockstep1(cs, 0, tOrP, tOrV, ready, phase(u0 + n_full), pf, n_blocks - 1)
+                    self.lockstep1(cs, 0, tOrP, tOrV, ready, phase(u0 + n_full))
             cute.arch.mbarrier_arrive(q_empty)  # Q may be refilled
             self.tile_end(w, cs, sL + (j % 2) * (2 * BLOCK_H), sink_ptr, out_ptr, lse_ptr, t, head0, extra)
             u0 = u0 + (n_blocks + 1) // 2
@@ -535,14 +519,11 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
             cute.arch.mbarrier_arrive(cs.empty + 2 * s)
 
     @cute.jit
-    def lockstep1(self, cs, s: cutlass.Constexpr, tOrP, tOrV, ready, ph, pf, b):
-        """Consumer 1, block b in stage s: O rescaled to consumer 0's new row
-        maxima, then O += P V over the right columns; releases the stage's R.
-        With ``prefetch_ahead`` it first takes the prefetch a step on."""
+    def lockstep1(self, cs, s: cutlass.Constexpr, tOrP, tOrV, ready, ph):
+        """Consumer 1, the block in stage s: O rescaled to consumer 0's new row
+        maxima, then O += P V over the right columns; releases the stage's R."""
         acc_o, m_run, l_run, row_lo = cs.acc_o, cs.m_run, cs.l_run, cs.row_lo
         m_s = cs.m0 if s == 0 else cs.m1
-        if const_expr(self.prefetch_ahead > 0):
-            self.prefetch_step(pf, b)
         self.timer.wait_mbarrier(ready + s, ph, PROF_BAR)
         alpha = cute.make_rmem_tensor((2,), Float32)
         for r in cutlass.range_constexpr(2):
@@ -554,75 +535,6 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         self.pv(cs.pv_mma_ss, acc_o, tOrP[s], tOrV[s])
         self.timer.wait_wgmma(0, PROF_WGMMA)
         cute.arch.mbarrier_arrive(cs.empty + 2 * s + 1)
-
-    # ------------------------------------------------------ prefetch_ahead
-    # The producer's own L2 prefetch (``resolve_rows``) goes out only a half
-    # stage before the loads it serves, so those mostly wait out a DRAM round
-    # trip.  Consumer 1, which waits on consumer 0 for part of every block,
-    # brings the rows of block b + A into L2 while at block b, as a pipeline
-    # of three loads a step apart so that it never waits on one: at block b
-    # the lines of block b + A (page found a step ago), the page of block
-    # b + A + 1 (its index loaded a step ago), the index of block b + A + 2.
-    # Two of its threads a row (slot b * 64 + wtid // 2), half the lines each.
-    # A slot that is invalid (past L, a position outside the sequence, a page
-    # outside the pool) is not prefetched; the validity of what is read stays
-    # the producer's (``rules.paged_block_sources``).
-
-    @cute.jit
-    def prefetch_index(self, pf, blk):
-        """The index of this thread's slot of block blk, -1 past the row."""
-        cache, bt_row, lim, idx_row, L, n_blocks, wtid, st = pf
-        slot = blk * BN + wtid // 2
-        n = Int32(-1)
-        if blk < n_blocks:
-            if slot < L:
-                n = load(idx_row, Int64(slot))
-        return n
-
-    @cute.jit
-    def prefetch_page(self, pf, n):
-        """The page of index n (-1 when n is not a valid position)."""
-        cache, bt_row, lim, idx_row, L, n_blocks, wtid, st = pf
-        page = Int32(-1)
-        if n >= 0:
-            if n < lim:
-                page = n // self.page_size
-                if const_expr(self.has_bt):
-                    page = load(bt_row, Int64(cutlass.min(page, cache.bt_w - 1)))
-        return page
-
-    @cute.jit
-    def prefetch_lines(self, pf, page, n):
-        """This thread's half of the lines of the row at (page, n % page_size)."""
-        cache, bt_row, lim, idx_row, L, n_blocks, wtid, st = pf
-        if page >= 0:
-            if page < cache.n_pages:
-                addr = (cache.kv_ptr.toint() + Int64(page) * cache.page_stride
-                        + Int64((n % self.page_size) * self.G) * Int64(self.row_bytes()))
-                lines = -(-self.row_bytes() // L2_LINE)
-                per = -(-lines // 2)
-                for k in cutlass.range_constexpr(per):
-                    prefetch_l2(addr + ((wtid % 2) * per + k) * L2_LINE)
-
-    @cute.jit
-    def prefetch_start(self, pf):
-        """A tile's pipeline primed for block 0: st = (page of block A, its
-        index, the index of block A + 1)."""
-        st = pf[7]
-        A = self.prefetch_ahead
-        n = self.prefetch_index(pf, Int32(A))
-        st[2] = self.prefetch_index(pf, Int32(A + 1))
-        st[0] = self.prefetch_page(pf, n)
-        st[1] = n
-
-    @cute.jit
-    def prefetch_step(self, pf, b):
-        """At block b: block b + A's lines, block b + A + 1's page, block b + A + 2's index."""
-        st = pf[7]
-        self.prefetch_lines(pf, st[0], st[1])
-        st[0] = self.prefetch_page(pf, st[2])
-        st[1] = st[2]
-        st[2] = self.prefetch_index(pf, b + (self.prefetch_ahead + 2))
 
     @cute.jit
     def producer(self, tidx, sQ, sK, sOk, bars, tiles, q_ptr, kv_ptr, zero_ptr, N):

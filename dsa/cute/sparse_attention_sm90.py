@@ -304,7 +304,7 @@ class SparseAttnFwdSm90:
         consumer by warpgroup.  tile_args: what ``slot_tiles`` needs besides
         the schedule; kv: where the producer reads rows from (``row_sources``);
         bound_args: the bounds build's (head sums pointer, levels pointer,
-        blocks a row), or what a subclass's consumers take besides."""
+        blocks a row)."""
         qk_mma, pv_mma, pv_mma_ss = mmas
         sv_layout, sp_layout = pv_layouts
         tidx, _, _ = cute.arch.thread_idx()

@@ -208,6 +208,15 @@ def parts(name: str) -> None:
           + f"  | kernel {flop / ms['kernel'] / 1e9:.1f} TFLOP/s, whole {flop / ms['whole'] / 1e9:.1f}", flush=True)
 
 
+def _tiles_by_sm(sms: torch.Tensor, start: torch.Tensor) -> list:
+    """Per SM, the rows of its tiles in the order of their start."""
+    orders = []
+    for sm in sms.unique().tolist():
+        rows = (sms == sm).nonzero().flatten()
+        orders.append(rows[start[rows].argsort()])
+    return orders
+
+
 def timeline_spans(marks: torch.Tensor, ms_marked: float) -> dict:
     """The timeline build's int64 [tiles, TL_N] marks (on the host) read as
     ``timeline`` prints them; ms_marked: the marked kernel's time."""
@@ -219,9 +228,7 @@ def timeline_spans(marks: torch.Tensor, ms_marked: float) -> dict:
     end = torch.maximum(m[:, k.TL_END0], m[:, k.TL_END1])
     sms = m[:, k.TL_SM].long()
     spans, gaps = [], []
-    for sm in sms.unique().tolist():
-        rows = (sms == sm).nonzero().flatten()
-        order = rows[m[rows, k.TL_START].argsort()]
+    for order in _tiles_by_sm(sms, m[:, k.TL_START]):
         spans.append((end[order].max() - m[order, k.TL_START].min()).item())
         gaps.append((m[order[1:], k.TL_START] - end[order[:-1]]).mean().item() if len(order) > 1 else 0.0)
     hz = sorted(spans)[len(spans) // 2] / (ms_marked * 1e-3)
@@ -241,9 +248,7 @@ def timeline_spans(marks: torch.Tensor, ms_marked: float) -> dict:
     ns = lambda mark: m[:, k.TL_NS + mark]  # noqa: E731
     ns_end = torch.maximum(ns(k.TL_END0), ns(k.TL_END1))
     ns_gaps = []
-    for sm in sms.unique().tolist():
-        rows = (sms == sm).nonzero().flatten()
-        order = rows[ns(k.TL_START)[rows].argsort()]
+    for order in _tiles_by_sm(sms, ns(k.TL_START)):
         if len(order) > 1:
             ns_gaps.append((ns(k.TL_START)[order[1:]] - ns_end[order[:-1]]).mean().item())
     cross = {

@@ -240,12 +240,11 @@ def k_sweep(heads: str, T: int, ks) -> list:
             q, kv, idx, sink, tl, dout = inputs(T, 8192, H, D, K, False)
             out, lse = dsa.sparse_attention(q, kv, idx, sink=sink, return_lse=True, backend="triton")
             keep = cbwd.BUILD
-            fns = {"cute": lambda: _dsa_bwd(q, kv, idx, sink, None, dout, "cute"),
-                   "cudnn": lambda: _cudnn_bwd(q, kv, out, dout, lse, sink, idx, None, D ** -0.5)}
-            for key, build in (("cute", fns["cute"]), ("cute_noadds", fns["cute"]), ("cudnn", fns["cudnn"])):
+            for key in got:
                 cbwd.BUILD = dict(keep, scatter=False) if key == "cute_noadds" else keep
                 try:
-                    fn = build()
+                    fn = (_cudnn_bwd(q, kv, out, dout, lse, sink, idx, None, D ** -0.5) if key == "cudnn"
+                          else _dsa_bwd(q, kv, idx, sink, None, dout, "cute"))
                     fn()
                     got[key].append(bench(fn))
                 finally:

@@ -39,7 +39,7 @@ from dsa import _checks, ops
 from dsa._kept import kept
 from dsa._rules import acc_dtype
 from dsa.ops import decode as decode_op
-from dsa.ops._core import direct_plain
+from dsa.ops._core import direct_plain, traced
 
 Backend = str  # "auto" | "reference" | "triton" | "cute"
 
@@ -54,8 +54,9 @@ def _decode(q, kv_cache, indices, block_table, seq_lens, topk_length, sink, sm_s
 
 def _on_device(index: Optional[int], run: Callable[..., Any], *args: Any) -> Any:
     """run(*args) with CUDA device ``index`` current (None: not CUDA), as the op's body runs
-    (dsa.ops._core.on_device): kernels launch on the current device."""
-    if index is not None and index != torch.cuda.current_device():
+    (dsa.ops._core.on_device): kernels launch on the current device. (``index`` is only ever a device
+    that already holds tensors, so CUDA is initialised: torch's device query without its init check.)"""
+    if index is not None and index != torch._C._cuda_getDevice():
         with torch.cuda.device(index):
             return run(*args)
     return run(*args)
@@ -239,6 +240,12 @@ class SparseDecodePlan:
         # the kernels' lse when the caller keeps none: written every call, never read
         self._lse_scratch = None if return_lse or self._run is None else torch.empty(
             self._lse[0], dtype=self._lse[1], device=q.device)
+        # the eager call's own check (``_lean``): each tensor's (shape, dtype, device index), checked with
+        # contiguity; for plans whose calls need no conversion (int32 integers) and launch prepared kernels
+        self._lean = (self._run is not None and not any(form.wide)
+                      and form.cache(kv_cache).dtype == kv_cache.dtype)  # a launch that compiles sees the dtype
+        self._lean_want = tuple(None if x is None else (x.shape, x.dtype, x.get_device()) for x in tensors)
+        self._grad_cache = kv_cache.is_floating_point()  # an FP8 cache (uint8 bytes) never requires grad
 
     def explain(self) -> str:
         """Which backend the plan runs and why (as :func:`dsa.explain` says it)."""
@@ -257,6 +264,10 @@ class SparseDecodePlan:
         (allocated when not given; lse is written when given, returned with ``return_lse``). Returns out,
         or (out, lse) with ``return_lse``.
         """
+        if self._lean:
+            res = self._lean_call(q, kv_cache, indices, block_table, seq_lens, topk_length, sink, out, lse)
+            if res is not None:
+                return res
         try:
             plain = (_meta(q), _meta(kv_cache), _meta(indices), _meta(block_table), _meta(seq_lens),
                      _meta(topk_length), _meta(sink)) == self._want and kv_cache.stride() == self._cache_stride
@@ -294,6 +305,67 @@ class SparseDecodePlan:
         if lse is not None:
             res_lse = lse.copy_(res_lse)
         return (res_out, res_lse) if self.return_lse else res_out
+
+    def _lean_call(self, q, kv_cache, indices, block_table, seq_lens, topk_length, sink, out, lse):
+        """The eager call of a plain one, the prepared launches on the given tensors as they are; None
+        when the call needs more (a mismatch, a view to copy, a tensor subclass, tracing, autograd, a
+        missing output), which the general path then handles with the same result.
+
+        Every tensor a launch reads must be a plain tensor with the plan's shape, dtype and device, and
+        contiguous; the cache also has the plan's strides. A contiguous tensor's elements are in the
+        canonical order whatever its shape, and the launches read addresses only, so no view is made.
+        (Spelled out tensor by tensor: a loop or a helper call each costs more than the tests.)"""
+        w_q, w_kv, w_idx, w_bt, w_sl, w_tl, w_sink = self._lean_want
+        if not (q.__class__ is Tensor and q.shape == w_q[0] and q.dtype is w_q[1] and q.get_device() == w_q[2]
+                and q.is_contiguous()
+                and kv_cache.__class__ is Tensor and kv_cache.shape == w_kv[0] and kv_cache.dtype is w_kv[1]
+                and kv_cache.get_device() == w_kv[2] and kv_cache.stride() == self._cache_stride
+                and indices.__class__ is Tensor and indices.shape == w_idx[0] and indices.dtype is w_idx[1]
+                and indices.get_device() == w_idx[2] and indices.is_contiguous()):
+            return None
+        if w_bt is None:
+            if block_table is not None:
+                return None
+        elif not (block_table.__class__ is Tensor and block_table.shape == w_bt[0] and block_table.dtype is w_bt[1]
+                  and block_table.get_device() == w_bt[2] and block_table.is_contiguous()):
+            return None
+        if w_sl is None:
+            if seq_lens is not None:
+                return None
+        elif not (seq_lens.__class__ is Tensor and seq_lens.shape == w_sl[0] and seq_lens.dtype is w_sl[1]
+                  and seq_lens.get_device() == w_sl[2] and seq_lens.is_contiguous()):
+            return None
+        if w_tl is None:
+            if topk_length is not None:
+                return None
+        elif not (topk_length.__class__ is Tensor and topk_length.shape == w_tl[0] and topk_length.dtype is w_tl[1]
+                  and topk_length.get_device() == w_tl[2] and topk_length.is_contiguous()):
+            return None
+        if w_sink is None:
+            if sink is not None:
+                return None
+        elif not (sink.__class__ is Tensor and sink.shape == w_sink[0] and sink.dtype is w_sink[1]
+                  and sink.get_device() == w_sink[2] and sink.is_contiguous()):
+            return None
+        if out is None:
+            out = q.new_empty(self._out[0])
+        elif not (out.__class__ is Tensor and out.shape == self._out[0] and out.dtype is self._out[1]
+                  and out.get_device() == w_q[2] and out.is_contiguous()):
+            return None
+        if lse is None:
+            lse = self._lse_scratch if self._lse_scratch is not None else q.new_empty(self._lse[0], dtype=self._lse[1])
+        elif not (lse.__class__ is Tensor and lse.shape == self._lse[0] and lse.dtype is self._lse[1]
+                  and lse.get_device() == w_q[2] and lse.is_contiguous()):
+            return None
+        if traced() or (torch.is_grad_enabled() and (q.requires_grad or (self._grad_cache and kv_cache.requires_grad)
+                                                     or (sink is not None and sink.requires_grad))):
+            return None
+        if self._cuda is None or self._cuda == torch._C._cuda_getDevice():
+            self._run(q, kv_cache, indices, topk_length, block_table, seq_lens, sink, out, lse)
+        else:
+            _on_device(self._cuda, self._run, q, kv_cache, indices, topk_length, block_table, seq_lens, sink, out,
+                       lse)
+        return (out, lse) if self.return_lse else out
 
     def _mismatch(self, given: Tuple[Any, ...]) -> None:
         """Raise for the first argument that is not what the plan was made with (a tensor subclass with

@@ -162,6 +162,60 @@ def test_plan_eager_skips_the_dispatcher_and_autograd_goes_through_it(monkeypatc
     assert calls == [1] and torch.equal(via_op, out)
 
 
+@pytest.mark.skipif(not TRITON_IMPORTABLE or CUDA, reason="the Triton decode under the interpreter (CPU)")
+def test_plan_lean_call_and_what_it_leaves_to_the_general_path(monkeypatch):
+    """A plain eager call of a plan with prepared launches launches them on the tensors as given (no
+    canonical views); a call with anything more (a strided input, int64 integers, a misfit) takes the
+    general path, with the same result or the same error."""
+    gen = _gen(10)
+    q, cache, idx, kw = fp8_step(gen, torch.float32)
+    plan = dsa.sparse_decode_plan(q, cache, idx, **kw, backend="triton")
+    rows = []
+    general = _checks.DecodeForm.rows
+    monkeypatch.setattr(_checks.DecodeForm, "rows", lambda *a, **k: rows.append(1) or general(*a, **k))
+    exp = dsa.sparse_decode(q, cache, idx, **kw, backend="triton")
+    rows.clear()
+    out = torch.full_like(exp, float("nan"))
+    assert plan(q, cache, idx, **kw, out=out) is out and rows == []
+    _same([out], [exp])
+    # the same values with strided rows: the general path makes them contiguous
+    q_strided = torch.empty(q.shape[:-1] + (2 * q.shape[-1],))[..., ::2]
+    q_strided.copy_(q)
+    _same([plan(q_strided, cache, idx, **kw)], [exp])
+    assert rows == [1]
+    seq_strided = torch.empty(2 * kw["seq_lens"].numel(), dtype=torch.int32)[::2]
+    seq_strided.copy_(kw["seq_lens"])
+    _same([plan(q, cache, idx, **dict(kw, seq_lens=seq_strided))], [exp])
+    assert rows == [1, 1]
+    with _bad("q"):
+        plan(q[:1], cache, idx, **kw)
+    with _bad("out"):
+        plan(q, cache, idx, **kw, out=torch.empty(2, 1, 512, 2).transpose(-1, -2))
+    with _bad("sink"):
+        plan(q, cache, idx, **dict(kw, sink=None))
+    # under a dispatch mode the call is the op's, which the mode sees
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as mode:
+        got = plan(q, cache, idx, **kw)
+    assert "dsa.sparse_decode.default" in mode.ops
+    _same([got], [exp])
+    # int64 indices need a conversion every call: every call of such a plan takes the general path
+    wide = dsa.sparse_decode_plan(q, cache, idx.long(), **kw, backend="triton")
+    rows.clear()
+    _same([wide(q, cache, idx.long(), **kw)], [exp])
+    assert rows == [1]
+
+
 def test_compiled_plan_goes_through_the_op():
     torch._dynamo.reset()
     gen = _gen(7)

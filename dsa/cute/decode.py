@@ -279,6 +279,7 @@ class Prepared:
         self._n_lse = a.T * a.H * p.splits  # the parts' lse [T, H, S], then their outputs [T, H, S, d_v]
         self._n_work = self._n_lse * (a.d_v + 1)
         self._work = self._workspace() if reuse_workspace and p.splits > 1 else None
+        self._work_ptrs = None if self._work is None else tuple(w.data_ptr() for w in self._work)
         # compiled now (once per configuration and device), not at a first call that a CUDA graph may capture
         self._fn = _compiled(p)
 
@@ -292,13 +293,15 @@ class Prepared:
                  out: torch.Tensor, lse: torch.Tensor) -> None:
         p = self.plan
         S = p.splits
-        if S == 1:
-            part_out, part_lse = out, lse
-        else:
-            part_lse, part_out = self._work if self._work is not None else self._workspace()
         # each address read once; absent optional inputs are never read, any valid address stands in
-        a_q, a_kv, a_idx, a_pout, a_plse = (q.data_ptr(), kv.data_ptr(), indices.data_ptr(), part_out.data_ptr(),
-                                            part_lse.data_ptr())
+        a_q, a_kv, a_idx = q.data_ptr(), kv.data_ptr(), indices.data_ptr()
+        if S == 1:
+            a_pout, a_plse = out.data_ptr(), lse.data_ptr()
+        elif self._work_ptrs is not None:
+            a_plse, a_pout = self._work_ptrs
+        else:
+            work = self._workspace()  # held until the launches are queued
+            a_plse, a_pout = work[0].data_ptr(), work[1].data_ptr()
         if (a_q | a_kv | a_pout) & 15:
             raise ValueError("the cute decode gathers by 16-byte copies: q, kv_cache and out must be 16-byte aligned")
         a_sink = a_plse if sink is None else sink.data_ptr()

@@ -18,7 +18,6 @@ import typing
 from typing import Any, Callable, Optional, Tuple
 
 import torch
-import torch.utils._python_dispatch
 from torch import Tensor
 
 from dsa._args import field_names
@@ -155,10 +154,11 @@ def op(name: str, cls, *, extra: str = "", returns: str = "Tensor") -> Callable[
 
 def traced() -> bool:
     """Compiling or tracing, a dispatch mode or a functorch transform: the dispatcher must see the call."""
+    # the last test is torch.utils._python_dispatch._get_current_dispatch_mode() is not None, less its call
     return (
         torch.compiler.is_compiling()
         or torch._C._are_functorch_transforms_active()
-        or torch.utils._python_dispatch._get_current_dispatch_mode() is not None
+        or torch._C._len_torch_dispatch_stack() > 0
     )
 
 

@@ -152,14 +152,16 @@ def op(name: str, cls, *, extra: str = "", returns: str = "Tensor") -> Callable[
     return lambda body: Op(name, cls, body, extra, returns)
 
 
+# the tests of traced(), bound once: eager calls of short kernels pay for every attribute lookup
+_is_compiling = torch.compiler.is_compiling
+_transforms_active = torch._C._are_functorch_transforms_active
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
 def traced() -> bool:
     """Compiling or tracing, a dispatch mode or a functorch transform: the dispatcher must see the call."""
     # the last test is torch.utils._python_dispatch._get_current_dispatch_mode() is not None, less its call
-    return (
-        torch.compiler.is_compiling()
-        or torch._C._are_functorch_transforms_active()
-        or torch._C._len_torch_dispatch_stack() > 0
-    )
+    return _is_compiling() or _transforms_active() or _dispatch_modes() > 0
 
 
 def _plain(values) -> bool:

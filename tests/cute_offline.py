@@ -3,8 +3,10 @@
 ``ptx_counts("dsa.cute.sparse_attention:compile_offline", calls, needles,
 "sm_90a", tmp_path)`` compiles each call in one fresh process with
 ``CUTE_DSL_ARCH`` set (the DSL reads it at import) and returns, per call
-name, how often each needle occurs in the PTX.  A call is ``(name, args,
-kwargs)``; an argument "torch.<dtype>" stands for that torch dtype.  The
+name, how often each needle occurs in the PTX, and under ``SERIALIZED``
+whether ptxas serialised wgmma for lack of registers (remark C7512: no
+spill shows it, and it costs a kernel 10% or more).  A call is ``(name,
+args, kwargs)``; an argument "torch.<dtype>" stands for that torch dtype.  The
 backward's builds go through
 ``"dsa.cute.sparse_attention_bwd:compile_offline_backward"`` the same way.
 ``compile_reports`` does the same and also returns what ptxas reported
@@ -36,6 +38,7 @@ except Exception:  # not installed, or no usable install
     HAVE_DSL = False
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+SERIALIZED = "wgmma serialised (C7512)"  # ptx_counts' entry beside the needles
 
 _SCRIPT = r"""
 import importlib, json, os, sys, tempfile, torch
@@ -46,16 +49,15 @@ for name, target, args, kwargs in calls:
     build = getattr(importlib.import_module(module), function)
     args = [getattr(torch, a[6:]) if isinstance(a, str) and a.startswith("torch.") else a for a in args]
     with tempfile.TemporaryFile(mode="w+") as err:
-        if report:  # ptxas's report goes to file descriptor 2: capture it per compile
-            kwargs = dict(kwargs, options="--keep-ptx remarks{ptx}")
-            saved = os.dup(2)
-            os.dup2(err.fileno(), 2)
+        # ptxas's report and remarks go to file descriptor 2: captured per compile
+        kwargs = dict(kwargs, options="--keep-ptx remarks{ptx}")
+        saved = os.dup(2)
+        os.dup2(err.fileno(), 2)
         try:
             compiled = build(*args, **kwargs)
         finally:
-            if report:
-                os.dup2(saved, 2)
-                os.close(saved)
+            os.dup2(saved, 2)
+            os.close(saved)
         err.seek(0)
         ptxas = err.read()
     ptx = compiled.artifacts.PTX
@@ -84,9 +86,9 @@ def _compile(calls: Sequence[Tuple[str, str, list, dict]], needles: Iterable[str
 
 def ptx_counts(target: str, calls: Sequence[Tuple[str, list, dict]], needles: Iterable[str], arch: str,
                tmp_path) -> Dict[str, Dict[str, int]]:
-    """{call name: {needle: occurrences in its PTX}}."""
+    """{call name: {needle: occurrences in its PTX, SERIALIZED: C7512 reported}}."""
     res = _compile([(name, target, args, kwargs) for name, args, kwargs in calls], needles, arch, tmp_path, False)
-    return {name: r["needles"] for name, r in res.items()}
+    return {name: dict(r["needles"], **{SERIALIZED: "C7512" in r["ptxas"]}) for name, r in res.items()}
 
 
 def compile_reports(calls: Sequence[Tuple[str, str, list, dict]], needles: Iterable[str], arch: str,
@@ -94,7 +96,8 @@ def compile_reports(calls: Sequence[Tuple[str, str, list, dict]], needles: Itera
     """Each call ``(name, "module:function", args, kwargs)`` compiled in one
     fresh process -> {name: {"needles": {needle: count in the PTX},
     "entries": {kernel: {needle: count in its PTX}}, "spill_stores",
-    "spill_loads", "registers": ptxas's figures, "smem": the launch's
+    "spill_loads", "registers": ptxas's figures, "wgmma_serialized":
+    remark C7512 (``SERIALIZED``), "smem": the launch's
     dynamic shared memory in bytes, "smem_limit": the most the DSL lets the
     arch launch with, "kernels": how many it compiled}}.  A host
     function that launches several kernels reports the most registers and
@@ -109,6 +112,7 @@ def compile_reports(calls: Sequence[Tuple[str, str, list, dict]], needles: Itera
         assert limit, f"{name}: the launch's shared-memory limit not found in the host IR"
         out[name] = dict(needles=r["needles"], entries=r["entries"], spill_stores=sum(int(a) for a, _ in spills),
                          spill_loads=sum(int(b) for _, b in spills), registers=max(int(x) for x in regs),
+                         wgmma_serialized="C7512" in r["ptxas"],
                          kernels=len(regs), smem=max(_launch_smem(name, r["ir"])), smem_limit=int(limit.group(1)))
     return out
 

@@ -20,7 +20,8 @@ sleeping kernel (``torch.cuda._sleep``, sized from a calibration to outlast
 the loop), so that no call ever waits for the device: every launch only
 queues. An event recorded after the sleep is queried when the loop ends; if
 the device was no longer asleep the sample is discarded and the sleep
-doubled. The figure is the minimum over ``--reps`` samples (the median is
+doubled. Python's garbage collector is off while a path is timed (as in
+``timeit``), after a collection. The figure is the minimum over ``--reps`` samples (the median is
 kept too); the queue stays far below the driver's limit (three launches a
 call at most). Kernel time is bench/decode_peers.py's.
 
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -74,8 +76,27 @@ def _cycles_per_us() -> float:
     return 10**7 / (start.elapsed_time(end) * 1e3)
 
 
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Python's garbage collector collected first and kept off while timing, as ``timeit`` does: a
+    collection of what compiling the kernels left behind would otherwise land in the first row's loops."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def host_us_cuda(fn: Callable[[], Any], calls: int, reps: int) -> Tuple[float, float]:
     """(min, median) host microseconds a call of ``fn``, the stream held behind a sleep (module header)."""
+    with _no_gc():
+        return _host_us_cuda(fn, calls, reps)
+
+
+def _host_us_cuda(fn: Callable[[], Any], calls: int, reps: int) -> Tuple[float, float]:
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
@@ -102,6 +123,11 @@ def host_us_cuda(fn: Callable[[], Any], calls: int, reps: int) -> Tuple[float, f
 
 def host_us_cpu(fn: Callable[[], Any], calls: int, reps: int) -> Tuple[float, float]:
     """(min, median) microseconds a call of ``fn`` over ``reps`` loops of ``calls`` calls."""
+    with _no_gc():
+        return _host_us_cpu(fn, calls, reps)
+
+
+def _host_us_cpu(fn: Callable[[], Any], calls: int, reps: int) -> Tuple[float, float]:
     for _ in range(5):
         fn()
     samples = []

@@ -122,7 +122,7 @@ def test_decode_compiles_offline(build, tmp_path):
         assert n["cvt.rn.f16x2.e4m3x2"] == 0 and n["st.shared.v4"] == 0, (name, r)
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and n["st.local"] == 0 and n["ld.local"] == 0, (name, r)
     # wgmma issued back to back: a consumer short of registers gets them serialised (C7512) without a spill,
-    # 11-12% slower at B128 (lockstep consumer 0 at 200 or 192 registers, bench/RESULTS.md C206-C207)
+    # 6-12.5% slower at B128 (lockstep consumer 0 at 200 or 192 registers, bench/RESULTS.md C206-C207)
     assert not r["wgmma_serialized"], (name, r)
     assert r["smem"] == smem_bytes(D, 512, 2) <= SMEM_LIMIT == r["smem_limit"], (name, r)
     # the warpgroups' setmaxnreg split fits what the CTA is launched with (else setmaxnreg.inc never returns)

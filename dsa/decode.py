@@ -240,11 +240,10 @@ class SparseDecodePlan:
         # the kernels' lse when the caller keeps none: written every call, never read
         self._lse_scratch = None if return_lse or self._run is None else torch.empty(
             self._lse[0], dtype=self._lse[1], device=q.device)
-        # the eager call's own check (``_lean``): each tensor's (shape, dtype, device index), checked with
-        # contiguity; for plans whose calls need no conversion (int32 integers) and launch prepared kernels
+        # the eager call's own check (``_lean_call``: ``_want`` and contiguity), for plans whose calls need no
+        # conversion (int32 integers) and launch prepared kernels
         self._lean = (self._run is not None and not any(form.wide)
                       and form.cache(kv_cache).dtype == kv_cache.dtype)  # a launch that compiles sees the dtype
-        self._lean_want = tuple(None if x is None else (x.shape, x.dtype, x.get_device()) for x in tensors)
         self._grad_cache = kv_cache.is_floating_point()  # an FP8 cache (uint8 bytes) never requires grad
 
     def explain(self) -> str:
@@ -315,47 +314,47 @@ class SparseDecodePlan:
         contiguous; the cache also has the plan's strides. A contiguous tensor's elements are in the
         canonical order whatever its shape, and the launches read addresses only, so no view is made.
         (Spelled out tensor by tensor: a loop or a helper call each costs more than the tests.)"""
-        w_q, w_kv, w_idx, w_bt, w_sl, w_tl, w_sink = self._lean_want
-        if not (q.__class__ is Tensor and q.shape == w_q[0] and q.dtype is w_q[1] and q.get_device() == w_q[2]
+        w_q, w_kv, w_idx, w_bt, w_sl, w_tl, w_sink = self._want
+        if not (q.__class__ is Tensor and q.shape == w_q[1] and q.dtype is w_q[2] and q.device == w_q[3]
                 and q.is_contiguous()
-                and kv_cache.__class__ is Tensor and kv_cache.shape == w_kv[0] and kv_cache.dtype is w_kv[1]
-                and kv_cache.get_device() == w_kv[2] and kv_cache.stride() == self._cache_stride
-                and indices.__class__ is Tensor and indices.shape == w_idx[0] and indices.dtype is w_idx[1]
-                and indices.get_device() == w_idx[2] and indices.is_contiguous()):
+                and kv_cache.__class__ is Tensor and kv_cache.shape == w_kv[1] and kv_cache.dtype is w_kv[2]
+                and kv_cache.device == w_kv[3] and kv_cache.stride() == self._cache_stride
+                and indices.__class__ is Tensor and indices.shape == w_idx[1] and indices.dtype is w_idx[2]
+                and indices.device == w_idx[3] and indices.is_contiguous()):
             return None
         if w_bt is None:
             if block_table is not None:
                 return None
-        elif not (block_table.__class__ is Tensor and block_table.shape == w_bt[0] and block_table.dtype is w_bt[1]
-                  and block_table.get_device() == w_bt[2] and block_table.is_contiguous()):
+        elif not (block_table.__class__ is Tensor and block_table.shape == w_bt[1] and block_table.dtype is w_bt[2]
+                  and block_table.device == w_bt[3] and block_table.is_contiguous()):
             return None
         if w_sl is None:
             if seq_lens is not None:
                 return None
-        elif not (seq_lens.__class__ is Tensor and seq_lens.shape == w_sl[0] and seq_lens.dtype is w_sl[1]
-                  and seq_lens.get_device() == w_sl[2] and seq_lens.is_contiguous()):
+        elif not (seq_lens.__class__ is Tensor and seq_lens.shape == w_sl[1] and seq_lens.dtype is w_sl[2]
+                  and seq_lens.device == w_sl[3] and seq_lens.is_contiguous()):
             return None
         if w_tl is None:
             if topk_length is not None:
                 return None
-        elif not (topk_length.__class__ is Tensor and topk_length.shape == w_tl[0] and topk_length.dtype is w_tl[1]
-                  and topk_length.get_device() == w_tl[2] and topk_length.is_contiguous()):
+        elif not (topk_length.__class__ is Tensor and topk_length.shape == w_tl[1] and topk_length.dtype is w_tl[2]
+                  and topk_length.device == w_tl[3] and topk_length.is_contiguous()):
             return None
         if w_sink is None:
             if sink is not None:
                 return None
-        elif not (sink.__class__ is Tensor and sink.shape == w_sink[0] and sink.dtype is w_sink[1]
-                  and sink.get_device() == w_sink[2] and sink.is_contiguous()):
+        elif not (sink.__class__ is Tensor and sink.shape == w_sink[1] and sink.dtype is w_sink[2]
+                  and sink.device == w_sink[3] and sink.is_contiguous()):
             return None
         if out is None:
             out = q.new_empty(self._out[0])
         elif not (out.__class__ is Tensor and out.shape == self._out[0] and out.dtype is self._out[1]
-                  and out.get_device() == w_q[2] and out.is_contiguous()):
+                  and out.device == w_q[3] and out.is_contiguous()):
             return None
         if lse is None:
             lse = self._lse_scratch if self._lse_scratch is not None else q.new_empty(self._lse[0], dtype=self._lse[1])
         elif not (lse.__class__ is Tensor and lse.shape == self._lse[0] and lse.dtype is self._lse[1]
-                  and lse.get_device() == w_q[2] and lse.is_contiguous()):
+                  and lse.device == w_q[3] and lse.is_contiguous()):
             return None
         if traced() or (torch.is_grad_enabled() and (q.requires_grad or (self._grad_cache and kv_cache.requires_grad)
                                                      or (sink is not None and sink.requires_grad))):

@@ -189,6 +189,8 @@ def test_plan_lean_call_and_what_it_leaves_to_the_general_path(monkeypatch):
     assert rows == [1, 1]
     with _bad("q"):
         plan(q[:1], cache, idx, **kw)
+    with _bad("indices"):  # another device that is not CUDA either
+        plan(q, cache, idx.to("meta"), **kw)
     with _bad("out"):
         plan(q, cache, idx, **kw, out=torch.empty(2, 1, 512, 2).transpose(-1, -2))
     with _bad("sink"):

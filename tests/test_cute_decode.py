@@ -45,9 +45,6 @@ BUILDS = [
     ("native_bt_split_h128", dict(H=128, cache="native", page_size=64, has_bt=True, has_seqlen=True, split=True)),
     # the same on the FP8 cache: the producer dequantises while it gathers
     ("fp8_bt_split_h128", dict(H=128, cache="fp8_v32", page_size=64, has_bt=True, has_seqlen=True, split=True)),
-    # the same run by clusters of two CTAs, each dequantising half of every half stage for both
-    ("fp8_bt_split_h128_paired", dict(H=128, cache="fp8_v32", page_size=64, has_bt=True, has_seqlen=True,
-                                      split=True, paired=True)),
     # the same, staggered (the lockstep build's alternative, which fp8_model1 runs)
     ("fp8_bt_split_h128_staggered", dict(H=128, cache="fp8_v32", page_size=64, has_bt=True, has_seqlen=True,
                                          split=True, lockstep=False)),
@@ -66,11 +63,8 @@ BUILDS = [
     ("native_flat_gqa_d512", dict(H=128, G=2, D=512, cache="native", page_size=1, has_bt=False, has_seqlen=False,
                                   split=True)),
 ]
-CI_BUILDS = 3
-ASYNC_STORE = "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4"
-NEEDLES = (ASYNC_STORE, "mbarrier.arrive.expect_tx", "barrier.cluster.wait",
-           "mbarrier.arrive.release.cluster.shared::cluster", "wgmma.mma_async", "cp.async.cg.shared.global",
-           "cp.async.mbarrier.arrive.noinc", "setmaxnreg.inc",
+CI_BUILDS = 2
+NEEDLES = ("wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc", "setmaxnreg.inc",
            "setmaxnreg.dec", "mbarrier.try_wait", "st.global.v2.b32", "st.local", "ld.local",
            "cvt.rn.f16x2.e4m3x2", "cvt.rn.bf16x2.f32", "mul.rn.f32", "fence.proxy.async.shared::cta",
            "ld.global.v4", "st.shared.v4", "prefetch.global.L2", "griddepcontrol.wait",
@@ -121,18 +115,7 @@ def test_decode_compiles_offline(build, tmp_path):
             assert n[needle] > 0, (name, needle, r)
         # each 16-byte load: 8 conversions of two bytes, two 16-byte stores (a lockstep build issues a
         # half's loads at more places than it converts them: ahead of the waits)
-        if kw.get("paired"):
-            # each converted 16-byte unit also goes to the peer CTA's stage by st.async, counted on the
-            # peer's full barrier (whose own producer expects the bytes, once a half); both CTAs' consumers
-            # free a half (a cluster-scope arrive on the peer's); the CTAs meet after the barriers' set-up
-            # and before exit
-            assert n[ASYNC_STORE] == n["st.shared.v4"] and n["st.shared.v4"] * 4 == \
-                n["cvt.rn.f16x2.e4m3x2"] >= 4 * 8, r
-            assert n["mbarrier.arrive.expect_tx"] == 4 and n["barrier.cluster.wait"] == 2, r
-            assert n["mbarrier.arrive.release.cluster.shared::cluster"] >= 4, r
-        else:
-            assert n["st.shared.v4"] * 4 == n["cvt.rn.f16x2.e4m3x2"] >= 8 * 8, r
-            assert n[ASYNC_STORE] == n["barrier.cluster.wait"] == n["mbarrier.arrive.expect_tx"] == 0, r
+        assert n["st.shared.v4"] * 4 == n["cvt.rn.f16x2.e4m3x2"] >= 8 * 8, r
         if not lockstep:
             assert n["cvt.rn.f16x2.e4m3x2"] == 8 * n["ld.global.v4"], r
     else:
@@ -268,34 +251,6 @@ def test_lockstep_is_the_fp8_v32_build():
     # the two consumers' targets differ; with the producer's they fill the launch's registers
     p, (c0, c1) = d.warpgroup_regs("fp8_v32", lockstep=True)
     assert c1 < c0 and p + c0 + c1 == d.regs_sum("fp8_v32", True) == 3 * 168
-
-
-@needs_dsl
-@pytest.mark.parametrize("paired_caches", [(), ("fp8_v32",)])
-def test_paired_builds(monkeypatch, paired_caches):
-    """The paired build (clusters of two CTAs sharing the dequantisation)
-    serves fp8_v32 calls whose kv heads have an even number of 64-head
-    blocks when the format is in PAIRED_CACHES; its plan launches whole
-    clusters; a paired build that is not lockstep, or of one head block, is
-    refused with the reason."""
-    from dsa.cute import decode_sm90 as d
-
-    monkeypatch.setattr(d, "PAIRED_CACHES", paired_caches)
-    on = bool(paired_caches)
-    assert cdec.kernel_config(_args(fmt="fp8_v32"), True).paired is on
-    assert cdec.kernel_config(_args(fmt="fp8_v32", H=256), False).paired is on
-    assert cdec.kernel_config(_args(fmt="fp8_v32", H=64), True).paired is False   # one head block
-    assert cdec.kernel_config(_args(fmt="fp8_v32", H=192), True).paired is False  # three
-    assert cdec.kernel_config(_args(), True).paired is False                      # not lockstep
-    monkeypatch.setattr(cdec, "_sm_count", lambda dev: 133)
-    monkeypatch.setattr(cdec, "_PLANS", {})
-    assert cdec.plan(_args(fmt="fp8_v32")).scalars[-1] == (132 if on else 133)  # whole clusters
-    bf = d.cutlass.BFloat16
-    why = d.decode_reason(bf, 576, 512, 128, 1, "fp8_v32", 64, True, True, lockstep=False, paired=True)
-    assert why is not None and "lockstep" in why
-    why = d.decode_reason(bf, 576, 512, 64, 1, "fp8_v32", 64, True, True, lockstep=True, paired=True)
-    assert why is not None and "two by two" in why
-    assert d.decode_reason(bf, 576, 512, 128, 1, "fp8_v32", 64, True, True, lockstep=True, paired=True) is None
 
 
 def test_zero_row_sizes():
@@ -660,31 +615,14 @@ def _fp8_paged(fmt, P, PS, gen, pad=0, scale=2.0):
     return buf[:, : PS * f["bytes"]].view(P, PS, f["bytes"])
 
 
-@pytest.fixture(params=[False, True], ids=["unpaired", "paired"])
-def pairing(request, monkeypatch):
-    """fp8_v32 calls of an even number of head blocks built unpaired, then
-    paired (``decode_sm90.PAIRED_CACHES``); plans made meanwhile are dropped."""
-    from dsa.cute import decode_sm90 as d
-
-    monkeypatch.setattr(d, "PAIRED_CACHES", ("fp8_v32",) if request.param else ())
-    monkeypatch.setattr(cdec, "_PLANS", {})
-    return request.param
-
-
-def _needs_pair(paired, fmt, H):
-    if paired and (fmt != "fp8_v32" or H // 64 % 2):
-        pytest.skip("the paired build serves fp8_v32 with an even number of 64-head blocks")
-
-
 @pytest.mark.gpu
 @gpu
 @fp8_formats
 @pytest.mark.parametrize("H", [64, 128])
-def test_fp8_block_table_edge_cases(fmt, H, pairing):
+def test_fp8_block_table_edge_cases(fmt, H):
     """The block-table edge cases on an fp8_v32 cache with padded pages:
     every page no table entry names is NaN bytes, one referenced token
     holds a NaN byte (the row naming it is NaN, the others not)."""
-    _needs_pair(pairing, fmt, H)
     gen = torch.Generator().manual_seed(6)
     B, PS, W, P, K = 6, 16, 6, 20, 200
     q = torch.randn(B, 1, H, FP8[fmt]["D"], generator=gen).bfloat16().cuda()
@@ -765,11 +703,10 @@ def test_fp8_dequantisation_is_exact(fmt):
 @gpu
 @fp8_formats
 @pytest.mark.parametrize("B,H", [(1, 64), (1, 128), (32, 64), (32, 128), (128, 64), (128, 128)])
-def test_fp8_model_shapes_against_reference(fmt, B, H, pairing):
+def test_fp8_model_shapes_against_reference(fmt, B, H):
     """The model shapes on an FP8 cache (K 2048, pages of 64 through a block
     table, a sink, ragged lengths) against the reference backend in float64,
     at the plan's split count and forced ones; FlashMLA-style slots too."""
-    _needs_pair(pairing, fmt, H)
     gen = torch.Generator(device="cuda").manual_seed(B * H)
     K, PS, W, D = 2048, 64, 64, FP8[fmt]["D"]
     P = B * W
@@ -788,35 +725,8 @@ def test_fp8_model_shapes_against_reference(fmt, B, H, pairing):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("B", [1, 32, 128])
-def test_paired_equals_unpaired(monkeypatch, B):
-    """The paired build converts the same bytes with the same arithmetic for
-    the same consumers: out and lse equal the unpaired build's bit for bit
-    (H 128, block table, ragged lengths, a sink; NaN-poisoned outputs), at
-    the plan's split count and forced ones."""
-    from dsa.cute import decode_sm90 as d
-
-    gen = torch.Generator(device="cuda").manual_seed(100 + B)
-    K, PS, W, H = 2048, 64, 64, 128
-    q = torch.randn(B, 1, H, 576, device="cuda", generator=gen).bfloat16()
-    cache = dsa.quantize_kv_cache(torch.randn(B * W, PS, 576, device="cuda", generator=gen) * 3, "fp8_v32")
-    bt, _, idx, kw = _model_slots(gen, B, H, K, PS, W)
-    for s in (None, 1, 5):
-        res = []
-        for paired in (False, True):
-            monkeypatch.setattr(d, "PAIRED_CACHES", ("fp8_v32",) if paired else ())
-            monkeypatch.setattr(cdec, "_PLANS", {})
-            assert cdec.plan(_canonical(q, cache, idx, **kw), s).config.paired is paired
-            res.append(_run(q, cache, idx, s, **kw))
-        (o0, l0), (o1, l1) = res
-        assert not o0.isnan().any() and torch.equal(o0, o1) and torch.equal(l0, l1), s
-
-
-@pytest.mark.gpu
-@gpu
 @fp8_formats
-def test_fp8_cuda_graph_and_no_sync(fmt, pairing):
-    _needs_pair(pairing, fmt, 128)
+def test_fp8_cuda_graph_and_no_sync(fmt):
     gen = torch.Generator(device="cuda").manual_seed(8)
     D = FP8[fmt]["D"]
     for B in (1, 128):

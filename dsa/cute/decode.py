@@ -178,15 +178,12 @@ def split_plan(a: SparseDecodeArgs, sms: int, splits: Optional[int] = None) -> T
 
 def kernel_config(a: SparseDecodeArgs, split: bool):
     """The ``DecodeSm90Config`` that serves ``a`` (lockstep on the caches of
-    ``decode_sm90.LOCKSTEP_CACHES``, paired on those of ``PAIRED_CACHES``
-    where a kv head has an even number of head blocks)."""
-    from dsa.cute.decode_sm90 import LOCKSTEP_CACHES, PAIRED_CACHES, DecodeSm90Config
+    ``decode_sm90.LOCKSTEP_CACHES``)."""
+    from dsa.cute.decode_sm90 import LOCKSTEP_CACHES, DecodeSm90Config
 
-    lockstep = a.cache_format in LOCKSTEP_CACHES
-    paired = lockstep and a.cache_format in PAIRED_CACHES and (a.H // a.G // HEADS_PER_CTA) % 2 == 0
     return DecodeSm90Config(cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G, a.topk_length is not None,
                             a.sink is not None, a.cache_format, a.page_size, a.block_table is not None,
-                            a.seq_lens is not None, split, lockstep, paired)
+                            a.seq_lens is not None, split, a.cache_format in LOCKSTEP_CACHES)
 
 
 @dataclass(frozen=True, eq=False)
@@ -223,11 +220,9 @@ def _build(a: SparseDecodeArgs, splits: Optional[int]) -> _Plan:
     sms = _sm_count(a.q.device)
     S, chunk = split_plan(a, sms, splits)
     bt_w = a.block_table.shape[1] if a.block_table is not None else 0
-    config = kernel_config(a, S > 1)
-    ctas = sms - sms % 2 if config.paired else sms  # paired: whole clusters of two
     scalars = (a.T, a.K, a.num_pages, a.kv.stride(0) * a.kv.element_size(), bt_w, chunk, S, a.len_div,
-               a.rows_per_seq, float(a.sm_scale * LOG2E), ctas)
-    return _Plan(config, a.q.device.index, S, scalars)
+               a.rows_per_seq, float(a.sm_scale * LOG2E), sms)
+    return _Plan(kernel_config(a, S > 1), a.q.device.index, S, scalars)
 
 
 def scalar_types() -> Tuple:
@@ -357,7 +352,7 @@ def zero_row_size(a: SparseDecodeArgs) -> int:
 
 def compile_offline(dtype: torch.dtype, H: int, cache: str = NATIVE, page_size: int = 64, has_len: bool = True,
                     has_sink: bool = True, has_bt: bool = True, has_seqlen: bool = True, split: bool = True,
-                    lockstep: Optional[bool] = None, paired: bool = False,
+                    lockstep: Optional[bool] = None,
                     D: int = 576, G: int = 1, options: str = "--keep-ptx"):
     """Compile the decode kernel without a GPU (``CUTE_DSL_ARCH=sm_90a``)
     for CI and inspection; returns the compiled object.  lockstep: None
@@ -367,5 +362,5 @@ def compile_offline(dtype: torch.dtype, H: int, cache: str = NATIVE, page_size: 
     if lockstep is None:
         lockstep = cache in LOCKSTEP_CACHES
     cfg = DecodeSm90Config(cutlass_dtype(dtype) or dtype, D, 512, H, G, has_len, has_sink, cache, page_size, has_bt,
-                           has_seqlen, split, lockstep, paired)
+                           has_seqlen, split, lockstep)
     return compile_kernel(SparseDecodeSm90.from_config(cfg), pointer_types(cfg), scalar_types(), options)

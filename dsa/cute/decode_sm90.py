@@ -58,7 +58,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from dsa.cute import cluster, rules, scheduler
+from dsa.cute import rules, scheduler
 from dsa.cute.gmem import aligned, load
 from dsa.cute.pipeline import freed_phase, phase
 from dsa.cute.rules import LN2, LOG2E, finite_shift
@@ -88,7 +88,6 @@ MERGE_VEC = 4
 MERGE_UNROLL = 4  # parts a merge thread loads before using them
 GROUP = 128    # NoPE columns a row's 8 gathering threads load at once: 16 e4m3 bytes each
 L2_LINE = 128
-PEER_BYTES = 64 * GROUP * 2  # what a paired CTA stores into its peer's half stage: 64 rows of one bf16 group
 
 # Registers a thread (setmaxnreg) for an FP8 cache, producer / consumers
 # (one figure for both, or consumer 0's and consumer 1's): the producer holds
@@ -107,12 +106,6 @@ FP8_REGS = {FP8_V32: (72, 216), FP8_MODEL1: (96, 200)}
 LOCKSTEP_REGS = (136, (208, 160))  # no spill in any build of tests/test_cute_decode.py
 # the caches a decode runs lockstep on by default (``lockstep``)
 LOCKSTEP_CACHES = (FP8_V32,)
-# the lockstep caches whose head blocks of a kv head run paired (``paired``)
-# where there is an even number of them
-PAIRED_CACHES = ()
-WARP_RELEASE = True
-NO_PEER_STORES = False
-LOCAL_RELEASE = False
 
 
 def warpgroup_regs(cache: str, lockstep: bool = False):
@@ -178,12 +171,9 @@ class DecodeSm90Config(scheduler.ProblemConfig):
     key): the problem, then has_sink, cache ("native", "fp8_v32" or "fp8_model1"),
     page_size (tokens a page; 1 for a flat cache), has_bt (indices are
     positions through a block table), has_seqlen (seq_lens cut them),
-    split (several splits a row: the kernel writes parts for the merge),
+    split (several splits a row: the kernel writes parts for the merge) and
     lockstep (consumer 0 computes every S, consumer 1 only half of P V, and
-    the producer keeps two half stages of loads in flight; ``fp8_v32``) and
-    paired (a lockstep build run by clusters of two CTAs, the two head blocks
-    of a (token, split), each dequantising one of a half's two 128-column
-    groups into both CTAs' stages)."""
+    the producer keeps two half stages of loads in flight; ``fp8_v32``)."""
 
     has_sink: bool
     cache: str
@@ -192,11 +182,10 @@ class DecodeSm90Config(scheduler.ProblemConfig):
     has_seqlen: bool
     split: bool
     lockstep: bool = False
-    paired: bool = False
 
 
 def decode_reason(dtype, D: int, d_v: int, H: int, G: int, cache: str, page_size: int, has_bt: bool,
-                  has_seqlen: bool, lockstep: bool = False, paired: bool = False) -> Optional[str]:
+                  has_seqlen: bool, lockstep: bool = False) -> Optional[str]:
     """Why the decode kernel cannot serve this configuration (None if it can)."""
     why = SparseAttnFwdSm90.can_implement(dtype, D, d_v, H, G)
     if why is not None:
@@ -219,11 +208,6 @@ def decode_reason(dtype, D: int, d_v: int, H: int, G: int, cache: str, page_size
         return "seq_lens without a block table"
     if lockstep and cache != FP8_V32:
         return f"the lockstep decode converts fp8_v32 rows, not {cache!r}"
-    if paired and not lockstep:
-        return "the paired decode is a lockstep build"
-    if paired and (H // G // BLOCK_H) % cluster.PAIR:
-        return (f"{H // G} query heads per kv head: the paired decode runs the head blocks of a kv head "
-                f"two by two")
     return None
 
 
@@ -231,19 +215,18 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
     """Host-side builder of the decode kernel for one static configuration."""
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, has_sink: bool, cache: str,
-                 page_size: int, has_bt: bool, has_seqlen: bool, split: bool, lockstep: bool = False,
-                 paired: bool = False):
-        why = decode_reason(dtype, D, d_v, H, G, cache, page_size, has_bt, has_seqlen, lockstep, paired)
+                 page_size: int, has_bt: bool, has_seqlen: bool, split: bool, lockstep: bool = False):
+        why = decode_reason(dtype, D, d_v, H, G, cache, page_size, has_bt, has_seqlen, lockstep)
         if why is not None:
             raise ValueError(f"SparseDecodeSm90: {why}")
         super().__init__(dtype, D, d_v, H, G, has_len, has_sink)
         self.config = DecodeSm90Config(dtype, D, d_v, H, G, has_len, has_sink, cache, page_size, has_bt,
-                                       has_seqlen, split, lockstep, paired)
+                                       has_seqlen, split, lockstep)
         self.cache, self.page_size = cache, page_size
         self.has_bt, self.has_seqlen, self.split = has_bt, has_seqlen, split
         self.fp8 = cache != NATIVE
         self.fmt = FORMATS[cache] if self.fp8 else None  # the FP8 layout (dsa.kv_cache)
-        self.lockstep, self.paired = lockstep, paired
+        self.lockstep = lockstep
         if self.fp8:
             self.producer_regs, self.consumer_regs = warpgroup_regs(cache, lockstep)
 
@@ -278,15 +261,12 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         fin_lse_ptr [T, H] (unused without splits)."""
         mmas, layouts = self.operands()
         n_tiles = scheduler.tile_count(T, self.G, self.HG // BLOCK_H) * n_split
-        # paired: the CTAs 2c and 2c + 1 (a cluster) run the tiles 2c + i * grid and the next, the two head
-        # blocks of one (token, split); n_cta and the tiles are even
-        launch = dict(cluster=[cluster.PAIR, 1, 1]) if const_expr(self.paired) else {}
         self.kernel(
             *mmas, *layouts,
             q_ptr, kv_ptr, idx_ptr, len_ptr, bt_ptr, seqlen_ptr, sink_ptr, out_ptr, lse_ptr, zero_ptr,
             K, n_pages, page_stride, bt_w, chunk, n_split, len_div, rows_per_seq, n_tiles, scale_log2,
         ).launch(grid=[scheduler.grid_size(n_cta, n_tiles), 1, 1], block=[THREADS, 1, 1], stream=stream,
-                 min_blocks_per_mp=1, **launch)
+                 min_blocks_per_mp=1)
         if const_expr(self.split):
             n_units = T * (self.H * (self.d_v // MERGE_VEC))
             # a programmatic dependent launch: the merge's CTAs start on the SMs the decode leaves free
@@ -536,7 +516,7 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
             self.qk(cs, 1 - s, 0, ph_next, True, release=True)
         else:
             self.timer.wait_wgmma(0, PROF_WGMMA)
-            self.release(cs.empty + 2 * s)
+            cute.arch.mbarrier_arrive(cs.empty + 2 * s)
 
     @cute.jit
     def lockstep1(self, cs, s: cutlass.Constexpr, tOrP, tOrV, ready, ph):
@@ -545,8 +525,6 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         acc_o, m_run, l_run, row_lo = cs.acc_o, cs.m_run, cs.l_run, cs.row_lo
         m_s = cs.m0 if s == 0 else cs.m1
         self.timer.wait_mbarrier(ready + s, ph, PROF_BAR)
-        if const_expr(self.paired):
-            cute.arch.fence_view_async_shared()  # the peer's st.async writes (see ``wait_full``)
         alpha = cute.make_rmem_tensor((2,), Float32)
         for r in cutlass.range_constexpr(2):
             mx = m_s[row_lo + 8 * r]
@@ -556,16 +534,14 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         self.rescale_o(acc_o, alpha)
         self.pv(cs.pv_mma_ss, acc_o, tOrP[s], tOrV[s])
         self.timer.wait_wgmma(0, PROF_WGMMA)
-        self.release(cs.empty + 2 * s + 1)
+        cute.arch.mbarrier_arrive(cs.empty + 2 * s + 1)
 
     @cute.jit
     def producer(self, tidx, sQ, sK, sOk, bars, tiles, q_ptr, kv_ptr, zero_ptr, N):
         if const_expr(not self.lockstep):
             SparseAttnFwdSm90.producer(self, tidx, sQ, sK, sOk, bars, tiles, q_ptr, kv_ptr, zero_ptr, N)
-        elif const_expr(not self.paired):
-            self.lockstep_producer(tidx, sQ, sK, sOk, bars, tiles, q_ptr, kv_ptr, zero_ptr, N)
         else:
-            self.paired_producer(tidx, sQ, sK, sOk, bars, tiles, q_ptr, kv_ptr, zero_ptr, N)
+            self.lockstep_producer(tidx, sQ, sK, sOk, bars, tiles, q_ptr, kv_ptr, zero_ptr, N)
 
     @cute.jit
     def lockstep_producer(self, tidx, sQ, sK, sOk, bars, tiles, q_ptr, kv_ptr, zero_ptr, N):
@@ -601,23 +577,23 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                 n0 = u0 + i
                 n1 = u1 + i
                 if n0 > 0:
-                    self.wait_empty(empty + 0, freed_phase(n0))
-                self.swap(atom, base0, tK0, buf_a, 0, L_CHUNKS, n0, base1, tK1, has1, full + 0)
+                    self.timer.wait_mbarrier(empty + 0, freed_phase(n0), PROF_EMPTY)
+                self.swap(atom, base0, tK0, buf_a, 0, L_CHUNKS, n0, base1, tK1, has1)
                 self.signal_fill(full + 0)
                 self.publish_mask(masks, 0, full + 0)
                 if n0 > 0:
-                    self.wait_empty(empty + 1, freed_phase(n0))
-                self.swap(atom, base0, tK0, buf_b, L_CHUNKS, CH, n0, base1, tK1, has1, full + 1)
+                    self.timer.wait_mbarrier(empty + 1, freed_phase(n0), PROF_EMPTY)
+                self.swap(atom, base0, tK0, buf_b, L_CHUNKS, CH, n0, base1, tK1, has1)
                 self.signal_fill(full + 1)
                 self.resolve_rows(base0, mk0, ns0, 2 * i + 2, *rows)
                 if has1:
                     if n1 > 0:
-                        self.wait_empty(empty + 2, freed_phase(n1))
-                    self.swap(atom, base1, tK1, buf_a, 0, L_CHUNKS, n1, base0, tK0, more, full + 2)
+                        self.timer.wait_mbarrier(empty + 2, freed_phase(n1), PROF_EMPTY)
+                    self.swap(atom, base1, tK1, buf_a, 0, L_CHUNKS, n1, base0, tK0, more)
                     self.signal_fill(full + 2)
                     if n1 > 0:
-                        self.wait_empty(empty + 3, freed_phase(n1))
-                    self.swap(atom, base1, tK1, buf_b, L_CHUNKS, CH, n1, base0, tK0, more, full + 3)
+                        self.timer.wait_mbarrier(empty + 3, freed_phase(n1), PROF_EMPTY)
+                    self.swap(atom, base1, tK1, buf_b, L_CHUNKS, CH, n1, base0, tK0, more)
                     self.signal_fill(full + 3)
                     self.publish_mask(masks, 1, full + 3)
                     self.resolve_rows(base1, mk1, ns1, 2 * i + 3, *rows)
@@ -628,167 +604,26 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
             j = j + 1
 
     @cute.jit
-    def paired_producer(self, tidx, sQ, sK, sOk, bars, tiles, q_ptr, kv_ptr, zero_ptr, N):
-        """The lockstep order (L0, R0, L1, R1 a pair) with a buffer a half:
-        a paired CTA loads one group of a half, so its four halves' loads fit
-        the registers two take unpaired, and a block's loads leave as soon as
-        its rows are resolved, a whole block (the other stage's two halves)
-        ahead of their conversion."""
-        q_full, q_empty, full, empty = bars
-        sched = tiles.sched
-        ps = self.producer_state(tidx, sK, sOk)
-        atom, thr, row_in_pass, col0, tK0, tK1, base0, base1, masks, ns0, ns1 = ps
-        # no mask registers: a stage's masks are read off its rows' addresses when published
-        mk = cute.make_rmem_tensor((BN // 16,), Float32)
-        CH = self.D // 64
-        a0, b0 = self.half_buffers(0, L_CHUNKS), self.half_buffers(L_CHUNKS, CH)
-        a1, b1 = self.half_buffers(0, L_CHUNKS), self.half_buffers(L_CHUNKS, CH)
-        u0 = Int32(0)
-        u1 = Int32(0)
-        j = Int32(0)
-        for tile_id in cutlass.range(sched.first, sched.n_tiles, sched.stride, unroll=1):
-            t, head0, L, n_blocks, idx_row, rows, n_pairs = self.start_tile(tiles, tile_id, ps, kv_ptr, zero_ptr, N)
-            if n_pairs > 0:
-                self.fetch_rows(ns0, 2, idx_row, L, row_in_pass)
-                self.fetch_rows(ns1, 3, idx_row, L, row_in_pass)
-                self.load_half(base0, tK0, a0, 0, L_CHUNKS)
-                self.load_half(base0, tK0, b0, L_CHUNKS, CH)
-                if n_blocks > 1:
-                    self.load_half(base1, tK1, a1, 0, L_CHUNKS)
-                    self.load_half(base1, tK1, b1, L_CHUNKS, CH)
-            if j > 0:
-                self.timer.wait_mbarrier(q_empty, freed_phase(j), PROF_Q)
-            self.load_q(atom, thr, sQ, q_full, q_ptr, zero_ptr, t, head0, row_in_pass, col0)
-            for i in cutlass.range(n_pairs, unroll=1):
-                n0 = u0 + i
-                n1 = u1 + i
-                if n0 > 0:
-                    self.wait_empty(empty + 0, freed_phase(n0))
-                self.store_half(atom, base0, tK0, a0, 0, L_CHUNKS, full + 0)
-                self.signal_fill(full + 0)
-                self.publish_row_masks(masks, base0, 0, full + 0, rows[0])
-                if n0 > 0:
-                    self.wait_empty(empty + 1, freed_phase(n0))
-                self.store_half(atom, base0, tK0, b0, L_CHUNKS, CH, full + 1)
-                self.signal_fill(full + 1)
-                self.resolve_rows(base0, mk, ns0, 2 * i + 2, *rows)
-                if 2 * i + 2 < n_blocks:
-                    self.load_half(base0, tK0, a0, 0, L_CHUNKS)
-                    self.load_half(base0, tK0, b0, L_CHUNKS, CH)
-                if 2 * i + 1 < n_blocks:
-                    if n1 > 0:
-                        self.wait_empty(empty + 2, freed_phase(n1))
-                    self.store_half(atom, base1, tK1, a1, 0, L_CHUNKS, full + 2)
-                    self.signal_fill(full + 2)
-                    if n1 > 0:
-                        self.wait_empty(empty + 3, freed_phase(n1))
-                    self.store_half(atom, base1, tK1, b1, L_CHUNKS, CH, full + 3)
-                    self.signal_fill(full + 3)
-                    self.publish_row_masks(masks, base1, 1, full + 3, rows[0])
-                    self.resolve_rows(base1, mk, ns1, 2 * i + 3, *rows)
-                    if 2 * i + 3 < n_blocks:
-                        self.load_half(base1, tK1, a1, 0, L_CHUNKS)
-                        self.load_half(base1, tK1, b1, L_CHUNKS, CH)
-                self.fetch_rows(ns0, 2 * i + 4, idx_row, L, row_in_pass)
-                self.fetch_rows(ns1, 2 * i + 5, idx_row, L, row_in_pass)
-            u0 = u0 + n_pairs
-            u1 = u1 + n_blocks // 2
-            j = j + 1
-
-    @cute.jit
-    def publish_row_masks(self, masks, base, stage: cutlass.Constexpr, bar, cache):
-        """``publish_mask`` with each mask read off its row's address: an
-        invalid slot's row is the zero row, and only an invalid slot's (the
-        zero row is the kernel's own buffer, never a cache row)."""
-        ok, writer, row_in_pass = masks[2], masks[3], masks[4]
-        if writer:
-            zero = cache.zero_ptr.toint()
-            for m in cutlass.range_constexpr(BN // 16):
-                v = Float32(0.0)
-                if base[m] == zero:
-                    v = -Float32.inf
-                ok[stage, row_in_pass + 16 * m] = v
-            cute.arch.mbarrier_arrive(bar)
-
-    @cute.jit
     def ahead(self, base, tKs, buf, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr):
         """A half's loads issued ahead of its wait (none in the no-refill timing build)."""
         if const_expr(self.refill):
             self.load_half(base, tKs, buf, c_lo, c_hi)
 
     @cute.jit
-    def swap(self, atom, base, tKs, buf, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr, n, nbase, ntKs, more,
-             bar):
+    def swap(self, atom, base, tKs, buf, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr, n, nbase, ntKs, more):
         """A half's loaded bytes converted into the stage (its use n), then,
         when ``more``, the same half of the next block that uses ``buf``
         loaded from its rows nbase in their place, before anything else the
         producer does next (a row lookup waits on the block table).  The
-        no-refill timing build loads and converts on the first use only.
-        bar: the half's full barrier (paired: the peer's stores count there)."""
+        no-refill timing build loads and converts on the first use only."""
         if const_expr(self.refill):
-            self.store_half(atom, base, tKs, buf, c_lo, c_hi, bar)
+            self.store_half(atom, base, tKs, buf, c_lo, c_hi)
             if more:
                 self.load_half(nbase, ntKs, buf, c_lo, c_hi)
         else:
             if n == 0:
                 self.load_half(base, tKs, buf, c_lo, c_hi)
-                self.store_half(atom, base, tKs, buf, c_lo, c_hi, bar)
-
-    # --------------------------------------------------------------- paired
-    # H a multiple of 128 on fp8_v32: the two head blocks of a (token, split)
-    # read the same rows, so a cluster of two CTAs runs them side by side and
-    # each dequantises one of every half's two 128-column groups (its rank's),
-    # storing it into its own stage and, by ``st.async``, into the peer's.  A
-    # half is full once the local producer has arrived (one thread also
-    # expecting the peer's PEER_BYTES) and the peer's stores have landed
-    # (their complete_tx), and free once both CTAs' consumers have read it,
-    # so each producer waits for the two consumers it writes for.  No
-    # cluster-scope fence or release stands between a producer's stores and
-    # its next loads: those would wait for the loads in flight.  The RoPE
-    # columns stay a local cp.async, and the CTAs meet after the barriers'
-    # set-up and before exit.
-    def empty_arrivals(self) -> int:
-        if self.paired:
-            return (4 if WARP_RELEASE else 128) * (1 if LOCAL_RELEASE else cluster.PAIR)
-        return 128
-
-    def meet_peer(self):
-        if self.paired:
-            cluster.sync()
-
-    def wait_full(self, bar, ph):
-        SparseAttnFwdSm90.wait_full(self, bar, ph)
-        if const_expr(self.paired):
-            # the peer's st.async writes reach the consumers' wgmma (async proxy) past this fence
-            cute.arch.fence_view_async_shared()
-
-    def wait_empty(self, bar, ph):
-        """The producer's wait for a free half (in both CTAs when paired)."""
-        self.timer.wait_mbarrier(bar, ph, PROF_EMPTY)
-
-    @cute.jit
-    def release(self, bar):
-        if const_expr(not self.paired):
-            cute.arch.mbarrier_arrive(bar)
-        elif const_expr(not WARP_RELEASE):
-            cute.arch.mbarrier_arrive(bar)
-            cluster.arrive(bar, cluster.rank() ^ 1)
-        else:
-            # one lane a warp, past the warp's wgmma wait: the warp's reads of the half are done.  The
-            # peer's rank is read by the whole warp (a shuffle with every lane's part)
-            peer = cluster.rank() ^ 1
-            if cute.arch.lane_idx() == 0:
-                cute.arch.mbarrier_arrive(bar)
-                if const_expr(not LOCAL_RELEASE):
-                    cluster.arrive(bar, peer)
-
-    def own_groups(self, n_lo, groups: int):
-        """(first column, count) of the 128-column groups of a half (from
-        column n_lo, ``groups`` of them) this CTA dequantises: all, or when
-        paired the one of its rank."""
-        if const_expr(self.paired):
-            return n_lo + GROUP * cluster.rank(), 1
-        return n_lo, groups
+                self.store_half(atom, base, tKs, buf, c_lo, c_hi)
 
     # ----------------------------------------------------------- FP8 gather
     def row_addresses(self):
@@ -803,20 +638,12 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         # FP8: each producer thread also arrives (release) after its converted stores
         return 256 if self.fp8 else 128
 
-    @cute.jit
     def signal_fill(self, bar):
-        if const_expr(self.fp8):
+        if self.fp8:
             # the converted values were written through the generic proxy; the
             # consumers' wgmma reads them through the async proxy
             cute.arch.fence_view_async_shared()
-            if const_expr(self.paired):
-                tidx, _, _ = cute.arch.thread_idx()
-                if tidx == 0:
-                    cute.arch.mbarrier_arrive_and_expect_tx(bar, 0 if NO_PEER_STORES else PEER_BYTES)
-                else:
-                    cute.arch.mbarrier_arrive(bar)
-            else:
-                cute.arch.mbarrier_arrive(bar)
+            cute.arch.mbarrier_arrive(bar)
         cute.arch.cp_async_mbarrier_arrive_noinc(bar)
 
     def stage_partitions(self, thr, sK, tidx):
@@ -840,16 +667,6 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         raw = cute.recast_ptr(sK.iterator, None)
         views = [cute.make_tensor(cute.recast_ptr(raw + s * BN * self.D, nope.inner), nope.outer) for s in (0, 1)]
         lane = tidx % 8
-        if const_expr(self.paired):
-            # the byte address of this thread's first 16-byte unit of each stage (row tidx // 8, group 0;
-            # ``store_half`` adds the row pass and the group): the stage layout's, its 128-byte swizzle
-            # (unit ^ row % 8) included, for st.async, which takes a plain address
-            row = tidx // 8
-            unit = (2 * (lane % 4)) ^ (row % 8)
-            first = (lane // 4) * (BN * 128) + row * 128 + unit * 16
-            addr = [raw.toint() + s * BN * self.D * 2 + first for s in (0, 1)]
-            return ((tK0, fthr.partition_D(views[0]), lane, addr[0]),
-                    (tK1, fthr.partition_D(views[1]), lane, addr[1]))
         return ((tK0, fthr.partition_D(views[0]), lane), (tK1, fthr.partition_D(views[1]), lane))
 
     def nope_view_cols(self) -> int:
@@ -889,8 +706,6 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         """Registers for a half stage's loads: e4m3 words [4, groups, rows]
         and the rows' scales (``load_scales``)."""
         _, _, groups = self.half_groups(c_lo, c_hi)
-        if const_expr(self.paired):
-            groups = 1
         R = BN // 16
         raw = cute.make_rmem_tensor((4, groups, R), Int32)
         if const_expr(not self.fmt.per_page):
@@ -907,7 +722,6 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         addr, offs = base if const_expr(f.per_page) else (base, None)
         raw, sc = buf
         n_lo, _, groups = self.half_groups(c_lo, c_hi)
-        n_lo, groups = self.own_groups(n_lo, groups)
         lane = tKs[2]
         for m in cutlass.range_constexpr(BN // 16):
             for k in cutlass.range_constexpr(groups):
@@ -919,14 +733,13 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         return cute.make_tensor(aligned(Int32, row_addr + (n_lo + GROUP * k) + 16 * lane), cute.make_layout((4,)))
 
     @cute.jit
-    def store_half(self, atom, base, tKs, buf, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr, bar=None):
+    def store_half(self, atom, base, tKs, buf, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr):
         """A loaded half stage into shared memory: the RoPE chunk (when the
         half has it) by cp.async, the NoPE columns dequantised.  In a group
         the NoPE columns end inside (fp8_model1's 384..447), the lanes past
-        them loaded bytes of the same record and store nothing.  Paired, the
-        NoPE columns also go to the peer's stage, counted on its ``bar``."""
+        them loaded bytes of the same record and store nothing."""
         f = self.fmt
-        tK, tN, lane = tKs[:3]
+        tK, tN, lane = tKs
         addr = base[0] if const_expr(f.per_page) else base
         raw, sc = buf
         R = BN // 16
@@ -939,37 +752,21 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                 cute.copy(atom, src, tK[None, m, f.d_nope // 64])
         vals = cute.make_rmem_tensor((16,), self.dtype)
         words = cute.recast_tensor(vals, Int32)
-        if const_expr(self.paired):
-            # fp8_v32: whole groups, one scale each; this CTA's group into its stage and the peer's
-            g = self.own_groups(n_lo, groups)[0] // GROUP
-            peer = cluster.rank() ^ 1
-            for m in cutlass.range_constexpr(R):
+        for m in cutlass.range_constexpr(R):
+            for k in cutlass.range_constexpr(groups):
+                s_ = self.scale_of(sc, k, m, n_lo, lane)
                 for w in cutlass.range_constexpr(4):
-                    words[2 * w] = e4m3x2_to_bf16x2(raw[w, 0, m], False, sc[0, m])
-                    words[2 * w + 1] = e4m3x2_to_bf16x2(raw[w, 0, m], True, sc[0, m])
-                cute.autovec_copy(vals, tN[None, m, g])
-                # the group's two 64-column chunks, the pass's 16 rows; the second unit is the first's
-                # neighbour under the swizzle (bit 4 flipped)
-                a = tKs[3] + (g * (2 * BN * 128) + m * (16 * 128))
-                for u in cutlass.range_constexpr(2):
-                    dst = cute.make_ptr(Int32, a ^ (16 * u), cute.AddressSpace.smem, assumed_align=16)
-                    if const_expr(not NO_PEER_STORES):
-                        cute.arch.store_async_dsmem(dst, tuple(words[4 * u + i] for i in range(4)), bar, peer)
-        else:
-            for m in cutlass.range_constexpr(R):
-                for k in cutlass.range_constexpr(groups):
-                    s_ = self.scale_of(sc, k, m, n_lo, lane)
-                    for w in cutlass.range_constexpr(4):
-                        words[2 * w] = e4m3x2_to_bf16x2(raw[w, k, m], False, s_)
-                        words[2 * w + 1] = e4m3x2_to_bf16x2(raw[w, k, m], True, s_)
-                    if const_expr(n_lo + GROUP * (k + 1) <= n_hi):
+                    words[2 * w] = e4m3x2_to_bf16x2(raw[w, k, m], False, s_)
+                    words[2 * w + 1] = e4m3x2_to_bf16x2(raw[w, k, m], True, s_)
+                if const_expr(n_lo + GROUP * (k + 1) <= n_hi):
+                    cute.autovec_copy(vals, tN[None, m, n_lo // GROUP + k])
+                else:
+                    if n_lo + GROUP * k + 16 * lane < n_hi:
                         cute.autovec_copy(vals, tN[None, m, n_lo // GROUP + k])
-                    else:
-                        if n_lo + GROUP * k + 16 * lane < n_hi:
-                            cute.autovec_copy(vals, tN[None, m, n_lo // GROUP + k])
 
     @cute.jit
-    def load_scales(self, sc, addr, offs, n_lo, groups: cutlass.Constexpr, R: cutlass.Constexpr):
+    def load_scales(self, sc, addr, offs, n_lo: cutlass.Constexpr, groups: cutlass.Constexpr,
+                    R: cutlass.Constexpr):
         """sc <- the rows' scales the half needs: fp8_v32, the fp32 scale of
         each 128-column group ([groups, R]); fp8_model1, each row's 8-byte
         record of e8m0 scales ([2, R] words)."""

@@ -324,11 +324,10 @@ class SparseAttnFwdSm90:
             # the producer's threads; the first half filled of a stage (L of
             # 0, R of 1) also carries its mask, from one thread a row
             arrivals.append((full, h, self.fill_arrivals(h) + (MASK_WRITERS if h in (0, 3) else 0)))
-            arrivals.append((empty, h, self.empty_arrivals()))  # the consumer reading that half as V
+            arrivals.append((empty, h, 128))  # the consumer reading that half as V
         if const_expr(self.lockstep):
             arrivals += [(st.ready.data_ptr(), s, 128) for s in range(2)]  # consumer 0's threads
         pipeline.init_mbarriers(tidx, arrivals)
-        self.meet_peer()
 
         tiles = self.slot_tiles(sched, *tile_args)
         for mma in (qk_mma, pv_mma, pv_mma_ss):
@@ -350,7 +349,6 @@ class SparseAttnFwdSm90:
                 self.set_consumer_regs(1)
                 self.consumer(1, *args)
             self.timer.store(prof_ptr, tidx, THREADS // 32, PROF_TOTAL)
-        self.meet_peer()
 
     def set_consumer_regs(self, w: int):
         """Consumer w's setmaxnreg: ``consumer_regs``, or per consumer when it
@@ -371,22 +369,6 @@ class SparseAttnFwdSm90:
         """Arrivals that complete half h's fill (the mask's come on top): one
         per producer thread, its ``cp.async.mbarrier.arrive.noinc``."""
         return 128
-
-    def empty_arrivals(self) -> int:
-        """Arrivals that free a half: the threads of the consumer reading it as V."""
-        return 128
-
-    def meet_peer(self):
-        """Where a kernel run by a cluster of CTAs synchronises them (after the
-        barriers' initialisation, before exit): nowhere for one CTA."""
-
-    def wait_full(self, bar, ph):
-        """A consumer's wait for a filled half."""
-        self.timer.wait_mbarrier(bar, ph, PROF_FULL)
-
-    def release(self, bar):
-        """A consumer's arrival that frees a half (``empty_arrivals`` counts it)."""
-        cute.arch.mbarrier_arrive(bar)
 
     def stage_partitions(self, thr, sK, tidx):
         """This thread's slices of the two K stages as ``copy_half`` fills
@@ -706,7 +688,7 @@ class SparseAttnFwdSm90:
         KL = L_CHUNKS * 4
         first = 2 * stage + (0 if first_l else 1)
         acc_s.fill(0.0)
-        self.wait_full(cs.full + first, ph)
+        self.timer.wait_mbarrier(cs.full + first, ph, PROF_FULL)
         warpgroup.fence()
         if const_expr(first_l):
             for k in cutlass.range_constexpr(KL):
@@ -725,8 +707,8 @@ class SparseAttnFwdSm90:
             if release:
                 # lockstep: the previous block's P V (the other stage's L as V) has retired
                 self.timer.wait_wgmma(1, PROF_WGMMA)
-                self.release(cs.empty + 2 * (1 - stage))
-        self.wait_full(cs.full + (2 * stage + (1 if first_l else 0)), ph)
+                cute.arch.mbarrier_arrive(cs.empty + 2 * (1 - stage))
+        self.timer.wait_mbarrier(cs.full + (2 * stage + (1 if first_l else 0)), ph, PROF_FULL)
         warpgroup.fence()
         if const_expr(first_l):
             for k in cutlass.range_constexpr(KD - KL):

@@ -90,13 +90,9 @@ def _no_gc() -> Iterator[None]:
             gc.enable()
 
 
+@_no_gc()
 def host_us_cuda(fn: Callable[[], Any], calls: int, reps: int) -> Tuple[float, float]:
     """(min, median) host microseconds a call of ``fn``, the stream held behind a sleep (module header)."""
-    with _no_gc():
-        return _host_us_cuda(fn, calls, reps)
-
-
-def _host_us_cuda(fn: Callable[[], Any], calls: int, reps: int) -> Tuple[float, float]:
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
@@ -121,13 +117,9 @@ def _host_us_cuda(fn: Callable[[], Any], calls: int, reps: int) -> Tuple[float, 
     return min(samples), statistics.median(samples)
 
 
+@_no_gc()
 def host_us_cpu(fn: Callable[[], Any], calls: int, reps: int) -> Tuple[float, float]:
     """(min, median) microseconds a call of ``fn`` over ``reps`` loops of ``calls`` calls."""
-    with _no_gc():
-        return _host_us_cpu(fn, calls, reps)
-
-
-def _host_us_cpu(fn: Callable[[], Any], calls: int, reps: int) -> Tuple[float, float]:
     for _ in range(5):
         fn()
     samples = []

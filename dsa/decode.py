@@ -359,11 +359,7 @@ class SparseDecodePlan:
         if traced() or (torch.is_grad_enabled() and (q.requires_grad or (self._grad_cache and kv_cache.requires_grad)
                                                      or (sink is not None and sink.requires_grad))):
             return None
-        if self._cuda is None or self._cuda == torch._C._cuda_getDevice():
-            self._run(q, kv_cache, indices, topk_length, block_table, seq_lens, sink, out, lse)
-        else:
-            _on_device(self._cuda, self._run, q, kv_cache, indices, topk_length, block_table, seq_lens, sink, out,
-                       lse)
+        _on_device(self._cuda, self._run, q, kv_cache, indices, topk_length, block_table, seq_lens, sink, out, lse)
         return (out, lse) if self.return_lse else out
 
     def _mismatch(self, given: Tuple[Any, ...]) -> None:

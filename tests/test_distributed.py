@@ -14,8 +14,10 @@ the cases marked even.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -220,13 +222,23 @@ def _run_all(cases, group, rank, world, backends=BACKENDS, device="cpu"):
 
 
 def _in_group(backend, rank, world, tmp, work):
-    """work() inside a process group; a failure leaves its traceback in tmp/error{rank}.txt for the parent."""
+    """work() inside a process group.
+
+    The rank's stderr goes to tmp/log{rank}.txt, with the Python stack of a
+    fatal signal; a Python failure leaves its traceback in tmp/error{rank}.txt,
+    and tmp/done{rank} marks a rank whose work (results saved) is complete.
+    """
+    log = open(f"{tmp}/log{rank}.txt", "w")
+    os.dup2(log.fileno(), 2)
+    faulthandler.enable(file=log)
     dist.init_process_group(
         backend, init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=120),
     )
     try:
         work()
+        open(f"{tmp}/done{rank}", "w").close()
+        dist.barrier()  # no rank tears its group down while another still communicates
     except BaseException:
         with open(f"{tmp}/error{rank}.txt", "w") as f:
             f.write(traceback.format_exc())
@@ -310,13 +322,39 @@ def _compare(name, c, full, ranks, world):
                 torch.testing.assert_close(got, part, atol=ATOL, rtol=1e-5, msg=lambda m: f"{name} {key} r{rank}: {m}")
 
 
-def _spawn(child, world, tmp):
-    """``world`` processes running child(rank, world, tmp); a failed rank fails the test with its traceback."""
-    try:
-        mp.spawn(child, args=(world, str(tmp)), nprocs=world, join=True)
-    except Exception:
-        errs = [p.read_text() for p in sorted(tmp.glob("error*.txt"))]
-        pytest.fail("a rank failed:\n" + "\n".join(errs))
+def _logs(tmp):
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(tmp.glob("log*.txt")))
+
+
+def _spawn(child, world, tmp, attempts=2):
+    """``world`` processes running child(rank, world, tmp).
+
+    A rank that raises fails the test with its traceback. A rank killed by a
+    signal (the communication runtime aborting; our code raises) is told
+    apart by the done markers: after every rank finished its work, the
+    results stand and a warning carries the logs; before, the spawn runs
+    once more, and fails with the logs if it dies again.
+    """
+    for attempt in range(attempts):
+        for p in tmp.glob("*"):
+            if p.name != "cases.pt":
+                p.unlink()
+        try:
+            mp.spawn(child, args=(world, str(tmp)), nprocs=world, join=True)
+            return
+        except mp.ProcessExitedException as e:
+            if e.signal_name is None:
+                pytest.fail(f"a rank exited with code {e.exit_code}:\n{_logs(tmp)}")
+            # the other ranks' errors, if any, are the lost peer's consequence
+            if all((tmp / f"done{r}").exists() for r in range(world)):
+                warnings.warn(f"a rank died after every rank's work was done ({e}):\n{_logs(tmp)}")
+                return
+            if attempt + 1 == attempts:
+                pytest.fail(f"a rank died, {attempts} times ({e}):\n{_logs(tmp)}")
+            warnings.warn(f"a rank died during its work ({e}), spawning again:\n{_logs(tmp)}")
+        except Exception:
+            errs = [p.read_text() for p in sorted(tmp.glob("error*.txt"))]
+            pytest.fail("a rank failed:\n" + "\n".join(errs))
 
 
 @pytest.fixture(scope="module")

@@ -155,3 +155,25 @@ def _fresh_choices():
 
     selector.forget()
     yield
+
+
+# Under the interpreter every kernel's loads, stores and atomics are checked
+# against the storages of its tensor arguments (interp_memcheck.py): an
+# access out of range fails the test that made it.
+INTERPRETING = not CUDA and TRITON_IMPORTABLE
+if INTERPRETING:
+    import interp_memcheck
+
+    interp_memcheck.install()
+
+
+@pytest.fixture(autouse=True)
+def _addresses_in_range():
+    if not INTERPRETING:
+        yield
+        return
+    interp_memcheck.take()
+    yield
+    found = interp_memcheck.take()
+    if found:
+        pytest.fail("out-of-range accesses under the interpreter:\n" + "\n".join(found[:5]), pytrace=False)

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 import dsa
 import dsa.distributed as dd
-from conftest import CUDA, TRITON_IMPORTABLE
+from conftest import CUDA, INTERPRETING, TRITON_IMPORTABLE
 
 T, H, D, D_V, K = 12, 2, 32, 16, 8
 H_I, D_I = 2, 16
@@ -257,6 +257,11 @@ def _child(rank, world, tmp):
         if rank in PAIR:
             sub = dist.get_rank(pair)
             torch.save(_run_all(cases, pair, sub, 2), f"{tmp}/w2_rank{sub}.pt")
+        if INTERPRETING:  # the ranks' kernels are address-checked too (conftest)
+            import interp_memcheck
+
+            found = interp_memcheck.take()
+            assert not found, "out-of-range accesses under the interpreter:\n" + "\n".join(found[:5])
 
     _in_group("gloo", rank, world, tmp, work)
 

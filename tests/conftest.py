@@ -176,4 +176,4 @@ def _addresses_in_range():
     yield
     found = interp_memcheck.take()
     if found:
-        pytest.fail("out-of-range accesses under the interpreter:\n" + "\n".join(found[:5]), pytrace=False)
+        pytest.fail(interp_memcheck.report(found), pytrace=False)

@@ -27,7 +27,12 @@ def _where(p: int) -> str:
     if near is None:
         return f"{p:#x} (the kernel has no tensor argument)"
     lo, hi, name = near
-    rel = f"{p - hi} bytes past the end of" if p >= hi else f"{lo - p} bytes before"
+    if p < lo:
+        rel = f"{lo - p} bytes before"
+    elif p >= hi:
+        rel = f"{p - hi} bytes past the end of"
+    else:  # starts inside, runs past the end
+        rel = f"{p - lo} bytes into the end of"
     return f"{p:#x}, {rel} {name} ({hi - lo} bytes)"
 
 
@@ -109,3 +114,8 @@ def take() -> List[str]:
     found = list(_found)
     _found.clear()
     return found
+
+
+def report(found: List[str]) -> str:
+    """What a failure says of ``found`` (its first five)."""
+    return "out-of-range accesses under the interpreter:\n" + "\n".join(found[:5])

@@ -261,7 +261,7 @@ def _child(rank, world, tmp):
             import interp_memcheck
 
             found = interp_memcheck.take()
-            assert not found, "out-of-range accesses under the interpreter:\n" + "\n".join(found[:5])
+            assert not found, interp_memcheck.report(found)
 
     _in_group("gloo", rank, world, tmp, work)
 

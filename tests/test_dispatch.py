@@ -4,10 +4,12 @@ and the cached offsets of uniform sequences."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import dsa
 from dsa import _checks, ops
+from conftest import CUDA, TRITON_IMPORTABLE
 
 
 def _count_dispatches(monkeypatch, op):
@@ -136,3 +138,30 @@ def test_forward_bounds_reach_a_backward_that_takes_them(monkeypatch):
         dsa.sparse_attention(q, kv, idx, deterministic=True, backend="reference")
     dsa.sparse_attention(q.detach(), kv, idx, deterministic=True, backend="reference")
     assert modes == [False, False]
+
+
+@pytest.mark.parametrize("backend", ["reference"] + (["triton"] if TRITON_IMPORTABLE and not CUDA else []))
+def test_negative_views_read_as_their_values(backend):
+    """A tensor with the negative bit (``torch._neg_view``; the imaginary part of a conjugated complex
+    tensor is one) holds its values negated in memory. The kernels read memory as stored, so such a call
+    takes the dispatcher, which materialises the values: every result is that of the same values
+    stored plainly."""
+    g = torch.Generator().manual_seed(3)
+    q, kv = torch.randn(4, 2, 16, generator=g), torch.randn(6, 16, generator=g)
+    idx = torch.randint(-1, 6, (4, 3), generator=g, dtype=torch.int32)
+    sink = torch.randn(2, generator=g)
+
+    def neg(x):  # the same values, stored negated
+        v = torch._neg_view(x.neg())
+        assert v.is_neg() and torch.equal(v, x)
+        return v
+
+    exp = dsa.sparse_attention(q, kv, idx, sink=sink, backend=backend)
+    exp_decode = dsa.sparse_decode(q, kv, idx, sink=sink, backend=backend)
+    for args in ((neg(q), kv, idx, sink), (q, neg(kv), idx, sink), (q, kv, neg(idx), sink), (q, kv, idx, neg(sink))):
+        assert torch.equal(dsa.sparse_attention(*args[:3], sink=args[3], backend=backend), exp)
+        assert torch.equal(dsa.sparse_decode(*args[:3], sink=args[3], backend=backend), exp_decode)
+    w = torch.randn(4, 2, generator=g)
+    scores = dsa.indexer_scores(q, kv, w, backend=backend)
+    assert torch.equal(dsa.indexer_scores(neg(q), kv, neg(w), backend=backend), scores)
+    assert torch.equal(dsa.topk_indices(neg(scores), 3, backend=backend), dsa.topk_indices(scores, 3, backend=backend))

@@ -64,7 +64,8 @@ def on_device(body: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(body)
     def run(a, *rest):
         dev = _device(a)
-        if dev is not None and dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
+        if (dev is not None and dev.type == "cuda" and dev.index is not None
+                and dev.index != torch.cuda.current_device()):
             with torch.cuda.device(dev):
                 return body(a, *rest)
         return body(a, *rest)
@@ -165,18 +166,19 @@ def traced() -> bool:
 
 
 def _plain(values) -> bool:
-    """No tensor subclass among ``values`` and none requiring grad while grad mode is on."""
+    """No tensor subclass among ``values``, none with the negative bit (a lazily negated view: the kernels
+    read memory as stored, the dispatcher materialises it) and none requiring grad while grad mode is on."""
     grad = torch.is_grad_enabled()
     for x in values:
-        if isinstance(x, Tensor) and (type(x) is not Tensor or (grad and x.requires_grad)):
+        if isinstance(x, Tensor) and (type(x) is not Tensor or x.is_neg() or (grad and x.requires_grad)):
             return False
     return True
 
 
 def direct(values) -> bool:
     """Whether a call on ``values`` (its tensors, and anything else) may skip the dispatcher and run an
-    op's body: no tracing or compiling, no dispatch mode or functorch transform, no tensor subclass, and no
-    autograd (grad mode off or no tensor requiring grad)."""
+    op's body: no tracing or compiling, no dispatch mode or functorch transform, no tensor subclass or
+    negative view, and no autograd (grad mode off or no tensor requiring grad)."""
     return not traced() and _plain(values)
 
 
@@ -184,10 +186,10 @@ def direct_plain(tensors) -> bool:
     """:func:`direct` for ``tensors`` known to be plain ``torch.Tensor`` objects (or None)."""
     if traced():
         return False
-    if torch.is_grad_enabled():
-        for x in tensors:
-            if x is not None and x.requires_grad:
-                return False
+    grad = torch.is_grad_enabled()
+    for x in tensors:
+        if x is not None and (x.is_neg() or (grad and x.requires_grad)):
+            return False
     return True
 
 

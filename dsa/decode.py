@@ -22,13 +22,15 @@ make its tensors canonical, its output allocations and the launches. A
 :class:`SparseDecodePlan` goes further: it checks one call's metadata once,
 and a call compares its tensors' shapes, dtypes and devices with the plan's
 (no key, no environment read) and launches, its scratch memory allocated
-once. Eager calls run the chosen implementation directly; anything the dispatcher
+once; a repeated call's tensors are compared with the last call's in one
+C++ test (torch's ``TensorGuards``, the guards of ``torch.compile``). Eager calls run the chosen implementation directly; anything the dispatcher
 must see (``torch.compile``, a dispatch mode, a functorch transform, a tensor
 subclass, autograd) goes through the op.
 """
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
@@ -42,6 +44,11 @@ from dsa.ops import decode as decode_op
 from dsa.ops._core import direct_plain, traced
 
 Backend = str  # "auto" | "reference" | "triton" | "cute"
+
+try:  # one C++ test of a call's tensors: class, dispatch keys, dtype, device, sizes, strides, requires_grad
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # the plan's Python tests (SparseDecodePlan._lean_ok) then serve alone
+    _TensorGuards = None
 
 
 def _decode(q, kv_cache, indices, block_table, seq_lens, topk_length, sink, sm_scale, d_v, cache_format,
@@ -198,7 +205,8 @@ class SparseDecodePlan:
     The plan checks the example call's arguments once (the cache's layout and strides, the block table,
     the dtypes, the scalars), chooses the backend once and prepares its launches (grids, integer
     arguments, the split workspace). A call passes the step's tensors; each must have the example's
-    class, shape, dtype and device (the cache also its strides): attribute comparisons, then the launches.
+    class, shape, dtype and device (the cache also its strides): attribute comparisons (for a repeated
+    call one C++ test against the last call's tensors), then the launches.
     A call reads nothing back from the device and allocates only its outputs (none with ``out=`` and
     ``lse=``), so it captures in a CUDA graph; its result is bitwise that of :func:`sparse_decode` with the
     same arguments.
@@ -244,7 +252,8 @@ class SparseDecodePlan:
         # conversion (int32 integers) and launch prepared kernels
         self._lean = (self._run is not None and not any(form.wide)
                       and form.cache(kv_cache).dtype == kv_cache.dtype)  # a launch that compiles sees the dtype
-        self._grad_cache = kv_cache.is_floating_point()  # an FP8 cache (uint8 bytes) never requires grad
+        # per pattern of absent arguments, a C++ test of the tensors of the last lean call (``_remember``)
+        self._seen: Dict[Tuple[bool, ...], Tuple[Any, Callable[..., Tuple[Tensor, ...]]]] = {}
 
     def explain(self) -> str:
         """Which backend the plan runs and why (as :func:`dsa.explain` says it)."""
@@ -263,10 +272,20 @@ class SparseDecodePlan:
         (allocated when not given; lse is written when given, returned with ``return_lse``). Returns out,
         or (out, lse) with ``return_lse``.
         """
-        if self._lean:
-            res = self._lean_call(q, kv_cache, indices, block_table, seq_lens, topk_length, sink, out, lse)
-            if res is not None:
-                return res
+        if self._lean and not traced():  # tracing and compiling never reach the tests below
+            seen = self._seen.get((block_table is None, seq_lens is None, topk_length is None, sink is None,
+                                   out is None, lse is None))
+            if (seen is not None and seen[0].check(*seen[1]((q, kv_cache, indices, block_table, seq_lens,
+                                                               topk_length, sink, out, lse)))
+                    or self._lean_ok(q, kv_cache, indices, block_table, seq_lens, topk_length, sink, out, lse)):
+                if out is None:
+                    out = q.new_empty(self._out[0])
+                if lse is None:
+                    lse = self._lse_scratch if self._lse_scratch is not None else q.new_empty(
+                        self._lse[0], dtype=self._lse[1])
+                _on_device(self._cuda, self._run, q, kv_cache, indices, topk_length, block_table, seq_lens, sink,
+                           out, lse)
+                return (out, lse) if self.return_lse else out
         try:
             plain = (_meta(q), _meta(kv_cache), _meta(indices), _meta(block_table), _meta(seq_lens),
                      _meta(topk_length), _meta(sink)) == self._want and kv_cache.stride() == self._cache_stride
@@ -282,7 +301,9 @@ class SparseDecodePlan:
         if sink is not None:
             sink = sink.contiguous()
         eager = plain and direct_plain((q, kv_cache, indices, block_table, seq_lens, topk_length, sink))
-        if self._run is not None and eager:
+        # the launches write out and lse as stored; a negative view of either takes the copy below
+        if self._run is not None and eager and not (out is not None and out.is_neg()
+                                                    or lse is not None and lse.is_neg()):
             if out is None:
                 out = q.new_empty(self._out[0])
             if lse is None:
@@ -305,10 +326,10 @@ class SparseDecodePlan:
             res_lse = lse.copy_(res_lse)
         return (res_out, res_lse) if self.return_lse else res_out
 
-    def _lean_call(self, q, kv_cache, indices, block_table, seq_lens, topk_length, sink, out, lse):
-        """The eager call of a plain one, the prepared launches on the given tensors as they are; None
-        when the call needs more (a mismatch, a view to copy, a tensor subclass, tracing, autograd, a
-        missing output), which the general path then handles with the same result.
+    def _lean_ok(self, q, kv_cache, indices, block_table, seq_lens, topk_length, sink, out, lse) -> bool:
+        """Whether an untraced call is a plain eager one, whose prepared launches run on the given tensors
+        as they are; False when it needs more (a mismatch, a view to copy, a tensor subclass, a negative
+        view, autograd), which the general path then handles with the same result or the same error.
 
         Every tensor a launch reads must be a plain tensor with the plan's shape, dtype and device, and
         contiguous; the cache also has the plan's strides. A contiguous tensor's elements are in the
@@ -316,51 +337,66 @@ class SparseDecodePlan:
         (Spelled out tensor by tensor: a loop or a helper call each costs more than the tests.)"""
         w_q, w_kv, w_idx, w_bt, w_sl, w_tl, w_sink = self._want
         if not (q.__class__ is Tensor and q.shape == w_q[1] and q.dtype is w_q[2] and q.device == w_q[3]
-                and q.is_contiguous()
+                and q.is_contiguous() and not q.is_neg()
                 and kv_cache.__class__ is Tensor and kv_cache.shape == w_kv[1] and kv_cache.dtype is w_kv[2]
                 and kv_cache.device == w_kv[3] and kv_cache.stride() == self._cache_stride
+                and not kv_cache.is_neg()
                 and indices.__class__ is Tensor and indices.shape == w_idx[1] and indices.dtype is w_idx[2]
-                and indices.device == w_idx[3] and indices.is_contiguous()):
-            return None
+                and indices.device == w_idx[3] and indices.is_contiguous() and not indices.is_neg()):
+            return False
         if w_bt is None:
             if block_table is not None:
-                return None
+                return False
         elif not (block_table.__class__ is Tensor and block_table.shape == w_bt[1] and block_table.dtype is w_bt[2]
-                  and block_table.device == w_bt[3] and block_table.is_contiguous()):
-            return None
+                  and block_table.device == w_bt[3] and block_table.is_contiguous()
+                  and not block_table.is_neg()):
+            return False
         if w_sl is None:
             if seq_lens is not None:
-                return None
+                return False
         elif not (seq_lens.__class__ is Tensor and seq_lens.shape == w_sl[1] and seq_lens.dtype is w_sl[2]
-                  and seq_lens.device == w_sl[3] and seq_lens.is_contiguous()):
-            return None
+                  and seq_lens.device == w_sl[3] and seq_lens.is_contiguous() and not seq_lens.is_neg()):
+            return False
         if w_tl is None:
             if topk_length is not None:
-                return None
+                return False
         elif not (topk_length.__class__ is Tensor and topk_length.shape == w_tl[1] and topk_length.dtype is w_tl[2]
-                  and topk_length.device == w_tl[3] and topk_length.is_contiguous()):
-            return None
+                  and topk_length.device == w_tl[3] and topk_length.is_contiguous()
+                  and not topk_length.is_neg()):
+            return False
         if w_sink is None:
             if sink is not None:
-                return None
+                return False
         elif not (sink.__class__ is Tensor and sink.shape == w_sink[1] and sink.dtype is w_sink[2]
-                  and sink.device == w_sink[3] and sink.is_contiguous()):
-            return None
-        if out is None:
-            out = q.new_empty(self._out[0])
-        elif not (out.__class__ is Tensor and out.shape == self._out[0] and out.dtype is self._out[1]
-                  and out.device == w_q[3] and out.is_contiguous()):
-            return None
-        if lse is None:
-            lse = self._lse_scratch if self._lse_scratch is not None else q.new_empty(self._lse[0], dtype=self._lse[1])
-        elif not (lse.__class__ is Tensor and lse.shape == self._lse[0] and lse.dtype is self._lse[1]
-                  and lse.device == w_q[3] and lse.is_contiguous()):
-            return None
-        if traced() or (torch.is_grad_enabled() and (q.requires_grad or (self._grad_cache and kv_cache.requires_grad)
-                                                     or (sink is not None and sink.requires_grad))):
-            return None
-        _on_device(self._cuda, self._run, q, kv_cache, indices, topk_length, block_table, seq_lens, sink, out, lse)
-        return (out, lse) if self.return_lse else out
+                  and sink.device == w_sink[3] and sink.is_contiguous() and not sink.is_neg()):
+            return False
+        if out is not None and not (out.__class__ is Tensor and out.shape == self._out[0]
+                                    and out.dtype is self._out[1] and out.device == w_q[3] and out.is_contiguous()
+                                    and not out.is_neg()):
+            return False
+        if lse is not None and not (lse.__class__ is Tensor and lse.shape == self._lse[0]
+                                    and lse.dtype is self._lse[1] and lse.device == w_q[3] and lse.is_contiguous()
+                                    and not lse.is_neg()):
+            return False
+        grads = q.requires_grad or kv_cache.requires_grad or (sink is not None and sink.requires_grad)
+        if grads and torch.is_grad_enabled():
+            return False
+        if _TensorGuards is not None and not grads:
+            self._remember((q, kv_cache, indices, block_table, seq_lens, topk_length, sink, out, lse))
+        return True
+
+    def _remember(self, given: Tuple[Optional[Tensor], ...]) -> None:
+        """Keep a C++ test of these tensors' metadata for the next calls with the same arguments absent.
+
+        It compares what ``_lean_ok`` tests and more (each tensor's dispatch keys, strides and
+        requires_grad), so a call it passes passes ``_lean_ok``; one it fails (another mode's tensors, a
+        tensor requiring grad, a size-1 dimension's stride) is tested by ``_lean_ok`` as before. Only
+        tensors requiring no grad are kept: requires_grad is then part of the test, and a call that needs
+        autograd never passes it."""
+        present = tuple(i for i, x in enumerate(given) if x is not None)
+        pick = operator.itemgetter(*present)
+        self._seen[tuple(x is None for x in given[3:])] = (
+            _TensorGuards(*pick(given), dynamic_dims_sizes=None, dynamic_dims_strides=None), pick)
 
     def _mismatch(self, given: Tuple[Any, ...]) -> None:
         """Raise for the first argument that is not what the plan was made with (a tensor subclass with

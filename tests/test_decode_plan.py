@@ -218,6 +218,66 @@ def test_plan_lean_call_and_what_it_leaves_to_the_general_path(monkeypatch):
     assert rows == [1]
 
 
+@pytest.mark.skipif(not TRITON_IMPORTABLE or CUDA, reason="the Triton decode under the interpreter (CPU)")
+@pytest.mark.parametrize("with_guards", [True, False])
+def test_plan_repeat_calls_take_the_kept_tensor_test(monkeypatch, with_guards):
+    """After a lean call, a call with the same arguments absent is tested in one C++ call against that
+    call's tensors; whatever it rejects (a misfit, another mode's tensors, a tensor requiring grad, a
+    negative view) is tested by the Python tests as before, with the same result or error. Without the
+    C++ test (an older torch) the Python tests serve alone."""
+    if not with_guards:
+        monkeypatch.setattr(decode_mod, "_TensorGuards", None)
+    elif decode_mod._TensorGuards is None:
+        pytest.skip("torch has no TensorGuards")
+    gen = _gen(12)
+    q, cache, idx, kw = fp8_step(gen, torch.float32)
+    plan = dsa.sparse_decode_plan(q, cache, idx, **kw, backend="triton")
+    tested = []
+    lean_ok = decode_mod.SparseDecodePlan._lean_ok
+    monkeypatch.setattr(decode_mod.SparseDecodePlan, "_lean_ok",
+                        lambda self, *a: tested.append(1) or lean_ok(self, *a))
+    exp = dsa.sparse_decode(q, cache, idx, **kw, backend="triton")
+    out = torch.full_like(exp, float("nan"))
+    for _ in range(3):  # new values every call: the launches read the call's tensors
+        out.fill_(float("nan"))
+        assert plan(q, cache, idx, **kw, out=out) is out
+        _same([out], [exp])
+    assert len(tested) == (1 if with_guards else 3)
+    _same([plan(q, cache, idx, **kw)], [exp])  # out absent: another pattern, tested once more
+    q2 = torch.randn(q.shape, generator=gen)
+    _same([plan(q2, cache, idx, **kw, out=out)], [dsa.sparse_decode(q2, cache, idx, **kw, backend="triton")])
+    n = len(tested)
+    with _bad("q"):
+        plan(q[:1], cache, idx, **kw, out=out)
+    with _bad("seq_lens"):
+        plan(q, cache, idx, **dict(kw, seq_lens=kw["seq_lens"].long()), out=out)
+    assert len(tested) == n + 2
+    with torch.inference_mode():  # other dispatch keys: the Python tests, then a test of this mode's tensors
+        qi, idxi = q.clone(), idx.clone()
+        for _ in range(2):
+            _same([plan(qi, cache, idxi, **kw, out=out)], [exp])
+    assert len(tested) == n + 2 + (1 if with_guards else 2)
+    # grad mode on and q requiring grad: never the launches, whatever was kept
+    calls = []
+    through = ops.sparse_decode.op
+    monkeypatch.setattr(ops.sparse_decode, "op", lambda *a: calls.append(1) or through(*a))
+    qg = q.clone().requires_grad_()
+    _same([plan(qg, cache, idx, **kw).detach()], [exp])
+    assert calls == [1]
+    with torch.no_grad():
+        _same([plan(qg, cache, idx, **kw, out=out)], [exp])
+    assert calls == [1]
+    # a negative view of an input or an output is never read or written as stored
+    neg_q = torch._neg_view(-q)
+    assert neg_q.is_neg()
+    _same([plan(neg_q, cache, idx, **kw)], [exp])
+    neg_out = torch._neg_view(torch.full_like(exp, float("nan")))
+    plan(q, cache, idx, **kw, out=neg_out)
+    _same([neg_out.resolve_neg()], [exp])
+    flipped = kw["block_table"].neg()
+    _same([plan(q, cache, idx, **dict(kw, block_table=torch._neg_view(flipped)))], [exp])
+
+
 def test_compiled_plan_goes_through_the_op():
     torch._dynamo.reset()
     gen = _gen(7)

@@ -31,9 +31,19 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INT_DTYPES = (torch.int32, torch.int64)
 
 
-def _tensor(name: str, x, *, dtypes: Sequence[torch.dtype] = None) -> torch.Tensor:
+def dense_tensor(name: str, x) -> torch.Tensor:
+    """x, a torch.Tensor of the strided layout (the kernels address elements by strides); TypeError naming
+    ``name`` for anything else (a sparse or nested tensor included)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.layout is not torch.strided or x.is_nested:
+        kind = "a nested tensor" if x.is_nested else f"layout {str(x.layout).replace('torch.', '')}"
+        raise TypeError(f"{name}: expected a dense (strided) tensor, got {kind}")
+    return x
+
+
+def _tensor(name: str, x, *, dtypes: Sequence[torch.dtype] = None) -> torch.Tensor:
+    dense_tensor(name, x)
     if dtypes is not None and x.dtype not in dtypes:
         want = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{name}: expected dtype in ({want}), got {str(x.dtype).replace('torch.', '')}")
@@ -482,17 +492,20 @@ def decode_key(q, kv_cache, indices, block_table, seq_lens, topk_length, sink, s
                cache_format) -> Optional[tuple]:
     """Everything :func:`sparse_decode_form` reads, as a hashable key: calls with equal keys have equal forms
     (and pass or fail its checks alike). It is each tensor's dtype, shape and device, the cache's strides and
-    the scalars; None (no key: check the call afresh) unless every tensor is a plain ``torch.Tensor`` (or
-    None) and sm_scale, d_v and cache_format are a Python float or int, int and str (or None)."""
+    the scalars; None (no key: check the call afresh) unless every tensor is a plain, dense ``torch.Tensor``
+    (or None) and sm_scale, d_v and cache_format are a Python float or int, int and str (or None)."""
     for x in (q, kv_cache, indices, block_table, seq_lens, topk_length, sink):
-        if x is not None and type(x) is not torch.Tensor:
+        if x is not None and (type(x) is not torch.Tensor or x.layout is not torch.strided):
             return None
     # bool is not int here, and 2 and 2.0 are one key with one result (sm_scale 2.0)
     if not ((sm_scale is None or type(sm_scale) is float or type(sm_scale) is int)
             and (d_v is None or type(d_v) is int) and (cache_format is None or type(cache_format) is str)):
         return None
-    return (_meta(q), _meta(kv_cache), kv_cache.stride(), _meta(indices), _meta(block_table), _meta(seq_lens),
-            _meta(topk_length), _meta(sink), sm_scale, d_v, cache_format)
+    try:
+        return (_meta(q), _meta(kv_cache), kv_cache.stride(), _meta(indices), _meta(block_table), _meta(seq_lens),
+                _meta(topk_length), _meta(sink), sm_scale, d_v, cache_format)
+    except RuntimeError:  # a nested tensor has no sizes: the checks name it
+        return None
 
 
 # --------------------------------------------------------------------------

@@ -23,7 +23,8 @@ make its tensors canonical, its output allocations and the launches. A
 and a call compares its tensors' shapes, dtypes and devices with the plan's
 (no key, no environment read) and launches, its scratch memory allocated
 once; a repeated call's tensors are compared with the last call's in one
-C++ test (torch's ``TensorGuards``, the guards of ``torch.compile``). Eager calls run the chosen implementation directly; anything the dispatcher
+C++ test (torch's ``TensorGuards``, the guards of ``torch.compile``). Eager
+calls run the chosen implementation directly; anything the dispatcher
 must see (``torch.compile``, a dispatch mode, a functorch transform, a tensor
 subclass, autograd) goes through the op.
 """
@@ -49,6 +50,7 @@ try:  # one C++ test of a call's tensors: class, dispatch keys, dtype, device, s
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards
 except ImportError:  # the plan's Python tests (SparseDecodePlan._lean_ok) then serve alone
     _TensorGuards = None
+_IS_NESTED = operator.attrgetter("is_nested")
 
 
 def _decode(q, kv_cache, indices, block_table, seq_lens, topk_length, sink, sm_scale, d_v, cache_format,
@@ -191,8 +193,9 @@ def _known_call(key, q, kv_cache, indices, block_table, seq_lens, topk_length, s
 
 def _meta(x: Optional[Tensor]) -> Optional[Tuple[Any, ...]]:
     """What a plan compares of a per-call tensor: its class (a subclass goes through the dispatcher),
-    shape, dtype and device. Raises AttributeError for a non-tensor."""
-    return None if x is None else (x.__class__, x.shape, x.dtype, x.device)
+    shape, dtype, device and layout. Raises AttributeError for a non-tensor, RuntimeError for a nested
+    tensor."""
+    return None if x is None else (x.__class__, x.shape, x.dtype, x.device, x.layout)
 
 
 _PER_CALL = ("q", "kv_cache", "indices", "block_table", "seq_lens", "topk_length", "sink")
@@ -241,7 +244,8 @@ class SparseDecodePlan:
         self._run = prepare(a, True) if prepare is not None and not self._empty else None
         self._cuda = q.get_device() if q.is_cuda else None
         tensors = (q, kv_cache, indices, block_table, seq_lens, topk_length, sink)
-        self._want = tuple(None if x is None else (Tensor, x.shape, x.dtype, x.device) for x in tensors)
+        self._want = tuple(None if x is None else (Tensor, x.shape, x.dtype, x.device, torch.strided)
+                           for x in tensors)
         self._cache_stride = kv_cache.stride()
         self._out = (q.shape[:-1] + (form.d_v,), q.dtype, q.device)
         self._lse = (q.shape[:-1], acc_dtype(q), q.device)
@@ -275,9 +279,16 @@ class SparseDecodePlan:
         if self._lean and not traced():  # tracing and compiling never reach the tests below
             seen = self._seen.get((block_table is None, seq_lens is None, topk_length is None, sink is None,
                                    out is None, lse is None))
-            if (seen is not None and seen[0].check(*seen[1]((q, kv_cache, indices, block_table, seq_lens,
-                                                               topk_length, sink, out, lse)))
-                    or self._lean_ok(q, kv_cache, indices, block_table, seq_lens, topk_length, sink, out, lse)):
+            kept = False
+            if seen is not None:
+                test, pick = seen
+                given = pick((q, kv_cache, indices, block_table, seq_lens, topk_length, sink, out, lse))
+                try:  # TensorGuards reads each tensor's sizes first, which a nested tensor refuses by aborting
+                    kept = not any(map(_IS_NESTED, given)) and test.check(*given)
+                except AttributeError:  # not a tensor: the general path names it
+                    pass
+            if kept or self._lean_ok_or_not(q, kv_cache, indices, block_table, seq_lens, topk_length, sink, out,
+                                            lse):
                 if out is None:
                     out = q.new_empty(self._out[0])
                 if lse is None:
@@ -289,7 +300,7 @@ class SparseDecodePlan:
         try:
             plain = (_meta(q), _meta(kv_cache), _meta(indices), _meta(block_table), _meta(seq_lens),
                      _meta(topk_length), _meta(sink)) == self._want and kv_cache.stride() == self._cache_stride
-        except AttributeError:  # not a tensor: _mismatch says which
+        except (AttributeError, RuntimeError):  # not a tensor, or a nested one: _mismatch says which
             plain = False
         if not plain:
             self._mismatch((q, kv_cache, indices, block_table, seq_lens, topk_length, sink))
@@ -325,6 +336,14 @@ class SparseDecodePlan:
         if lse is not None:
             res_lse = lse.copy_(res_lse)
         return (res_out, res_lse) if self.return_lse else res_out
+
+    def _lean_ok_or_not(self, *args) -> bool:
+        """``_lean_ok``, False where its tests raise: a sparse or nested tensor has no strides or sizes,
+        and the general path names it."""
+        try:
+            return self._lean_ok(*args)
+        except RuntimeError:
+            return False
 
     def _lean_ok(self, q, kv_cache, indices, block_table, seq_lens, topk_length, sink, out, lse) -> bool:
         """Whether an untraced call is a plain eager one, whose prepared launches run on the given tensors
@@ -407,10 +426,9 @@ class SparseDecodePlan:
                     raise ValueError(f"{name}: the plan was made without one; make a plan with it")
                 continue
             if x is None:
-                raise ValueError(f"{name}: the plan was made with one ({_describe(want[1:])}), got None")
-            if not isinstance(x, Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-            _, shape, dtype, device = want
+                raise ValueError(f"{name}: the plan was made with one ({_describe(want[1:4])}), got None")
+            _checks.dense_tensor(name, x)
+            _, shape, dtype, device, _ = want
             if x.shape != shape:
                 raise ValueError(f"{name}: expected shape {tuple(shape)} (the plan's), got {tuple(x.shape)}; a plan "
                                  f"serves one shape of call: make one for this shape, or call dsa.sparse_decode")
@@ -425,8 +443,7 @@ class SparseDecodePlan:
     @staticmethod
     def _output(name: str, x: Any, want: Tuple[Any, ...]) -> None:
         """Raise unless ``x`` is a contiguous tensor of shape, dtype and device ``want``."""
-        if not isinstance(x, Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(x).__name__}")
+        _checks.dense_tensor(name, x)
         if (x.shape, x.dtype, x.device) != want:
             raise ValueError(f"{name}: expected {_describe(want)}, got {_describe((x.shape, x.dtype, x.device))}")
         if not x.is_contiguous():

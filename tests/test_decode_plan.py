@@ -219,6 +219,7 @@ def test_plan_lean_call_and_what_it_leaves_to_the_general_path(monkeypatch):
 
 
 @pytest.mark.skipif(not TRITON_IMPORTABLE or CUDA, reason="the Triton decode under the interpreter (CPU)")
+@pytest.mark.filterwarnings("ignore:.*nested.*:UserWarning")  # torch's note on the prototype layout
 @pytest.mark.parametrize("with_guards", [True, False])
 def test_plan_repeat_calls_take_the_kept_tensor_test(monkeypatch, with_guards):
     """After a lean call, a call with the same arguments absent is tested in one C++ call against that
@@ -252,11 +253,16 @@ def test_plan_repeat_calls_take_the_kept_tensor_test(monkeypatch, with_guards):
     with _bad("seq_lens"):
         plan(q, cache, idx, **dict(kw, seq_lens=kw["seq_lens"].long()), out=out)
     assert len(tested) == n + 2
+    with pytest.raises(TypeError, match="^indices: expected a torch.Tensor, got list"):
+        plan(q, cache, idx.tolist(), **kw, out=out)
+    with pytest.raises(TypeError, match="^q: expected a dense"):
+        plan(torch.nested.nested_tensor(list(q)), cache, idx, **kw, out=out)
+    n = len(tested)
     with torch.inference_mode():  # other dispatch keys: the Python tests, then a test of this mode's tensors
         qi, idxi = q.clone(), idx.clone()
         for _ in range(2):
             _same([plan(qi, cache, idxi, **kw, out=out)], [exp])
-    assert len(tested) == n + 2 + (1 if with_guards else 2)
+    assert len(tested) == n + (1 if with_guards else 2)
     # grad mode on and q requiring grad: never the launches, whatever was kept
     calls = []
     through = ops.sparse_decode.op

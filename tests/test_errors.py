@@ -9,8 +9,10 @@ import pytest
 import torch
 
 import dsa
+from conftest import CUDA, TRITON_IMPORTABLE
 
 T, H, D, N, K = 4, 4, 32, 10, 6
+PLAN_BACKEND = "triton" if TRITON_IMPORTABLE and not CUDA else "reference"
 
 
 def _gen():
@@ -164,6 +166,53 @@ def test_sparse_wrong_types_scalars():
         sa(**sparse_inputs(), d_v=16.0)
     with pytest.raises(TypeError, match="sm_scale"):
         sa(**sparse_inputs(), sm_scale="0.5")
+
+
+def _not_dense(kind, x):
+    if kind == "nested":
+        return torch.nested.nested_tensor(list(x))
+    return x.to_sparse() if kind == "coo" else x.to_sparse_csr()
+
+
+@pytest.mark.filterwarnings("ignore:.*(CSR|nested).*:UserWarning")  # torch's notes on beta / prototype layouts
+@pytest.mark.parametrize("kind", ["coo", "csr", "nested"])
+@pytest.mark.parametrize("arg", ["q", "kv", "indices", "sink", "topk_length"])
+def test_not_dense_tensors_raise_type_error(arg, kind):
+    """A sparse or nested tensor is refused by name (the kernels address elements by strides), on every op
+    that takes it, and explain() says the same."""
+    base = sparse_inputs()
+    kw = dict(sink=torch.zeros(H), topk_length=torch.full((T,), 3, dtype=torch.int32))
+    value = {**base, **kw}[arg]
+    if kind == "csr" and value.dim() != 2:
+        value = value.reshape(value.shape[0], -1)  # CSR is 2-d: the layout is refused before the shape
+    bad = _not_dense(kind, value)
+    call = {**base, **kw, arg: bad}
+    want = r"dense \(strided\) tensor, got " + ("a nested tensor" if kind == "nested" else "layout sparse_")
+    with pytest.raises(TypeError, match=f"^{arg}: expected a {want}"):
+        sa(**call)
+    dsa.sparse_decode(base["q"], base["kv"], base["indices"], backend="reference", **kw)  # kept: the dense call
+    decode_arg = "kv_cache" if arg == "kv" else arg
+    with pytest.raises(TypeError, match=f"^{decode_arg}: expected a {want}"):
+        dsa.sparse_decode(call["q"], call["kv"], call["indices"], backend="reference",
+                          sink=call["sink"], topk_length=call["topk_length"])
+    # the Triton plan's lean path (a kept tensor test after its first call) where it runs
+    plan = dsa.sparse_decode_plan(base["q"], base["kv"], base["indices"], backend=PLAN_BACKEND, **kw)
+    plan(base["q"], base["kv"], base["indices"], **kw)
+    with pytest.raises(TypeError, match=f"^{decode_arg}: expected a {want}"):
+        plan(call["q"], call["kv"], call["indices"], sink=call["sink"], topk_length=call["topk_length"])
+    if arg == "q":
+        with pytest.raises(TypeError, match=f"^out: expected a {want}"):
+            plan(base["q"], base["kv"], base["indices"], **kw, out=_not_dense(kind, torch.zeros(T, H * D).reshape(
+                (T, H * D) if kind == "csr" else (T, H, D))))
+    with pytest.raises(TypeError, match=f"^{arg}: expected a {want}"):
+        dsa.explain("sparse_attention", **{**base, **kw, arg: bad})
+    if arg in ("q", "kv"):
+        scores_args = dict(q=base["q"], k=base["kv"], weights=torch.ones(T, H))
+        name = "k" if arg == "kv" else arg
+        with pytest.raises(TypeError, match=f"^{name}: expected a {want}"):
+            dsa.indexer_scores(**{**scores_args, name: bad}, backend="reference")
+    with pytest.raises(TypeError, match=f"^scores: expected a {want}"):
+        dsa.topk_indices(_not_dense(kind, torch.randn(T, N)), 3, backend="reference")
 
 
 @pytest.mark.parametrize("arg", ["kv", "indices", "sink", "topk_length"])

@@ -160,9 +160,10 @@ def dequantize_kv_cache(cache: torch.Tensor, cache_format: str) -> torch.Tensor:
 
 def cache_format_of(cache, name: str) -> CacheFormat:
     """The format ``name`` after checking that ``cache`` is a byte tensor of its pages."""
+    from dsa._checks import dense_tensor  # (dsa._checks imports this module)
+
     fmt = format_named(name)
-    if not isinstance(cache, torch.Tensor):
-        raise TypeError(f"kv_cache: expected a torch.Tensor, got {type(cache).__name__}")
+    dense_tensor("kv_cache", cache)
     if cache.dtype not in BYTE_DTYPES:
         raise ValueError(f"kv_cache: expected a byte dtype (uint8, int8, float8_e4m3fn) for {name}, got {cache.dtype}")
     if not (cache.dim() == 3 or (cache.dim() == 4 and cache.shape[2] == 1)) or cache.shape[-1] != fmt.bytes_per_token:
@@ -179,9 +180,11 @@ def quantize_kv_cache(kv: torch.Tensor, cache_format: str) -> torch.Tensor:
     [num_pages, page_size, bytes_per_token] (656 / 584 bytes), contiguous;
     ``dequantize_kv_cache`` of it is the exact value the kernels compute with.
     """
+    from dsa._checks import dense_tensor  # (dsa._checks imports this module)
+
     fmt = format_named(cache_format)
-    if not isinstance(kv, torch.Tensor) or not kv.is_floating_point():
-        raise TypeError(f"kv: expected a floating-point torch.Tensor, got {getattr(kv, 'dtype', type(kv).__name__)}")
+    if not dense_tensor("kv", kv).is_floating_point():
+        raise TypeError(f"kv: expected a floating-point torch.Tensor, got {kv.dtype}")
     if kv.dim() == 4 and kv.shape[2] == 1:
         kv = kv[:, :, 0]
     if kv.dim() != 3 or kv.shape[-1] != fmt.D:

@@ -215,6 +215,20 @@ def test_not_dense_tensors_raise_type_error(arg, kind):
         dsa.topk_indices(_not_dense(kind, torch.randn(T, N)), 3, backend="reference")
 
 
+@pytest.mark.filterwarnings("ignore:.*(CSR|nested).*:UserWarning")
+@pytest.mark.parametrize("kind", ["coo", "csr", "nested"])
+def test_not_dense_caches_raise_type_error(kind):
+    """The KV-cache quantiser and dequantiser refuse sparse and nested tensors by name too."""
+    kv = torch.randn(2, 4, 576, generator=_gen())
+    bad_kv = _not_dense(kind, kv.reshape(2, -1) if kind == "csr" else kv)
+    with pytest.raises(TypeError, match="^kv: expected a dense"):
+        dsa.quantize_kv_cache(bad_kv, "fp8_v32")
+    cache = dsa.quantize_kv_cache(kv, "fp8_v32")
+    bad_cache = _not_dense(kind, cache.reshape(2, -1) if kind == "csr" else cache)
+    with pytest.raises(TypeError, match="^kv_cache: expected a dense"):
+        dsa.dequantize_kv_cache(bad_cache, "fp8_v32")
+
+
 @pytest.mark.parametrize("arg", ["kv", "indices", "sink", "topk_length"])
 def test_sparse_mismatched_devices(arg):
     meta = "meta"

@@ -165,3 +165,34 @@ def test_negative_views_read_as_their_values(backend):
     scores = dsa.indexer_scores(q, kv, w, backend=backend)
     assert torch.equal(dsa.indexer_scores(neg(q), kv, neg(w), backend=backend), scores)
     assert torch.equal(dsa.topk_indices(neg(scores), 3, backend=backend), dsa.topk_indices(scores, 3, backend=backend))
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"] + (["triton"] if TRITON_IMPORTABLE and not CUDA else []))
+def test_meta_tensors_give_the_results_shapes(backend):
+    """Meta tensors (no data) take the dispatcher, whose fake implementations give every result's shape
+    and dtype, those of the same call on real tensors, whatever the backend; autograd too."""
+    g = torch.Generator().manual_seed(4)
+    q, kv = torch.randn(4, 2, 16, generator=g), torch.randn(6, 16, generator=g)
+    idx = torch.randint(-1, 6, (4, 3), generator=g, dtype=torch.int32)
+    w, lse = torch.randn(4, 2, generator=g), torch.randn(4, 2, generator=g)
+    calls = {
+        "sparse_attention": lambda q, kv, idx, w, lse: dsa.sparse_attention(q, kv, idx, return_lse=True,
+                                                                            backend=backend),
+        "sparse_decode": lambda q, kv, idx, w, lse: dsa.sparse_decode(q, kv, idx, return_lse=True, backend=backend),
+        "indexer_scores": lambda q, kv, idx, w, lse: dsa.indexer_scores(q, kv, w, backend=backend),
+        "indexer_topk": lambda q, kv, idx, w, lse: dsa.indexer_topk(q, kv, w, 3, backend=backend),
+        "topk_indices": lambda q, kv, idx, w, lse: dsa.topk_indices(kv, 3, return_lengths=True, backend=backend),
+        "attention_target": lambda q, kv, idx, w, lse: dsa.attention_target(q, kv, idx, lse, backend=backend),
+        "sparse_indexer_scores": lambda q, kv, idx, w, lse: dsa.sparse_indexer_scores(q, kv, w, idx,
+                                                                                      backend=backend),
+        "dense_attention_target": lambda q, kv, idx, w, lse: dsa.dense_attention_target(q, kv, backend=backend),
+    }
+    meta = [x.to("meta") for x in (q, kv, idx, w, lse)]
+    for name, call in calls.items():
+        real, fake = call(q, kv, idx, w, lse), call(*meta)
+        real, fake = (real, fake) if isinstance(real, tuple) else ((real,), (fake,))
+        for r, f in zip(real, fake):
+            assert f.device.type == "meta" and f.shape == r.shape and f.dtype == r.dtype, name
+    qm = meta[0].clone().requires_grad_()
+    dq, = torch.autograd.grad(dsa.sparse_attention(qm, meta[1], meta[2], backend=backend).sum(), [qm])
+    assert dq.device.type == "meta" and dq.shape == q.shape

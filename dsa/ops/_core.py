@@ -167,18 +167,20 @@ def traced() -> bool:
 
 def _plain(values) -> bool:
     """No tensor subclass among ``values``, none with the negative bit (a lazily negated view: the kernels
-    read memory as stored, the dispatcher materialises it) and none requiring grad while grad mode is on."""
+    read memory as stored, the dispatcher materialises it), none on the meta device (no data: the
+    dispatcher runs the op's fake implementation) and none requiring grad while grad mode is on."""
     grad = torch.is_grad_enabled()
     for x in values:
-        if isinstance(x, Tensor) and (type(x) is not Tensor or x.is_neg() or (grad and x.requires_grad)):
+        if isinstance(x, Tensor) and (type(x) is not Tensor or x.is_neg() or x.is_meta
+                                      or (grad and x.requires_grad)):
             return False
     return True
 
 
 def direct(values) -> bool:
     """Whether a call on ``values`` (its tensors, and anything else) may skip the dispatcher and run an
-    op's body: no tracing or compiling, no dispatch mode or functorch transform, no tensor subclass or
-    negative view, and no autograd (grad mode off or no tensor requiring grad)."""
+    op's body: no tracing or compiling, no dispatch mode or functorch transform, no tensor subclass,
+    negative view or meta tensor, and no autograd (grad mode off or no tensor requiring grad)."""
     return not traced() and _plain(values)
 
 
@@ -188,7 +190,7 @@ def direct_plain(tensors) -> bool:
         return False
     grad = torch.is_grad_enabled()
     for x in tensors:
-        if x is not None and (x.is_neg() or (grad and x.requires_grad)):
+        if x is not None and (x.is_neg() or x.is_meta or (grad and x.requires_grad)):
             return False
     return True
 

@@ -245,7 +245,8 @@ def sparse_attention_args(
     B, S, H, D, N, G, K = _sparse_shapes(q, kv, indices)
 
     sm_scale, d_v, sink = _scale_dv_sink(q, D, H, sm_scale, d_v, sink)
-    flag("deterministic", deterministic)
+    # torch.use_deterministic_algorithms(True) asks the same of every op that has a deterministic mode
+    deterministic = flag("deterministic", deterministic) or torch.are_deterministic_algorithms_enabled()
     row_shape, rows = _row_shape(B, S)
     if topk_length is not None:
         _shape("topk_length", topk_length, row_shape, f"one length per query row {rows}")

@@ -53,10 +53,11 @@ def sparse_attention(
     Returns out [..., H, d_v] in q's dtype and, with ``return_lse``, lse
     [..., H] fp32 (natural log, sink excluded, +inf for a row with no valid
     slot; lse carries no gradient). Differentiable in q, kv and sink;
-    ``deterministic=True`` makes the gradients bitwise reproducible.
+    ``deterministic=True`` (or ``torch.use_deterministic_algorithms(True)``)
+    makes the gradients bitwise reproducible.
     """
     a, layout = _sparse(q, kv, indices, sm_scale, d_v, sink, topk_length, return_lse, deterministic, backend)
-    if deterministic and ops.direct_plain((q, kv, sink)):
+    if a.deterministic and ops.direct_plain((q, kv, sink)):
         # no backward will run (no autograd, tracing or transform), and the forward is reproducible as it
         # is: the cute forward need not write the deterministic backward's bounds
         a = dataclasses.replace(a, deterministic=False)

@@ -743,6 +743,78 @@ def test_deterministic_is_bitwise_repeatable(fast_case, call, fn_name):
             rel_close(b, a, 1e-6, "chunked vs one chunk")
 
 
+@pytest.fixture
+def deterministic_algorithms():
+    """torch.use_deterministic_algorithms(True) for the test, then the setting as it was."""
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
+CPU_BACKENDS = ["reference"] + (["triton"] if importlib.util.find_spec("triton") and not torch.cuda.is_available()
+                                else [])
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_torch_deterministic_setting_means_deterministic(deterministic_algorithms, backend, monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) every op with a deterministic mode runs it, as with
+    deterministic=True: the backends are told so, and the gradients are bitwise deterministic=True's."""
+    told = []
+    checks = _checks.sparse_attention_args
+    monkeypatch.setattr(_checks, "sparse_attention_args",
+                        lambda *a: (lambda r: told.append(r[0].deterministic) or r)(checks(*a)))
+    g = gen(31)
+    q, kv = torch.randn(5, 2, 16, generator=g), torch.randn(4, 16, generator=g)  # few rows: shared dkv rows
+    w, idx = torch.randn(5, 2, generator=g), torch.randint(-1, 4, (5, 6), generator=g, dtype=torch.int32)
+    target = torch.rand(5, 6, generator=g)
+    calls = {
+        "sparse_attention": lambda a, b, c, det: dsa.sparse_attention(a, b, idx, deterministic=det,
+                                                                      backend=backend).square().sum(),
+        "sparse_indexer_scores": lambda a, b, c, det: dsa.sparse_indexer_scores(
+            a, b, c, idx, deterministic=det, backend=backend).nan_to_num(neginf=0.0).square().sum(),
+        "indexer_kl_loss": lambda a, b, c, det: dsa.indexer_kl_loss(a, b, c, idx, target, deterministic=det,
+                                                                    backend=backend),
+    }
+    for name, f in calls.items():
+        told.clear()
+        ins = [x.clone().requires_grad_() for x in (q, kv, w)]
+        got = torch.autograd.grad(f(*ins, False), ins, allow_unused=True)
+        assert told and all(told), name
+        torch.use_deterministic_algorithms(False)
+        try:
+            ins = [x.clone().requires_grad_() for x in (q, kv, w)]
+            want = torch.autograd.grad(f(*ins, True), ins, allow_unused=True)
+        finally:
+            torch.use_deterministic_algorithms(True)
+        for a, b in zip(got, want):
+            assert (a is None and b is None) or torch.equal(a, b), name
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("triton") or torch.cuda.is_available(),
+                    reason="the Triton backward under the interpreter (CPU)")
+def test_torch_deterministic_setting_refuses_the_atomic_indexer_backward(deterministic_algorithms):
+    """indexer_scores has no deterministic Triton backward (dk adds by atomics): under
+    torch.use_deterministic_algorithms(True) it raises as torch's own such ops do, and warns with
+    warn_only=True; the reference backward serves."""
+    g = gen(32)
+    q, k, w = torch.randn(4, 2, 16, generator=g), torch.randn(6, 16, generator=g), torch.randn(4, 2, generator=g)
+
+    def grads(backend):
+        qg = q.clone().requires_grad_()
+        s = dsa.indexer_scores(qg, k, w, backend=backend)
+        return torch.autograd.grad(s.nan_to_num(neginf=0.0).sum(), [qg])[0]
+
+    with pytest.raises(RuntimeError, match="^indexer_scores: the Triton backward adds dk by atomics"):
+        grads("triton")
+    assert torch.isfinite(grads("reference")).all()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    with pytest.warns(UserWarning, match="^indexer_scores: the Triton backward adds dk by atomics"):
+        dq = grads("triton")
+    torch.use_deterministic_algorithms(False)
+    assert torch.equal(dq, grads("triton"))
+
+
 @pytest.mark.parametrize("fn_name", ["sparse_indexer_scores", "indexer_kl_loss"])
 def test_deterministic_chunked_against_float64(fast_case, call, fn_name, monkeypatch):
     """The deterministic backward over chunks of 4 query rows (the last one

@@ -52,6 +52,7 @@ for fp32 ones.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
@@ -335,7 +336,15 @@ def indexer_kl_bwd(a: SparseIndexerArgs, target: torch.Tensor, stats: torch.Tens
 
 
 def indexer_scores_bwd(a: IndexerArgs, dscores: torch.Tensor):
-    """-> dq, dk, dweights of indexer_scores; dscores [T_q, max_seqlen_k], ignored where not visible."""
+    """-> dq, dk, dweights of indexer_scores; dscores [T_q, max_seqlen_k], ignored where not visible.
+    dk adds by atomics, so under ``torch.use_deterministic_algorithms(True)`` this raises as torch's own
+    nondeterministic ops do (a warning with ``warn_only=True``)."""
+    if torch.are_deterministic_algorithms_enabled():
+        why = ("indexer_scores: the Triton backward adds dk by atomics, which is not deterministic, and "
+               "torch.use_deterministic_algorithms(True) is set; backend='reference' is deterministic")
+        if not torch.is_deterministic_algorithms_warn_only_enabled():
+            raise RuntimeError(why)
+        warnings.warn(why, stacklevel=2)
     base, limit = dense_rows(a)
     p = _Problem(
         a.q, a.k, a.weights, base, limit, base, dscores.float().contiguous(), None, None,

@@ -211,8 +211,18 @@ def test_explain_raises_like_the_call(name, args, kwargs):
 # indexer_scores backward: keys a row does not see are never read
 
 
+@pytest.fixture(params=[False, True], ids=["default", "torch-deterministic"])
+def torch_deterministic(request):
+    """torch.use_deterministic_algorithms as the parameter says (the Triton indexer_scores backward then
+    sums dk by key), then as it was."""
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(request.param)
+    yield request.param
+    torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_indexer_scores_grad_ignores_invisible_nan(backend):
+def test_indexer_scores_grad_ignores_invisible_nan(backend, torch_deterministic):
     B, Sq, Sk, H, D = 1, 3, 6, 4, 16
     q, k, w = _indexer_inputs(B, Sq, Sk, H, D, seed=3)
     poisoned_q, poisoned_k = q.clone(), k.clone()
@@ -235,6 +245,7 @@ def test_indexer_scores_grad_ignores_invisible_nan(backend):
     torch.testing.assert_close(dw[0, 1:], cw[0, 1:])
     torch.testing.assert_close(dk[0, 1:], ck[0, 1:])
     assert torch.equal(dk[0, 4:], torch.zeros_like(dk[0, 4:]))
+    assert torch.isnan(dk[0, 0]).all()  # the NaN row does see key 0: NaN propagates there, as in the contract
     # and the clean gradient is right (float64 autograd of the formula of docs/semantics.md)
     qd, kd, wd = (t.double().requires_grad_(True) for t in (clean_q, clean_k, w))
     total = 0.0

@@ -793,26 +793,38 @@ def test_torch_deterministic_setting_means_deterministic(deterministic_algorithm
 
 @pytest.mark.skipif(not importlib.util.find_spec("triton") or torch.cuda.is_available(),
                     reason="the Triton backward under the interpreter (CPU)")
-def test_torch_deterministic_setting_refuses_the_atomic_indexer_backward(deterministic_algorithms):
-    """indexer_scores has no deterministic Triton backward (dk adds by atomics): under
-    torch.use_deterministic_algorithms(True) it raises as torch's own such ops do, and warns with
-    warn_only=True; the reference backward serves."""
-    g = gen(32)
-    q, k, w = torch.randn(4, 2, 16, generator=g), torch.randn(6, 16, generator=g), torch.randn(4, 2, generator=g)
+@pytest.mark.parametrize("name", list(DENSE_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_torch_deterministic_setting_dense_indexer_backward(deterministic_algorithms, name, dtype, monkeypatch):
+    """indexer_scores has no keyword of its own: under torch.use_deterministic_algorithms(True) its Triton
+    backward sums dk by key with no atomics (``_dense_dk_kernel``): within the dtype's tolerance of
+    float64 on the varlen, ratio-causal and empty cases, bitwise over runs, dq and dweights bitwise the
+    default pass's."""
+    from conftest import Case
+    from dsa.triton import indexer_bwd
 
-    def grads(backend):
-        qg = q.clone().requires_grad_()
-        s = dsa.indexer_scores(qg, k, w, backend=backend)
-        return torch.autograd.grad(s.nan_to_num(neginf=0.0).sum(), [qg])[0]
-
-    with pytest.raises(RuntimeError, match="^indexer_scores: the Triton backward adds dk by atomics"):
-        grads("triton")
-    assert torch.isfinite(grads("reference")).all()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    with pytest.warns(UserWarning, match="^indexer_scores: the Triton backward adds dk by atomics"):
-        dq = grads("triton")
+    case = Case("cpu", "triton", dtype)
+    dk_modes = []
+    launch = indexer_bwd._launch
+    monkeypatch.setattr(indexer_bwd, "_launch", lambda p, *a, **k: dk_modes.append(a[5]) or launch(p, *a, **k))
+    spec = DENSE_CASES[name]
+    g = gen(33)
+    q, k, w, cu_q, cu_k, off = _dense_inputs(case, g, spec, H=3, D=16, w=True)
+    kw = _dense_kwargs(case, spec, cu_q, cu_k, off)
+    a, _ = _checks.indexer_args(q, k, w, sm_scale=0.6, **kw)
+    dscores = torch.randn(q.shape[0], kw["max_seqlen_k"], generator=g, dtype=torch.float64)
+    ql, kl, wl = leaves(q, k, w)
+    exp = bf_dense_scores(ql, kl, wl, cu_q, cu_k, off, spec["ratio"], spec["causal"], 0.6, kw["max_seqlen_k"])
+    exp.backward(torch.where(torch.isfinite(exp), dscores, 0.0))
+    dscores = torch.where(torch.isfinite(exp), dscores, float("nan")).float()  # never read
+    first, again = ops.indexer_scores_bwd(a, dscores, "triton"), ops.indexer_scores_bwd(a, dscores, "triton")
+    assert dk_modes == [int(indexer_bwd.DK_NONE)] * 2
+    for name_, x, gx, ex, ax in zip(("dq", "dk", "dweights"), (q, k, w), first, (ql.grad, kl.grad, wl.grad), again):
+        assert gx.dtype == x.dtype and torch.equal(gx, ax), name_
+        rel_close(gx, ex, GRAD_TOL[dtype], name_)
     torch.use_deterministic_algorithms(False)
-    assert torch.equal(dq, grads("triton"))
+    atomic = ops.indexer_scores_bwd(a, dscores, "triton")
+    assert torch.equal(atomic[0], first[0]) and torch.equal(atomic[2], first[2])
 
 
 @pytest.mark.parametrize("fn_name", ["sparse_indexer_scores", "indexer_kl_loss"])

@@ -121,6 +121,10 @@ def _rows(caps):
             if K != 64:  # deterministic=True: dk rows stored at their grouped positions
                 specs.append(indexer_bwd.bwd_spec(torch.bfloat16, torch.float32, Hi, Di, cfg,
                                                   dk_mode=indexer_bwd.DK_GROUPED))
+            elif cfg:  # torch.use_deterministic_algorithms: the main pass without dk, then dk by key
+                specs += [indexer_bwd.bwd_spec(torch.bfloat16, torch.float32, Hi, Di, cfg,
+                                               mode=indexer_bwd.MODE_DENSE, dk_mode=indexer_bwd.DK_NONE),
+                          indexer_bwd.dense_dk_spec(torch.bfloat16, torch.float32, Hi, Di)]
             add(what, f"H64/D128 K{K}", cfg, why, specs if cfg else [])
         cfg, why = training.pick_indexer_fwd(sia, tgt)
         add("sparse_indexer_fwd / KL fwd", "H64/D128 K2048", cfg, why,

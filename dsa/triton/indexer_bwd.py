@@ -48,11 +48,16 @@ rows at (row, slot), gathered by key after an int64 sort of each chunk
 int64 fixed-point atomics (the one-pass alternative) measured 7.37 ms: the
 integer adds are scalar, and 4.3 GB of them alone took 4.69 ms against 1.11
 for fp32 ones.
+
+DENSE has no keyword; under ``torch.use_deterministic_algorithms(True)`` the
+main pass computes dq and dweights alone (DK_NONE) and ``_dense_dk_kernel``
+sums dk by key: one program per block of a sequence's keys runs over the
+sequence's query rows in order, recomputing the dots (a second pass), with
+no workspace: the [T_q, S_k] slots of a long context would not fit one.
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
@@ -69,8 +74,9 @@ from dsa.triton.training import _pow2, indexer_reason
 
 # the source of the logits' gradient (the kernel's MODE)
 MODE_SPARSE, MODE_KL, MODE_DENSE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-# where dk goes (DK_MODE): fp32 atomics, or per-slot workspace rows at their grouped positions
-DK_ATOMIC, DK_GROUPED = tl.constexpr(0), tl.constexpr(1)
+# where dk goes (DK_MODE): fp32 atomics, per-slot workspace rows at their grouped positions, or nowhere
+# (the dense deterministic backward's dk is _dense_dk_kernel's)
+DK_ATOMIC, DK_GROUPED, DK_NONE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
@@ -130,7 +136,7 @@ def _indexer_bwd_kernel(
     H: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
     HAS_LEN: tl.constexpr,
     MODE: tl.constexpr,  # MODE_SPARSE, MODE_KL or MODE_DENSE
-    DK_MODE: tl.constexpr,  # DK_ATOMIC or DK_GROUPED
+    DK_MODE: tl.constexpr,  # DK_ATOMIC, DK_GROUPED or DK_NONE
     PREC: tl.constexpr,
     KEYS_AS_ROWS: tl.constexpr = False,  # s^T = K Q^T and dq^T = K^T ds^T: slots on the MMAs' rows
 ):
@@ -173,7 +179,9 @@ def _indexer_bwd_kernel(
             b_dq = tl.dot(tl.trans(b_k), b_ds.to(b_k.dtype), b_dq, input_precision=PREC)  # [BD, BH]
         else:
             b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, b_dq, input_precision=PREC)  # [BH, BD]
-        _dk_block(b_ds, b_q, DK, SCALE, POS, t, rows, valid, o_k, o_d, m_d, K, D, MODE, DK_MODE, PREC, KEYS_AS_ROWS)
+        if DK_MODE != DK_NONE:
+            _dk_block(b_ds, b_q, DK, SCALE, POS, t, rows, valid, o_k, o_d, m_d, K, D, MODE, DK_MODE, PREC,
+                      KEYS_AS_ROWS)
     if MODE == MODE_KL:
         scale = tl.load(SCALE)
         b_dq = b_dq * scale
@@ -182,6 +190,63 @@ def _indexer_bwd_kernel(
     m_dq = tl.expand_dims(m_h, SLOT_AX) & tl.expand_dims(m_d, HEAD_AX)
     tl.store(p_dq, b_dq.to(DQ.dtype.element_ty), mask=m_dq)
     tl.store(DW + t * H + o_h, (b_dw * sm_scale).to(DW.dtype.element_ty), mask=m_h)
+
+
+@triton.jit
+def _dense_dk_kernel(
+    Q,  # [T, H, D]
+    Kp,  # [N, D]
+    W,  # [T, H]
+    GIN,  # [T, stride_g] fp32 dscores (local key columns)
+    LIMIT,  # [T] int32: the row's visible keys
+    CU_Q, CU_K,  # [B + 1] int32
+    DK,  # [N, D] fp32
+    sm_scale, stride_g,
+    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr,
+):
+    """dk of ``indexer_scores`` with no atomics: program (b, block of BN keys of sequence b) sums ds^T q over
+    the sequence's query rows in order, BM rows and then one head at a time, into registers, and stores
+    once. A row's contribution to a key it does not see is never added: the rows of a block with a
+    non-finite q (whose 0 * inf would reach every key of the product) are added apart, key by key."""
+    b = tl.program_id(0)
+    j0 = tl.program_id(1) * BN
+    k_lo = tl.load(CU_K + b).to(tl.int64)
+    s_k = tl.load(CU_K + b + 1).to(tl.int64) - k_lo
+    if j0 < s_k:
+        q_lo = tl.load(CU_Q + b).to(tl.int64)
+        q_hi = tl.load(CU_Q + b + 1).to(tl.int64)
+        o_j = j0 + tl.arange(0, BN)
+        m_j = o_j < s_k
+        o_d = tl.arange(0, BD)
+        m_d = o_d < D
+        o_m = tl.arange(0, BM)
+        b_k = tl.load(Kp + (k_lo + o_j)[:, None] * D + o_d[None, :], mask=m_j[:, None] & m_d[None, :], other=0.0)
+        b_dk = tl.zeros([BN, BD], tl.float32)
+        for r0 in range(q_lo, q_hi, BM):
+            o_r = r0 + o_m
+            m_r = o_r < q_hi
+            lim = tl.load(LIMIT + o_r, mask=m_r, other=0)
+            vis = (o_j[None, :] < lim[:, None]) & m_r[:, None]  # [BM, BN]; lim <= s_k
+            if tl.max(lim, 0) > j0:  # some row of the block sees a key of this one
+                b_g = tl.load(GIN + o_r[:, None] * stride_g + o_j[None, :], mask=vis, other=0.0)
+                for h in range(H):
+                    b_q = tl.load(Q + o_r[:, None] * (H * D) + h * D + o_d[None, :], mask=m_r[:, None] & m_d[None, :],
+                                  other=0.0)  # [BM, BD]
+                    b_w = tl.load(W + o_r * H + h, mask=m_r, other=0.0).to(tl.float32) * sm_scale
+                    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)  # [BM, BN]
+                    b_ds = tl.where((b_s > 0.0) & vis, b_g * b_w[:, None], 0.0)
+                    bad = tl.sum(tl.where((b_q == b_q) & (tl.abs(b_q) < float("inf")), 0, 1), 1) > 0  # [BM]
+                    b_qf = tl.where(bad[:, None], 0.0, b_q).to(b_q.dtype)
+                    b_dk = tl.dot(tl.trans(b_ds).to(b_q.dtype), b_qf, b_dk, input_precision=PREC)  # [BN, BD]
+                    if tl.max(bad.to(tl.int32), 0) > 0:
+                        for i in range(BM):
+                            pick = o_m == i
+                            if tl.max((pick & bad).to(tl.int32), 0) > 0:
+                                q_i = tl.sum(tl.where(pick[:, None], b_q.to(tl.float32), 0.0), 0)  # [BD]
+                                ds_i = tl.sum(tl.where(pick[:, None], b_ds.to(b_q.dtype).to(tl.float32), 0.0), 0)
+                                vis_i = tl.max(tl.where(pick[:, None], vis.to(tl.int32), 0), 0) > 0  # [BN]
+                                b_dk += tl.where(vis_i[:, None], ds_i[:, None] * q_i[None, :], 0.0)
+        tl.store(DK + (k_lo + o_j)[:, None] * D + o_d[None, :], b_dk, mask=m_j[:, None] & m_d[None, :])
 
 
 # --------------------------------------------------------------------------
@@ -335,19 +400,40 @@ def indexer_kl_bwd(a: SparseIndexerArgs, target: torch.Tensor, stats: torch.Tens
     return _backward(p, a.deterministic)
 
 
+DENSE_DK_BN, DENSE_DK_BM = 64, 32  # keys a program, query rows a step of the deterministic dense dk
+
+
+def dense_dk_spec(q_dtype, w_dtype, H: int, D: int) -> fit.KernelSpec:
+    """``_dense_dk_kernel`` at its one configuration (fixed tiles: a deterministic opt-in, not tuned)."""
+    el = fit.ptr(q_dtype)
+    types = dict(Q=el, Kp=el, W=fit.ptr(w_dtype), GIN="*fp32", LIMIT="*i32", CU_Q="*i32", CU_K="*i32",
+                 DK="*fp32", sm_scale="fp32")
+    const = dict(H=H, D=D, BD=_pow2(D), BN=DENSE_DK_BN, BM=DENSE_DK_BM, PREC=input_precision(q_dtype))
+    return fit.KernelSpec(_dense_dk_kernel, types, const, 8, 1)  # no spill on sm_80 .. sm_120 (4 warps spill)
+
+
 def indexer_scores_bwd(a: IndexerArgs, dscores: torch.Tensor):
     """-> dq, dk, dweights of indexer_scores; dscores [T_q, max_seqlen_k], ignored where not visible.
-    dk adds by atomics, so under ``torch.use_deterministic_algorithms(True)`` this raises as torch's own
-    nondeterministic ops do (a warning with ``warn_only=True``)."""
-    if torch.are_deterministic_algorithms_enabled():
-        why = ("indexer_scores: the Triton backward adds dk by atomics, which is not deterministic, and "
-               "torch.use_deterministic_algorithms(True) is set; backend='reference' is deterministic")
-        if not torch.is_deterministic_algorithms_warn_only_enabled():
-            raise RuntimeError(why)
-        warnings.warn(why, stacklevel=2)
+
+    dk adds by atomics; under ``torch.use_deterministic_algorithms(True)`` (the op has no keyword of its
+    own) the main pass leaves dk to ``_dense_dk_kernel``, which sums each key's rows in a fixed order:
+    bitwise reproducible, at the cost of a second pass over the visible (row, key) pairs."""
     base, limit = dense_rows(a)
     p = _Problem(
         a.q, a.k, a.weights, base, limit, base, dscores.float().contiguous(), None, None,
         a.sm_scale, a.max_seqlen_k, int(MODE_DENSE),
     )
-    return _backward(p, False)
+    if not torch.are_deterministic_algorithms_enabled():
+        return _backward(p, False)
+    T, H, D = a.q.shape
+    dq = torch.empty_like(a.q)
+    dw = torch.empty_like(a.weights)
+    dk = torch.zeros(a.k.shape[0], D, device=a.k.device, dtype=torch.float32)
+    _launch(p, dq, dw, dk, 0, T, DK_NONE)
+    if T and a.max_seqlen_k:
+        grid = (a.batch, triton.cdiv(a.max_seqlen_k, DENSE_DK_BN))
+        _dense_dk_kernel[grid](
+            a.q, a.k, a.weights, p.grad_in, limit, a.cu_seqlens_q, a.cu_seqlens_k, dk, a.sm_scale,
+            p.grad_in.stride(0), **dense_dk_spec(a.q.dtype, a.weights.dtype, H, D).launch_kwargs(),
+        )
+    return dq, dk.to(a.k.dtype), dw

@@ -1090,3 +1090,26 @@ def test_gpu_bf16_model_shapes():
         rel_close(loss, ref_loss, 2e-2, f"{key} loss")
         for name, x, y in zip(("dq", "dk", "dw"), grads, ref_grads):
             rel_close(x, y, 4e-2, f"{key} {name}")
+
+
+@pytest.mark.gpu
+def test_gpu_torch_deterministic_dense_indexer_backward(deterministic_algorithms):
+    """On the GPU, under torch.use_deterministic_algorithms(True): the Triton indexer_scores backward at
+    H_i 64 / D_i 128 bf16, two sequences (varlen, ratio 4), bitwise over runs, dq and dweights bitwise the
+    atomic pass's, dk within bf16 rounding of it."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    dev, bf16 = "cuda", torch.bfloat16
+    lens_q, lens_k = [700, 324], [300, 200]
+    q = torch.randn(sum(lens_q), 64, 128, device=dev, dtype=bf16, generator=g)
+    k = torch.randn(sum(lens_k), 128, device=dev, dtype=bf16, generator=g)
+    w = torch.randn(sum(lens_q), 64, device=dev, generator=g) * 0.125
+    kw = dict(ratio=4, cu_seqlens_q=torch.tensor([0, 700, 1024], dtype=torch.int32, device=dev),
+              cu_seqlens_k=torch.tensor([0, 300, 500], dtype=torch.int32, device=dev), max_seqlen_k=300)
+    a, _ = _checks.indexer_args(q, k, w, **kw)
+    dscores = torch.randn(sum(lens_q), 300, device=dev, generator=g)
+    first, again = ops.indexer_scores_bwd(a, dscores, "triton"), ops.indexer_scores_bwd(a, dscores, "triton")
+    assert all(torch.equal(x, y) for x, y in zip(first, again))
+    torch.use_deterministic_algorithms(False)
+    atomic = ops.indexer_scores_bwd(a, dscores, "triton")
+    assert torch.equal(atomic[0], first[0]) and torch.equal(atomic[2], first[2])
+    rel_close(first[1], atomic[1], 1e-2, "dk")

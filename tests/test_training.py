@@ -496,12 +496,11 @@ def _scores_bwd(case, a, dscores):
     return ops.indexer_scores_bwd(a, dscores, case.backend)
 
 
-@pytest.mark.usefixtures("indexer_rows")
-@pytest.mark.parametrize("name", ["batched-causal-r2", "packed-varlen", "not-causal"])
-def test_indexer_scores_backward(case, call, name):
-    """The backward op of dsa::indexer_scores on this backend (forward independent of it)."""
+def _dense_backward_problem(case, name, seed):
+    """(q, k, weights, IndexerArgs, dscores, float64 (dq, dk, dweights)) of a DENSE_CASES case:
+    dscores NaN where a row sees no key (never read), in the case's score dtype and device."""
     spec = DENSE_CASES[name]
-    g = gen(8)
+    g = gen(seed)
     q, k, w, cu_q, cu_k, off = _dense_inputs(case, g, spec, H=3, D=16, w=True)
     kw = _dense_kwargs(case, spec, cu_q, cu_k, off)
     a, _ = _checks.indexer_args(q, k, w, sm_scale=0.6, **kw)
@@ -509,10 +508,17 @@ def test_indexer_scores_backward(case, call, name):
     ql, kl, wl = leaves(q, k, w)
     exp = bf_dense_scores(ql, kl, wl, cu_q, cu_k, off, spec["ratio"], spec["causal"], 0.6, kw["max_seqlen_k"])
     exp.backward(torch.where(torch.isfinite(exp), dscores, 0.0))
-    dscores = torch.where(torch.isfinite(exp), dscores, float("nan"))  # never read
-    dscores = dscores.to(score_dtype(case)).to(case.device)
+    dscores = torch.where(torch.isfinite(exp), dscores, float("nan"))
+    return q, k, w, a, dscores.to(score_dtype(case)).to(case.device), (ql.grad, kl.grad, wl.grad)
+
+
+@pytest.mark.usefixtures("indexer_rows")
+@pytest.mark.parametrize("name", ["batched-causal-r2", "packed-varlen", "not-causal"])
+def test_indexer_scores_backward(case, call, name):
+    """The backward op of dsa::indexer_scores on this backend (forward independent of it)."""
+    q, k, w, a, dscores, expected = _dense_backward_problem(case, name, 8)
     got = call(_scores_bwd, case, a, dscores)
-    for name_, x, gx, ex in zip(("dq", "dk", "dweights"), (q, k, w), got, (ql.grad, kl.grad, wl.grad)):
+    for name_, x, gx, ex in zip(("dq", "dk", "dweights"), (q, k, w), got, expected):
         assert gx.dtype == x.dtype
         rel_close(gx, ex, GRAD_TOL[case.dtype], name_)
 
@@ -807,19 +813,10 @@ def test_torch_deterministic_setting_dense_indexer_backward(deterministic_algori
     dk_modes = []
     launch = indexer_bwd._launch
     monkeypatch.setattr(indexer_bwd, "_launch", lambda p, *a, **k: dk_modes.append(a[5]) or launch(p, *a, **k))
-    spec = DENSE_CASES[name]
-    g = gen(33)
-    q, k, w, cu_q, cu_k, off = _dense_inputs(case, g, spec, H=3, D=16, w=True)
-    kw = _dense_kwargs(case, spec, cu_q, cu_k, off)
-    a, _ = _checks.indexer_args(q, k, w, sm_scale=0.6, **kw)
-    dscores = torch.randn(q.shape[0], kw["max_seqlen_k"], generator=g, dtype=torch.float64)
-    ql, kl, wl = leaves(q, k, w)
-    exp = bf_dense_scores(ql, kl, wl, cu_q, cu_k, off, spec["ratio"], spec["causal"], 0.6, kw["max_seqlen_k"])
-    exp.backward(torch.where(torch.isfinite(exp), dscores, 0.0))
-    dscores = torch.where(torch.isfinite(exp), dscores, float("nan")).float()  # never read
+    q, k, w, a, dscores, expected = _dense_backward_problem(case, name, 33)
     first, again = ops.indexer_scores_bwd(a, dscores, "triton"), ops.indexer_scores_bwd(a, dscores, "triton")
     assert dk_modes == [int(indexer_bwd.DK_NONE)] * 2
-    for name_, x, gx, ex, ax in zip(("dq", "dk", "dweights"), (q, k, w), first, (ql.grad, kl.grad, wl.grad), again):
+    for name_, x, gx, ex, ax in zip(("dq", "dk", "dweights"), (q, k, w), first, expected, again):
         assert gx.dtype == x.dtype and torch.equal(gx, ax), name_
         rel_close(gx, ex, GRAD_TOL[dtype], name_)
     torch.use_deterministic_algorithms(False)

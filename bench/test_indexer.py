@@ -81,6 +81,43 @@ def test_indexer_scores(benchmark, shape, backend):
         )
 
 
+@pytest.mark.parametrize("torch_deterministic", [False, True], ids=["atomic", "torch-deterministic"])
+@pytest.mark.parametrize("shape", INDEXER, ids=[s.name for s in INDEXER])
+def test_indexer_scores_bwd(benchmark, shape, torch_deterministic):
+    """The dense backward op (``dsa::indexer_scores_bwd``, Triton) on the forward's shapes, a fresh fp32
+    dscores a set: 6 * H_i * D_i FLOPs a visible pair (the recomputed dots, dq and dk) either way, so the
+    rows compare directly. Under ``torch.use_deterministic_algorithms(True)`` dk is a second pass by key
+    (``_dense_dk_kernel``) instead of atomics; torch's fill of new memory is left off while timing."""
+    import torch.utils.deterministic
+
+    from dsa import _checks, ops
+
+    backend = "triton"
+    shape = harness.resolve(shape)
+    backends.skip_unless_runnable(backend, shape)
+    dev = harness.device()
+    calls = []
+    for s in inputs.indexer_sets(shape, dev):
+        a, _ = _checks.indexer_args(*_qkw(s), shape.ratio, 1.0, shape.causal, None, None, None, None)
+        dscores = torch.randn(a.q.shape[0], a.max_seqlen_k, device=dev)
+        calls.append(functools.partial(ops.indexer_scores_bwd, a, dscores, backend))
+    pairs = counts.visible_pairs(shape.S_q, shape.S_k, shape.ratio, shape.causal)
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(torch_deterministic)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        harness.run(
+            benchmark, harness.Rotation(calls), dev, op="indexer_scores_bwd", shape=shape, backend=backend,
+            flops=3 * counts.indexer_flops(shape.H_i, shape.D_i, pairs), nbytes=None, metric="tflops",
+            sets=len(calls), label=backend, skip_on=backends.skip_on(backend),
+            extra={"visible_pairs": pairs, "torch_deterministic": torch_deterministic},
+        )
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
 def _topk_call(backend: str, shape: Any, s: Dict[str, Any]):
     q, k, w = s["q"], s["k"], s["weights"]
     kw = {"ratio": shape.ratio, "causal": shape.causal}

@@ -279,16 +279,18 @@ class SparseDecodePlan:
         if self._lean and not traced():  # tracing and compiling never reach the tests below
             seen = self._seen.get((block_table is None, seq_lens is None, topk_length is None, sink is None,
                                    out is None, lse is None))
-            kept = False
-            if seen is not None:
-                test, pick = seen
-                given = pick((q, kv_cache, indices, block_table, seq_lens, topk_length, sink, out, lse))
-                try:  # TensorGuards reads each tensor's sizes first, which a nested tensor refuses by aborting
+            try:
+                kept = False
+                if seen is not None:
+                    test, pick = seen
+                    given = pick((q, kv_cache, indices, block_table, seq_lens, topk_length, sink, out, lse))
+                    # TensorGuards reads each tensor's sizes first, which a nested tensor refuses by aborting
                     kept = not any(map(_IS_NESTED, given)) and test.check(*given)
-                except AttributeError:  # not a tensor: the general path names it
-                    pass
-            if kept or self._lean_ok_or_not(q, kv_cache, indices, block_table, seq_lens, topk_length, sink, out,
-                                            lse):
+                kept = kept or self._lean_ok(q, kv_cache, indices, block_table, seq_lens, topk_length, sink, out,
+                                             lse)
+            except (AttributeError, RuntimeError):  # a non-tensor, a sparse or nested one: the general path names it
+                kept = False
+            if kept:
                 if out is None:
                     out = q.new_empty(self._out[0])
                 if lse is None:
@@ -336,14 +338,6 @@ class SparseDecodePlan:
         if lse is not None:
             res_lse = lse.copy_(res_lse)
         return (res_out, res_lse) if self.return_lse else res_out
-
-    def _lean_ok_or_not(self, *args) -> bool:
-        """``_lean_ok``, False where its tests raise: a sparse or nested tensor has no strides or sizes,
-        and the general path names it."""
-        try:
-            return self._lean_ok(*args)
-        except RuntimeError:
-            return False
 
     def _lean_ok(self, q, kv_cache, indices, block_table, seq_lens, topk_length, sink, out, lse) -> bool:
         """Whether an untraced call is a plain eager one, whose prepared launches run on the given tensors

@@ -365,16 +365,45 @@ def _deterministic_dk(p: _Problem, dq, dw, dk) -> None:
         grouped_segment_sum(ws, start[c], dk, block_d=_pow2(D))
 
 
-def _backward(p: _Problem, deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+DENSE_DK_BN, DENSE_DK_BM = 64, 32  # keys a program, query rows a step of the deterministic dense dk
+
+
+def dense_dk_spec(q_dtype, w_dtype, H: int, D: int) -> fit.KernelSpec:
+    """``_dense_dk_kernel`` at its one configuration (fixed tiles: a deterministic opt-in, not tuned)."""
+    el = fit.ptr(q_dtype)
+    types = dict(Q=el, Kp=el, W=fit.ptr(w_dtype), GIN="*fp32", LIMIT="*i32", CU_Q="*i32", CU_K="*i32",
+                 DK="*fp32", sm_scale="fp32")
+    const = dict(H=H, D=D, BD=_pow2(D), BN=DENSE_DK_BN, BM=DENSE_DK_BM, PREC=input_precision(q_dtype))
+    return fit.KernelSpec(_dense_dk_kernel, types, const, 8, 1)  # no spill on sm_80 .. sm_120 (4 warps spill)
+
+
+def _dense_deterministic_dk(p: _Problem, a: IndexerArgs, dq, dw, dk) -> None:
+    """DENSE under ``torch.use_deterministic_algorithms`` (see the module header): the main pass without
+    dk, then ``_dense_dk_kernel``."""
+    T, H, D = p.q.shape
+    _launch(p, dq, dw, dk, 0, T, DK_NONE)
+    if T and a.max_seqlen_k:
+        grid = (a.batch, triton.cdiv(a.max_seqlen_k, DENSE_DK_BN))
+        _dense_dk_kernel[grid](
+            p.q, p.k, p.weights, p.grad_in, p.length, a.cu_seqlens_q, a.cu_seqlens_k, dk, p.sm_scale,
+            p.grad_in.stride(0), **dense_dk_spec(p.q.dtype, p.weights.dtype, H, D).launch_kwargs(),
+        )
+
+
+def _backward(p: _Problem, deterministic: bool, dense: Optional[IndexerArgs] = None
+              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dweights of ``p``; ``dense``: the IndexerArgs of a DENSE problem."""
     T, _, D = p.q.shape
     N = p.k.shape[0]
     dq = torch.empty_like(p.q)
     dw = torch.empty_like(p.weights)
     dk = torch.zeros(N, D, device=p.k.device, dtype=torch.float32)
-    if deterministic:
-        _deterministic_dk(p, dq, dw, dk)
-    else:
+    if not deterministic:
         _launch(p, dq, dw, dk, 0, T, DK_ATOMIC)
+    elif dense is not None:
+        _dense_deterministic_dk(p, dense, dq, dw, dk)
+    else:
+        _deterministic_dk(p, dq, dw, dk)
     return dq, dk.to(p.k.dtype), dw
 
 
@@ -400,18 +429,6 @@ def indexer_kl_bwd(a: SparseIndexerArgs, target: torch.Tensor, stats: torch.Tens
     return _backward(p, a.deterministic)
 
 
-DENSE_DK_BN, DENSE_DK_BM = 64, 32  # keys a program, query rows a step of the deterministic dense dk
-
-
-def dense_dk_spec(q_dtype, w_dtype, H: int, D: int) -> fit.KernelSpec:
-    """``_dense_dk_kernel`` at its one configuration (fixed tiles: a deterministic opt-in, not tuned)."""
-    el = fit.ptr(q_dtype)
-    types = dict(Q=el, Kp=el, W=fit.ptr(w_dtype), GIN="*fp32", LIMIT="*i32", CU_Q="*i32", CU_K="*i32",
-                 DK="*fp32", sm_scale="fp32")
-    const = dict(H=H, D=D, BD=_pow2(D), BN=DENSE_DK_BN, BM=DENSE_DK_BM, PREC=input_precision(q_dtype))
-    return fit.KernelSpec(_dense_dk_kernel, types, const, 8, 1)  # no spill on sm_80 .. sm_120 (4 warps spill)
-
-
 def indexer_scores_bwd(a: IndexerArgs, dscores: torch.Tensor):
     """-> dq, dk, dweights of indexer_scores; dscores [T_q, max_seqlen_k], ignored where not visible.
 
@@ -423,17 +440,4 @@ def indexer_scores_bwd(a: IndexerArgs, dscores: torch.Tensor):
         a.q, a.k, a.weights, base, limit, base, dscores.float().contiguous(), None, None,
         a.sm_scale, a.max_seqlen_k, int(MODE_DENSE),
     )
-    if not torch.are_deterministic_algorithms_enabled():
-        return _backward(p, False)
-    T, H, D = a.q.shape
-    dq = torch.empty_like(a.q)
-    dw = torch.empty_like(a.weights)
-    dk = torch.zeros(a.k.shape[0], D, device=a.k.device, dtype=torch.float32)
-    _launch(p, dq, dw, dk, 0, T, DK_NONE)
-    if T and a.max_seqlen_k:
-        grid = (a.batch, triton.cdiv(a.max_seqlen_k, DENSE_DK_BN))
-        _dense_dk_kernel[grid](
-            a.q, a.k, a.weights, p.grad_in, limit, a.cu_seqlens_q, a.cu_seqlens_k, dk, a.sm_scale,
-            p.grad_in.stride(0), **dense_dk_spec(a.q.dtype, a.weights.dtype, H, D).launch_kwargs(),
-        )
-    return dq, dk.to(a.k.dtype), dw
+    return _backward(p, torch.are_deterministic_algorithms_enabled(), dense=a)

@@ -177,3 +177,15 @@ def _addresses_in_range():
     found = interp_memcheck.take()
     if found:
         pytest.fail(interp_memcheck.report(found), pytrace=False)
+
+
+@pytest.fixture
+def torch_deterministic(request):
+    """torch.use_deterministic_algorithms(on) for the test, then the setting as it was; on is the
+    fixture's parameter when parametrized indirectly, else True."""
+    on = getattr(request, "param", True)
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(on)
+    yield on
+    torch.use_deterministic_algorithms(was, warn_only=warn_only)
+

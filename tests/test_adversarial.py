@@ -211,16 +211,8 @@ def test_explain_raises_like_the_call(name, args, kwargs):
 # indexer_scores backward: keys a row does not see are never read
 
 
-@pytest.fixture(params=[False, True], ids=["default", "torch-deterministic"])
-def torch_deterministic(request):
-    """torch.use_deterministic_algorithms as the parameter says (the Triton indexer_scores backward then
-    sums dk by key), then as it was."""
-    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(request.param)
-    yield request.param
-    torch.use_deterministic_algorithms(was, warn_only=warn_only)
-
-
+# the Triton indexer_scores backward sums dk by key under torch.use_deterministic_algorithms
+@pytest.mark.parametrize("torch_deterministic", [False, True], ids=["default", "torch-deterministic"], indirect=True)
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_indexer_scores_grad_ignores_invisible_nan(backend, torch_deterministic):
     B, Sq, Sk, H, D = 1, 3, 6, 4, 16

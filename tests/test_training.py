@@ -749,21 +749,12 @@ def test_deterministic_is_bitwise_repeatable(fast_case, call, fn_name):
             rel_close(b, a, 1e-6, "chunked vs one chunk")
 
 
-@pytest.fixture
-def deterministic_algorithms():
-    """torch.use_deterministic_algorithms(True) for the test, then the setting as it was."""
-    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(was, warn_only=warn_only)
-
-
 CPU_BACKENDS = ["reference"] + (["triton"] if importlib.util.find_spec("triton") and not torch.cuda.is_available()
                                 else [])
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_torch_deterministic_setting_means_deterministic(deterministic_algorithms, backend, monkeypatch):
+def test_torch_deterministic_setting_means_deterministic(torch_deterministic, backend, monkeypatch):
     """Under torch.use_deterministic_algorithms(True) every op with a deterministic mode runs it, as with
     deterministic=True: the backends are told so, and the gradients are bitwise deterministic=True's."""
     told = []
@@ -801,7 +792,7 @@ def test_torch_deterministic_setting_means_deterministic(deterministic_algorithm
                     reason="the Triton backward under the interpreter (CPU)")
 @pytest.mark.parametrize("name", list(DENSE_CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_torch_deterministic_setting_dense_indexer_backward(deterministic_algorithms, name, dtype, monkeypatch):
+def test_torch_deterministic_setting_dense_indexer_backward(torch_deterministic, name, dtype, monkeypatch):
     """indexer_scores has no keyword of its own: under torch.use_deterministic_algorithms(True) its Triton
     backward sums dk by key with no atomics (``_dense_dk_kernel``): within the dtype's tolerance of
     float64 on the varlen, ratio-causal and empty cases, bitwise over runs, dq and dweights bitwise the
@@ -1090,7 +1081,7 @@ def test_gpu_bf16_model_shapes():
 
 
 @pytest.mark.gpu
-def test_gpu_torch_deterministic_dense_indexer_backward(deterministic_algorithms):
+def test_gpu_torch_deterministic_dense_indexer_backward(torch_deterministic):
     """On the GPU, under torch.use_deterministic_algorithms(True): the Triton indexer_scores backward at
     H_i 64 / D_i 128 bf16, two sequences (varlen, ratio 4), bitwise over runs, dq and dweights bitwise the
     atomic pass's, dk within bf16 rounding of it."""

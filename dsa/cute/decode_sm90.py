@@ -106,6 +106,11 @@ FP8_REGS = {FP8_V32: (72, 216), FP8_MODEL1: (96, 200)}
 LOCKSTEP_REGS = (136, (208, 160))  # no spill in any build of tests/test_cute_decode.py
 # the caches a decode runs lockstep on by default (``lockstep``)
 LOCKSTEP_CACHES = (FP8_V32,)
+# lockstep builds store their converted units at addresses placed once a
+# thread (``nope_units``), each store a constant away, instead of through the
+# swizzled partition (an add, a shift and an xor a store); the staggered
+# builds, short of registers, keep the partition (the two live addresses spill)
+DIRECT_STORES = True
 
 
 def warpgroup_regs(cache: str, lockstep: bool = False):
@@ -667,7 +672,31 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         raw = cute.recast_ptr(sK.iterator, None)
         views = [cute.make_tensor(cute.recast_ptr(raw + s * BN * self.D, nope.inner), nope.outer) for s in (0, 1)]
         lane = tidx % 8
+        if const_expr(self.lockstep and DIRECT_STORES):
+            stage_bytes = BN * self.D * (self.dtype.width // 8)
+            units = [self.nope_units(Int32(raw.toint()) + s * stage_bytes, tidx // 8, lane) for s in (0, 1)]
+            return (tK0, units[0], lane), (tK1, units[1], lane)
         return ((tK0, fthr.partition_D(views[0]), lane), (tK1, fthr.partition_D(views[1]), lane))
+
+    @staticmethod
+    def nope_units(stage, row, lane):
+        """The byte addresses of this thread's two 16-byte units (columns
+        [16 lane, 16 lane + 16) of group 0, row ``row`` < 16) in the stage at
+        ``stage`` (1024-byte aligned), as the stage's layout places them: its
+        128-byte-swizzled K-major atoms (8 rows x 64 columns, rows first, then
+        columns) put column c of row r at byte 8192 (c // 64) + 1024 (r // 8)
+        + 128 (r % 8) + 16 u + 2 (c % 8), u = ((c % 64) // 8) xor (r % 8)."""
+        r8 = row % 8
+        at = stage + (lane // 4) * (BN * 128) + (row // 8) * 1024 + r8 * 128
+        u = 2 * (lane % 4)
+        return at + (u ^ r8) * 16, at + ((u + 1) ^ r8) * 16
+
+    @staticmethod
+    def nope_offset(m: int, g: int) -> int:
+        """Bytes from a thread's unit in row r and group 0 to the same unit in
+        row r + 16 m and group g: neither changes r % 8 or the column within a
+        64-column atom, so the swizzle is the same."""
+        return 16 * m * 128 + 2 * g * BN * 128
 
     def nope_view_cols(self) -> int:
         """Columns of the stores' view of a stage: the NoPE columns in whole
@@ -759,10 +788,24 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                     words[2 * w] = e4m3x2_to_bf16x2(raw[w, k, m], False, s_)
                     words[2 * w + 1] = e4m3x2_to_bf16x2(raw[w, k, m], True, s_)
                 if const_expr(n_lo + GROUP * (k + 1) <= n_hi):
-                    cute.autovec_copy(vals, tN[None, m, n_lo // GROUP + k])
+                    self.store_vals(vals, tN, m, n_lo // GROUP + k)
                 else:
                     if n_lo + GROUP * k + 16 * lane < n_hi:
-                        cute.autovec_copy(vals, tN[None, m, n_lo // GROUP + k])
+                        self.store_vals(vals, tN, m, n_lo // GROUP + k)
+
+    @cute.jit
+    def store_vals(self, vals, tN, m: cutlass.Constexpr, g: cutlass.Constexpr):
+        """A thread's 16 converted values of row pass m and group g into the stage."""
+        if const_expr(isinstance(tN, tuple)):
+            words = cute.recast_tensor(vals, Int32)
+            unit = cute.make_rmem_tensor((4,), Int32)
+            for h in cutlass.range_constexpr(2):
+                for e in cutlass.range_constexpr(4):
+                    unit[e] = words[4 * h + e]
+                dst = cute.make_ptr(Int32, tN[h] + self.nope_offset(m, g), cute.AddressSpace.smem, assumed_align=16)
+                cute.autovec_copy(unit, cute.make_tensor(dst, cute.make_layout((4,))))
+        else:
+            cute.autovec_copy(vals, tN[None, m, g])
 
     @cute.jit
     def load_scales(self, sc, addr, offs, n_lo: cutlass.Constexpr, groups: cutlass.Constexpr,

@@ -136,31 +136,36 @@ def test_decode_compiles_offline(build, tmp_path):
 
 _UNITS_SCRIPT = r"""
 import json, cutlass, cutlass.cute as cute
-from cutlass.cute.nvgpu import warpgroup
-from dsa.cute.decode_sm90 import GROUP, SparseDecodeSm90 as K
+from dsa.cute.decode_sm90 import GROUP, DecodeSm90Config, SparseDecodeSm90
 from dsa.cute.sparse_attention_sm90 import BN
-D, res = 576, {}
+res = {}
 
-def check(sk):  # plain Python, called at trace time: every coordinate is static
-    res["swizzle"], wrong = str(sk.inner), []
+def check(k, sk):  # plain Python, called at trace time: every coordinate is static
+    wrong = []
     for tid in range(128):
         row, lane = tid // 8, tid % 8
         for s in range(2):
-            units = K.nope_units(s * BN * D * 2, row, lane)
+            units = k.nope_units(s * BN * k.D * 2, row, lane)
             for m in range(4):
-                for g in range(4):
+                for g in range(k.nope_view_cols() // GROUP):
                     for h in range(2):
                         for e in range(8):
                             b = 2 * sk.outer((row + 16 * m, GROUP * g + 16 * lane + 8 * h + e, s))
                             b ^= ((b >> 7) & 7) << 4  # the 128-byte swizzle, on byte addresses
-                            if b != units[h] + K.nope_offset(m, g) + 2 * e:
+                            if b != units[h] + k.nope_offset(m, g) + 2 * e:
                                 wrong.append((tid, s, m, g, h, e))
-    res["wrong"] = wrong[:5]
+    res[k.D] = (str(sk.inner), wrong[:5])
+
+# the lockstep build (the only one that stores directly), fp8_v32
+k = SparseDecodeSm90.from_config(DecodeSm90Config(cutlass.BFloat16, 576, 512, 128, 1, True, True, "fp8_v32", 64,
+                                                  True, True, False, True))
+
 
 @cute.jit
 def probe():
-    atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, cutlass.BFloat16)
-    check(cute.tile_to_shape(atom, (BN, D, 2), order=(0, 1, 2)))
+    _, layouts = k.operands()  # the kernel's own layouts: layouts[1] is the K stages the wgmma reads
+    check(k, layouts[1])
+
 
 cute.compile(probe)
 print("RESULT" + json.dumps(res))
@@ -170,16 +175,16 @@ print("RESULT" + json.dumps(res))
 @needs_dsl
 def test_direct_stores_land_where_the_wgmma_reads(tmp_path):
     """The lockstep producer's stores, a constant from two addresses placed
-    once (``nope_units``, ``nope_offset``), hit for every thread, row pass,
-    group and value the byte the consumers' view of the stage (its
-    swizzled layout, as the kernel builds it) reads that value from."""
+    once (``nope_units``, ``nope_offset``), hit for every thread, stage, row
+    pass, group and value the byte the consumers' view of the stage (the
+    kernel's own swizzled layout) reads that value from."""
     script = tmp_path / "units.py"  # the DSL compiles functions from their source file
     script.write_text(_UNITS_SCRIPT)
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
-    assert res == {"swizzle": "S<3,4,3>", "wrong": []}, res
+    assert res == {"576": ["S<3,4,3>", []]}, res
 
 
 @needs_dsl

@@ -1091,9 +1091,10 @@ def test_gpu_torch_deterministic_dense_indexer_backward(torch_deterministic):
     q = torch.randn(sum(lens_q), 64, 128, device=dev, dtype=bf16, generator=g)
     k = torch.randn(sum(lens_k), 128, device=dev, dtype=bf16, generator=g)
     w = torch.randn(sum(lens_q), 64, device=dev, generator=g) * 0.125
-    kw = dict(ratio=4, cu_seqlens_q=torch.tensor([0, 700, 1024], dtype=torch.int32, device=dev),
-              cu_seqlens_k=torch.tensor([0, 300, 500], dtype=torch.int32, device=dev), max_seqlen_k=300)
-    a, _ = _checks.indexer_args(q, k, w, **kw)
+    cu_q = torch.tensor([0, 700, 1024], dtype=torch.int32, device=dev)
+    cu_k = torch.tensor([0, 300, 500], dtype=torch.int32, device=dev)
+    # ratio 4, sm_scale 1, causal, no q_offsets, varlen, max_seqlen_k 300
+    a, _ = _checks.indexer_args(q, k, w, 4, 1.0, True, None, cu_q, cu_k, 300)
     dscores = torch.randn(sum(lens_q), 300, device=dev, generator=g)
     first, again = ops.indexer_scores_bwd(a, dscores, "triton"), ops.indexer_scores_bwd(a, dscores, "triton")
     assert all(torch.equal(x, y) for x, y in zip(first, again))

@@ -106,11 +106,6 @@ FP8_REGS = {FP8_V32: (72, 216), FP8_MODEL1: (96, 200)}
 LOCKSTEP_REGS = (136, (208, 160))  # no spill in any build of tests/test_cute_decode.py
 # the caches a decode runs lockstep on by default (``lockstep``)
 LOCKSTEP_CACHES = (FP8_V32,)
-# lockstep builds store their converted units at addresses placed once a
-# thread (``nope_units``), each store a constant away, instead of through the
-# swizzled partition (an add, a shift and an xor a store); the staggered
-# builds, short of registers, keep the partition (the two live addresses spill)
-DIRECT_STORES = True
 
 
 def warpgroup_regs(cache: str, lockstep: bool = False):
@@ -672,7 +667,12 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         raw = cute.recast_ptr(sK.iterator, None)
         views = [cute.make_tensor(cute.recast_ptr(raw + s * BN * self.D, nope.inner), nope.outer) for s in (0, 1)]
         lane = tidx % 8
-        if const_expr(self.lockstep and DIRECT_STORES):
+        # lockstep builds store their converted units at two addresses placed
+        # once a thread (``nope_units``), each store a constant away, instead of
+        # through the swizzled partition (an add, a shift and an xor a store);
+        # the staggered builds, short of registers, keep the partition (the two
+        # live addresses spill there)
+        if const_expr(self.lockstep):
             stage_bytes = BN * self.D * (self.dtype.width // 8)
             units = [self.nope_units(Int32(raw.toint()) + s * stage_bytes, tidx // 8, lane) for s in (0, 1)]
             return (tK0, units[0], lane), (tK1, units[1], lane)
@@ -795,8 +795,9 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
 
     @cute.jit
     def store_vals(self, vals, tN, m: cutlass.Constexpr, g: cutlass.Constexpr):
-        """A thread's 16 converted values of row pass m and group g into the stage."""
-        if const_expr(isinstance(tN, tuple)):
+        """A thread's 16 converted values of row pass m and group g into the stage: at the two addresses
+        ``tN`` (lockstep, ``stage_partitions``) plus an offset, or through the partition ``tN``."""
+        if const_expr(self.lockstep):
             words = cute.recast_tensor(vals, Int32)
             unit = cute.make_rmem_tensor((4,), Int32)
             for h in cutlass.range_constexpr(2):

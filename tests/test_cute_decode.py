@@ -71,7 +71,7 @@ NEEDLES = ("wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.ar
            "setmaxnreg.dec", "mbarrier.try_wait", "st.global.v2.b32", "st.local", "ld.local",
            "cvt.rn.f16x2.e4m3x2", "cvt.rn.bf16x2.f32", "mul.rn.f32", "fence.proxy.async.shared::cta",
            "ld.global.v4", "st.shared.v4", "prefetch.global.L2", "griddepcontrol.wait",
-           "griddepcontrol.launch_dependents")
+           "griddepcontrol.launch_dependents", "mul.rn.bf16x2")
 
 
 def _builds():
@@ -113,14 +113,21 @@ def test_decode_compiles_offline(build, tmp_path):
     if kw["cache"] != "native":
         # 16-byte loads of e4m3 bytes, converted (e4m3 -> f16, times the scale in fp32, one rounding to
         # bf16) and stored as 16-byte units, fenced for the consumers' wgmma; lines prefetched into L2
-        for needle in ("ld.global.v4", "cvt.rn.f16x2.e4m3x2", "cvt.rn.bf16x2.f32", "mul.rn.f32", "st.shared.v4",
+        for needle in ("ld.global.v4", "cvt.rn.f16x2.e4m3x2", "cvt.rn.bf16x2.f32", "st.shared.v4",
                        "fence.proxy.async.shared::cta", "prefetch.global.L2"):
             assert n[needle] > 0, (name, needle, r)
+        # the two orders of a pair's conversion: fp8_v32's fp32 scales, fp32 products (two a pair);
+        # fp8_model1's e8m0 scales (bf16 values), one bf16x2 product a pair
+        cvt, bf16_mul, f32_mul = n["cvt.rn.f16x2.e4m3x2"], n["mul.rn.bf16x2"], n["mul.rn.f32"]
+        if kw["cache"] == "fp8_model1":
+            assert bf16_mul == cvt and f32_mul == 0, (name, r)
+        else:
+            assert bf16_mul == 0 and f32_mul == 2 * cvt, (name, r)
         # each 16-byte load: 8 conversions of two bytes, two 16-byte stores (a lockstep build issues a
         # half's loads at more places than it converts them: ahead of the waits)
-        assert n["st.shared.v4"] * 4 == n["cvt.rn.f16x2.e4m3x2"] >= 8 * 8, r
+        assert n["st.shared.v4"] * 4 == cvt >= 8 * 8, r
         if not lockstep:
-            assert n["cvt.rn.f16x2.e4m3x2"] == 8 * n["ld.global.v4"], r
+            assert cvt == 8 * n["ld.global.v4"], r
     else:
         assert n["cvt.rn.f16x2.e4m3x2"] == 0 and n["st.shared.v4"] == 0, (name, r)
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and n["st.local"] == 0 and n["ld.local"] == 0, (name, r)
@@ -188,6 +195,45 @@ def test_direct_stores_land_where_the_wgmma_reads(tmp_path):
 
 
 @needs_dsl
+def _rn_bf16(x: torch.Tensor) -> torch.Tensor:
+    """float64 x rounded once to bf16 (8 significant bits, ties to even;
+    subnormal below 2^-126 in steps of 2^-133; past the largest bf16, inf),
+    in float64: an emulation that never goes through fp32."""
+    _, e = torch.frexp(x)
+    step = torch.pow(2.0, torch.clamp(e - 8, min=-133).double())
+    y = torch.round(x / step) * step
+    big = (2 - 2.0 ** -7) * 2.0 ** 127
+    return torch.where(y.abs() > big, torch.copysign(torch.full_like(y, float("inf")), y), y)
+
+
+def test_bf16_product_order_is_exact_for_bf16_scales():
+    """The FP8 decode's two orders of dequantisation: the contract's (an fp32
+    product, rounded to bf16) and the bf16 one it takes for fp8_model1's e8m0
+    scales (``e4m3x2_times_bf16x2``: the product of bf16 values, rounded
+    once).  Over every finite e4m3 byte they agree bit for bit for any scale
+    that is a bf16 value (low 16 bits zero), subnormal, negative and
+    overflowing ones included, and not for others, which is why fp8_v32's
+    fp32 scales keep the contract's order."""
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    e = codes.view(torch.float8_e4m3fn).double()[:, None]
+    exps = torch.arange(-133, 128, dtype=torch.float64)
+    ends = torch.tensor([0.0, 127 * 2.0 ** -133, (2 - 2.0 ** -7) * 2.0 ** 127])  # zero, subnormal, largest
+    bf16_scales = torch.cat([torch.pow(2.0, exps), 1.5 * torch.pow(2.0, exps[(exps > -133) & (exps < 127)]),
+                             -torch.pow(2.0, exps[::7]), ends])
+    s = bf16_scales.float()
+    assert torch.equal(s.view(torch.int32) & 0xFFFF, torch.zeros_like(s, dtype=torch.int32))
+    contract = (e.float() * s[None, :]).bfloat16()
+    ordered = _rn_bf16(e * s.double()[None, :]).bfloat16()
+    assert torch.equal(contract.view(torch.int16), ordered.view(torch.int16))
+    assert contract.isinf().any() and (contract.view(torch.int16) & 0x7F80 == 0).sum() > 1000  # inf, subnormals
+    # a scale that is not a bf16 value, rounded to bf16 first, changes some products
+    odd = torch.tensor([0.3, 1 / 3, 0.7 * 2.0 ** -100, 1e-39], dtype=torch.float32)
+    assert (odd.view(torch.int32) & 0xFFFF != 0).all()
+    contract = (e.float() * odd[None, :]).bfloat16().view(torch.int16)
+    rounded_first = _rn_bf16(e * odd.bfloat16().double()[None, :]).bfloat16().view(torch.int16)
+    assert ((contract != rounded_first).sum(0) > 0).all()
+
+
 def test_register_splits_fit_the_launch():
     """Producer + two consumers' setmaxnreg targets within 3 x the launch's
     registers a thread: a split above it deadlocks the CTA (the consumers'
@@ -709,9 +755,13 @@ def test_fp8_block_table_edge_cases(fmt, H):
 
 
 def _exact_cache(fmt, P, PS, gen):
-    """Every finite e4m3 byte over the tokens' NoPE values, power-of-two scales
-    from 2^-20 to 2^20 (fp32, or e8m0 bytes 107..147), random bf16 RoPE:
-    [P, PS, bytes] uint8."""
+    """Every finite e4m3 byte over the tokens' NoPE values, random bf16 RoPE
+    and four kinds of scales by token: powers of two from 2^-20 to 2^20 (fp32,
+    or e8m0 bytes 107..147); scales that are not bf16 values (fp32: 0.3 times
+    those) or e8m0's smallest (2^-127..2^-121, subnormal products); bf16
+    values that are not powers of two, subnormal ones and zero (fp32); and
+    negative powers of two with one tile of the first half not a bf16 value
+    (fp32).  [P, PS, bytes] uint8."""
     f = FP8[fmt]
     L = bf.FP8_LAYOUTS[fmt]
     codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
@@ -722,11 +772,21 @@ def _exact_cache(fmt, P, PS, gen):
         rec = pages[p, o * L["record"]:(o + 1) * L["record"]]
         rec[: L["nope"]] = codes[(torch.arange(L["nope"]) * 7 + n * 13) % len(codes)]
         exps = torch.tensor([(n * 5 + 3 * k) % 41 - 20 for k in range(n_tiles)], dtype=torch.float32)
+        kind = n % 4
         if L["per_page"]:
             at = PS * L["record"] + 8 * o
-            pages[p, at:at + n_tiles] = (exps + 127).to(torch.uint8)
+            b = torch.arange(n_tiles) if kind == 1 else exps + 127
+            pages[p, at:at + n_tiles] = b.to(torch.uint8)
         else:
-            rec[L["scale_at"]:L["scale_at"] + 4 * n_tiles] = torch.pow(2.0, exps).view(torch.uint8)
+            sc = torch.pow(2.0, exps)
+            if kind == 1:
+                sc = 0.3 * sc
+            elif kind == 2:
+                sc = torch.tensor([1.5 * 2.0 ** float(exps[0]), 2.0 ** -126, 2.0 ** -130, 0.0])
+            elif kind == 3:
+                sc = -sc
+                sc[1] = sc[1] * 0.3
+            rec[L["scale_at"]:L["scale_at"] + 4 * n_tiles] = sc.float().view(torch.uint8)
         rec[L["rope_at"]:L["rope_at"] + 128] = torch.randn(64, generator=gen).bfloat16().view(torch.uint8)
     return pages.view(P, PS, f["bytes"]).cuda()
 
@@ -736,8 +796,10 @@ def _exact_cache(fmt, P, PS, gen):
 @fp8_formats
 def test_fp8_dequantisation_is_exact(fmt):
     """One valid slot a row: out is that token's dequantised values, bit for
-    bit (bf16 of the fp32 product), over every finite e4m3 byte and a range
-    of scales; lse checks its RoPE part (q is zero elsewhere)."""
+    bit (bf16 of the fp32 product), over every finite e4m3 byte and scales
+    of several kinds (``_exact_cache``; fp8_model1's smallest e8m0 scales make
+    bf16 subnormals of the bf16 products); lse checks its RoPE part (q is zero
+    elsewhere)."""
     gen = torch.Generator().manual_seed(7)
     T, H, PS, P = 16, 64, 4, 4
     D = FP8[fmt]["D"]

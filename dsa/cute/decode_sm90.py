@@ -124,6 +124,17 @@ def regs_sum(cache: str, lockstep: bool = False) -> int:
     return p + (2 * c if isinstance(c, int) else sum(c))
 
 
+def _e4m3x2_asm(upper: bool, product: str) -> str:
+    """PTX for two e4m3 bytes of $1's lower (upper) half made the two fp32
+    fx, fy (exact, through f16), then ``product``: the scaling and rounding
+    into bf16x2 $0 (the lower byte in the lower half)."""
+    return ("{\n.reg .b16 lo, hi;\n.reg .b32 h2;\n.reg .f16 x, y;\n.reg .f32 fx, fy;\n"
+            "mov.b32 {lo, hi}, $1;\n"
+            f"cvt.rn.f16x2.e4m3x2 h2, {'hi' if upper else 'lo'};\n"
+            "mov.b32 {x, y}, h2;\n"
+            "cvt.f32.f16 fx, x;\ncvt.f32.f16 fy, y;\n" + product + "}")
+
+
 @dsl_user_op
 def e4m3x2_to_bf16x2(word: Int32, upper: bool, scale: Float32, *, loc=None, ip=None) -> Int32:
     """The two e4m3 bytes of ``word``'s lower (upper) half, each times
@@ -131,13 +142,7 @@ def e4m3x2_to_bf16x2(word: Int32, upper: bool, scale: Float32, *, loc=None, ip=N
     exact, f16 -> f32 is exact, the fp32 product is the contract's dequantised
     value (exact for a power-of-two scale), and it is rounded once to bf16.
     A NaN byte (0x7F / 0xFF) stays NaN."""
-    asm = ("{\n.reg .b16 lo, hi;\n.reg .b32 h2;\n.reg .f16 x, y;\n.reg .f32 fx, fy;\n"
-           "mov.b32 {lo, hi}, $1;\n"
-           f"cvt.rn.f16x2.e4m3x2 h2, {'hi' if upper else 'lo'};\n"
-           "mov.b32 {x, y}, h2;\n"
-           "cvt.f32.f16 fx, x;\ncvt.f32.f16 fy, y;\n"
-           "mul.rn.f32 fx, fx, $2;\nmul.rn.f32 fy, fy, $2;\n"
-           "cvt.rn.bf16x2.f32 $0, fy, fx;\n}")
+    asm = _e4m3x2_asm(upper, "mul.rn.f32 fx, fx, $2;\nmul.rn.f32 fy, fy, $2;\ncvt.rn.bf16x2.f32 $0, fy, fx;\n")
     operands = [Int32(word).ir_value(loc=loc, ip=ip), Float32(scale).ir_value(loc=loc, ip=ip)]
     return Int32(llvm.inline_asm(T.i32(), operands, asm, "=r,r,f", has_side_effects=False, is_align_stack=False,
                                  asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
@@ -152,13 +157,7 @@ def e4m3x2_times_bf16x2(word: Int32, upper: bool, scale2: Int32, *, loc=None, ip
     2^-9 and a bf16 value's at least 2^-133, so the fp32 product is exact
     too, and both orders round the exact product once.  A NaN byte stays
     NaN."""
-    asm = ("{\n.reg .b16 lo, hi;\n.reg .b32 h2;\n.reg .f16 x, y;\n.reg .f32 fx, fy;\n"
-           "mov.b32 {lo, hi}, $1;\n"
-           f"cvt.rn.f16x2.e4m3x2 h2, {'hi' if upper else 'lo'};\n"
-           "mov.b32 {x, y}, h2;\n"
-           "cvt.f32.f16 fx, x;\ncvt.f32.f16 fy, y;\n"
-           "cvt.rn.bf16x2.f32 h2, fy, fx;\n"
-           "mul.rn.bf16x2 $0, h2, $2;\n}")
+    asm = _e4m3x2_asm(upper, "cvt.rn.bf16x2.f32 h2, fy, fx;\nmul.rn.bf16x2 $0, h2, $2;\n")
     operands = [Int32(word).ir_value(loc=loc, ip=ip), Int32(scale2).ir_value(loc=loc, ip=ip)]
     return Int32(llvm.inline_asm(T.i32(), operands, asm, "=r,r,r", has_side_effects=False, is_align_stack=False,
                                  asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))

@@ -194,7 +194,6 @@ def test_direct_stores_land_where_the_wgmma_reads(tmp_path):
     assert res == {"576": ["S<3,4,3>", []]}, res
 
 
-@needs_dsl
 def _rn_bf16(x: torch.Tensor) -> torch.Tensor:
     """float64 x rounded once to bf16 (8 significant bits, ties to even;
     subnormal below 2^-126 in steps of 2^-133; past the largest bf16, inf),
@@ -234,6 +233,7 @@ def test_bf16_product_order_is_exact_for_bf16_scales():
     assert ((contract != rounded_first).sum(0) > 0).all()
 
 
+@needs_dsl
 def test_register_splits_fit_the_launch():
     """Producer + two consumers' setmaxnreg targets within 3 x the launch's
     registers a thread: a split above it deadlocks the CTA (the consumers'

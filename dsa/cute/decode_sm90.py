@@ -824,14 +824,12 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
             for k in cutlass.range_constexpr(groups):
                 s_ = self.scale_of(sc, k, m, n_lo, lane)
                 if const_expr(bf16_product):
-                    s2 = bf16x2_of(s_)
-                    for w in cutlass.range_constexpr(4):
-                        words[2 * w] = e4m3x2_times_bf16x2(raw[w, k, m], False, s2)
-                        words[2 * w + 1] = e4m3x2_times_bf16x2(raw[w, k, m], True, s2)
+                    convert, s_ = e4m3x2_times_bf16x2, bf16x2_of(s_)
                 else:
-                    for w in cutlass.range_constexpr(4):
-                        words[2 * w] = e4m3x2_to_bf16x2(raw[w, k, m], False, s_)
-                        words[2 * w + 1] = e4m3x2_to_bf16x2(raw[w, k, m], True, s_)
+                    convert = e4m3x2_to_bf16x2
+                for w in cutlass.range_constexpr(4):
+                    words[2 * w] = convert(raw[w, k, m], False, s_)
+                    words[2 * w + 1] = convert(raw[w, k, m], True, s_)
                 if const_expr(n_lo + GROUP * (k + 1) <= n_hi):
                     self.store_vals(vals, tN, m, n_lo // GROUP + k)
                 else:

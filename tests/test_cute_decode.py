@@ -65,6 +65,11 @@ BUILDS = [
     # a flat cache (pages of one row), GQA, D 512
     ("native_flat_gqa_d512", dict(H=128, G=2, D=512, cache="native", page_size=1, has_bt=False, has_seqlen=False,
                                   split=True)),
+    # fp8_v32 lockstep with two producer warpgroups (512 threads), split; and one split without length or sink
+    ("fp8_bt_split_h128_dual", dict(H=128, cache="fp8_v32", page_size=64, has_bt=True, has_seqlen=True,
+                                    split=True, dual=True)),
+    ("fp8_slots_h64_dual", dict(H=64, cache="fp8_v32", page_size=64, has_len=False, has_sink=False, has_bt=False,
+                                has_seqlen=False, split=False, dual=True)),
 ]
 CI_BUILDS = 2
 NEEDLES = ("wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc", "setmaxnreg.inc",
@@ -135,10 +140,12 @@ def test_decode_compiles_offline(build, tmp_path):
     # 6-12.5% slower at B128 (lockstep consumer 0 at 200 or 192 registers, bench/RESULTS.md C206-C207)
     assert not r["wgmma_serialized"], (name, r)
     assert r["smem"] == smem_bytes(D, 512, 2) <= SMEM_LIMIT == r["smem_limit"], (name, r)
-    # the warpgroups' setmaxnreg split fits what the CTA is launched with (else setmaxnreg.inc never returns)
-    from dsa.cute.sparse_attention_sm90 import LAUNCH_REGS
-
-    assert r["registers"] == LAUNCH_REGS and regs_sum(kw["cache"], lockstep) <= 3 * r["registers"], (name, r)
+    # the warpgroups' setmaxnreg split fits what the CTA is launched with (else setmaxnreg.inc never returns):
+    # 168 registers a thread at 384 threads, 128 at 512 (a second producer)
+    dual = kw.get("dual", False)
+    wgs = 4 if dual else 3
+    assert r["registers"] == 65536 // (128 * wgs) // 8 * 8, (name, r)
+    assert regs_sum(kw["cache"], lockstep, dual) <= wgs * r["registers"], (name, r)
 
 
 _UNITS_SCRIPT = r"""
@@ -353,6 +360,11 @@ def test_lockstep_is_the_fp8_v32_build():
     # the two consumers' targets differ; with the producer's they fill the launch's registers
     p, (c0, c1) = d.warpgroup_regs("fp8_v32", lockstep=True)
     assert c1 < c0 and p + c0 + c1 == d.regs_sum("fp8_v32", True) == 3 * 168
+    # two producers: the same consumers, and all four warpgroups fill 512 threads' 128 registers
+    p2, cs2 = d.warpgroup_regs("fp8_v32", lockstep=True, dual=True)
+    assert cs2 == (c0, c1) and 2 * p2 + c0 + c1 == d.regs_sum("fp8_v32", True, True) == 4 * 128
+    why = d.decode_reason(d.cutlass.BFloat16, 576, 512, 128, 1, "fp8_v32", 64, True, True, dual=True)
+    assert why is not None and "lockstep" in why
 
 
 def test_zero_row_sizes():

@@ -59,7 +59,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dsa.cute import rules, scheduler
-from dsa.cute.gmem import aligned, load
+from dsa.cute.gmem import aligned, gather_copier, load
 from dsa.cute.pipeline import freed_phase, phase
 from dsa.cute.rules import LN2, LOG2E, finite_shift
 from dsa.cute.sparse_attention_sm90 import (
@@ -73,8 +73,8 @@ from dsa.cute.sparse_attention_sm90 import (
     PROF_LOOKUP,
     PROF_Q,
     PROF_WGMMA,
+    MASK_WRITERS,
     PRODUCER_REGS,
-    THREADS,
     SparseAttnFwdSm90,
 )
 from dsa.kv_cache import FORMATS
@@ -106,11 +106,21 @@ FP8_REGS = {FP8_V32: (72, 216), FP8_MODEL1: (96, 200)}
 LOCKSTEP_REGS = (136, (208, 160))  # no spill in any build of tests/test_cute_decode.py
 # the caches a decode runs lockstep on by default (``lockstep``)
 LOCKSTEP_CACHES = (FP8_V32,)
+# dual: a lockstep build with a second producer warpgroup (warpgroup 3; 512
+# threads launched with 128 registers each), each producer gathering half of
+# every block's rows (32 of 64: two buffers of 2 rows a thread), so that two
+# warps a scheduler issue the conversions.  2 x 72 + 208 + 160 = 4 x 128.
+DUAL_REGS = (72, (208, 160))
+# the lockstep caches a decode runs dual on by default
+DUAL_CACHES = ()
 
 
-def warpgroup_regs(cache: str, lockstep: bool = False):
+def warpgroup_regs(cache: str, lockstep: bool = False, dual: bool = False):
     """(producer, consumers) setmaxnreg targets of a build: consumers is one
-    figure for both or a pair (consumer 0, consumer 1)."""
+    figure for both or a pair (consumer 0, consumer 1); a dual build's
+    producer figure is each of its two producers'."""
+    if dual:
+        return DUAL_REGS
     if lockstep:
         return LOCKSTEP_REGS
     if cache == NATIVE:
@@ -118,10 +128,11 @@ def warpgroup_regs(cache: str, lockstep: bool = False):
     return FP8_REGS[cache]
 
 
-def regs_sum(cache: str, lockstep: bool = False) -> int:
-    """What the warpgroups' targets of a build add up to (at most 3 x LAUNCH_REGS)."""
-    p, c = warpgroup_regs(cache, lockstep)
-    return p + (2 * c if isinstance(c, int) else sum(c))
+def regs_sum(cache: str, lockstep: bool = False, dual: bool = False) -> int:
+    """What the warpgroups' targets of a build add up to (at most the launch's
+    registers times its warpgroups)."""
+    p, c = warpgroup_regs(cache, lockstep, dual)
+    return p * (2 if dual else 1) + (2 * c if isinstance(c, int) else sum(c))
 
 
 def _e4m3x2_asm(upper: bool, product: str) -> str:
@@ -201,7 +212,9 @@ class DecodeSm90Config(scheduler.ProblemConfig):
     positions through a block table), has_seqlen (seq_lens cut them),
     split (several splits a row: the kernel writes parts for the merge) and
     lockstep (consumer 0 computes every S, consumer 1 only half of P V, and
-    the producer keeps two half stages of loads in flight; ``fp8_v32``)."""
+    the producer keeps two half stages of loads in flight; ``fp8_v32``) and
+    dual (a lockstep build with two producer warpgroups, each gathering half
+    of every block's rows)."""
 
     has_sink: bool
     cache: str
@@ -210,10 +223,11 @@ class DecodeSm90Config(scheduler.ProblemConfig):
     has_seqlen: bool
     split: bool
     lockstep: bool = False
+    dual: bool = False
 
 
 def decode_reason(dtype, D: int, d_v: int, H: int, G: int, cache: str, page_size: int, has_bt: bool,
-                  has_seqlen: bool, lockstep: bool = False) -> Optional[str]:
+                  has_seqlen: bool, lockstep: bool = False, dual: bool = False) -> Optional[str]:
     """Why the decode kernel cannot serve this configuration (None if it can)."""
     why = SparseAttnFwdSm90.can_implement(dtype, D, d_v, H, G)
     if why is not None:
@@ -236,6 +250,8 @@ def decode_reason(dtype, D: int, d_v: int, H: int, G: int, cache: str, page_size
         return "seq_lens without a block table"
     if lockstep and cache != FP8_V32:
         return f"the lockstep decode converts fp8_v32 rows, not {cache!r}"
+    if dual and not lockstep:
+        return "the dual-producer decode is a lockstep build"
     return None
 
 
@@ -243,20 +259,24 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
     """Host-side builder of the decode kernel for one static configuration."""
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, has_sink: bool, cache: str,
-                 page_size: int, has_bt: bool, has_seqlen: bool, split: bool, lockstep: bool = False):
-        why = decode_reason(dtype, D, d_v, H, G, cache, page_size, has_bt, has_seqlen, lockstep)
+                 page_size: int, has_bt: bool, has_seqlen: bool, split: bool, lockstep: bool = False,
+                 dual: bool = False):
+        why = decode_reason(dtype, D, d_v, H, G, cache, page_size, has_bt, has_seqlen, lockstep, dual)
         if why is not None:
             raise ValueError(f"SparseDecodeSm90: {why}")
         super().__init__(dtype, D, d_v, H, G, has_len, has_sink)
         self.config = DecodeSm90Config(dtype, D, d_v, H, G, has_len, has_sink, cache, page_size, has_bt,
-                                       has_seqlen, split, lockstep)
+                                       has_seqlen, split, lockstep, dual)
         self.cache, self.page_size = cache, page_size
         self.has_bt, self.has_seqlen, self.split = has_bt, has_seqlen, split
         self.fp8 = cache != NATIVE
         self.fmt = FORMATS[cache] if self.fp8 else None  # the FP8 layout (dsa.kv_cache)
-        self.lockstep = lockstep
+        self.lockstep, self.dual = lockstep, dual
+        self.producer_wgs = 2 if dual else 1
+        # rows of a block a producer thread gathers: one of each 16-row pass (of its warpgroup's half when dual)
+        self.R = BN // 16 // self.producer_wgs
         if self.fp8:
-            self.producer_regs, self.consumer_regs = warpgroup_regs(cache, lockstep)
+            self.producer_regs, self.consumer_regs = warpgroup_regs(cache, lockstep, dual)
 
     @classmethod
     def from_config(cls, config: DecodeSm90Config) -> "SparseDecodeSm90":
@@ -293,7 +313,7 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
             *mmas, *layouts,
             q_ptr, kv_ptr, idx_ptr, len_ptr, bt_ptr, seqlen_ptr, sink_ptr, out_ptr, lse_ptr, zero_ptr,
             K, n_pages, page_stride, bt_w, chunk, n_split, len_div, rows_per_seq, n_tiles, scale_log2,
-        ).launch(grid=[scheduler.grid_size(n_cta, n_tiles), 1, 1], block=[THREADS, 1, 1], stream=stream,
+        ).launch(grid=[scheduler.grid_size(n_cta, n_tiles), 1, 1], block=[self.threads(), 1, 1], stream=stream,
                  min_blocks_per_mp=1)
         if const_expr(self.split):
             n_units = T * (self.H * (self.d_v // MERGE_VEC))
@@ -426,11 +446,11 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         f = self.fmt
         lines = -(-f.token_bytes // L2_LINE)
         if lane < lines:
-            for m in cutlass.range_constexpr(BN // 16):
+            for m in cutlass.range_constexpr(self.R):
                 prefetch_l2(addr[m] + lane * L2_LINE)
         if const_expr(f.per_page):
             if lane == lines:
-                for m in cutlass.range_constexpr(BN // 16):
+                for m in cutlass.range_constexpr(self.R):
                     prefetch_l2(addr[m] + self.scale_offset(offs[m]))
 
     def scale_offset(self, off):
@@ -596,9 +616,12 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                 self.fetch_rows(ns1, 3, idx_row, L, row_in_pass)
                 self.ahead(base0, tK0, buf_a, 0, L_CHUNKS)
                 self.ahead(base0, tK0, buf_b, L_CHUNKS, CH)
-            if j > 0:
-                self.timer.wait_mbarrier(q_empty, freed_phase(j), PROF_Q)
-            self.load_q(atom, thr, sQ, q_full, q_ptr, zero_ptr, t, head0, row_in_pass, col0)
+            if const_expr(self.dual):
+                # the first producer's (its rows are the copier's own, tidx // 8)
+                if tidx < 128:
+                    self.next_q(atom, thr, sQ, q_full, q_empty, q_ptr, zero_ptr, t, head0, row_in_pass, col0, j)
+            else:
+                self.next_q(atom, thr, sQ, q_full, q_empty, q_ptr, zero_ptr, t, head0, row_in_pass, col0, j)
             for i in cutlass.range(n_pairs, unroll=1):
                 has1 = 2 * i + 1 < n_blocks
                 more = 2 * i + 2 < n_blocks
@@ -608,7 +631,7 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                     self.timer.wait_mbarrier(empty + 0, freed_phase(n0), PROF_EMPTY)
                 self.swap(atom, base0, tK0, buf_a, 0, L_CHUNKS, n0, base1, tK1, has1)
                 self.signal_fill(full + 0)
-                self.publish_mask(masks, 0, full + 0)
+                self.publish_rows(masks, 0, full + 0, base0, zero_ptr)
                 if n0 > 0:
                     self.timer.wait_mbarrier(empty + 1, freed_phase(n0), PROF_EMPTY)
                 self.swap(atom, base0, tK0, buf_b, L_CHUNKS, CH, n0, base1, tK1, has1)
@@ -623,13 +646,37 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                         self.timer.wait_mbarrier(empty + 3, freed_phase(n1), PROF_EMPTY)
                     self.swap(atom, base1, tK1, buf_b, L_CHUNKS, CH, n1, base0, tK0, more)
                     self.signal_fill(full + 3)
-                    self.publish_mask(masks, 1, full + 3)
+                    self.publish_rows(masks, 1, full + 3, base1, zero_ptr)
                     self.resolve_rows(base1, mk1, ns1, 2 * i + 3, *rows)
                 self.fetch_rows(ns0, 2 * i + 4, idx_row, L, row_in_pass)
                 self.fetch_rows(ns1, 2 * i + 5, idx_row, L, row_in_pass)
             u0 = u0 + n_pairs
             u1 = u1 + n_blocks // 2
             j = j + 1
+
+    @cute.jit
+    def publish_rows(self, masks, stage: cutlass.Constexpr, bar, base, zero_ptr):
+        """``publish_mask``; dual, each row's mask from its address (an invalid
+        slot's is the zero row's), which frees the producer the registers of
+        the masks (a dual producer has 72)."""
+        if const_expr(not self.dual):
+            self.publish_mask(masks, stage, bar)
+        else:
+            ok, writer, row_in_pass = masks[2], masks[3], masks[4]
+            if writer:
+                for m in cutlass.range_constexpr(self.R):
+                    mask = Float32(0.0)
+                    if base[m] == zero_ptr.toint():
+                        mask = -Float32.inf
+                    ok[stage, row_in_pass + 16 * m] = mask
+                cute.arch.mbarrier_arrive(bar)
+
+    @cute.jit
+    def next_q(self, atom, thr, sQ, q_full, q_empty, q_ptr, zero_ptr, t, head0, row_in_pass, col0, j):
+        """Tile j's Q, once both consumers are past their last S of tile j - 1."""
+        if j > 0:
+            self.timer.wait_mbarrier(q_empty, freed_phase(j), PROF_Q)
+        self.load_q(atom, thr, sQ, q_full, q_ptr, zero_ptr, t, head0, row_in_pass, col0)
 
     @cute.jit
     def ahead(self, base, tKs, buf, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr):
@@ -659,12 +706,33 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         base0, base1 = SparseAttnFwdSm90.row_addresses(self)
         if not (self.fp8 and self.fmt.per_page):
             return base0, base1
-        R = BN // 16
+        R = self.R
         return (base0, cute.make_rmem_tensor((R,), Int32)), (base1, cute.make_rmem_tensor((R,), Int32))
+
+    def producer_state(self, tidx, sK, sOk):
+        """The forward's; dual, that of thread tidx % 128 of either producer
+        warpgroup (0 or 3), whose rows are one of each 16-row pass of its
+        warpgroup's half of every block (row_in_pass 32 p onwards)."""
+        if not self.dual:
+            return SparseAttnFwdSm90.producer_state(self, tidx, sK, sOk)
+        ptid = tidx % 128
+        atom, thr, row_in_pass, col0 = gather_copier(self.dtype, ptid)
+        row = row_in_pass + (BN // self.producer_wgs) * (tidx // (3 * 128))
+        tK0, tK1 = self.stage_partitions(thr, sK, ptid, row)
+        base0, base1 = self.row_addresses()
+        R = self.R
+        mk0, mk1 = cute.make_rmem_tensor((R,), Float32), cute.make_rmem_tensor((R,), Float32)
+        ok = cute.make_tensor(sOk, cute.make_layout((2, BN), stride=(BN, 1)))
+        masks = (mk0, mk1, ok, col0 == 0, row)
+        ns0, ns1 = cute.make_rmem_tensor((R,), Int32), cute.make_rmem_tensor((R,), Int32)
+        return atom, thr, row, col0, tK0, tK1, base0, base1, masks, ns0, ns1
 
     def fill_arrivals(self, h: int) -> int:
         # FP8: each producer thread also arrives (release) after its converted stores
-        return 256 if self.fp8 else 128
+        return (256 if self.fp8 else 128) * self.producer_wgs
+
+    def mask_writers(self) -> int:
+        return MASK_WRITERS * self.producer_wgs
 
     def signal_fill(self, bar):
         if self.fp8:
@@ -674,7 +742,7 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
             cute.arch.mbarrier_arrive(bar)
         cute.arch.cp_async_mbarrier_arrive_noinc(bar)
 
-    def stage_partitions(self, thr, sK, tidx):
+    def stage_partitions(self, thr, sK, tidx, row=None):
         """The forward's slices, and for an FP8 cache also the thread's slices
         of each stage's NoPE columns [64, 512] for the converted stores: 16
         columns (two 16-byte units) of each 128-column group, thread tid at
@@ -702,7 +770,13 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         # live addresses spill there)
         if const_expr(self.lockstep):
             stage_bytes = BN * self.D * (self.dtype.width // 8)
-            units = [self.nope_units(Int32(raw.toint()) + s * stage_bytes, tidx // 8, lane) for s in (0, 1)]
+            row = tidx // 8 if row is None else row
+            stages = [Int32(raw.toint()) + s * stage_bytes for s in (0, 1)]
+            units = [self.nope_units(st, row, lane) for st in stages]
+            if const_expr(self.dual):
+                # the RoPE unit's address too: the forward's partition places rows by the copier's own row
+                rope = [self.rope_unit(st, row, lane) for st in stages]
+                return (tK0, units[0], lane, rope[0]), (tK1, units[1], lane, rope[1])
             return (tK0, units[0], lane), (tK1, units[1], lane)
         return ((tK0, fthr.partition_D(views[0]), lane), (tK1, fthr.partition_D(views[1]), lane))
 
@@ -718,6 +792,13 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         at = stage + (lane // 4) * (BN * 128) + (row // 8) * 1024 + r8 * 128
         u = 2 * (lane % 4)
         return at + (u ^ r8) * 16, at + ((u + 1) ^ r8) * 16
+
+    def rope_unit(self, stage, row, lane):
+        """The byte address of this thread's 16-byte unit of the RoPE chunk
+        (columns d_nope + [8 lane, 8 lane + 8)) in row ``row`` of the stage
+        at ``stage``, placed as ``nope_units`` places the NoPE columns."""
+        r8 = row % 8
+        return stage + (self.fmt.d_nope // 64) * (BN * 128) + (row // 8) * 1024 + r8 * 128 + (lane ^ r8) * 16
 
     @staticmethod
     def nope_offset(m: int, g: int) -> int:
@@ -763,7 +844,7 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         """Registers for a half stage's loads: e4m3 words [4, groups, rows]
         and the rows' scales (``load_scales``)."""
         _, _, groups = self.half_groups(c_lo, c_hi)
-        R = BN // 16
+        R = self.R
         raw = cute.make_rmem_tensor((4, groups, R), Int32)
         if const_expr(not self.fmt.per_page):
             sc = cute.make_rmem_tensor((groups, R), Float32)
@@ -780,10 +861,10 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         raw, sc = buf
         n_lo, _, groups = self.half_groups(c_lo, c_hi)
         lane = tKs[2]
-        for m in cutlass.range_constexpr(BN // 16):
+        for m in cutlass.range_constexpr(self.R):
             for k in cutlass.range_constexpr(groups):
                 cute.autovec_copy(self.nope_src(addr[m], n_lo, k, lane), raw[None, k, m])
-        self.load_scales(sc, addr, offs, n_lo, groups, BN // 16)
+        self.load_scales(sc, addr, offs, n_lo, groups, self.R)
 
     def nope_src(self, row_addr, n_lo: int, k: int, lane):
         """This thread's 16 e4m3 bytes of group k of a half from column n_lo, as 4 words."""
@@ -796,17 +877,23 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         the NoPE columns end inside (fp8_model1's 384..447), the lanes past
         them loaded bytes of the same record and store nothing."""
         f = self.fmt
-        tK, tN, lane = tKs
+        tK, tN, lane = tKs[0], tKs[1], tKs[2]
         addr = base[0] if const_expr(f.per_page) else base
         raw, sc = buf
-        R = BN // 16
+        R = self.R
         n_lo, n_hi, groups = self.half_groups(c_lo, c_hi)
         if const_expr(c_hi > f.d_nope // 64):
             ES = self.dtype.width // 8
             for m in cutlass.range_constexpr(R):
                 src = cute.make_tensor(aligned(self.dtype, addr[m] + f.rope_offset + 8 * lane * ES),
                                        cute.make_layout((8,)))
-                cute.copy(atom, src, tK[None, m, f.d_nope // 64])
+                if const_expr(self.dual):
+                    # rows 16 apart are 2048 bytes apart with the same swizzle (``nope_offset``)
+                    dst = cute.make_ptr(self.dtype, tKs[3] + m * (16 * 128), cute.AddressSpace.smem,
+                                        assumed_align=16)
+                    cute.copy(atom, src, cute.make_tensor(dst, cute.make_layout((8,))))
+                else:
+                    cute.copy(atom, src, tK[None, m, f.d_nope // 64])
         # e8m0 scales are powers of two (2^-127 included): bf16 values, for which the bf16 order gives the
         # contract's bits with one product a pair (5.7% faster at B128 H64, C222); fp32 scales take the
         # contract's order (for fp8_v32 a per-half test of its scales cost more than it saved, C219, C222)
@@ -820,7 +907,7 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         scale a bf16 value), else by ``e4m3x2_to_bf16x2``; the same bits."""
         vals = cute.make_rmem_tensor((16,), self.dtype)
         words = cute.recast_tensor(vals, Int32)
-        for m in cutlass.range_constexpr(BN // 16):
+        for m in cutlass.range_constexpr(self.R):
             for k in cutlass.range_constexpr(groups):
                 s_ = self.scale_of(sc, k, m, n_lo, lane)
                 if const_expr(bf16_product):

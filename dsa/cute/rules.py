@@ -185,8 +185,10 @@ def paged_block_sources(base, mk, ns, block, L, cache: PagedCache, g, bt_row, li
     offset n % page_size of that page.  Every block-table entry looked up
     is inside the sequence's row (a bad position is clamped there, then
     masked), and all lookups issue before any is used.  offs, when given,
-    receives each row's offset in its page (0 for the zero row)."""
-    R = block_slots // rows_per_pass
+    receives each row's offset in its page (0 for the zero row).  The
+    thread's rows are as many as ``mk`` holds (block_slots // rows_per_pass,
+    or fewer when several warpgroups share a block's slots)."""
+    R = cute.size(mk)
     PS = cache.page_size
     pages = cute.make_rmem_tensor((R,), Int32)
     ids = cute.make_rmem_tensor((R,), Int32)

@@ -172,6 +172,9 @@ class SparseAttnFwdSm90:
     # the stage's ``ready`` barrier); a subclass's consumers and producer
     # implement it (dsa.cute.decode_sm90), this kernel's are the staggered pair
     lockstep = False
+    # producer warpgroups: a subclass may add a second one as warpgroup 3 (the
+    # CTA then has 512 threads, launched with 128 registers each)
+    producer_wgs = 1
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, has_sink: bool,
                  profile: bool = False, refill: bool = True, bounds: bool = False, ordered: bool = False):
@@ -239,10 +242,13 @@ class SparseAttnFwdSm90:
         MN = warpgroup.OperandMajorMode.MN
         qk_mma = cute.make_tiled_mma(cute.make_mma_atom(warpgroup.MmaF16BF16Op(
             dt, Float32, (BLOCK_H, BN, 16), warpgroup.OperandSource.SMEM, K_, K_)), (1, 1, 1))
+        # a CTA of 512 threads compiles every instruction within 128 registers: P V as two wgmma of 128
+        # columns each (the accumulator's registers in the same order as one of 256)
+        pv_n = self.dv_half if self.producer_wgs == 1 else self.dv_half // 2
         pv_mma = cute.make_tiled_mma(cute.make_mma_atom(warpgroup.MmaF16BF16Op(
-            dt, Float32, (BLOCK_H, self.dv_half, 16), warpgroup.OperandSource.RMEM, K_, MN)), (1, 1, 1))
+            dt, Float32, (BLOCK_H, pv_n, 16), warpgroup.OperandSource.RMEM, K_, MN)), (1, 1, 1))
         pv_mma_ss = cute.make_tiled_mma(cute.make_mma_atom(warpgroup.MmaF16BF16Op(
-            dt, Float32, (BLOCK_H, self.dv_half, 16), warpgroup.OperandSource.SMEM, K_, MN)), (1, 1, 1))
+            dt, Float32, (BLOCK_H, pv_n, 16), warpgroup.OperandSource.SMEM, K_, MN)), (1, 1, 1))
         # Layouts.  Q [64 heads, D] and each K stage [64 slots, D]: K-major
         # 128B-swizzled atoms of 8 rows x 64 columns, rows first.  V, the
         # B operand of P V, is the same bytes read MN-major: the MN-major atom
@@ -323,7 +329,7 @@ class SparseAttnFwdSm90:
         for h in cutlass.range_constexpr(4):
             # the producer's threads; the first half filled of a stage (L of
             # 0, R of 1) also carries its mask, from one thread a row
-            arrivals.append((full, h, self.fill_arrivals(h) + (MASK_WRITERS if h in (0, 3) else 0)))
+            arrivals.append((full, h, self.fill_arrivals(h) + (self.mask_writers() if h in (0, 3) else 0)))
             arrivals.append((empty, h, 128))  # the consumer reading that half as V
         if const_expr(self.lockstep):
             arrivals += [(st.ready.data_ptr(), s, 128) for s in range(2)]  # consumer 0's threads
@@ -332,11 +338,15 @@ class SparseAttnFwdSm90:
         tiles = self.slot_tiles(sched, *tile_args)
         for mma in (qk_mma, pv_mma, pv_mma_ss):
             mma.set(warpgroup.Field.ACCUMULATE, True)
-        if wg == 0:
+        if const_expr(self.producer_wgs == 1):
+            produces = wg == 0
+        else:
+            produces = wg % 3 == 0  # warpgroups 0 and 3
+        if produces:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             self.timer.start()
             self.producer(tidx, sQ, sK, st.sOk.data_ptr(), bars, tiles, q_ptr, *kv)
-            self.timer.store(prof_ptr, tidx, THREADS // 32, PROF_TOTAL)
+            self.timer.store(prof_ptr, tidx, self.threads() // 32, PROF_TOTAL)
         else:
             args = (qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, tidx % 128, sQ, sK,
                     st.sP.data_ptr(), st.sM.data_ptr(), st.sL.data_ptr(), st.sOk.data_ptr(), bars, tiles,
@@ -348,14 +358,14 @@ class SparseAttnFwdSm90:
             else:
                 self.set_consumer_regs(1)
                 self.consumer(1, *args)
-            self.timer.store(prof_ptr, tidx, THREADS // 32, PROF_TOTAL)
+            self.timer.store(prof_ptr, tidx, self.threads() // 32, PROF_TOTAL)
 
     def set_consumer_regs(self, w: int):
         """Consumer w's setmaxnreg: ``consumer_regs``, or per consumer when it
         is a pair (a lockstep build's consumers differ); up from the launch's
         registers, or down below them."""
         regs = self.consumer_regs if isinstance(self.consumer_regs, int) else self.consumer_regs[w]
-        if regs >= LAUNCH_REGS:
+        if regs >= self.launch_regs():
             cute.arch.setmaxregister_increase(regs)
         else:
             cute.arch.setmaxregister_decrease(regs)
@@ -365,10 +375,22 @@ class SparseAttnFwdSm90:
     # split of the slots, its rows come from a paged cache, its epilogue may
     # write a partial result.
 
+    def threads(self) -> int:
+        """Threads of a CTA: the producer warpgroups and the two consumers."""
+        return THREADS + 128 * (self.producer_wgs - 1)
+
+    def launch_regs(self) -> int:
+        """Registers a thread of a CTA is launched with (``LAUNCH_REGS`` at 384 threads)."""
+        return 65536 // self.threads() // 8 * 8
+
     def fill_arrivals(self, h: int) -> int:
         """Arrivals that complete half h's fill (the mask's come on top): one
         per producer thread, its ``cp.async.mbarrier.arrive.noinc``."""
         return 128
+
+    def mask_writers(self) -> int:
+        """Producer threads that write a stage's mask (and arrive with it)."""
+        return MASK_WRITERS
 
     def stage_partitions(self, thr, sK, tidx):
         """This thread's slices of the two K stages as ``copy_half`` fills
@@ -533,7 +555,7 @@ class SparseAttnFwdSm90:
         mk0, mk1, ok, writer, row_in_pass = masks
         mk = mk0 if stage == 0 else mk1
         if writer:
-            for m in cutlass.range_constexpr(BN // 16):
+            for m in cutlass.range_constexpr(cute.size(mk)):
                 ok[stage, row_in_pass + 16 * m] = mk[m]
             cute.arch.mbarrier_arrive(bar)
 

@@ -59,7 +59,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dsa.cute import rules, scheduler
-from dsa.cute.gmem import aligned, gather_copier, load
+from dsa.cute.gmem import aligned, load
 from dsa.cute.pipeline import freed_phase, phase
 from dsa.cute.rules import LN2, LOG2E, finite_shift
 from dsa.cute.sparse_attention_sm90 import (
@@ -706,26 +706,17 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         base0, base1 = SparseAttnFwdSm90.row_addresses(self)
         if not (self.fp8 and self.fmt.per_page):
             return base0, base1
-        R = self.R
+        R = self.rows_per_thread()
         return (base0, cute.make_rmem_tensor((R,), Int32)), (base1, cute.make_rmem_tensor((R,), Int32))
 
-    def producer_state(self, tidx, sK, sOk):
-        """The forward's; dual, that of thread tidx % 128 of either producer
-        warpgroup (0 or 3), whose rows are one of each 16-row pass of its
-        warpgroup's half of every block (row_in_pass 32 p onwards)."""
+    def producer_thread(self, tidx):
+        # dual: warpgroups 0 and 3, the second from row 32 of every block
         if not self.dual:
-            return SparseAttnFwdSm90.producer_state(self, tidx, sK, sOk)
-        ptid = tidx % 128
-        atom, thr, row_in_pass, col0 = gather_copier(self.dtype, ptid)
-        row = row_in_pass + (BN // self.producer_wgs) * (tidx // (3 * 128))
-        tK0, tK1 = self.stage_partitions(thr, sK, ptid, row)
-        base0, base1 = self.row_addresses()
-        R = self.R
-        mk0, mk1 = cute.make_rmem_tensor((R,), Float32), cute.make_rmem_tensor((R,), Float32)
-        ok = cute.make_tensor(sOk, cute.make_layout((2, BN), stride=(BN, 1)))
-        masks = (mk0, mk1, ok, col0 == 0, row)
-        ns0, ns1 = cute.make_rmem_tensor((R,), Int32), cute.make_rmem_tensor((R,), Int32)
-        return atom, thr, row, col0, tK0, tK1, base0, base1, masks, ns0, ns1
+            return tidx, None
+        return tidx % 128, (BN // self.producer_wgs) * (tidx // (3 * 128))
+
+    def rows_per_thread(self) -> int:
+        return self.R
 
     def fill_arrivals(self, h: int) -> int:
         # FP8: each producer thread also arrives (release) after its converted stores
@@ -742,14 +733,14 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
             cute.arch.mbarrier_arrive(bar)
         cute.arch.cp_async_mbarrier_arrive_noinc(bar)
 
-    def stage_partitions(self, thr, sK, tidx, row=None):
+    def stage_partitions(self, thr, sK, tidx, row):
         """The forward's slices, and for an FP8 cache also the thread's slices
         of each stage's NoPE columns [64, 512] for the converted stores: 16
         columns (two 16-byte units) of each 128-column group, thread tid at
-        row tid // 8 of a pass of 16 rows and columns 16 (tid % 8) onwards,
-        so that its 16-byte global loads of e4m3 bytes are 8 threads' 128
-        contiguous bytes of a row."""
-        tK0, tK1 = SparseAttnFwdSm90.stage_partitions(self, thr, sK, tidx)
+        row ``row`` (tid // 8, past its warpgroup's first row) of each pass of
+        16 rows and columns 16 (tid % 8) onwards, so that its 16-byte global
+        loads of e4m3 bytes are 8 threads' 128 contiguous bytes of a row."""
+        tK0, tK1 = SparseAttnFwdSm90.stage_partitions(self, thr, sK, tidx, row)
         if not self.fp8:
             return tK0, tK1
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
@@ -770,7 +761,6 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         # live addresses spill there)
         if const_expr(self.lockstep):
             stage_bytes = BN * self.D * (self.dtype.width // 8)
-            row = tidx // 8 if row is None else row
             stages = [Int32(raw.toint()) + s * stage_bytes for s in (0, 1)]
             units = [self.nope_units(st, row, lane) for st in stages]
             if const_expr(self.dual):

@@ -394,15 +394,17 @@ class SparseAttnFwdSm90:
         """Producer threads that write a stage's mask (and arrive with it)."""
         return MASK_WRITERS
 
-    def stage_partitions(self, thr, sK, tidx):
+    def stage_partitions(self, thr, sK, tidx, row):
         """This thread's slices of the two K stages as ``copy_half`` fills
-        them (``thr``: its slice of the gather's tiled copy)."""
+        them (``thr``: its slice of the gather's tiled copy; ``row``: its
+        first row of a block)."""
         return thr.partition_D(sK[None, None, 0]), thr.partition_D(sK[None, None, 1])
 
     def row_addresses(self):
         """Two blocks' worth of this thread's row sources (``resolve_rows``
         writes them, ``copy_half`` reads them): a byte address a row."""
-        return cute.make_rmem_tensor((BN // 16,), Int64), cute.make_rmem_tensor((BN // 16,), Int64)
+        R = self.rows_per_thread()
+        return cute.make_rmem_tensor((R,), Int64), cute.make_rmem_tensor((R,), Int64)
 
     def signal_fill(self, bar):
         """This thread's arrival on a half's full barrier once its copies of
@@ -431,16 +433,30 @@ class SparseAttnFwdSm90:
         byte offsets of a pair's two blocks (base0, base1; the zero row's for
         an invalid slot), their masks (0 or -inf, written to sOk with the
         stage's first half) and their indices, loaded a pair ahead (ns0, ns1)."""
-        atom, thr, row_in_pass, col0 = gather_copier(self.dtype, tidx)
-        tK0, tK1 = self.stage_partitions(thr, sK, tidx)
+        ptid, first = self.producer_thread(tidx)
+        atom, thr, row_in_pass, col0 = gather_copier(self.dtype, ptid)
+        if const_expr(first is not None):
+            row_in_pass = row_in_pass + first
+        tK0, tK1 = self.stage_partitions(thr, sK, ptid, row_in_pass)
         base0, base1 = self.row_addresses()
-        mk0 = cute.make_rmem_tensor((BN // 16,), Float32)
-        mk1 = cute.make_rmem_tensor((BN // 16,), Float32)
+        R = self.rows_per_thread()
+        mk0 = cute.make_rmem_tensor((R,), Float32)
+        mk1 = cute.make_rmem_tensor((R,), Float32)
         ok = cute.make_tensor(sOk, cute.make_layout((2, BN), stride=(BN, 1)))
         masks = (mk0, mk1, ok, col0 == 0, row_in_pass)
-        ns0 = cute.make_rmem_tensor((BN // 16,), Int32)
-        ns1 = cute.make_rmem_tensor((BN // 16,), Int32)
+        ns0 = cute.make_rmem_tensor((R,), Int32)
+        ns1 = cute.make_rmem_tensor((R,), Int32)
         return atom, thr, row_in_pass, col0, tK0, tK1, base0, base1, masks, ns0, ns1
+
+    def producer_thread(self, tidx):
+        """(this thread's index in its producer warpgroup, the first row of
+        a block its warpgroup gathers, None for row 0): one producer gathers
+        every row."""
+        return tidx, None
+
+    def rows_per_thread(self) -> int:
+        """Rows of a block a producer thread gathers: one of each 16-row pass."""
+        return BN // 16
 
     def start_tile(self, tiles, tile_id, ps, kv_ptr, zero_ptr, N):
         """A tile's rows (``row_sources``) and its blocks 0 and 1 resolved into

@@ -89,10 +89,11 @@ def _builds():
 def test_decode_compiles_offline(build, tmp_path):
     from dsa.cute.sparse_attention_sm90 import SMEM_LIMIT, smem_bytes
 
-    from dsa.cute.decode_sm90 import LOCKSTEP_CACHES, regs_sum
+    from dsa.cute.decode_sm90 import DUAL_CACHES, LOCKSTEP_CACHES, regs_sum
 
     name, kw = build
     lockstep = kw.get("lockstep", kw["cache"] in LOCKSTEP_CACHES)
+    dual = kw.get("dual", lockstep and kw["cache"] in DUAL_CACHES)
     r = compile_reports([(name, "dsa.cute.decode:compile_offline", ["torch.bfloat16"], kw)], NEEDLES, "sm_90a",
                         tmp_path)[name]
     # a split build's host function launches the decode and its merge, an unsplit one the decode alone
@@ -142,7 +143,6 @@ def test_decode_compiles_offline(build, tmp_path):
     assert r["smem"] == smem_bytes(D, 512, 2) <= SMEM_LIMIT == r["smem_limit"], (name, r)
     # the warpgroups' setmaxnreg split fits what the CTA is launched with (else setmaxnreg.inc never returns):
     # 168 registers a thread at 384 threads, 128 at 512 (a second producer)
-    dual = kw.get("dual", False)
     wgs = 4 if dual else 3
     assert r["registers"] == 65536 // (128 * wgs) // 8 * 8, (name, r)
     assert regs_sum(kw["cache"], lockstep, dual) <= wgs * r["registers"], (name, r)
@@ -349,9 +349,12 @@ def test_lockstep_is_the_fp8_v32_build():
     from dsa.cute import decode_sm90 as d
 
     assert cdec.kernel_config(_args(fmt="fp8_v32"), True).lockstep is True
+    assert cdec.kernel_config(_args(fmt="fp8_v32"), True).dual is ("fp8_v32" in d.DUAL_CACHES)
     assert cdec.kernel_config(_args(), True).lockstep is False
+    assert cdec.kernel_config(_args(), True).dual is False
     a1 = _args(fmt="fp8_model1", D=512, kv=torch.zeros(4, 64, 584, dtype=torch.uint8))
     assert cdec.kernel_config(a1, False).lockstep is False
+    assert cdec.kernel_config(a1, False).dual is False
     why = d.decode_reason(d.cutlass.BFloat16, 576, 512, 128, 1, "native", 64, True, True, lockstep=True)
     assert why is not None and "lockstep" in why
     with pytest.raises(ValueError, match="lockstep"):

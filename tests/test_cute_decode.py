@@ -94,6 +94,8 @@ def test_decode_compiles_offline(build, tmp_path):
     name, kw = build
     lockstep = kw.get("lockstep", kw["cache"] in LOCKSTEP_CACHES)
     dual = kw.get("dual", lockstep and kw["cache"] in DUAL_CACHES)
+    # compiled in a fresh process: the build this process expects, whatever that process's defaults
+    kw = dict(kw, lockstep=lockstep, dual=dual)
     r = compile_reports([(name, "dsa.cute.decode:compile_offline", ["torch.bfloat16"], kw)], NEEDLES, "sm_90a",
                         tmp_path)[name]
     # a split build's host function launches the decode and its merge, an unsplit one the decode alone

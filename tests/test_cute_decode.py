@@ -156,31 +156,49 @@ from dsa.cute.decode_sm90 import GROUP, DecodeSm90Config, SparseDecodeSm90
 from dsa.cute.sparse_attention_sm90 import BN
 res = {}
 
-def check(k, sk):  # plain Python, called at trace time: every coordinate is static
-    wrong = []
-    for tid in range(128):
-        row, lane = tid // 8, tid % 8
+def byte(sk, row, col, s):  # the byte the consumers' view reads (row, col) of stage s from
+    b = 2 * sk.outer((row, col, s))
+    return b ^ (((b >> 7) & 7) << 4)  # the 128-byte swizzle, on byte addresses
+
+def check(k, sk, key):  # plain Python, called at trace time: every coordinate is static
+    wrong, written = [], {}
+    tids = range(128) if not k.dual else [*range(128), *range(384, 512)]  # the producer warpgroups' threads
+    for tidx in tids:
+        tid, first = k.producer_thread(tidx)
+        row, lane = (first or 0) + tid // 8, tid % 8
         for s in range(2):
-            units = k.nope_units(s * BN * k.D * 2, row, lane)
-            for m in range(4):
+            at = s * BN * k.D * 2
+            units = k.nope_units(at, row, lane)
+            for m in range(k.rows_per_thread()):
                 for g in range(k.nope_view_cols() // GROUP):
                     for h in range(2):
                         for e in range(8):
-                            b = 2 * sk.outer((row + 16 * m, GROUP * g + 16 * lane + 8 * h + e, s))
-                            b ^= ((b >> 7) & 7) << 4  # the 128-byte swizzle, on byte addresses
+                            col = GROUP * g + 16 * lane + 8 * h + e
+                            b = byte(sk, row + 16 * m, col, s)
+                            written[(s, row + 16 * m, col)] = written.get((s, row + 16 * m, col), 0) + 1
                             if b != units[h] + k.nope_offset(m, g) + 2 * e:
-                                wrong.append((tid, s, m, g, h, e))
-    res[k.D] = (str(sk.inner), wrong[:5])
+                                wrong.append((tidx, s, m, g, h, e))
+                if k.dual:  # its RoPE unit's address is the dual build's own
+                    for e in range(8):
+                        col = k.fmt.d_nope + 8 * lane + e
+                        written[(s, row + 16 * m, col)] = written.get((s, row + 16 * m, col), 0) + 1
+                        if byte(sk, row + 16 * m, col, s) != k.rope_unit(at, row, lane) + m * 16 * 128 + 2 * e:
+                            wrong.append((tidx, s, m, "rope", e))
+    cols = k.D if k.dual else k.fmt.d_nope
+    missed = [(s, r, c) for s in range(2) for r in range(BN) for c in range(cols) if written.get((s, r, c)) != 1]
+    res[key] = (str(sk.inner), wrong[:5], missed[:5])
 
-# the lockstep build (the only one that stores directly), fp8_v32
-k = SparseDecodeSm90.from_config(DecodeSm90Config(cutlass.BFloat16, 576, 512, 128, 1, True, True, "fp8_v32", 64,
-                                                  True, True, False, True))
+# the lockstep builds (the only ones that store directly), fp8_v32: one producer, and two (each half the rows)
+builds = {name: SparseDecodeSm90.from_config(DecodeSm90Config(cutlass.BFloat16, 576, 512, 128, 1, True, True,
+                                                              "fp8_v32", 64, True, True, False, True, dual))
+          for name, dual in (("lockstep", False), ("dual", True))}
 
 
 @cute.jit
 def probe():
-    _, layouts = k.operands()  # the kernel's own layouts: layouts[1] is the K stages the wgmma reads
-    check(k, layouts[1])
+    for name, k in builds.items():
+        _, layouts = k.operands()  # the kernel's own layouts: layouts[1] is the K stages the wgmma reads
+        check(k, layouts[1], name)
 
 
 cute.compile(probe)
@@ -200,7 +218,7 @@ def test_direct_stores_land_where_the_wgmma_reads(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
-    assert res == {"576": ["S<3,4,3>", []]}, res
+    assert res == {"lockstep": ["S<3,4,3>", [], []], "dual": ["S<3,4,3>", [], []]}, res
 
 
 def _rn_bf16(x: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,14 @@ lockstep consumer 1 holds only its half of O (160), and the producer (136)
 keeps two half stages of e4m3 loads in flight: 0.80-0.93 of the staggered
 build's time on the H200 (bench/RESULTS.md C171).
 
+A lockstep build may have two producer warpgroups (``dual``, the caches of
+``DUAL_CACHES``): warpgroup 3 is a second producer, so that two warps a
+scheduler issue the conversions, and producer p gathers rows 32 p to
+32 p + 31 of every block (two buffers of two rows a thread).  Both fill
+every half; the first alone loads Q.  The CTA has 512 threads launched
+with 128 registers each: 2 x 72 + 208 + 160, and P V is two wgmma of 128
+columns (one of 256 needs more than 128 registers).
+
 Compiled per ``DecodeSm90Config`` and cached by ``dsa.cute.decode``.
 """
 

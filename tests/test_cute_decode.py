@@ -369,7 +369,7 @@ def test_lockstep_is_the_fp8_v32_build():
     from dsa.cute import decode_sm90 as d
 
     assert cdec.kernel_config(_args(fmt="fp8_v32"), True).lockstep is True
-    assert cdec.kernel_config(_args(fmt="fp8_v32"), True).dual is ("fp8_v32" in d.DUAL_CACHES)
+    assert cdec.kernel_config(_args(fmt="fp8_v32"), True).dual is ("fp8_v32" in d.DUAL_CACHES) is True
     assert cdec.kernel_config(_args(), True).lockstep is False
     assert cdec.kernel_config(_args(), True).dual is False
     a1 = _args(fmt="fp8_model1", D=512, kv=torch.zeros(4, 64, 584, dtype=torch.uint8))

@@ -94,10 +94,6 @@ CACHES = (NATIVE, FP8_V32, FP8_MODEL1)
 MERGE_THREADS = 128  # a merge CTA: one thread a (token, head, 4 value columns)
 MERGE_VEC = 4
 MERGE_UNROLL = 4  # parts a merge thread loads before using them
-# timing switches (branch only; their outputs are wrong): a split build that launches no merge, and one that
-# also stores no parts, which bound what a different merge could save
-SKIP_MERGE = False
-SKIP_PARTS = False
 GROUP = 128    # NoPE columns a row's 8 gathering threads load at once: 16 e4m3 bytes each
 L2_LINE = 128
 
@@ -123,8 +119,9 @@ LOCKSTEP_CACHES = (FP8_V32,)
 # every block's rows (32 of 64: two buffers of 2 rows a thread), so that two
 # warps a scheduler issue the conversions.  2 x 72 + 208 + 160 = 4 x 128.
 DUAL_REGS = (72, (208, 160))
-# the lockstep caches a decode runs dual on by default
-DUAL_CACHES = ()
+# the lockstep caches a decode runs dual on by default: fp8_v32 ran 1.02-1.10x as fast as with one producer
+# (bench/RESULTS.md C224, bitwise the same outputs)
+DUAL_CACHES = (FP8_V32,)
 
 
 def warpgroup_regs(cache: str, lockstep: bool = False, dual: bool = False):
@@ -327,7 +324,7 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
             K, n_pages, page_stride, bt_w, chunk, n_split, len_div, rows_per_seq, n_tiles, scale_log2,
         ).launch(grid=[scheduler.grid_size(n_cta, n_tiles), 1, 1], block=[self.threads(), 1, 1], stream=stream,
                  min_blocks_per_mp=1)
-        if const_expr(self.split and not SKIP_MERGE):
+        if const_expr(self.split):
             n_units = T * (self.H * (self.d_v // MERGE_VEC))
             # a programmatic dependent launch: the merge's CTAs start on the SMs the decode leaves free
             # and wait (griddepcontrol.wait) for its end, so its launch latency hides behind the decode
@@ -976,12 +973,7 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
     @cute.jit
     def epilogue(self, acc_o, m_run, l_run, half, lane, row_lo, col_lane, sink_ptr, out_ptr, lse_ptr,
                  t, head0, extra):
-        if const_expr(self.split and SKIP_PARTS):
-            # never true (split >= 0), so the parts' arithmetic stays and no store is issued
-            if extra[1] < 0:
-                self.store_part(acc_o, m_run, l_run, half, lane, row_lo, col_lane, out_ptr, lse_ptr, t, head0,
-                                extra[1], extra[2])
-        elif const_expr(self.split):
+        if const_expr(self.split):
             self.store_part(acc_o, m_run, l_run, half, lane, row_lo, col_lane, out_ptr, lse_ptr, t, head0,
                             extra[1], extra[2])
         else:

@@ -69,8 +69,6 @@ BN = 64        # slots per block and stage; two stages
 MASK_WRITERS = 16  # producer threads that write a stage's mask: one per row of a copy pass
 L_CHUNKS = 4   # 64-column chunks of an L half (the value columns of consumer 0)
 SMEM_LIMIT = 227 * 1024  # the largest dynamic shared memory of an SM90 CTA
-# timing switch (branch only): P V as two wgmma of 128 columns in every build, as the dual decode's
-PV_IN_HALVES = False
 
 
 # Profile counters (cycles, per warp; SparseAttnFwdSm90(profile=True)):
@@ -246,7 +244,7 @@ class SparseAttnFwdSm90:
             dt, Float32, (BLOCK_H, BN, 16), warpgroup.OperandSource.SMEM, K_, K_)), (1, 1, 1))
         # a CTA of 512 threads compiles every instruction within 128 registers: P V as two wgmma of 128
         # columns each (the accumulator's registers in the same order as one of 256)
-        pv_n = self.dv_half if self.producer_wgs == 1 and not PV_IN_HALVES else self.dv_half // 2
+        pv_n = self.dv_half if self.producer_wgs == 1 else self.dv_half // 2
         pv_mma = cute.make_tiled_mma(cute.make_mma_atom(warpgroup.MmaF16BF16Op(
             dt, Float32, (BLOCK_H, pv_n, 16), warpgroup.OperandSource.RMEM, K_, MN)), (1, 1, 1))
         pv_mma_ss = cute.make_tiled_mma(cute.make_mma_atom(warpgroup.MmaF16BF16Op(

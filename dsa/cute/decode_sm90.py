@@ -625,12 +625,12 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                 self.fetch_rows(ns1, 3, idx_row, L, row_in_pass)
                 self.ahead(base0, tK0, buf_a, 0, L_CHUNKS)
                 self.ahead(base0, tK0, buf_b, L_CHUNKS, CH)
-            if const_expr(self.dual):
-                # the first producer's (its rows are the copier's own, tidx // 8)
-                if tidx < 128:
-                    self.next_q(atom, thr, sQ, q_full, q_empty, q_ptr, zero_ptr, t, head0, row_in_pass, col0, j)
-            else:
-                self.next_q(atom, thr, sQ, q_full, q_empty, q_ptr, zero_ptr, t, head0, row_in_pass, col0, j)
+            if tidx < 128:
+                # the first producer warpgroup loads Q (its copier's rows are its own, tidx // 8), once both
+                # consumers are past their last S of the previous tile
+                if j > 0:
+                    self.timer.wait_mbarrier(q_empty, freed_phase(j), PROF_Q)
+                self.load_q(atom, thr, sQ, q_full, q_ptr, zero_ptr, t, head0, row_in_pass, col0)
             for i in cutlass.range(n_pairs, unroll=1):
                 has1 = 2 * i + 1 < n_blocks
                 more = 2 * i + 2 < n_blocks
@@ -679,13 +679,6 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                         mask = -Float32.inf
                     ok[stage, row_in_pass + 16 * m] = mask
                 cute.arch.mbarrier_arrive(bar)
-
-    @cute.jit
-    def next_q(self, atom, thr, sQ, q_full, q_empty, q_ptr, zero_ptr, t, head0, row_in_pass, col0, j):
-        """Tile j's Q, once both consumers are past their last S of tile j - 1."""
-        if j > 0:
-            self.timer.wait_mbarrier(q_empty, freed_phase(j), PROF_Q)
-        self.load_q(atom, thr, sQ, q_full, q_ptr, zero_ptr, t, head0, row_in_pass, col0)
 
     @cute.jit
     def ahead(self, base, tKs, buf, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr):

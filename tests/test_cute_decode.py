@@ -70,13 +70,22 @@ BUILDS = [
                                     split=True, dual=True)),
     ("fp8_slots_h64_dual", dict(H=64, cache="fp8_v32", page_size=64, has_len=False, has_sink=False, has_bt=False,
                                 has_seqlen=False, split=False, dual=True)),
+    # crossover (clusters of two CTAs, each converting half of every block's rows for both): with two
+    # producers, split; and with one, one split, FlashMLA's slots
+    ("fp8_bt_split_h128_crossover", dict(H=128, cache="fp8_v32", page_size=64, has_bt=True, has_seqlen=True,
+                                         split=True, dual=True, crossover=True)),
+    ("fp8_slots_h128_crossover_single", dict(H=128, cache="fp8_v32", page_size=64, has_len=False, has_sink=False,
+                                             has_bt=False, has_seqlen=False, split=False, dual=False,
+                                             crossover=True)),
 ]
 CI_BUILDS = 2
 NEEDLES = ("wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc", "setmaxnreg.inc",
            "setmaxnreg.dec", "mbarrier.try_wait", "st.global.v2.b32", "st.local", "ld.local",
            "cvt.rn.f16x2.e4m3x2", "cvt.rn.bf16x2.f32", "mul.rn.f32", "fence.proxy.async.shared::cta",
            "ld.global.v4", "st.shared.v4", "prefetch.global.L2", "griddepcontrol.wait",
-           "griddepcontrol.launch_dependents", "mul.rn.bf16x2")
+           "griddepcontrol.launch_dependents", "mul.rn.bf16x2", "st.async.shared::cluster", "mapa.shared::cluster",
+           "barrier.cluster.arrive", "barrier.cluster.wait", "mbarrier.expect_tx",
+           "mbarrier.arrive.release.cluster.shared::cluster")
 
 
 def _builds():
@@ -94,8 +103,9 @@ def test_decode_compiles_offline(build, tmp_path):
     name, kw = build
     lockstep = kw.get("lockstep", kw["cache"] in LOCKSTEP_CACHES)
     dual = kw.get("dual", lockstep and kw["cache"] in DUAL_CACHES)
+    crossover = kw.get("crossover", cdec.crossover_default(kw["cache"], kw["H"] // kw.get("G", 1), lockstep))
     # compiled in a fresh process: the build this process expects, whatever that process's defaults
-    kw = dict(kw, lockstep=lockstep, dual=dual)
+    kw = dict(kw, lockstep=lockstep, dual=dual, crossover=crossover)
     r = compile_reports([(name, "dsa.cute.decode:compile_offline", ["torch.bfloat16"], kw)], NEEDLES, "sm_90a",
                         tmp_path)[name]
     # a split build's host function launches the decode and its merge, an unsplit one the decode alone
@@ -133,7 +143,20 @@ def test_decode_compiles_offline(build, tmp_path):
             assert bf16_mul == 0 and f32_mul == 2 * cvt, (name, r)
         # each 16-byte load: 8 conversions of two bytes, two 16-byte stores (a lockstep build issues a
         # half's loads at more places than it converts them: ahead of the waits)
-        assert n["st.shared.v4"] * 4 == cvt >= 8 * 8, r
+        R = 64 // 16 // ((2 if dual else 1) * (2 if crossover else 1))  # rows of a block a producer thread
+        if crossover:
+            # also the RoPE units through registers (R at each of the two places an R half is stored), and
+            # every unit and mask (R at each of two places) into the other CTA by st.async; the other CTA's
+            # bytes expected on each half's barrier, its consumer's releases arriving here, the barriers of
+            # both CTAs initialised before either uses the other's and neither leaving before both are done
+            assert n["st.shared.v4"] == cvt // 4 + 2 * R and cvt >= 8 * 8, (name, r)
+            assert n["st.async.shared::cluster"] == n["st.shared.v4"] + 2 * R, (name, r)
+            assert n["mbarrier.expect_tx"] == 4 and n["mapa.shared::cluster"] >= 2, (name, r)
+            assert n["mbarrier.arrive.release.cluster.shared::cluster"] >= 3, (name, r)
+            assert n["barrier.cluster.arrive"] >= 2 and n["barrier.cluster.wait"] >= 2, (name, r)
+        else:
+            assert n["st.shared.v4"] * 4 == cvt >= 8 * 8, r
+            assert n["st.async.shared::cluster"] == 0 and n["barrier.cluster.wait"] == 0, (name, r)
         if not lockstep:
             assert cvt == 8 * n["ld.global.v4"], r
     else:
@@ -163,8 +186,9 @@ def byte(sk, row, col, s):  # the byte the consumers' view reads (row, col) of s
 def check(k, sk, key):  # plain Python, called at trace time: every coordinate is static
     wrong, written = [], {}
     tids = range(128) if not k.dual else [*range(128), *range(384, 512)]  # the producer warpgroups' threads
-    for tidx in tids:
-        tid, first = k.producer_thread(tidx)
+    # crossover: both CTAs of a cluster store into the same places of their own stages (and the other's)
+    for tidx, rank in [(t, r) for t in tids for r in ((0, 1) if k.crossover else (None,))]:
+        tid, first = k.producer_thread(tidx, rank)
         row, lane = (first or 0) + tid // 8, tid % 8
         for s in range(2):
             at = s * BN * k.D * 2
@@ -178,20 +202,22 @@ def check(k, sk, key):  # plain Python, called at trace time: every coordinate i
                             written[(s, row + 16 * m, col)] = written.get((s, row + 16 * m, col), 0) + 1
                             if b != units[h] + k.nope_offset(m, g) + 2 * e:
                                 wrong.append((tidx, s, m, g, h, e))
-                if k.dual:  # its RoPE unit's address is the dual build's own
+                if k.dual or k.crossover:  # its RoPE unit's address is the build's own
                     for e in range(8):
                         col = k.fmt.d_nope + 8 * lane + e
                         written[(s, row + 16 * m, col)] = written.get((s, row + 16 * m, col), 0) + 1
                         if byte(sk, row + 16 * m, col, s) != k.rope_unit(at, row, lane) + m * 16 * 128 + 2 * e:
                             wrong.append((tidx, s, m, "rope", e))
-    cols = k.D if k.dual else k.fmt.d_nope
+    cols = k.D if k.dual or k.crossover else k.fmt.d_nope
     missed = [(s, r, c) for s in range(2) for r in range(BN) for c in range(cols) if written.get((s, r, c)) != 1]
     res[key] = (str(sk.inner), wrong[:5], missed[:5])
 
-# the lockstep builds (the only ones that store directly), fp8_v32: one producer, and two (each half the rows)
+# the lockstep builds (the only ones that store directly), fp8_v32: one producer, and two (each half the
+# rows), and each crossover (each CTA of a cluster half the rows)
 builds = {name: SparseDecodeSm90.from_config(DecodeSm90Config(cutlass.BFloat16, 576, 512, 128, 1, True, True,
-                                                              "fp8_v32", 64, True, True, False, True, dual))
-          for name, dual in (("lockstep", False), ("dual", True))}
+                                                              "fp8_v32", 64, True, True, False, True, dual, xo))
+          for name, dual, xo in (("lockstep", False, False), ("dual", True, False), ("crossover", False, True),
+                                 ("crossover_dual", True, True))}
 
 
 @cute.jit
@@ -218,7 +244,7 @@ def test_direct_stores_land_where_the_wgmma_reads(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
-    assert res == {"lockstep": ["S<3,4,3>", [], []], "dual": ["S<3,4,3>", [], []]}, res
+    assert res == {name: ["S<3,4,3>", [], []] for name in ("lockstep", "dual", "crossover", "crossover_dual")}, res
 
 
 def _rn_bf16(x: torch.Tensor) -> torch.Tensor:

@@ -185,7 +185,16 @@ def kernel_config(a: SparseDecodeArgs, split: bool):
     lockstep = a.cache_format in LOCKSTEP_CACHES
     return DecodeSm90Config(cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G, a.topk_length is not None,
                             a.sink is not None, a.cache_format, a.page_size, a.block_table is not None,
-                            a.seq_lens is not None, split, lockstep, lockstep and a.cache_format in DUAL_CACHES)
+                            a.seq_lens is not None, split, lockstep, lockstep and a.cache_format in DUAL_CACHES,
+                            crossover_default(a.cache_format, a.H // a.G, lockstep))
+
+
+def crossover_default(cache: str, heads: int, lockstep: bool) -> bool:
+    """Whether a build runs crossover by default: lockstep on a cache of
+    ``decode_sm90.CROSSOVER_CACHES``, a whole number of 128-head pairs a kv head."""
+    from dsa.cute.decode_sm90 import CROSSOVER_CACHES
+
+    return lockstep and cache in CROSSOVER_CACHES and heads % (2 * HEADS_PER_CTA) == 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -355,16 +364,19 @@ def zero_row_size(a: SparseDecodeArgs) -> int:
 def compile_offline(dtype: torch.dtype, H: int, cache: str = NATIVE, page_size: int = 64, has_len: bool = True,
                     has_sink: bool = True, has_bt: bool = True, has_seqlen: bool = True, split: bool = True,
                     lockstep: Optional[bool] = None, dual: Optional[bool] = None,
-                    D: int = 576, G: int = 1, options: str = "--keep-ptx"):
+                    crossover: Optional[bool] = None, D: int = 576, G: int = 1, options: str = "--keep-ptx"):
     """Compile the decode kernel without a GPU (``CUTE_DSL_ARCH=sm_90a``)
-    for CI and inspection; returns the compiled object.  lockstep / dual:
-    None for the cache's default (``decode_sm90.LOCKSTEP_CACHES``, ``DUAL_CACHES``)."""
+    for CI and inspection; returns the compiled object.  lockstep / dual /
+    crossover: None for the default (``decode_sm90.LOCKSTEP_CACHES``,
+    ``DUAL_CACHES``, ``crossover_default``)."""
     from dsa.cute.decode_sm90 import DUAL_CACHES, LOCKSTEP_CACHES, DecodeSm90Config, SparseDecodeSm90
 
     if lockstep is None:
         lockstep = cache in LOCKSTEP_CACHES
     if dual is None:
         dual = lockstep and cache in DUAL_CACHES
+    if crossover is None:
+        crossover = crossover_default(cache, H // G, lockstep)
     cfg = DecodeSm90Config(cutlass_dtype(dtype) or dtype, D, 512, H, G, has_len, has_sink, cache, page_size, has_bt,
-                           has_seqlen, split, lockstep, dual)
+                           has_seqlen, split, lockstep, dual, crossover)
     return compile_kernel(SparseDecodeSm90.from_config(cfg), pointer_types(cfg), scalar_types(), options)

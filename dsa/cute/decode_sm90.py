@@ -122,6 +122,8 @@ DUAL_REGS = (72, (208, 160))
 # the lockstep caches a decode runs dual on by default: fp8_v32 ran 1.02-1.10x as fast as with one producer
 # (bench/RESULTS.md C224, bitwise the same outputs)
 DUAL_CACHES = (FP8_V32,)
+# the lockstep caches a decode of 128 heads a kv head (or a multiple) runs crossover on by default
+CROSSOVER_CACHES = ()
 
 
 def warpgroup_regs(cache: str, lockstep: bool = False, dual: bool = False):
@@ -213,6 +215,47 @@ def prefetch_l2(addr: Int64, *, loc=None, ip=None) -> None:
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
+@dsl_user_op
+def peer_address(addr: Int32, rank: Int32, *, loc=None, ip=None) -> Int32:
+    """The shared::cluster address in CTA ``rank`` of the cluster of this
+    CTA's shared-memory byte address ``addr`` (``mapa``)."""
+    return Int32(llvm.inline_asm(T.i32(), [Int32(addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip)],
+                                 "mapa.shared::cluster.u32 $0, $1, $2;", "=r,r,r", has_side_effects=False,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def store_async(addr: Int32, words, bar: Int32, *, loc=None, ip=None) -> None:
+    """``st.async`` of 1 or 4 words to the shared::cluster address ``addr``
+    of another CTA of the cluster, completing their bytes on its mbarrier at
+    ``bar`` (a shared::cluster address of that CTA)."""
+    # a Float32 word goes as its bits (an "f" operand of the .b32 store), any other as Int32
+    floats = [isinstance(w, Float32) for w in words]
+    ops = [Int32(addr).ir_value(loc=loc, ip=ip)]
+    ops += [(w if f else Int32(w)).ir_value(loc=loc, ip=ip) for w, f in zip(words, floats)]
+    ops.append(Int32(bar).ir_value(loc=loc, ip=ip))
+    n = len(words)
+    vals = "$1" if n == 1 else "{" + ", ".join(f"${i + 1}" for i in range(n)) + "}"
+    vec = "" if n == 1 else f".v{n}"
+    cons = ",".join(["r"] + ["f" if f else "r" for f in floats] + ["r"])
+    llvm.inline_asm(None, ops, f"st.async.shared::cluster.mbarrier::complete_tx::bytes{vec}.b32 [$0], {vals}, "
+                    f"[${n + 1}];", cons, has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def arrive_remote(bar: Int32, *, loc=None, ip=None) -> None:
+    """An arrival (release, cluster scope) on the mbarrier at shared::cluster address ``bar``."""
+    llvm.inline_asm(None, [Int32(bar).ir_value(loc=loc, ip=ip)],
+                    "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [$0];", "r", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+def peer_rank():
+    """The other CTA's rank in a cluster of two."""
+    return 1 - cute.arch.block_idx_in_cluster()
+
+
 @dataclass(frozen=True)
 class DecodeSm90Config(scheduler.ProblemConfig):
     """The static configuration of one compiled decode kernel (its compile
@@ -221,9 +264,11 @@ class DecodeSm90Config(scheduler.ProblemConfig):
     positions through a block table), has_seqlen (seq_lens cut them),
     split (several splits a row: the kernel writes parts for the merge) and
     lockstep (consumer 0 computes every S, consumer 1 only half of P V, and
-    the producer keeps two half stages of loads in flight; ``fp8_v32``) and
-    dual (a lockstep build with two producer warpgroups, each gathering half
-    of every block's rows)."""
+    the producer keeps two half stages of loads in flight; ``fp8_v32``), dual
+    (a lockstep build with two producer warpgroups, each gathering half of
+    every block's rows) and crossover (a lockstep build whose CTAs run in
+    clusters of two, the two 64-head blocks of a (token, split), each
+    converting half of every block's rows into both CTAs' stages)."""
 
     has_sink: bool
     cache: str
@@ -233,10 +278,12 @@ class DecodeSm90Config(scheduler.ProblemConfig):
     split: bool
     lockstep: bool = False
     dual: bool = False
+    crossover: bool = False
 
 
 def decode_reason(dtype, D: int, d_v: int, H: int, G: int, cache: str, page_size: int, has_bt: bool,
-                  has_seqlen: bool, lockstep: bool = False, dual: bool = False) -> Optional[str]:
+                  has_seqlen: bool, lockstep: bool = False, dual: bool = False,
+                  crossover: bool = False) -> Optional[str]:
     """Why the decode kernel cannot serve this configuration (None if it can)."""
     why = SparseAttnFwdSm90.can_implement(dtype, D, d_v, H, G)
     if why is not None:
@@ -261,6 +308,10 @@ def decode_reason(dtype, D: int, d_v: int, H: int, G: int, cache: str, page_size
         return f"the lockstep decode converts fp8_v32 rows, not {cache!r}"
     if dual and not lockstep:
         return "the dual-producer decode is a lockstep build"
+    if crossover and not lockstep:
+        return "the crossover decode is a lockstep build"
+    if crossover and (H // G) % (2 * BLOCK_H):
+        return f"{H // G} query heads per kv head: the crossover decode pairs blocks of {BLOCK_H} heads"
     return None
 
 
@@ -269,21 +320,23 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
 
     def __init__(self, dtype, D: int, d_v: int, H: int, G: int, has_len: bool, has_sink: bool, cache: str,
                  page_size: int, has_bt: bool, has_seqlen: bool, split: bool, lockstep: bool = False,
-                 dual: bool = False):
-        why = decode_reason(dtype, D, d_v, H, G, cache, page_size, has_bt, has_seqlen, lockstep, dual)
+                 dual: bool = False, crossover: bool = False):
+        why = decode_reason(dtype, D, d_v, H, G, cache, page_size, has_bt, has_seqlen, lockstep, dual, crossover)
         if why is not None:
             raise ValueError(f"SparseDecodeSm90: {why}")
         super().__init__(dtype, D, d_v, H, G, has_len, has_sink)
         self.config = DecodeSm90Config(dtype, D, d_v, H, G, has_len, has_sink, cache, page_size, has_bt,
-                                       has_seqlen, split, lockstep, dual)
+                                       has_seqlen, split, lockstep, dual, crossover)
         self.cache, self.page_size = cache, page_size
         self.has_bt, self.has_seqlen, self.split = has_bt, has_seqlen, split
         self.fp8 = cache != NATIVE
         self.fmt = FORMATS[cache] if self.fp8 else None  # the FP8 layout (dsa.kv_cache)
-        self.lockstep, self.dual = lockstep, dual
+        self.lockstep, self.dual, self.crossover = lockstep, dual, crossover
         self.producer_wgs = 2 if dual else 1
-        # rows of a block a producer thread gathers: one of each 16-row pass (of its warpgroup's half when dual)
-        self.R = BN // 16 // self.producer_wgs
+        # the parts of a block's rows: one a producer warpgroup of each CTA of the cluster
+        self.parts = self.producer_wgs * (2 if crossover else 1)
+        # rows of a block a producer thread gathers: one of each 16-row pass of its part
+        self.R = BN // 16 // self.parts
         if self.fp8:
             self.producer_regs, self.consumer_regs = warpgroup_regs(cache, lockstep, dual)
 
@@ -318,12 +371,19 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         fin_lse_ptr [T, H] (unused without splits)."""
         mmas, layouts = self.operands()
         n_tiles = scheduler.tile_count(T, self.G, self.HG // BLOCK_H) * n_split
-        self.kernel(
+        kernel = self.kernel(
             *mmas, *layouts,
             q_ptr, kv_ptr, idx_ptr, len_ptr, bt_ptr, seqlen_ptr, sink_ptr, out_ptr, lse_ptr, zero_ptr,
             K, n_pages, page_stride, bt_w, chunk, n_split, len_div, rows_per_seq, n_tiles, scale_log2,
-        ).launch(grid=[scheduler.grid_size(n_cta, n_tiles), 1, 1], block=[self.threads(), 1, 1], stream=stream,
-                 min_blocks_per_mp=1)
+        )
+        if const_expr(self.crossover):
+            # CTAs 2c and 2c + 1 are a cluster: tiles are numbered head blocks fastest, so with an even
+            # grid the two take the two head blocks of one (token, split) at every step
+            kernel.launch(grid=[scheduler.grid_size(n_cta // 2 * 2, n_tiles), 1, 1], block=[self.threads(), 1, 1],
+                          cluster=[2, 1, 1], stream=stream, min_blocks_per_mp=1)
+        else:
+            kernel.launch(grid=[scheduler.grid_size(n_cta, n_tiles), 1, 1], block=[self.threads(), 1, 1],
+                          stream=stream, min_blocks_per_mp=1)
         if const_expr(self.split):
             n_units = T * (self.H * (self.d_v // MERGE_VEC))
             # a programmatic dependent launch: the merge's CTAs start on the SMs the decode leaves free
@@ -573,7 +633,7 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
             self.qk(cs, 1 - s, 0, ph_next, True, release=True)
         else:
             self.timer.wait_wgmma(0, PROF_WGMMA)
-            cute.arch.mbarrier_arrive(cs.empty + 2 * s)
+            self.release(cs, 2 * s)
 
     @cute.jit
     def lockstep1(self, cs, s: cutlass.Constexpr, tOrP, tOrV, ready, ph):
@@ -591,7 +651,7 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         self.rescale_o(acc_o, alpha)
         self.pv(cs.pv_mma_ss, acc_o, tOrP[s], tOrV[s])
         self.timer.wait_wgmma(0, PROF_WGMMA)
-        cute.arch.mbarrier_arrive(cs.empty + 2 * s + 1)
+        self.release(cs, 2 * s + 1)
 
     @cute.jit
     def producer(self, tidx, sQ, sK, sOk, bars, tiles, q_ptr, kv_ptr, zero_ptr, N):
@@ -615,6 +675,14 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         CH = self.D // 64
         buf_a = self.half_buffers(0, L_CHUNKS)
         buf_b = self.half_buffers(L_CHUNKS, CH)
+        # crossover: where half h's stores go in the other CTA, and the barrier that counts them there
+        pr = [None] * 4
+        if const_expr(self.crossover):
+            here = Int32(cute.recast_ptr(sK.iterator, None).toint())
+            delta = peer_address(here, peer_rank()) - here
+            pr = [(delta, Int32((full + h).toint()) + delta) for h in range(4)]
+        # Q's rows are the copier's own (tidx // 8), whatever block rows the thread gathers
+        q_row = row_in_pass % 16 if const_expr(self.crossover) else row_in_pass
         u0 = Int32(0)
         u1 = Int32(0)
         j = Int32(0)
@@ -630,7 +698,7 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                 # consumers are past their last S of the previous tile
                 if j > 0:
                     self.timer.wait_mbarrier(q_empty, freed_phase(j), PROF_Q)
-                self.load_q(atom, thr, sQ, q_full, q_ptr, zero_ptr, t, head0, row_in_pass, col0)
+                self.load_q(atom, thr, sQ, q_full, q_ptr, zero_ptr, t, head0, q_row, col0)
             for i in cutlass.range(n_pairs, unroll=1):
                 has1 = 2 * i + 1 < n_blocks
                 more = 2 * i + 2 < n_blocks
@@ -638,24 +706,28 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                 n1 = u1 + i
                 if n0 > 0:
                     self.timer.wait_mbarrier(empty + 0, freed_phase(n0), PROF_EMPTY)
-                self.swap(atom, base0, tK0, buf_a, 0, L_CHUNKS, n0, base1, tK1, has1)
+                self.swap(atom, base0, tK0, buf_a, 0, L_CHUNKS, n0, base1, tK1, has1, pr[0])
+                self.expect_peer(tidx, full, 0)
                 self.signal_fill(full + 0)
-                self.publish_rows(masks, 0, full + 0, base0, zero_ptr)
+                self.publish_rows(masks, 0, full + 0, base0, zero_ptr, pr[0])
                 if n0 > 0:
                     self.timer.wait_mbarrier(empty + 1, freed_phase(n0), PROF_EMPTY)
-                self.swap(atom, base0, tK0, buf_b, L_CHUNKS, CH, n0, base1, tK1, has1)
+                self.swap(atom, base0, tK0, buf_b, L_CHUNKS, CH, n0, base1, tK1, has1, pr[1])
+                self.expect_peer(tidx, full, 1)
                 self.signal_fill(full + 1)
                 self.resolve_rows(base0, mk0, ns0, 2 * i + 2, *rows)
                 if has1:
                     if n1 > 0:
                         self.timer.wait_mbarrier(empty + 2, freed_phase(n1), PROF_EMPTY)
-                    self.swap(atom, base1, tK1, buf_a, 0, L_CHUNKS, n1, base0, tK0, more)
+                    self.swap(atom, base1, tK1, buf_a, 0, L_CHUNKS, n1, base0, tK0, more, pr[2])
+                    self.expect_peer(tidx, full, 2)
                     self.signal_fill(full + 2)
                     if n1 > 0:
                         self.timer.wait_mbarrier(empty + 3, freed_phase(n1), PROF_EMPTY)
-                    self.swap(atom, base1, tK1, buf_b, L_CHUNKS, CH, n1, base0, tK0, more)
+                    self.swap(atom, base1, tK1, buf_b, L_CHUNKS, CH, n1, base0, tK0, more, pr[3])
+                    self.expect_peer(tidx, full, 3)
                     self.signal_fill(full + 3)
-                    self.publish_rows(masks, 1, full + 3, base1, zero_ptr)
+                    self.publish_rows(masks, 1, full + 3, base1, zero_ptr, pr[3])
                     self.resolve_rows(base1, mk1, ns1, 2 * i + 3, *rows)
                 self.fetch_rows(ns0, 2 * i + 4, idx_row, L, row_in_pass)
                 self.fetch_rows(ns1, 2 * i + 5, idx_row, L, row_in_pass)
@@ -664,11 +736,13 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
             j = j + 1
 
     @cute.jit
-    def publish_rows(self, masks, stage: cutlass.Constexpr, bar, base, zero_ptr):
-        """``publish_mask``; dual, each row's mask from its address (an invalid
-        slot's is the zero row's), which frees the producer the registers of
-        the masks (a dual producer has 72)."""
-        if const_expr(not self.dual):
+    def publish_rows(self, masks, stage: cutlass.Constexpr, bar, base, zero_ptr, peer):
+        """``publish_mask``; dual or crossover, each row's mask from its
+        address (an invalid slot's is the zero row's), which frees the
+        producer the registers of the masks (a dual producer has 72), and
+        with crossover stored into the other CTA's masks too (``peer``: see
+        ``store_unit``)."""
+        if const_expr(not (self.dual or self.crossover)):
             self.publish_mask(masks, stage, bar)
         else:
             ok, writer, row_in_pass = masks[2], masks[3], masks[4]
@@ -678,7 +752,29 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                     if base[m] == zero_ptr.toint():
                         mask = -Float32.inf
                     ok[stage, row_in_pass + 16 * m] = mask
+                    if const_expr(peer is not None):
+                        at = Int32(ok.iterator.toint()) + 4 * (stage * BN + row_in_pass + 16 * m)
+                        store_async(at + peer[0], [mask], peer[1])
                 cute.arch.mbarrier_arrive(bar)
+
+    @cute.jit
+    def expect_peer(self, tidx, full, h: cutlass.Constexpr):
+        """Crossover: before the first producer thread's arrival on half h's
+        full barrier, the bytes the other CTA stores into the half (its rows'
+        values, and with a stage's first half its rows' masks), counted by
+        its ``st.async``; they may land before this, as the barrier's phase
+        cannot complete without this thread's arrival."""
+        if const_expr(self.crossover):
+            if tidx == 0:
+                cute.arch.mbarrier_expect_tx(full + h, self.peer_bytes(h))
+
+    def peer_bytes(self, h: int) -> int:
+        """What the other CTA of a crossover cluster stores into half h
+        (stage h // 2; L when h is even): its BN / 2 rows' values of the
+        half's chunks, and their masks with halves 0 and 3."""
+        rows = BN // 2
+        chunks = L_CHUNKS if h % 2 == 0 else self.D // 64 - L_CHUNKS
+        return rows * chunks * 64 * (self.dtype.width // 8) + (4 * rows if h in (0, 3) else 0)
 
     @cute.jit
     def ahead(self, base, tKs, buf, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr):
@@ -687,20 +783,21 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
             self.load_half(base, tKs, buf, c_lo, c_hi)
 
     @cute.jit
-    def swap(self, atom, base, tKs, buf, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr, n, nbase, ntKs, more):
+    def swap(self, atom, base, tKs, buf, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr, n, nbase, ntKs, more,
+             peer=None):
         """A half's loaded bytes converted into the stage (its use n), then,
         when ``more``, the same half of the next block that uses ``buf``
         loaded from its rows nbase in their place, before anything else the
         producer does next (a row lookup waits on the block table).  The
         no-refill timing build loads and converts on the first use only."""
         if const_expr(self.refill):
-            self.store_half(atom, base, tKs, buf, c_lo, c_hi)
+            self.store_half(atom, base, tKs, buf, c_lo, c_hi, peer)
             if more:
                 self.load_half(nbase, ntKs, buf, c_lo, c_hi)
         else:
             if n == 0:
                 self.load_half(base, tKs, buf, c_lo, c_hi)
-                self.store_half(atom, base, tKs, buf, c_lo, c_hi)
+                self.store_half(atom, base, tKs, buf, c_lo, c_hi, peer)
 
     # ----------------------------------------------------------- FP8 gather
     def row_addresses(self):
@@ -711,11 +808,16 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         R = self.rows_per_thread()
         return (base0, cute.make_rmem_tensor((R,), Int32)), (base1, cute.make_rmem_tensor((R,), Int32))
 
-    def producer_thread(self, tidx):
-        # dual: warpgroups 0 and 3, the second from row 32 of every block
-        if not self.dual:
+    def producer_thread(self, tidx, rank=None):
+        # the block's rows in parts of BN / parts: dual, warpgroup 3 takes the part after warpgroup 0's;
+        # crossover, the CTA of rank 1 (in its cluster; ``rank`` stands in for it at trace time) the parts
+        # after rank 0's
+        if not (self.dual or self.crossover):
             return tidx, None
-        return tidx % 128, (BN // self.producer_wgs) * (tidx // (3 * 128))
+        part = tidx // (3 * 128) if self.dual else 0
+        if self.crossover:
+            part = part + self.producer_wgs * (cute.arch.block_idx_in_cluster() if rank is None else rank)
+        return tidx % 128, (BN // self.parts) * part
 
     def rows_per_thread(self) -> int:
         return self.R
@@ -726,6 +828,30 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
 
     def mask_writers(self) -> int:
         return MASK_WRITERS * self.producer_wgs
+
+    def release_arrivals(self) -> int:
+        # crossover: the other CTA's consumer also arrives, one thread a warp, as its producer fills this half
+        return 128 + (4 if self.crossover else 0)
+
+    @cute.jit
+    def release(self, cs, h: cutlass.Constexpr):
+        cute.arch.mbarrier_arrive(cs.empty + h)
+        if const_expr(self.crossover):
+            if cs.lane == 0:
+                # its wgmma has retired: the other CTA's producer may fill this CTA's half h
+                arrive_remote(peer_address(Int32((cs.empty + h).toint()), peer_rank()))
+
+    def cluster_start(self):
+        if self.crossover:
+            # the other CTA's barriers exist before any thread arrives on one or stores into its stages
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+
+    def cluster_end(self):
+        if self.crossover:
+            # no CTA leaves while the other may still arrive on its barriers
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     def signal_fill(self, bar):
         if self.fp8:
@@ -765,7 +891,7 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
             stage_bytes = BN * self.D * (self.dtype.width // 8)
             stages = [Int32(raw.toint()) + s * stage_bytes for s in (0, 1)]
             units = [self.nope_units(st, row, lane) for st in stages]
-            if const_expr(self.dual):
+            if const_expr(self.dual or self.crossover):
                 # the RoPE unit's address too: the forward's partition places rows by the copier's own row
                 rope = [self.rope_unit(st, row, lane) for st in stages]
                 return (tK0, units[0], lane, rope[0]), (tK1, units[1], lane, rope[1])
@@ -842,6 +968,9 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
             sc = cute.make_rmem_tensor((groups, R), Float32)
         else:
             sc = cute.make_rmem_tensor((2, R), Int32)
+        if const_expr(self.crossover and c_hi > self.fmt.d_nope // 64):
+            # crossover: the half's RoPE units through registers, for the other CTA's copy too
+            return raw, sc, cute.make_rmem_tensor((4, R), Int32)
         return raw, sc
 
     @cute.jit
@@ -850,20 +979,24 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         e4m3 bytes of each row and 128-column group, then the rows' scales."""
         f = self.fmt
         addr, offs = base if const_expr(f.per_page) else (base, None)
-        raw, sc = buf
+        raw, sc = buf[0], buf[1]
         n_lo, _, groups = self.half_groups(c_lo, c_hi)
         lane = tKs[2]
         for m in cutlass.range_constexpr(self.R):
             for k in cutlass.range_constexpr(groups):
                 cute.autovec_copy(self.nope_src(addr[m], n_lo, k, lane), raw[None, k, m])
         self.load_scales(sc, addr, offs, n_lo, groups, self.R)
+        if const_expr(len(buf) == 3):
+            for m in cutlass.range_constexpr(self.R):
+                src = cute.make_tensor(aligned(Int32, addr[m] + f.rope_offset + 16 * lane), cute.make_layout((4,)))
+                cute.autovec_copy(src, buf[2][None, m])
 
     def nope_src(self, row_addr, n_lo: int, k: int, lane):
         """This thread's 16 e4m3 bytes of group k of a half from column n_lo, as 4 words."""
         return cute.make_tensor(aligned(Int32, row_addr + (n_lo + GROUP * k) + 16 * lane), cute.make_layout((4,)))
 
     @cute.jit
-    def store_half(self, atom, base, tKs, buf, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr):
+    def store_half(self, atom, base, tKs, buf, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr, peer=None):
         """A loaded half stage into shared memory: the RoPE chunk (when the
         half has it) by cp.async, the NoPE columns dequantised.  In a group
         the NoPE columns end inside (fp8_model1's 384..447), the lanes past
@@ -871,10 +1004,14 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         f = self.fmt
         tK, tN, lane = tKs[0], tKs[1], tKs[2]
         addr = base[0] if const_expr(f.per_page) else base
-        raw, sc = buf
+        raw, sc = buf[0], buf[1]
         R = self.R
         n_lo, n_hi, groups = self.half_groups(c_lo, c_hi)
-        if const_expr(c_hi > f.d_nope // 64):
+        if const_expr(len(buf) == 3):
+            # crossover: the RoPE units loaded with the half, stored here and into the other CTA
+            for m in cutlass.range_constexpr(R):
+                self.store_unit(tKs[3] + m * (16 * 128), buf[2][None, m], peer)
+        elif const_expr(c_hi > f.d_nope // 64):
             ES = self.dtype.width // 8
             for m in cutlass.range_constexpr(R):
                 src = cute.make_tensor(aligned(self.dtype, addr[m] + f.rope_offset + 8 * lane * ES),
@@ -889,11 +1026,11 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         # e8m0 scales are powers of two (2^-127 included): bf16 values, for which the bf16 order gives the
         # contract's bits with one product a pair (5.7% faster at B128 H64, C222); fp32 scales take the
         # contract's order (for fp8_v32 a per-half test of its scales cost more than it saved, C219, C222)
-        self.convert_units(tN, lane, raw, sc, n_lo, n_hi, groups, f.per_page)
+        self.convert_units(tN, lane, raw, sc, n_lo, n_hi, groups, f.per_page, peer)
 
     @cute.jit
     def convert_units(self, tN, lane, raw, sc, n_lo: cutlass.Constexpr, n_hi: cutlass.Constexpr,
-                      groups: cutlass.Constexpr, bf16_product: cutlass.Constexpr):
+                      groups: cutlass.Constexpr, bf16_product: cutlass.Constexpr, peer=None):
         """A half's loaded e4m3 words dequantised and stored, 16 values a row
         pass and group: by ``e4m3x2_times_bf16x2`` when ``bf16_product`` (every
         scale a bf16 value), else by ``e4m3x2_to_bf16x2``; the same bits."""
@@ -910,13 +1047,13 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                     words[2 * w] = convert(raw[w, k, m], False, s_)
                     words[2 * w + 1] = convert(raw[w, k, m], True, s_)
                 if const_expr(n_lo + GROUP * (k + 1) <= n_hi):
-                    self.store_vals(vals, tN, m, n_lo // GROUP + k)
+                    self.store_vals(vals, tN, m, n_lo // GROUP + k, peer)
                 else:
                     if n_lo + GROUP * k + 16 * lane < n_hi:
-                        self.store_vals(vals, tN, m, n_lo // GROUP + k)
+                        self.store_vals(vals, tN, m, n_lo // GROUP + k, peer)
 
     @cute.jit
-    def store_vals(self, vals, tN, m: cutlass.Constexpr, g: cutlass.Constexpr):
+    def store_vals(self, vals, tN, m: cutlass.Constexpr, g: cutlass.Constexpr, peer=None):
         """A thread's 16 converted values of row pass m and group g into the stage: at the two addresses
         ``tN`` (lockstep, ``stage_partitions``) plus an offset, or through the partition ``tN``."""
         if const_expr(self.lockstep):
@@ -925,10 +1062,20 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
             for h in cutlass.range_constexpr(2):
                 for e in cutlass.range_constexpr(4):
                     unit[e] = words[4 * h + e]
-                dst = cute.make_ptr(Int32, tN[h] + self.nope_offset(m, g), cute.AddressSpace.smem, assumed_align=16)
-                cute.autovec_copy(unit, cute.make_tensor(dst, cute.make_layout((4,))))
+                self.store_unit(tN[h] + self.nope_offset(m, g), unit, peer)
         else:
             cute.autovec_copy(vals, tN[None, m, g])
+
+    @cute.jit
+    def store_unit(self, at, unit, peer):
+        """A 16-byte unit (4 words in registers) into this CTA's shared memory
+        at byte address ``at``; with ``peer`` = (the other CTA's address less
+        this one's, its half's full barrier), also to the same place there by
+        ``st.async``, which counts its bytes on that barrier."""
+        dst = cute.make_ptr(Int32, at, cute.AddressSpace.smem, assumed_align=16)
+        cute.autovec_copy(unit, cute.make_tensor(dst, cute.make_layout((4,))))
+        if const_expr(peer is not None):
+            store_async(at + peer[0], [unit[e] for e in range(4)], peer[1])
 
     @cute.jit
     def load_scales(self, sc, addr, offs, n_lo: cutlass.Constexpr, groups: cutlass.Constexpr,

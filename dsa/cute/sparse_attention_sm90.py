@@ -330,10 +330,11 @@ class SparseAttnFwdSm90:
             # the producer's threads; the first half filled of a stage (L of
             # 0, R of 1) also carries its mask, from one thread a row
             arrivals.append((full, h, self.fill_arrivals(h) + (self.mask_writers() if h in (0, 3) else 0)))
-            arrivals.append((empty, h, 128))  # the consumer reading that half as V
+            arrivals.append((empty, h, self.release_arrivals()))  # the consumer reading that half as V
         if const_expr(self.lockstep):
             arrivals += [(st.ready.data_ptr(), s, 128) for s in range(2)]  # consumer 0's threads
         pipeline.init_mbarriers(tidx, arrivals)
+        self.cluster_start()
 
         tiles = self.slot_tiles(sched, *tile_args)
         for mma in (qk_mma, pv_mma, pv_mma_ss):
@@ -347,6 +348,7 @@ class SparseAttnFwdSm90:
             self.timer.start()
             self.producer(tidx, sQ, sK, st.sOk.data_ptr(), bars, tiles, q_ptr, *kv)
             self.timer.store(prof_ptr, tidx, self.threads() // 32, PROF_TOTAL)
+            self.cluster_end()
         else:
             args = (qk_mma, pv_mma, pv_mma_ss, sv_layout, sp_layout, tidx % 128, sQ, sK,
                     st.sP.data_ptr(), st.sM.data_ptr(), st.sL.data_ptr(), st.sOk.data_ptr(), bars, tiles,
@@ -359,6 +361,7 @@ class SparseAttnFwdSm90:
                 self.set_consumer_regs(1)
                 self.consumer(1, *args)
             self.timer.store(prof_ptr, tidx, self.threads() // 32, PROF_TOTAL)
+            self.cluster_end()
 
     def set_consumer_regs(self, w: int):
         """Consumer w's setmaxnreg: ``consumer_regs``, or per consumer when it
@@ -391,6 +394,20 @@ class SparseAttnFwdSm90:
     def mask_writers(self) -> int:
         """Producer threads that write a stage's mask (and arrive with it)."""
         return MASK_WRITERS
+
+    def release_arrivals(self) -> int:
+        """Arrivals that free a half stage: the threads of the consumer reading it as V (``release``)."""
+        return 128
+
+    def release(self, cs: "ConsumerState", h: int):
+        """This consumer thread's arrival on half h's empty barrier (``release_arrivals`` counts it)."""
+        cute.arch.mbarrier_arrive(cs.empty + h)
+
+    def cluster_start(self):
+        """Past the barriers' initialisation, before any thread uses one: nothing (a CTA alone)."""
+
+    def cluster_end(self):
+        """Every thread at the end of its loop: nothing (a CTA alone)."""
 
     def stage_partitions(self, thr, sK, tidx, row):
         """This thread's slices of the two K stages as ``copy_half`` fills
@@ -745,7 +762,7 @@ class SparseAttnFwdSm90:
             if release:
                 # lockstep: the previous block's P V (the other stage's L as V) has retired
                 self.timer.wait_wgmma(1, PROF_WGMMA)
-                cute.arch.mbarrier_arrive(cs.empty + 2 * (1 - stage))
+                self.release(cs, 2 * (1 - stage))
         self.timer.wait_mbarrier(cs.full + (2 * stage + (1 if first_l else 0)), ph, PROF_FULL)
         warpgroup.fence()
         if const_expr(first_l):

@@ -179,22 +179,24 @@ def split_plan(a: SparseDecodeArgs, sms: int, splits: Optional[int] = None) -> T
 
 def kernel_config(a: SparseDecodeArgs, split: bool):
     """The ``DecodeSm90Config`` that serves ``a`` (lockstep on the caches of
-    ``decode_sm90.LOCKSTEP_CACHES``, with two producers on those of ``DUAL_CACHES``)."""
+    ``decode_sm90.LOCKSTEP_CACHES``, with two producers on those of ``DUAL_CACHES``,
+    crossover by ``crossover_default``)."""
     from dsa.cute.decode_sm90 import DUAL_CACHES, LOCKSTEP_CACHES, DecodeSm90Config
 
     lockstep = a.cache_format in LOCKSTEP_CACHES
+    dual = lockstep and a.cache_format in DUAL_CACHES
     return DecodeSm90Config(cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G, a.topk_length is not None,
                             a.sink is not None, a.cache_format, a.page_size, a.block_table is not None,
-                            a.seq_lens is not None, split, lockstep, lockstep and a.cache_format in DUAL_CACHES,
-                            crossover_default(a.cache_format, a.H // a.G, lockstep))
+                            a.seq_lens is not None, split, lockstep, dual,
+                            crossover_default(a.cache_format, a.H // a.G, dual))
 
 
-def crossover_default(cache: str, heads: int, lockstep: bool) -> bool:
-    """Whether a build runs crossover by default: lockstep on a cache of
+def crossover_default(cache: str, heads: int, dual: bool) -> bool:
+    """Whether a build runs crossover by default: dual on a cache of
     ``decode_sm90.CROSSOVER_CACHES``, a whole number of 128-head pairs a kv head."""
     from dsa.cute.decode_sm90 import CROSSOVER_CACHES
 
-    return lockstep and cache in CROSSOVER_CACHES and heads % (2 * HEADS_PER_CTA) == 0
+    return dual and cache in CROSSOVER_CACHES and heads % (2 * HEADS_PER_CTA) == 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -376,7 +378,7 @@ def compile_offline(dtype: torch.dtype, H: int, cache: str = NATIVE, page_size: 
     if dual is None:
         dual = lockstep and cache in DUAL_CACHES
     if crossover is None:
-        crossover = crossover_default(cache, H // G, lockstep)
+        crossover = crossover_default(cache, H // G, dual)
     cfg = DecodeSm90Config(cutlass_dtype(dtype) or dtype, D, 512, H, G, has_len, has_sink, cache, page_size, has_bt,
                            has_seqlen, split, lockstep, dual, crossover)
     return compile_kernel(SparseDecodeSm90.from_config(cfg), pointer_types(cfg), scalar_types(), options)

@@ -51,6 +51,17 @@ every half; the first alone loads Q.  The CTA has 512 threads launched
 with 128 registers each: 2 x 72 + 208 + 160, and P V is two wgmma of 128
 columns (one of 256 needs more than 128 registers).
 
+A lockstep build of 128 heads a kv head may run ``crossover``: the two
+64-head blocks of a (token, split) are a cluster of two CTAs, and CTA r
+gathers and converts only rows 32 r to 32 r + 31 of every block, into its
+own stages and the other CTA's (``PEER_SEND``: one ``cp.async.bulk`` a
+64-column chunk once its producers have met, or ``st.async`` a unit; the
+RoPE units through registers).  Thread 0 expects the other
+CTA's bytes on each half's full barrier, each empty barrier also counts
+one arrival from each of the other CTA's consumer warps, and the CTAs meet
+after the barriers' set-up and before exit.  Off by default
+(``CROSSOVER_CACHES``) until measured.
+
 Compiled per ``DecodeSm90Config`` and cached by ``dsa.cute.decode``.
 """
 
@@ -124,12 +135,17 @@ DUAL_REGS = (72, (208, 160))
 DUAL_CACHES = (FP8_V32,)
 # the lockstep caches a decode of 128 heads a kv head (or a multiple) runs crossover on by default
 CROSSOVER_CACHES = ()
+# how a crossover CTA hands the other its rows: "bulk" (after its producers meet, one cp.async.bulk a
+# 64-column chunk of its rows, and one for its masks) or "unit" (each 16-byte unit and mask by st.async as it
+# is stored)
+PEER_SEND = "bulk"
+PEER_BARRIER = 6  # the named barrier the producers of a CTA meet on before a bulk hand-over
 
 
 def warpgroup_regs(cache: str, lockstep: bool = False, dual: bool = False):
     """(producer, consumers) setmaxnreg targets of a build: consumers is one
     figure for both or a pair (consumer 0, consumer 1); a dual build's
-    producer figure is each of its two producers'."""
+    producer figure is each of its two producers' (a crossover build's too)."""
     if dual:
         return DUAL_REGS
     if lockstep:
@@ -245,10 +261,24 @@ def store_async(addr: Int32, words, bar: Int32, *, loc=None, ip=None) -> None:
 
 @dsl_user_op
 def arrive_remote(bar: Int32, *, loc=None, ip=None) -> None:
-    """An arrival (release, cluster scope) on the mbarrier at shared::cluster address ``bar``."""
+    """An arrival on the mbarrier at shared::cluster address ``bar`` (of
+    another CTA of the cluster), at CTA scope: it frees a buffer whose reads
+    have retired and carries no data, and a cluster-scope release would
+    cost a GPU-wide fence."""
     llvm.inline_asm(None, [Int32(bar).ir_value(loc=loc, ip=ip)],
-                    "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [$0];", "r", has_side_effects=True,
+                    "mbarrier.arrive.shared::cluster.b64 _, [$0];", "r", has_side_effects=True,
                     is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def copy_to_peer(dst: Int32, src: Int32, size: int, bar: Int32, *, loc=None, ip=None) -> None:
+    """``size`` bytes of this CTA's shared memory at ``src`` to the shared::cluster
+    address ``dst`` of another CTA, counted on its mbarrier at ``bar``
+    (``cp.async.bulk``: the async proxy reads the source)."""
+    ops = [Int32(x).ir_value(loc=loc, ip=ip) for x in (dst, src, size, bar)]
+    llvm.inline_asm(None, ops, "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes "
+                    "[$0], [$1], $2, [$3];", "r,r,r,r", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 def peer_rank():
@@ -308,8 +338,9 @@ def decode_reason(dtype, D: int, d_v: int, H: int, G: int, cache: str, page_size
         return f"the lockstep decode converts fp8_v32 rows, not {cache!r}"
     if dual and not lockstep:
         return "the dual-producer decode is a lockstep build"
-    if crossover and not lockstep:
-        return "the crossover decode is a lockstep build"
+    if crossover and not dual:
+        # with one producer warpgroup of 136 registers, the bulk hand-over spills (10 bytes, ptxas sm_90a)
+        return "the crossover decode is a dual-producer build"
     if crossover and (H // G) % (2 * BLOCK_H):
         return f"{H // G} query heads per kv head: the crossover decode pairs blocks of {BLOCK_H} heads"
     return None
@@ -680,7 +711,8 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         if const_expr(self.crossover):
             here = Int32(cute.recast_ptr(sK.iterator, None).toint())
             delta = peer_address(here, peer_rank()) - here
-            pr = [(delta, Int32((full + h).toint()) + delta) for h in range(4)]
+            # the barrier's address is made at each use: four more live registers spill in some builds
+            pr = [(delta, full + h) for h in range(4)]
         # Q's rows are the copier's own (tidx // 8), whatever block rows the thread gathers
         q_row = row_in_pass % 16 if const_expr(self.crossover) else row_in_pass
         u0 = Int32(0)
@@ -710,10 +742,13 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                 self.expect_peer(tidx, full, 0)
                 self.signal_fill(full + 0)
                 self.publish_rows(masks, 0, full + 0, base0, zero_ptr, pr[0])
+                self.send_half(tidx, sK, masks, 0, pr[0])
                 if n0 > 0:
                     self.timer.wait_mbarrier(empty + 1, freed_phase(n0), PROF_EMPTY)
                 self.swap(atom, base0, tK0, buf_b, L_CHUNKS, CH, n0, base1, tK1, has1, pr[1])
                 self.expect_peer(tidx, full, 1)
+                # before this CTA's arrivals: consumer 0 writes its P over this half's RoPE columns
+                self.send_half(tidx, sK, masks, 1, pr[1])
                 self.signal_fill(full + 1)
                 self.resolve_rows(base0, mk0, ns0, 2 * i + 2, *rows)
                 if has1:
@@ -722,12 +757,14 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                     self.swap(atom, base1, tK1, buf_a, 0, L_CHUNKS, n1, base0, tK0, more, pr[2])
                     self.expect_peer(tidx, full, 2)
                     self.signal_fill(full + 2)
+                    self.send_half(tidx, sK, masks, 2, pr[2])
                     if n1 > 0:
                         self.timer.wait_mbarrier(empty + 3, freed_phase(n1), PROF_EMPTY)
                     self.swap(atom, base1, tK1, buf_b, L_CHUNKS, CH, n1, base0, tK0, more, pr[3])
                     self.expect_peer(tidx, full, 3)
                     self.signal_fill(full + 3)
                     self.publish_rows(masks, 1, full + 3, base1, zero_ptr, pr[3])
+                    self.send_half(tidx, sK, masks, 3, pr[3])
                     self.resolve_rows(base1, mk1, ns1, 2 * i + 3, *rows)
                 self.fetch_rows(ns0, 2 * i + 4, idx_row, L, row_in_pass)
                 self.fetch_rows(ns1, 2 * i + 5, idx_row, L, row_in_pass)
@@ -752,9 +789,11 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                     if base[m] == zero_ptr.toint():
                         mask = -Float32.inf
                     ok[stage, row_in_pass + 16 * m] = mask
-                    if const_expr(peer is not None):
+                    if const_expr(peer is not None and PEER_SEND == "unit"):
                         at = Int32(ok.iterator.toint()) + 4 * (stage * BN + row_in_pass + 16 * m)
-                        store_async(at + peer[0], [mask], peer[1])
+                        store_async(at + peer[0], [mask], self.peer_bar(peer))
+                if const_expr(peer is not None and PEER_SEND == "bulk"):
+                    cute.arch.fence_view_async_shared()  # the bulk copy reads them through the async proxy
                 cute.arch.mbarrier_arrive(bar)
 
     @cute.jit
@@ -767,6 +806,37 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         if const_expr(self.crossover):
             if tidx == 0:
                 cute.arch.mbarrier_expect_tx(full + h, self.peer_bytes(h))
+
+    @cute.jit
+    def send_half(self, tidx, sK, masks, h: cutlass.Constexpr, peer):
+        """Bulk hand-over (``PEER_SEND`` "bulk"): once every producer thread has
+        stored (and fenced) its units of half h, the first copies this CTA's
+        BN / 2 rows of each of the half's 64-column chunks (4 KB, contiguous
+        in the swizzled stage) into the other CTA, and with halves 0 and 3 the
+        rows' masks.  Half 1 (stage 0's R) goes before the producers' arrivals
+        on its full barrier, and its first producer thread arrives only once
+        the copies have read their source: consumer 0 writes its P over the
+        stage's RoPE columns as soon as its S is done."""
+        if const_expr(self.crossover and PEER_SEND == "bulk"):
+            if const_expr(h == 1):
+                cute.arch.fence_view_async_shared()  # signal_fill's fence comes after this
+            cute.arch.barrier(barrier_id=PEER_BARRIER, number_of_threads=128 * self.producer_wgs)
+            if tidx == 0:
+                here = Int32(cute.recast_ptr(sK.iterator, None).toint())
+                rank = cute.arch.block_idx_in_cluster()
+                stage = h // 2
+                c_lo = 0 if h % 2 == 0 else L_CHUNKS
+                c_hi = L_CHUNKS if h % 2 == 0 else self.D // 64
+                rows = rank * (BN // 2 * 128)
+                for c in cutlass.range_constexpr(c_lo, c_hi):
+                    src = here + (stage * BN * self.D * (self.dtype.width // 8) + c * BN * 128) + rows
+                    copy_to_peer(src + peer[0], src, BN // 2 * 128, self.peer_bar(peer))
+                if const_expr(h in (0, 3)):
+                    src = Int32(masks[2].iterator.toint()) + 4 * stage * BN + rank * (4 * BN // 2)
+                    copy_to_peer(src + peer[0], src, 4 * BN // 2, self.peer_bar(peer))
+                if const_expr(h == 1):
+                    cute.arch.cp_async_bulk_commit_group()
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     def peer_bytes(self, h: int) -> int:
         """What the other CTA of a crossover cluster stores into half h
@@ -1010,7 +1080,7 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         if const_expr(len(buf) == 3):
             # crossover: the RoPE units loaded with the half, stored here and into the other CTA
             for m in cutlass.range_constexpr(R):
-                self.store_unit(tKs[3] + m * (16 * 128), buf[2][None, m], peer)
+                self.store_unit(tKs[3] + m * (16 * 128), buf[2][None, m], peer, PEER_SEND == "unit")
         elif const_expr(c_hi > f.d_nope // 64):
             ES = self.dtype.width // 8
             for m in cutlass.range_constexpr(R):
@@ -1062,20 +1132,27 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
             for h in cutlass.range_constexpr(2):
                 for e in cutlass.range_constexpr(4):
                     unit[e] = words[4 * h + e]
-                self.store_unit(tN[h] + self.nope_offset(m, g), unit, peer)
+                self.store_unit(tN[h] + self.nope_offset(m, g), unit, peer, PEER_SEND == "unit")
         else:
             cute.autovec_copy(vals, tN[None, m, g])
 
     @cute.jit
-    def store_unit(self, at, unit, peer):
+    def store_unit(self, at, unit, peer, send: cutlass.Constexpr):
         """A 16-byte unit (4 words in registers) into this CTA's shared memory
-        at byte address ``at``; with ``peer`` = (the other CTA's address less
-        this one's, its half's full barrier), also to the same place there by
-        ``st.async``, which counts its bytes on that barrier."""
+        at byte address ``at``; when ``send``, with ``peer`` = (the other CTA's
+        address less this one's, the half's full barrier), also to the same
+        place there by ``st.async``, which counts its bytes on the other CTA's
+        copy of that barrier."""
         dst = cute.make_ptr(Int32, at, cute.AddressSpace.smem, assumed_align=16)
         cute.autovec_copy(unit, cute.make_tensor(dst, cute.make_layout((4,))))
-        if const_expr(peer is not None):
-            store_async(at + peer[0], [unit[e] for e in range(4)], peer[1])
+        if const_expr(peer is not None and send):
+            store_async(at + peer[0], [unit[e] for e in range(4)], self.peer_bar(peer))
+
+    @staticmethod
+    def peer_bar(peer):
+        """The other CTA's copy of the full barrier of ``peer`` = (the other CTA's
+        address less this one's, this CTA's barrier)."""
+        return Int32(peer[1].toint()) + peer[0]
 
     @cute.jit
     def load_scales(self, sc, addr, offs, n_lo: cutlass.Constexpr, groups: cutlass.Constexpr,

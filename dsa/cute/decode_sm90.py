@@ -133,7 +133,7 @@ DUAL_REGS = (72, (208, 160))
 # the lockstep caches a decode runs dual on by default: fp8_v32 ran 1.02-1.10x as fast as with one producer
 # (bench/RESULTS.md C224, bitwise the same outputs)
 DUAL_CACHES = (FP8_V32,)
-# the lockstep caches a decode of 128 heads a kv head (or a multiple) runs crossover on by default
+# the dual caches a decode of 128 heads a kv head (or a multiple) runs crossover on by default (none until measured)
 CROSSOVER_CACHES = ()
 # how a crossover CTA hands the other its rows: "bulk" (after its producers meet, one cp.async.bulk a
 # 64-column chunk of its rows, and one for its masks) or "unit" (each 16-byte unit and mask by st.async as it
@@ -801,8 +801,8 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         """Crossover: before the first producer thread's arrival on half h's
         full barrier, the bytes the other CTA stores into the half (its rows'
         values, and with a stage's first half its rows' masks), counted by
-        its ``st.async``; they may land before this, as the barrier's phase
-        cannot complete without this thread's arrival."""
+        its copies (``PEER_SEND``); they may land before this, as the
+        barrier's phase cannot complete without this thread's arrival."""
         if const_expr(self.crossover):
             if tidx == 0:
                 cute.arch.mbarrier_expect_tx(full + h, self.peer_bytes(h))

@@ -145,20 +145,14 @@ def test_decode_compiles_offline(build, tmp_path):
         # half's loads at more places than it converts them: ahead of the waits)
         R = 64 // 16 // ((2 if dual else 1) * (2 if crossover else 1))  # rows of a block a producer thread
         if crossover:
-            from dsa.cute.decode_sm90 import PEER_SEND
-
             # also the RoPE units through registers (R at each of the two places an R half is stored); into
-            # the other CTA by st.async a unit and mask (R at each of two places), or by cp.async.bulk: a
-            # 64-column chunk a copy (4 + 5 a stage) and the masks with L0 and R1; the other CTA's bytes
-            # expected on each half's barrier, its consumer's releases arriving here, the barriers of both
-            # CTAs initialised before either uses the other's and neither leaving before both are done
+            # the other CTA by cp.async.bulk: a 64-column chunk a copy (4 + 5 a stage) and the masks with L0
+            # and R1; the other CTA's bytes expected on each half's barrier, its consumer's releases
+            # arriving here, the barriers of both CTAs initialised before either uses the other's and
+            # neither leaving before both are done
             assert n["st.shared.v4"] == cvt // 4 + 2 * R and cvt >= 8 * 8, (name, r)
-            if PEER_SEND == "unit":
-                assert n["st.async.shared::cluster"] == n["st.shared.v4"] + 2 * R, (name, r)
-                assert n["cp.async.bulk.shared::cluster"] == 0, (name, r)
-            else:
-                assert n["st.async.shared::cluster"] == 0, (name, r)
-                assert n["cp.async.bulk.shared::cluster"] == 2 * (4 + 5) + 2, (name, r)
+            assert n["st.async.shared::cluster"] == 0, (name, r)
+            assert n["cp.async.bulk.shared::cluster"] == 2 * (4 + 5) + 2, (name, r)
             assert n["mbarrier.expect_tx"] == 4 and n["mapa.shared::cluster"] >= 2, (name, r)
             assert n["mbarrier.arrive.shared::cluster"] >= 3, (name, r)
             assert n["barrier.cluster.arrive"] >= 2 and n["barrier.cluster.wait"] >= 2, (name, r)

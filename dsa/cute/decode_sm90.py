@@ -54,9 +54,8 @@ columns (one of 256 needs more than 128 registers).
 A lockstep build of 128 heads a kv head may run ``crossover``: the two
 64-head blocks of a (token, split) are a cluster of two CTAs, and CTA r
 gathers and converts only rows 32 r to 32 r + 31 of every block, into its
-own stages and the other CTA's (``PEER_SEND``: one ``cp.async.bulk`` a
-64-column chunk once its producers have met, or ``st.async`` a unit; the
-RoPE units through registers).  Thread 0 expects the other
+own stages and the other CTA's (one ``cp.async.bulk`` a 64-column chunk
+once its producers have met; the RoPE units through registers).  Thread 0 expects the other
 CTA's bytes on each half's full barrier, each empty barrier also counts
 one arrival from each of the other CTA's consumer warps, and the CTAs meet
 after the barriers' set-up and before exit.  Off by default
@@ -135,10 +134,6 @@ DUAL_REGS = (72, (208, 160))
 DUAL_CACHES = (FP8_V32,)
 # the dual caches a decode of 128 heads a kv head (or a multiple) runs crossover on by default (none until measured)
 CROSSOVER_CACHES = ()
-# how a crossover CTA hands the other its rows: "bulk" (after its producers meet, one cp.async.bulk a
-# 64-column chunk of its rows, and one for its masks) or "unit" (each 16-byte unit and mask by st.async as it
-# is stored)
-PEER_SEND = "bulk"
 PEER_BARRIER = 6  # the named barrier the producers of a CTA meet on before a bulk hand-over
 
 
@@ -238,25 +233,6 @@ def peer_address(addr: Int32, rank: Int32, *, loc=None, ip=None) -> Int32:
     return Int32(llvm.inline_asm(T.i32(), [Int32(addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip)],
                                  "mapa.shared::cluster.u32 $0, $1, $2;", "=r,r,r", has_side_effects=False,
                                  is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-
-@dsl_user_op
-def store_async(addr: Int32, words, bar: Int32, *, loc=None, ip=None) -> None:
-    """``st.async`` of 1 or 4 words to the shared::cluster address ``addr``
-    of another CTA of the cluster, completing their bytes on its mbarrier at
-    ``bar`` (a shared::cluster address of that CTA)."""
-    # a Float32 word goes as its bits (an "f" operand of the .b32 store), any other as Int32
-    floats = [isinstance(w, Float32) for w in words]
-    ops = [Int32(addr).ir_value(loc=loc, ip=ip)]
-    ops += [(w if f else Int32(w)).ir_value(loc=loc, ip=ip) for w, f in zip(words, floats)]
-    ops.append(Int32(bar).ir_value(loc=loc, ip=ip))
-    n = len(words)
-    vals = "$1" if n == 1 else "{" + ", ".join(f"${i + 1}" for i in range(n)) + "}"
-    vec = "" if n == 1 else f".v{n}"
-    cons = ",".join(["r"] + ["f" if f else "r" for f in floats] + ["r"])
-    llvm.inline_asm(None, ops, f"st.async.shared::cluster.mbarrier::complete_tx::bytes{vec}.b32 [$0], {vals}, "
-                    f"[${n + 1}];", cons, has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -706,7 +682,7 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         CH = self.D // 64
         buf_a = self.half_buffers(0, L_CHUNKS)
         buf_b = self.half_buffers(L_CHUNKS, CH)
-        # crossover: where half h's stores go in the other CTA, and the barrier that counts them there
+        # crossover: where half h's copies go in the other CTA, and the barrier that counts them there
         pr = [None] * 4
         if const_expr(self.crossover):
             here = Int32(cute.recast_ptr(sK.iterator, None).toint())
@@ -738,14 +714,14 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                 n1 = u1 + i
                 if n0 > 0:
                     self.timer.wait_mbarrier(empty + 0, freed_phase(n0), PROF_EMPTY)
-                self.swap(atom, base0, tK0, buf_a, 0, L_CHUNKS, n0, base1, tK1, has1, pr[0])
+                self.swap(atom, base0, tK0, buf_a, 0, L_CHUNKS, n0, base1, tK1, has1)
                 self.expect_peer(tidx, full, 0)
                 self.signal_fill(full + 0)
-                self.publish_rows(masks, 0, full + 0, base0, zero_ptr, pr[0])
+                self.publish_rows(masks, 0, full + 0, base0, zero_ptr)
                 self.send_half(tidx, sK, masks, 0, pr[0])
                 if n0 > 0:
                     self.timer.wait_mbarrier(empty + 1, freed_phase(n0), PROF_EMPTY)
-                self.swap(atom, base0, tK0, buf_b, L_CHUNKS, CH, n0, base1, tK1, has1, pr[1])
+                self.swap(atom, base0, tK0, buf_b, L_CHUNKS, CH, n0, base1, tK1, has1)
                 self.expect_peer(tidx, full, 1)
                 # before this CTA's arrivals: consumer 0 writes its P over this half's RoPE columns
                 self.send_half(tidx, sK, masks, 1, pr[1])
@@ -754,16 +730,16 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                 if has1:
                     if n1 > 0:
                         self.timer.wait_mbarrier(empty + 2, freed_phase(n1), PROF_EMPTY)
-                    self.swap(atom, base1, tK1, buf_a, 0, L_CHUNKS, n1, base0, tK0, more, pr[2])
+                    self.swap(atom, base1, tK1, buf_a, 0, L_CHUNKS, n1, base0, tK0, more)
                     self.expect_peer(tidx, full, 2)
                     self.signal_fill(full + 2)
                     self.send_half(tidx, sK, masks, 2, pr[2])
                     if n1 > 0:
                         self.timer.wait_mbarrier(empty + 3, freed_phase(n1), PROF_EMPTY)
-                    self.swap(atom, base1, tK1, buf_b, L_CHUNKS, CH, n1, base0, tK0, more, pr[3])
+                    self.swap(atom, base1, tK1, buf_b, L_CHUNKS, CH, n1, base0, tK0, more)
                     self.expect_peer(tidx, full, 3)
                     self.signal_fill(full + 3)
-                    self.publish_rows(masks, 1, full + 3, base1, zero_ptr, pr[3])
+                    self.publish_rows(masks, 1, full + 3, base1, zero_ptr)
                     self.send_half(tidx, sK, masks, 3, pr[3])
                     self.resolve_rows(base1, mk1, ns1, 2 * i + 3, *rows)
                 self.fetch_rows(ns0, 2 * i + 4, idx_row, L, row_in_pass)
@@ -773,12 +749,11 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
             j = j + 1
 
     @cute.jit
-    def publish_rows(self, masks, stage: cutlass.Constexpr, bar, base, zero_ptr, peer):
-        """``publish_mask``; dual or crossover, each row's mask from its
-        address (an invalid slot's is the zero row's), which frees the
-        producer the registers of the masks (a dual producer has 72), and
-        with crossover stored into the other CTA's masks too (``peer``: see
-        ``store_unit``)."""
+    def publish_rows(self, masks, stage: cutlass.Constexpr, bar, base, zero_ptr):
+        """``publish_mask``; dual, each row's mask from its address (an invalid
+        slot's is the zero row's), which frees the producer the registers of
+        the masks (a dual producer has 72); crossover, fenced for the copy
+        that hands them to the other CTA (``send_half``)."""
         if const_expr(not (self.dual or self.crossover)):
             self.publish_mask(masks, stage, bar)
         else:
@@ -789,10 +764,7 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                     if base[m] == zero_ptr.toint():
                         mask = -Float32.inf
                     ok[stage, row_in_pass + 16 * m] = mask
-                    if const_expr(peer is not None and PEER_SEND == "unit"):
-                        at = Int32(ok.iterator.toint()) + 4 * (stage * BN + row_in_pass + 16 * m)
-                        store_async(at + peer[0], [mask], self.peer_bar(peer))
-                if const_expr(peer is not None and PEER_SEND == "bulk"):
+                if const_expr(self.crossover):
                     cute.arch.fence_view_async_shared()  # the bulk copy reads them through the async proxy
                 cute.arch.mbarrier_arrive(bar)
 
@@ -801,7 +773,7 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         """Crossover: before the first producer thread's arrival on half h's
         full barrier, the bytes the other CTA stores into the half (its rows'
         values, and with a stage's first half its rows' masks), counted by
-        its copies (``PEER_SEND``); they may land before this, as the
+        its copies (``send_half``); they may land before this, as the
         barrier's phase cannot complete without this thread's arrival."""
         if const_expr(self.crossover):
             if tidx == 0:
@@ -809,7 +781,7 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
 
     @cute.jit
     def send_half(self, tidx, sK, masks, h: cutlass.Constexpr, peer):
-        """Bulk hand-over (``PEER_SEND`` "bulk"): once every producer thread has
+        """Crossover's hand-over: once every producer thread has
         stored (and fenced) its units of half h, the first copies this CTA's
         BN / 2 rows of each of the half's 64-column chunks (4 KB, contiguous
         in the swizzled stage) into the other CTA, and with halves 0 and 3 the
@@ -817,7 +789,7 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         on its full barrier, and its first producer thread arrives only once
         the copies have read their source: consumer 0 writes its P over the
         stage's RoPE columns as soon as its S is done."""
-        if const_expr(self.crossover and PEER_SEND == "bulk"):
+        if const_expr(self.crossover):
             if const_expr(h == 1):
                 cute.arch.fence_view_async_shared()  # signal_fill's fence comes after this
             cute.arch.barrier(barrier_id=PEER_BARRIER, number_of_threads=128 * self.producer_wgs)
@@ -838,6 +810,12 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                     cute.arch.cp_async_bulk_commit_group()
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
 
+    @staticmethod
+    def peer_bar(peer):
+        """The other CTA's copy of the full barrier of ``peer`` = (the other CTA's
+        address less this one's, this CTA's barrier)."""
+        return Int32(peer[1].toint()) + peer[0]
+
     def peer_bytes(self, h: int) -> int:
         """What the other CTA of a crossover cluster stores into half h
         (stage h // 2; L when h is even): its BN / 2 rows' values of the
@@ -853,21 +831,20 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
             self.load_half(base, tKs, buf, c_lo, c_hi)
 
     @cute.jit
-    def swap(self, atom, base, tKs, buf, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr, n, nbase, ntKs, more,
-             peer=None):
+    def swap(self, atom, base, tKs, buf, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr, n, nbase, ntKs, more):
         """A half's loaded bytes converted into the stage (its use n), then,
         when ``more``, the same half of the next block that uses ``buf``
         loaded from its rows nbase in their place, before anything else the
         producer does next (a row lookup waits on the block table).  The
         no-refill timing build loads and converts on the first use only."""
         if const_expr(self.refill):
-            self.store_half(atom, base, tKs, buf, c_lo, c_hi, peer)
+            self.store_half(atom, base, tKs, buf, c_lo, c_hi)
             if more:
                 self.load_half(nbase, ntKs, buf, c_lo, c_hi)
         else:
             if n == 0:
                 self.load_half(base, tKs, buf, c_lo, c_hi)
-                self.store_half(atom, base, tKs, buf, c_lo, c_hi, peer)
+                self.store_half(atom, base, tKs, buf, c_lo, c_hi)
 
     # ----------------------------------------------------------- FP8 gather
     def row_addresses(self):
@@ -1066,7 +1043,7 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         return cute.make_tensor(aligned(Int32, row_addr + (n_lo + GROUP * k) + 16 * lane), cute.make_layout((4,)))
 
     @cute.jit
-    def store_half(self, atom, base, tKs, buf, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr, peer=None):
+    def store_half(self, atom, base, tKs, buf, c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr):
         """A loaded half stage into shared memory: the RoPE chunk (when the
         half has it) by cp.async, the NoPE columns dequantised.  In a group
         the NoPE columns end inside (fp8_model1's 384..447), the lanes past
@@ -1078,9 +1055,9 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         R = self.R
         n_lo, n_hi, groups = self.half_groups(c_lo, c_hi)
         if const_expr(len(buf) == 3):
-            # crossover: the RoPE units loaded with the half, stored here and into the other CTA
+            # crossover: the RoPE units loaded with the half (the other CTA gets them by send_half)
             for m in cutlass.range_constexpr(R):
-                self.store_unit(tKs[3] + m * (16 * 128), buf[2][None, m], peer, PEER_SEND == "unit")
+                self.store_unit(tKs[3] + m * (16 * 128), buf[2][None, m])
         elif const_expr(c_hi > f.d_nope // 64):
             ES = self.dtype.width // 8
             for m in cutlass.range_constexpr(R):
@@ -1096,11 +1073,11 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
         # e8m0 scales are powers of two (2^-127 included): bf16 values, for which the bf16 order gives the
         # contract's bits with one product a pair (5.7% faster at B128 H64, C222); fp32 scales take the
         # contract's order (for fp8_v32 a per-half test of its scales cost more than it saved, C219, C222)
-        self.convert_units(tN, lane, raw, sc, n_lo, n_hi, groups, f.per_page, peer)
+        self.convert_units(tN, lane, raw, sc, n_lo, n_hi, groups, f.per_page)
 
     @cute.jit
     def convert_units(self, tN, lane, raw, sc, n_lo: cutlass.Constexpr, n_hi: cutlass.Constexpr,
-                      groups: cutlass.Constexpr, bf16_product: cutlass.Constexpr, peer=None):
+                      groups: cutlass.Constexpr, bf16_product: cutlass.Constexpr):
         """A half's loaded e4m3 words dequantised and stored, 16 values a row
         pass and group: by ``e4m3x2_times_bf16x2`` when ``bf16_product`` (every
         scale a bf16 value), else by ``e4m3x2_to_bf16x2``; the same bits."""
@@ -1117,13 +1094,13 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
                     words[2 * w] = convert(raw[w, k, m], False, s_)
                     words[2 * w + 1] = convert(raw[w, k, m], True, s_)
                 if const_expr(n_lo + GROUP * (k + 1) <= n_hi):
-                    self.store_vals(vals, tN, m, n_lo // GROUP + k, peer)
+                    self.store_vals(vals, tN, m, n_lo // GROUP + k)
                 else:
                     if n_lo + GROUP * k + 16 * lane < n_hi:
-                        self.store_vals(vals, tN, m, n_lo // GROUP + k, peer)
+                        self.store_vals(vals, tN, m, n_lo // GROUP + k)
 
     @cute.jit
-    def store_vals(self, vals, tN, m: cutlass.Constexpr, g: cutlass.Constexpr, peer=None):
+    def store_vals(self, vals, tN, m: cutlass.Constexpr, g: cutlass.Constexpr):
         """A thread's 16 converted values of row pass m and group g into the stage: at the two addresses
         ``tN`` (lockstep, ``stage_partitions``) plus an offset, or through the partition ``tN``."""
         if const_expr(self.lockstep):
@@ -1132,27 +1109,15 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
             for h in cutlass.range_constexpr(2):
                 for e in cutlass.range_constexpr(4):
                     unit[e] = words[4 * h + e]
-                self.store_unit(tN[h] + self.nope_offset(m, g), unit, peer, PEER_SEND == "unit")
+                self.store_unit(tN[h] + self.nope_offset(m, g), unit)
         else:
             cute.autovec_copy(vals, tN[None, m, g])
 
     @cute.jit
-    def store_unit(self, at, unit, peer, send: cutlass.Constexpr):
-        """A 16-byte unit (4 words in registers) into this CTA's shared memory
-        at byte address ``at``; when ``send``, with ``peer`` = (the other CTA's
-        address less this one's, the half's full barrier), also to the same
-        place there by ``st.async``, which counts its bytes on the other CTA's
-        copy of that barrier."""
+    def store_unit(self, at, unit):
+        """A 16-byte unit (4 words in registers) into shared memory at byte address ``at``."""
         dst = cute.make_ptr(Int32, at, cute.AddressSpace.smem, assumed_align=16)
         cute.autovec_copy(unit, cute.make_tensor(dst, cute.make_layout((4,))))
-        if const_expr(peer is not None and send):
-            store_async(at + peer[0], [unit[e] for e in range(4)], self.peer_bar(peer))
-
-    @staticmethod
-    def peer_bar(peer):
-        """The other CTA's copy of the full barrier of ``peer`` = (the other CTA's
-        address less this one's, this CTA's barrier)."""
-        return Int32(peer[1].toint()) + peer[0]
 
     @cute.jit
     def load_scales(self, sc, addr, offs, n_lo: cutlass.Constexpr, groups: cutlass.Constexpr,

@@ -65,16 +65,17 @@ BUILDS = [
     # a flat cache (pages of one row), GQA, D 512
     ("native_flat_gqa_d512", dict(H=128, G=2, D=512, cache="native", page_size=1, has_bt=False, has_seqlen=False,
                                   split=True)),
-    # fp8_v32 lockstep with two producer warpgroups (512 threads), split; and one split without length or sink
+    # fp8_v32 lockstep with two producer warpgroups (512 threads) without crossover, split; and one split
+    # without length or sink
     ("fp8_bt_split_h128_dual", dict(H=128, cache="fp8_v32", page_size=64, has_bt=True, has_seqlen=True,
-                                    split=True, dual=True)),
+                                    split=True, dual=True, crossover=False)),
     ("fp8_slots_h64_dual", dict(H=64, cache="fp8_v32", page_size=64, has_len=False, has_sink=False, has_bt=False,
                                 has_seqlen=False, split=False, dual=True)),
-    # crossover (clusters of two CTAs, each converting half of every block's rows for both), dual, a block
-    # table: split; and one split, no topk_length, H 256 (two pairs of head blocks). Builds on FlashMLA's
-    # slots without splits spill 4-8 bytes with it (bench/notes_decode.md)
-    ("fp8_bt_split_h128_crossover", dict(H=128, cache="fp8_v32", page_size=64, has_bt=True, has_seqlen=True,
-                                         split=True, dual=True, crossover=True)),
+    # crossover (clusters of two CTAs, each converting half of every block's rows for both; fp8_v32's
+    # default at H 128, so fp8_bt_split_h128 above is one): FlashMLA's slots, split; and a block table,
+    # one split, no topk_length, H 256 (two pairs of head blocks)
+    ("fp8_slots_split_h128_crossover", dict(H=128, cache="fp8_v32", page_size=64, has_bt=False,
+                                            has_seqlen=False, split=True, dual=True, crossover=True)),
     ("fp8_bt_h256_crossover", dict(H=256, cache="fp8_v32", page_size=64, has_len=False, has_bt=True,
                                    has_seqlen=False, split=False, dual=True, crossover=True)),
 ]
@@ -163,7 +164,11 @@ def test_decode_compiles_offline(build, tmp_path):
             assert cvt == 8 * n["ld.global.v4"], r
     else:
         assert n["cvt.rn.f16x2.e4m3x2"] == 0 and n["st.shared.v4"] == 0, (name, r)
-    assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and n["st.local"] == 0 and n["ld.local"] == 0, (name, r)
+    # crossover on FlashMLA's slots (no block table) spills 8 bytes in a producer, and still runs 1.07-1.12x as
+    # fast as dual there (bench/RESULTS.md C230); every other build spills nothing
+    spill = 8 if crossover and not kw["has_bt"] else 0
+    assert r["spill_stores"] <= spill and r["spill_loads"] <= spill, (name, r)
+    assert n["st.local"] == 0 and n["ld.local"] == 0, (name, r)
     # wgmma issued back to back: a consumer short of registers gets them serialised (C7512) without a spill,
     # 6-12.5% slower at B128 (lockstep consumer 0 at 200 or 192 registers, bench/RESULTS.md C206-C207)
     assert not r["wgmma_serialized"], (name, r)
@@ -420,8 +425,8 @@ def test_lockstep_is_the_fp8_v32_build():
 def test_crossover_builds(monkeypatch):
     """Crossover pairs 64-head blocks of a dual build: refused without two
     producers or a whole pair of head blocks a kv head; by default only on
-    the caches of ``CROSSOVER_CACHES`` (none until measured), and there only
-    where the heads pair up."""
+    the caches of ``CROSSOVER_CACHES`` (fp8_v32), and there only where the
+    heads pair up."""
     from dsa.cute import decode_sm90 as d
 
     bf = d.cutlass.BFloat16
@@ -431,7 +436,9 @@ def test_crossover_builds(monkeypatch):
     assert why is not None and "dual" in why
     why = d.decode_reason(bf, 576, 512, 64, 1, "fp8_v32", 64, True, True, True, True, True)
     assert why is not None and "pairs blocks of 64" in why
-    assert cdec.kernel_config(_args(fmt="fp8_v32"), True).crossover is ("fp8_v32" in d.CROSSOVER_CACHES)
+    assert d.CROSSOVER_CACHES == ("fp8_v32",)
+    monkeypatch.setattr(d, "CROSSOVER_CACHES", ())
+    assert cdec.kernel_config(_args(fmt="fp8_v32"), True).crossover is False
     monkeypatch.setattr(d, "CROSSOVER_CACHES", ("fp8_v32",))
     assert cdec.kernel_config(_args(fmt="fp8_v32"), True).crossover is True
     assert cdec.kernel_config(_args(fmt="fp8_v32", H=64), True).crossover is False

@@ -58,8 +58,8 @@ own stages and the other CTA's (one ``cp.async.bulk`` a 64-column chunk
 once its producers have met; the RoPE units through registers).  Thread 0 expects the other
 CTA's bytes on each half's full barrier, each empty barrier also counts
 one arrival from each of the other CTA's consumer warps, and the CTAs meet
-after the barriers' set-up and before exit.  Off by default
-(``CROSSOVER_CACHES``) until measured.
+after the barriers' set-up and before exit.  On by default for the caches
+of ``CROSSOVER_CACHES``.
 
 Compiled per ``DecodeSm90Config`` and cached by ``dsa.cute.decode``.
 """
@@ -132,8 +132,10 @@ DUAL_REGS = (72, (208, 160))
 # the lockstep caches a decode runs dual on by default: fp8_v32 ran 1.02-1.10x as fast as with one producer
 # (bench/RESULTS.md C224, bitwise the same outputs)
 DUAL_CACHES = (FP8_V32,)
-# the dual caches a decode of 128 heads a kv head (or a multiple) runs crossover on by default (none until measured)
-CROSSOVER_CACHES = ()
+# the dual caches a decode of 128 heads a kv head (or a multiple) runs crossover on by default: fp8_v32
+# through a block table ran 1.11-1.13x as fast as dual at B >= 32 (0.99x at B1, 16 splits), the same bits,
+# and on FlashMLA's slots 1.07-1.12x, though a producer spills 8 bytes there (bench/RESULTS.md C229, C230)
+CROSSOVER_CACHES = (FP8_V32,)
 PEER_BARRIER = 6  # the named barrier the producers of a CTA meet on before a bulk hand-over
 
 

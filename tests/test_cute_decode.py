@@ -99,12 +99,11 @@ def _builds():
 def test_decode_compiles_offline(build, tmp_path):
     from dsa.cute.sparse_attention_sm90 import SMEM_LIMIT, smem_bytes
 
-    from dsa.cute.decode_sm90 import DUAL_CACHES, LOCKSTEP_CACHES, regs_sum
+    from dsa.cute.decode_sm90 import regs_sum
 
     name, kw = build
-    lockstep = kw.get("lockstep", kw["cache"] in LOCKSTEP_CACHES)
-    dual = kw.get("dual", lockstep and kw["cache"] in DUAL_CACHES)
-    crossover = kw.get("crossover", cdec.crossover_default(kw["cache"], kw["H"] // kw.get("G", 1), dual))
+    lockstep, dual, crossover = cdec.build_flags(kw["cache"], kw["H"] // kw.get("G", 1), kw.get("lockstep"),
+                                                 kw.get("dual"), kw.get("crossover"))
     # compiled in a fresh process: the build this process expects, whatever that process's defaults
     kw = dict(kw, lockstep=lockstep, dual=dual, crossover=crossover)
     r = compile_reports([(name, "dsa.cute.decode:compile_offline", ["torch.bfloat16"], kw)], NEEDLES, "sm_90a",

@@ -178,25 +178,30 @@ def split_plan(a: SparseDecodeArgs, sms: int, splits: Optional[int] = None) -> T
 
 
 def kernel_config(a: SparseDecodeArgs, split: bool):
-    """The ``DecodeSm90Config`` that serves ``a`` (lockstep on the caches of
-    ``decode_sm90.LOCKSTEP_CACHES``, with two producers on those of ``DUAL_CACHES``,
-    crossover by ``crossover_default``)."""
-    from dsa.cute.decode_sm90 import DUAL_CACHES, LOCKSTEP_CACHES, DecodeSm90Config
+    """The ``DecodeSm90Config`` that serves ``a`` (its build flags ``build_flags``' defaults)."""
+    from dsa.cute.decode_sm90 import DecodeSm90Config
 
-    lockstep = a.cache_format in LOCKSTEP_CACHES
-    dual = lockstep and a.cache_format in DUAL_CACHES
     return DecodeSm90Config(cutlass_dtype(a.q.dtype), a.D, a.d_v, a.H, a.G, a.topk_length is not None,
                             a.sink is not None, a.cache_format, a.page_size, a.block_table is not None,
-                            a.seq_lens is not None, split, lockstep, dual,
-                            crossover_default(a.cache_format, a.H // a.G, dual))
+                            a.seq_lens is not None, split, *build_flags(a.cache_format, a.H // a.G))
 
 
-def crossover_default(cache: str, heads: int, dual: bool) -> bool:
-    """Whether a build runs crossover by default: dual on a cache of
-    ``decode_sm90.CROSSOVER_CACHES``, a whole number of 128-head pairs a kv head."""
-    from dsa.cute.decode_sm90 import CROSSOVER_CACHES
+def build_flags(cache: str, heads: int, lockstep: Optional[bool] = None, dual: Optional[bool] = None,
+                crossover: Optional[bool] = None) -> Tuple[bool, bool, bool]:
+    """(lockstep, dual, crossover) of a decode build on ``cache`` with
+    ``heads`` query heads a kv head, each as given or, when None, its
+    default: lockstep on the caches of ``decode_sm90.LOCKSTEP_CACHES``, two
+    producers on a lockstep build of ``DUAL_CACHES``, crossover on a dual
+    build of ``CROSSOVER_CACHES`` with a whole number of 128-head pairs."""
+    from dsa.cute.decode_sm90 import CROSSOVER_CACHES, DUAL_CACHES, LOCKSTEP_CACHES
 
-    return dual and cache in CROSSOVER_CACHES and heads % (2 * HEADS_PER_CTA) == 0
+    if lockstep is None:
+        lockstep = cache in LOCKSTEP_CACHES
+    if dual is None:
+        dual = lockstep and cache in DUAL_CACHES
+    if crossover is None:
+        crossover = dual and cache in CROSSOVER_CACHES and heads % (2 * HEADS_PER_CTA) == 0
+    return lockstep, dual, crossover
 
 
 @dataclass(frozen=True, eq=False)
@@ -369,16 +374,10 @@ def compile_offline(dtype: torch.dtype, H: int, cache: str = NATIVE, page_size: 
                     crossover: Optional[bool] = None, D: int = 576, G: int = 1, options: str = "--keep-ptx"):
     """Compile the decode kernel without a GPU (``CUTE_DSL_ARCH=sm_90a``)
     for CI and inspection; returns the compiled object.  lockstep / dual /
-    crossover: None for the default (``decode_sm90.LOCKSTEP_CACHES``,
-    ``DUAL_CACHES``, ``crossover_default``)."""
-    from dsa.cute.decode_sm90 import DUAL_CACHES, LOCKSTEP_CACHES, DecodeSm90Config, SparseDecodeSm90
+    crossover: None for the default (``build_flags``)."""
+    from dsa.cute.decode_sm90 import DecodeSm90Config, SparseDecodeSm90
 
-    if lockstep is None:
-        lockstep = cache in LOCKSTEP_CACHES
-    if dual is None:
-        dual = lockstep and cache in DUAL_CACHES
-    if crossover is None:
-        crossover = crossover_default(cache, H // G, dual)
+    flags = build_flags(cache, H // G, lockstep, dual, crossover)
     cfg = DecodeSm90Config(cutlass_dtype(dtype) or dtype, D, 512, H, G, has_len, has_sink, cache, page_size, has_bt,
-                           has_seqlen, split, lockstep, dual, crossover)
+                           has_seqlen, split, *flags)
     return compile_kernel(SparseDecodeSm90.from_config(cfg), pointer_types(cfg), scalar_types(), options)

@@ -884,7 +884,7 @@ class SparseDecodeSm90(SparseAttnFwdSm90):
 
     @cute.jit
     def release(self, cs, h: cutlass.Constexpr):
-        cute.arch.mbarrier_arrive(cs.empty + h)
+        SparseAttnFwdSm90.release(self, cs, h)
         if const_expr(self.crossover):
             if cs.lane == 0:
                 # its wgmma has retired: the other CTA's producer may fill this CTA's half h
